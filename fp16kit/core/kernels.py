@@ -1,0 +1,258 @@
+"""The one unscale path: stateless multi-tensor operations on gradients, masters and scales.
+
+Every tensor operation fp16kit performs on gradients, master weights or loss scales lives here,
+so that a fix or a faster kernel serves every face (GradScaler, MixedPrecisionOptimizer, legacy).
+
+Arithmetic contract (the reference is ``torch.amp.GradScaler``)::
+
+    inv_scale = float32(1 / float64(scale))          # reciprocal in double, then cast
+    for each tensor t (grouped by (device, dtype)):
+        if any element of t is inf or NaN: found_inf[t.device] = 1.0
+        t = t * inv_scale                            # also when non-finite values are present
+
+* ``found_inf`` is a float32 0-dim tensor. Kernels only ever *set* it to 1.0; clearing is the
+  caller's job (a new tensor per iteration), so several calls can accumulate into one flag.
+* Tensors are grouped by ``(device, dtype)`` and each group is handed to one multi-tensor op
+  (``torch._amp_foreach_non_finite_check_and_unscale_`` / ``torch._foreach_copy_``), which runs
+  on CPU and CUDA alike: one launch per group, not one per tensor.
+* Nothing here reads a tensor's value on the host: no ``.item()``, ``bool(t)``, ``float(t)`` or
+  ``.tolist()``. The only host work is looking at tensor metadata (device, dtype, layout).
+"""
+
+from __future__ import annotations
+
+from collections import abc, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Union
+
+import torch
+
+__all__ = [
+    "PerDevice",
+    "TensorOrIterable",
+    "check_finite_",
+    "combine_found_inf",
+    "copy_",
+    "group_by_device_and_dtype",
+    "inv_scale",
+    "new_found_inf",
+    "scale_outputs",
+    "unscale_",
+    "unscale_grads_",
+    "unscale_to_",
+]
+
+TensorOrIterable = Union[torch.Tensor, Iterable[Any]]
+
+
+class PerDevice:
+    """Lazily serves copies of one tensor to the devices that ask for it (cached per device).
+
+    The copy for the tensor's own device is a copy too (``copy=True``), exactly as torch's
+    ``_MultiDeviceReplicator``: writes into a per-device flag never alias the master.
+    """
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self.per_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        t = self.per_device.get(device)
+        if t is None:
+            t = self.master.to(device=device, non_blocking=True, copy=True)
+            self.per_device[device] = t
+        return t
+
+
+def inv_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Return float32 ``1/scale``, the reciprocal taken in float64 (fp32 division can be inexact
+    under some compile options); on MPS, which has no float64, in float32 as torch does."""
+    if scale.device.type == "mps":
+        return scale.float().reciprocal()
+    return scale.double().reciprocal().float()
+
+
+def new_found_inf(device: torch.device | str) -> torch.Tensor:
+    """A fresh, cleared found-inf flag: float32 0-dim zero on ``device``."""
+    return torch.full((), 0.0, dtype=torch.float32, device=device)
+
+
+def group_by_device_and_dtype(
+    tensors: Iterable[torch.Tensor],
+) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
+    """Split tensors into ``{device: {dtype: [tensors]}}``, keeping their order within a group."""
+    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for t in tensors:
+        groups[t.device][t.dtype].append(t)
+    return groups
+
+
+def unscale_(
+    tensors: Iterable[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
+    """In place: ``t *= inv_scale`` for every tensor; flag non-finite values in ``found_inf``.
+
+    Returns ``{device: found_inf on that device}`` for every device that held a tensor. The
+    flags are per-device copies of ``found_inf`` (which itself is not written), so the caller
+    combines them (see :func:`combine_found_inf`). Tensors must be dense and floating point.
+    """
+    per_inv = PerDevice(inv_scale)
+    per_found = PerDevice(found_inf)
+    with torch.no_grad():
+        for device, per_dtype in group_by_device_and_dtype(tensors).items():
+            for group in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    group, per_found.get(device), per_inv.get(device)
+                )
+    return per_found.per_device
+
+
+def unscale_grads_(
+    params: Iterable[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+    *,
+    allow_fp16: bool,
+) -> dict[torch.device, torch.Tensor]:
+    """Unscale the ``.grad`` of each param in place, as ``torch.amp.GradScaler`` does.
+
+    * Params without a grad are skipped.
+    * ``allow_fp16=False`` rejects float16 grads with ``ValueError("Attempting to unscale FP16
+      gradients.")`` *before* touching any grad (torch's GradScaler refuses to unscale fp16
+      grads in place: 1/scale can underflow them).
+    * Sparse grads: their ``_values()`` are unscaled. An uncoalesced fp16 sparse grad is first
+      coalesced (``param.grad`` is replaced): summing duplicate indices can overflow fp16, and
+      the check must see the coalesced values.
+
+    Returns ``{device: found_inf}`` as :func:`unscale_`.
+    """
+    to_unscale: list[torch.Tensor] = []
+    with torch.no_grad():
+        for param in params:
+            grad = param.grad
+            if grad is None:
+                continue
+            if (not allow_fp16) and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            if grad.is_sparse:
+                if grad.dtype is torch.float16:
+                    param.grad = grad = grad.coalesce()
+                to_unscale.append(grad._values())
+            else:
+                to_unscale.append(grad)
+    return unscale_(to_unscale, inv_scale, found_inf)
+
+
+def check_finite_(
+    tensors: Iterable[torch.Tensor], found_inf: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
+    """Flag non-finite values of ``tensors`` in ``found_inf`` without changing their values.
+
+    Implemented as an in-place multiply by exactly 1.0 through the same multi-tensor op as
+    :func:`unscale_` (``x * 1.0 == x`` bit for bit, NaN stays NaN), which is also how torch's
+    GradScaler checks grads for fused optimizers. Returns ``{device: found_inf}``.
+    """
+    one = torch.ones((), dtype=torch.float32, device=found_inf.device)
+    return unscale_(tensors, one, found_inf)
+
+
+def unscale_to_(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> dict[torch.device, torch.Tensor]:
+    """``dst = float(src) * inv_scale`` for each pair, flagging non-finite values.
+
+    This is the model-grads -> master-grads path: ``src`` is typically an fp16/bf16 grad and
+    ``dst`` its fp32 master grad, possibly on another device (CPU offload). The copy converts
+    exactly (every fp16/bf16 value, inf and NaN included, is representable in fp32); then the
+    check-and-unscale runs on the destination, so the found-inf flags live on the destination
+    devices. Pairs are grouped so each (src device, src dtype, dst device, dst dtype) group is
+    one multi-tensor copy. Returns ``{device: found_inf}`` keyed by destination device.
+    """
+    if len(srcs) != len(dsts):
+        raise ValueError(
+            f"unscale_to_ needs one destination per source; got {len(srcs)} sources "
+            f"and {len(dsts)} destinations."
+        )
+    copy_(srcs, dsts)
+    return unscale_(dsts, inv_scale, found_inf)
+
+
+def copy_(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    *,
+    non_blocking: bool = False,
+) -> None:
+    """``dst.copy_(src)`` for each pair (casting dtype, crossing devices), one multi-tensor copy
+    per (src device, src dtype, dst device, dst dtype) group. This is also the
+    masters -> model params path (fp32 -> fp16/bf16 rounds to nearest even, as ``copy_``).
+
+    ``non_blocking=True`` lets copies between pinned host memory and a device overlap; the
+    caller then owns the ordering (an event before the host reads or rewrites either side)."""
+    if len(srcs) != len(dsts):
+        raise ValueError(
+            f"copy_ needs one destination per source; got {len(srcs)} sources "
+            f"and {len(dsts)} destinations."
+        )
+    groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for s, d in zip(srcs, dsts):
+        key = (s.device, s.dtype, d.device, d.dtype)
+        if key not in groups:
+            groups[key] = ([], [])
+        groups[key][0].append(s)
+        groups[key][1].append(d)
+    with torch.no_grad():
+        for s_list, d_list in groups.values():
+            torch._foreach_copy_(d_list, s_list, non_blocking=non_blocking)
+
+
+def combine_found_inf(
+    found_infs: Iterable[torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """Sum found-inf flags from any devices onto ``device`` (a new tensor; inputs untouched).
+
+    Raises ``ValueError`` when there is nothing to combine."""
+    moved = [f.to(device=device, non_blocking=True) for f in found_infs]
+    if not moved:
+        raise ValueError("combine_found_inf needs at least one found_inf tensor.")
+    total = moved[0].clone()
+    for f in moved[1:]:
+        total += f
+    return total
+
+
+def scale_outputs(
+    outputs: TensorOrIterable, get_scale: Callable[[torch.device], torch.Tensor]
+) -> TensorOrIterable:
+    """Multiply a tensor, or a (nested) list/tuple/iterable of tensors, by the loss scale.
+
+    ``get_scale(device)`` is called once, with the device of the first tensor met (the place
+    where a lazily created scale is materialized), and must return the 0-dim scale tensor.
+    Lists and tuples keep their type; other iterables come back as a lazy ``map`` (torch's
+    behaviour). Anything else raises ``ValueError("outputs must be a Tensor or an iterable of
+    Tensors")``. Scale copies are made once per device.
+    """
+    if isinstance(outputs, torch.Tensor):
+        scale = get_scale(outputs.device)
+        return outputs * scale.to(device=outputs.device, non_blocking=True)
+
+    stash: list[PerDevice] = []
+
+    def apply(val: Any) -> Any:
+        if isinstance(val, torch.Tensor):
+            if not stash:
+                stash.append(PerDevice(get_scale(val.device)))
+            return val * stash[0].get(val.device)
+        if isinstance(val, abc.Iterable):
+            iterable = map(apply, val)
+            if isinstance(val, (list, tuple)):
+                return type(val)(iterable)
+            return iterable
+        raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+    return apply(outputs)

@@ -1,0 +1,612 @@
+"""``fp16kit.GradScaler``: a drop-in for ``torch.amp.GradScaler`` on fp16kit's core.
+
+Used from one thread it is indistinguishable from torch's scaler: same constructor, methods,
+return values, error types and texts, per-optimizer state machine, ``state_dict`` keys and
+order, pickling rules and fused-optimizer protocol. It subclasses ``torch.amp.GradScaler`` so
+``isinstance`` checks in other libraries keep passing, but overrides every method: all work
+goes through :mod:`fp16kit.core.kernels` and :class:`fp16kit.core.scale.LossScale`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, cast, overload
+
+import torch
+import torch.amp.grad_scaler as _torch_grad_scaler
+
+from .core import kernels
+from .core.scale import FloorPolicy, LossScale
+
+__all__ = ["GradScaler", "OptState"]
+
+# torch's own enum and per-optimizer factory: states compare equal to torch's, and code that
+# inspects `scaler._per_optimizer_states` (torch's tests, FSDP's ShardedGradScaler) works.
+OptState = _torch_grad_scaler.OptState
+_refresh_per_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Scales losses and unscales gradients for mixed-precision training, like
+    ``torch.amp.GradScaler`` (see its documentation: the behaviour is the same).
+
+    ::
+
+        scaler = fp16kit.GradScaler("cuda")
+        for input, target in data:
+            optimizer.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = loss_fn(model(input), target)
+            scaler.scale(loss).backward()   # loss * scale
+            scaler.step(optimizer)          # unscale grads; skip the step if any is inf/NaN
+            scaler.update()                 # back off on overflow, grow after clean steps
+
+    Positional arguments and defaults are torch's. Keyword-only extras, all off by default
+    (with the defaults, the state dict has exactly torch's five keys):
+
+    * ``hysteresis`` (int, 1): back off only after this many overflows since the last growth.
+    * ``min_scale`` / ``max_scale`` (float or None): bounds for back-off / growth.
+    * ``on_min_scale`` (``"ignore" | "warn" | "raise"``): what to do when a step overflows
+      with the scale already at ``min_scale`` (``"raise"``: ``FloatingPointError``).
+    * ``process_group``: a ``torch.distributed`` group over which ``found_inf`` is
+      all-reduced (max) before the skip decision and the update, so ranks holding different
+      shards of the gradients skip together. ``None`` (default): no communication; pass
+      ``torch.distributed.group.WORLD`` for the default group.
+
+    Skipped steps can be read without a host sync through :meth:`last_step_skipped_tensor`,
+    or as Python values through :meth:`last_step_skipped`, :meth:`skipped_steps` and
+    :meth:`consecutive_skipped_steps`.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        on_min_scale: FloorPolicy = "ignore",
+        process_group: Any = None,
+    ) -> None:
+        self._device = device
+        self._enabled = enabled
+        if self._device == "cuda":
+            if enabled and torch.cuda.amp.common.amp_definitely_not_available():
+                warnings.warn(
+                    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                    stacklevel=2,
+                )
+                self._enabled = False
+
+        if self._enabled:
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+        # Built even when disabled, so the extras are validated either way; it holds no
+        # tensors until the first scale() (torch creates its scale lazily too).
+        self._loss_scale = LossScale(
+            init_scale,
+            rule="torch",
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            on_min_scale=on_min_scale,
+        )
+        self._process_group = process_group
+        if self._enabled:
+            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
+                _refresh_per_optimizer_state
+            )
+
+    # -------------------------------------------------------------- torch's private fields
+    # torch keeps the scale state in these attributes, and code in the wild (torch's own
+    # tests, FSDP's ShardedGradScaler, checkpoint helpers) reads and writes them. They are
+    # views of the LossScale, so both spellings stay in step.
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return self._loss_scale.scale
+
+    @_scale.setter
+    def _scale(self, value: torch.Tensor | None) -> None:
+        self._loss_scale.scale = value
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return self._loss_scale.growth_tracker
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value: torch.Tensor | None) -> None:
+        self._loss_scale.growth_tracker = value
+
+    @property
+    def _init_scale(self) -> float:
+        return self._loss_scale.init_scale
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._loss_scale.init_scale = value
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._loss_scale.init_growth_tracker
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        self._loss_scale.init_growth_tracker = value
+
+    @property
+    def _growth_factor(self) -> float:
+        return self._loss_scale.growth_factor
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self._loss_scale.growth_factor = value
+
+    @property
+    def _backoff_factor(self) -> float:
+        return self._loss_scale.backoff_factor
+
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self._loss_scale.backoff_factor = value
+
+    @property
+    def _growth_interval(self) -> int:
+        return self._loss_scale.growth_interval
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self._loss_scale.growth_interval = value
+
+    # -------------------------------------------------------------- scale
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return (self._scale, self._growth_tracker)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._loss_scale.materialize(dev)
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        assert self._scale is not None
+        return self._scale
+
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(
+        self, outputs: torch.Tensor | Iterable[torch.Tensor]
+    ) -> torch.Tensor | Iterable[torch.Tensor]:
+        """Multiply a tensor or (nested) iterable of tensors by the scale factor; returned
+        unmodified when disabled. The scale is created on the device of the first tensor."""
+        if not self._enabled:
+            return outputs
+        return kernels.scale_outputs(outputs, self._scale_on)
+
+    # -------------------------------------------------------------- unscale
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        return kernels.unscale_grads_(
+            _optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16
+        )
+
+    def _reduce_found_inf(
+        self, found_inf_per_device: dict[torch.device, torch.Tensor]
+    ) -> dict[torch.device, torch.Tensor]:
+        """With a process group: one flag, max-reduced over the ranks, on the scale's device."""
+        if self._process_group is None:
+            return found_inf_per_device
+        scale, _ = self._check_scale_growth_tracker("_reduce_found_inf")
+        if found_inf_per_device:
+            combined = kernels.combine_found_inf(found_inf_per_device.values(), scale.device)
+        else:  # this rank holds no grads for the optimizer but must join the collective
+            combined = kernels.new_found_inf(scale.device)
+        torch.distributed.all_reduce(
+            combined, op=torch.distributed.ReduceOp.MAX, group=self._process_group
+        )
+        return {combined.device: combined}
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ("unscale") the optimizer's gradients by the scale factor, in place, and record
+        whether any is inf/NaN. Optional: :meth:`step` unscales if you have not. Call it at
+        most once per optimizer per iteration, after all grads are accumulated. No host sync."""
+        if not self._enabled:
+            return
+
+        self._check_scale_growth_tracker("unscale_")
+
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        elif optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+
+        assert self._scale is not None
+        inv_scale = kernels.inv_scale(self._scale)
+        found_inf = kernels.new_found_inf(self._scale.device)
+
+        optimizer_state["found_inf_per_device"] = self._reduce_found_inf(
+            self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        )
+        optimizer_state["stage"] = OptState.UNSCALED
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        # Unscaling by exactly 1.0 checks the grads without changing them (torch does the same).
+        dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=_scale.device)
+        found_inf = kernels.new_found_inf(_scale.device)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = (
+            self._reduce_found_inf(
+                self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True)
+            )
+        )
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    # -------------------------------------------------------------- step
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> float | None:
+        retval: float | None = None
+        # The skip decision needs the flag on the host: the one sync of a non-fused step
+        # (fused optimizers take found_inf on the device instead; see step()).
+        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            retval = optimizer.step(*args, **kwargs)
+        return retval
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        """Unscale the optimizer's grads (unless :meth:`unscale_` already did) and run
+        ``optimizer.step(*args, **kwargs)`` if none of them is inf/NaN; return its value (None
+        when skipped). Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD)
+        receive ``grad_scale``/``found_inf`` and skip on the device. Closures are not supported
+        while enabled."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+
+        if "closure" in kwargs:
+            raise RuntimeError(
+                "Closure use is not currently supported if GradScaler is enabled."
+            )
+
+        self._check_scale_growth_tracker("step")
+
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        retval: float | None = None
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # The optimizer handles scaling itself. Old protocol: it takes a `grad_scaler`
+            # keyword (deprecated by torch, with this FutureWarning). New protocol: it reads
+            # `grad_scale` and `found_inf` attributes and skips/unscales inside its kernel.
+            kwargs_ = kwargs
+            has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+            if has_grad_scaler_kwarg:
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                kwargs_.update({"grad_scaler": self})
+            else:
+                if optimizer_state["stage"] is OptState.READY:
+                    self._check_inf_per_device(optimizer)
+                scaler = self._get_scale_async()
+                if scaler is None:
+                    raise AssertionError("_get_scale_async returned None")
+                found_inf = kernels.combine_found_inf(
+                    optimizer_state["found_inf_per_device"].values(), scaler.device
+                )
+                # Product of the scales, if the user preset `optimizer.grad_scale`.
+                optimizer.grad_scale = (  # type: ignore[attr-defined]
+                    getattr(optimizer, "grad_scale", None)
+                    if optimizer_state["stage"] == OptState.UNSCALED
+                    else scaler * getattr(optimizer, "grad_scale", 1)
+                )
+                optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            retval = optimizer.step(*args, **kwargs_)
+            optimizer_state["stage"] = OptState.STEPPED
+            if not has_grad_scaler_kwarg:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            return retval
+
+        if optimizer_state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+
+        if len(optimizer_state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+
+        retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+
+        optimizer_state["stage"] = OptState.STEPPED
+
+        return retval
+
+    # -------------------------------------------------------------- update
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale: back off if any optimizer step this iteration was skipped, grow
+        after ``growth_interval`` clean iterations (see :class:`LossScale` for the rule), or
+        set ``new_scale`` (a float, or a 1-element tensor on this scaler's device that does
+        not require grad; it is copied). Call once per iteration, after every ``step()``.
+        No host sync."""
+        if not self._enabled:
+            return
+
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+
+        if new_scale is not None:
+            if self._scale is None:
+                raise AssertionError("_scale is None in update")
+            # Accept a new user-defined scale.
+            if isinstance(new_scale, float):
+                self._loss_scale.set_scale(new_scale)
+            else:
+                reason = (
+                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                    "torch.FloatTensor with requires_grad=False."
+                )
+                if new_scale.device.type != self._device:
+                    raise AssertionError(reason)
+                if new_scale.numel() != 1:
+                    raise AssertionError(reason)
+                if new_scale.requires_grad is True:
+                    raise AssertionError(reason)
+                self._loss_scale.set_scale(new_scale)
+        else:
+            # Consume the inf/nan flags the optimizers recorded this iteration.
+            found_infs = [
+                found_inf
+                for state in self._per_optimizer_states.values()
+                for found_inf in state["found_inf_per_device"].values()
+            ]
+
+            if len(found_infs) == 0:
+                raise AssertionError("No inf checks were recorded prior to update.")
+
+            found_inf_combined = kernels.combine_found_inf(found_infs, _scale.device)
+
+        # To prepare for next iteration, clear the data collected from optimizers this iteration.
+        # (Before the scale update: with on_min_scale="raise" that update may raise.)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        if new_scale is None:
+            self._loss_scale.update(found_inf_combined)
+
+    # -------------------------------------------------------------- reads and settings
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float, or 1.0 when disabled (a host sync)."""
+        if self._enabled:
+            return (
+                self._init_scale
+                if (scale := self._get_scale_async()) is None
+                else cast(float, scale.item())
+            )
+        return 1.0
+
+    def get_growth_factor(self) -> float:
+        r"""Return a Python float containing the scale growth factor."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        r"""Set a new scale growth factor."""
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        r"""Return a Python float containing the scale backoff factor."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        r"""Set a new scale backoff factor."""
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        r"""Return a Python int containing the growth interval."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        r"""Set a new growth interval."""
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self) -> int:
+        if self._enabled:
+            return self._loss_scale.get_growth_tracker()
+        return 0
+
+    def is_enabled(self) -> bool:
+        r"""Return a bool indicating whether this instance is enabled."""
+        return self._enabled
+
+    # -------------------------------------------------------------- skipped steps (extras)
+    def last_step_skipped_tensor(self) -> torch.Tensor:
+        """0-dim bool tensor on the scale's device: was a step skipped? No host sync.
+
+        Between ``step()`` and ``update()`` it answers for this iteration's steps (any
+        optimizer that saw inf/NaN); after ``update()``, for the iteration update() consumed.
+        ``False`` before the first step, and always when disabled."""
+        if self._enabled and self._scale is not None:
+            found = [
+                f
+                for state in self._per_optimizer_states.values()
+                if state["stage"] is OptState.STEPPED
+                for f in state["found_inf_per_device"].values()
+            ]
+            if found:
+                return kernels.combine_found_inf(found, self._scale.device) != 0
+            last = self._loss_scale.last_found_inf()
+            if last is not None:
+                return last.clone()
+            return torch.zeros((), dtype=torch.bool, device=self._scale.device)
+        return torch.zeros((), dtype=torch.bool)
+
+    def last_step_skipped(self) -> bool:
+        """As :meth:`last_step_skipped_tensor`, as a Python bool (a host sync)."""
+        return bool(self.last_step_skipped_tensor().item())
+
+    def skipped_steps(self) -> int:
+        """Iterations whose update() saw an overflow, since construction (a host sync).
+        Not part of the state dict (torch's keys only); carried through pickling."""
+        return self._loss_scale.skipped_steps() if self._enabled else 0
+
+    def consecutive_skipped_steps(self) -> int:
+        """Overflowing iterations in a row, up to the last update() (a host sync)."""
+        return self._loss_scale.consecutive_skipped_steps() if self._enabled else 0
+
+    # -------------------------------------------------------------- checkpoints
+    def _extras_are_default(self) -> bool:
+        ls = self._loss_scale
+        return (
+            ls.hysteresis == 1
+            and ls.min_scale is None
+            and ls.max_scale is None
+            and ls.on_min_scale == "ignore"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        r"""Return the state of the scaler as a :class:`dict` of plain data.
+
+        Five entries, as torch's: ``"scale"``, ``"growth_factor"``, ``"backoff_factor"``,
+        ``"growth_interval"``, ``"_growth_tracker"``. When an extra is not at its default,
+        ``"hysteresis"``, ``"_hysteresis_tracker"``, ``"min_scale"``, ``"max_scale"`` and
+        ``"on_min_scale"`` follow (torch's ``load_state_dict`` ignores them). Empty when
+        disabled. Call it after :meth:`update` to checkpoint the end of an iteration.
+        """
+        if self._enabled:
+            state = {
+                "scale": self.get_scale(),
+                "growth_factor": self._growth_factor,
+                "backoff_factor": self._backoff_factor,
+                "growth_interval": self._growth_interval,
+                "_growth_tracker": self._get_growth_tracker(),
+            }
+            if not self._extras_are_default():
+                ls = self._loss_scale
+                state.update(
+                    hysteresis=ls.hysteresis,
+                    _hysteresis_tracker=ls.get_hysteresis_tracker(),
+                    min_scale=ls.min_scale,
+                    max_scale=ls.max_scale,
+                    on_min_scale=ls.on_min_scale,
+                )
+            return state
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        r"""Load the scaler state (from this class or from ``torch.amp.GradScaler``). A no-op
+        when disabled. Extras missing from the dict keep their current settings, with the
+        hysteresis tracker full."""
+        if not self._enabled:
+            return
+
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+
+        ls = self._loss_scale
+        extras = {
+            "hysteresis": state_dict.get("hysteresis", ls.hysteresis),
+            "min_scale": state_dict.get("min_scale", ls.min_scale),
+            "max_scale": state_dict.get("max_scale", ls.max_scale),
+            "on_min_scale": state_dict.get("on_min_scale", ls.on_min_scale),
+        }
+        # Keys are read in torch's order (same KeyError for the same bad dict); LossScale
+        # validates everything before changing anything.
+        ls_state = {
+            "scale": state_dict["scale"],
+            "growth_factor": state_dict["growth_factor"],
+            "backoff_factor": state_dict["backoff_factor"],
+            "growth_interval": state_dict["growth_interval"],
+            "growth_tracker": state_dict["_growth_tracker"],
+            "hysteresis_tracker": state_dict.get("_hysteresis_tracker", extras["hysteresis"]),
+            "rule": "torch",
+            **extras,
+        }
+        ls.load_state_dict(ls_state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+        # The LossScale pickles host values only and re-creates its tensors lazily, as
+        # torch's scaler does with _scale and _growth_tracker. A process group cannot cross
+        # processes: the unpickled scaler has none until one is assigned.
+        state["_process_group"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        if not self._enabled:
+            return f"{type(self).__name__}(device={self._device!r}, enabled=False)"
+        ls = self._loss_scale
+        return (
+            f"{type(self).__name__}(device={self._device!r}, scale="
+            f"{'lazy ' + repr(ls.init_scale) if ls.scale is None else 'on ' + str(ls.scale.device)}, "
+            f"growth_factor={ls.growth_factor}, backoff_factor={ls.backoff_factor}, "
+            f"growth_interval={ls.growth_interval})"
+        )
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, torch.Tensor):
+                raise AssertionError(
+                    f"expected param to be torch.Tensor, got {type(param).__name__}"
+                )
+            yield param
