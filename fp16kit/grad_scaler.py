@@ -104,7 +104,7 @@ class GradScaler(torch.amp.GradScaler):
             max_scale=max_scale,
             on_min_scale=on_min_scale,
         )
-        self._process_group = process_group
+        self._process_group = _check_process_group(process_group)
         if self._enabled:
             self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
                 _refresh_per_optimizer_state
@@ -467,16 +467,16 @@ class GradScaler(torch.amp.GradScaler):
 
     # -------------------------------------------------------------- skipped steps (extras)
     def last_step_skipped_tensor(self) -> torch.Tensor:
-        """0-dim bool tensor on the scale's device: was a step skipped? No host sync.
+        """0-dim bool tensor on the scale's device: was (or will be) a step skipped? No sync.
 
-        Between ``step()`` and ``update()`` it answers for this iteration's steps (any
-        optimizer that saw inf/NaN); after ``update()``, for the iteration update() consumed.
-        ``False`` before the first step, and always when disabled."""
+        Once this iteration's grads have been checked (by ``unscale_()`` or ``step()``), it
+        answers for this iteration: True if any optimizer's grads hold inf/NaN. After
+        ``update()``, it answers for the iteration update() consumed. ``False`` before the
+        first check, and always when disabled."""
         if self._enabled and self._scale is not None:
             found = [
                 f
                 for state in self._per_optimizer_states.values()
-                if state["stage"] is OptState.STEPPED
                 for f in state["found_inf_per_device"].values()
             ]
             if found:
@@ -600,6 +600,19 @@ class GradScaler(torch.amp.GradScaler):
             f"growth_factor={ls.growth_factor}, backoff_factor={ls.backoff_factor}, "
             f"growth_interval={ls.growth_interval})"
         )
+
+
+def _check_process_group(group: Any) -> Any:
+    if group is None:
+        return None
+    dist = torch.distributed
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(group).__name__}. Create the scaler after init_process_group() and pass e.g. "
+            "torch.distributed.group.WORLD or a group from torch.distributed.new_group()."
+        )
+    return group
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

@@ -1,0 +1,208 @@
+"""The one unscale path: arithmetic against torch's reference, grouping, flags, edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp16kit.core import kernels
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_inv_scale_is_double_reciprocal_cast_to_float():
+    for s in [3.0, 65536.0, 7.1e-3, 2.0**-20]:
+        inv = kernels.inv_scale(torch.tensor(s))
+        assert inv.dtype == torch.float32 and inv.shape == ()
+        s32 = torch.tensor(s).item()  # the scale is a float32 tensor
+        assert inv.item() == torch.tensor(1.0 / s32, dtype=torch.float64).float().item()
+    # a float64 scale (legacy exactness) gives the same float32 reciprocal
+    assert torch.equal(kernels.inv_scale(torch.tensor(3.0, dtype=torch.float64)), kernels.inv_scale(torch.tensor(3.0)))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_unscale_multiplies_and_flags(dtype):
+    g = torch.randn(37, dtype=dtype) * 100
+    opmath = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = (g.to(opmath) * torch.tensor(0.1).item()).to(dtype)
+    found = kernels.new_found_inf("cpu")
+    out = kernels.unscale_([g], torch.tensor(0.1), found)
+    assert torch.equal(g, expected)
+    assert set(out) == {torch.device("cpu")}
+    assert out[torch.device("cpu")].item() == 0.0
+    assert found.item() == 0.0  # the argument itself is never written
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_unscale_flags_non_finite_and_still_unscales(bad):
+    a = torch.full((5,), 8.0)
+    b = torch.full((5,), 8.0, dtype=torch.float16)
+    b[3] = bad
+    out = kernels.unscale_([a, b], torch.tensor(0.5), kernels.new_found_inf("cpu"))
+    assert out[torch.device("cpu")].item() == 1.0
+    assert torch.equal(a, torch.full((5,), 4.0))  # other group unscaled too
+    assert b[0].item() == 4.0
+
+
+def test_found_inf_is_only_ever_set():
+    preset = torch.full((), 1.0)
+    out = kernels.unscale_([torch.ones(3)], torch.tensor(1.0), preset)
+    assert out[torch.device("cpu")].item() == 1.0
+
+
+def test_unscale_of_nothing_returns_no_devices():
+    assert kernels.unscale_([], torch.tensor(0.5), kernels.new_found_inf("cpu")) == {}
+
+
+def test_group_by_device_and_dtype_keeps_order():
+    ts = [torch.zeros(1), torch.zeros(1, dtype=torch.half), torch.ones(1), torch.ones(1, dtype=torch.half)]
+    groups = kernels.group_by_device_and_dtype(ts)
+    cpu = groups[torch.device("cpu")]
+    assert cpu[torch.float32][0] is ts[0] and cpu[torch.float32][1] is ts[2]
+    assert cpu[torch.float16][0] is ts[1] and cpu[torch.float16][1] is ts[3]
+
+
+def _params_with_grads(*grads):
+    params = []
+    for g in grads:
+        p = torch.zeros(g.shape, dtype=g.dtype, requires_grad=True) if not g.is_sparse else g.clone()
+        p.grad = g
+        params.append(p)
+    return params
+
+
+def test_unscale_grads_skips_missing_grads():
+    p1, p2 = _params_with_grads(torch.full((2,), 4.0), torch.full((2,), 4.0))
+    p3 = torch.zeros(2, requires_grad=True)
+    out = kernels.unscale_grads_([p1, p3, p2], torch.tensor(0.5), kernels.new_found_inf("cpu"), allow_fp16=False)
+    assert p3.grad is None
+    assert torch.equal(p1.grad, torch.full((2,), 2.0)) and torch.equal(p2.grad, torch.full((2,), 2.0))
+    assert out[torch.device("cpu")].item() == 0.0
+
+
+def test_unscale_grads_refuses_fp16_before_touching_anything():
+    p32, p16 = _params_with_grads(torch.full((2,), 4.0), torch.full((2,), 4.0, dtype=torch.half))
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+        kernels.unscale_grads_([p32, p16], torch.tensor(0.5), kernels.new_found_inf("cpu"), allow_fp16=False)
+    assert torch.equal(p32.grad, torch.full((2,), 4.0))
+
+
+def test_unscale_grads_sparse():
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    v = torch.tensor([16.0, 32.0, 64.0])
+    s = torch.sparse_coo_tensor(i, v, (2, 3), check_invariants=True)
+    (p,) = _params_with_grads(s.clone())
+    out = kernels.unscale_grads_([p], torch.tensor(0.25), kernels.new_found_inf("cpu"), allow_fp16=False)
+    assert out[torch.device("cpu")].item() == 0.0
+    assert torch.equal(p.grad.to_dense(), (s / 4).to_dense())
+
+
+def test_unscale_grads_coalesces_fp16_sparse_before_checking():
+    # 64000 + 64000 overflows fp16 only once duplicates are summed: the check must see that.
+    i = torch.tensor([[0, 1, 0], [2, 0, 2]])
+    v = torch.tensor([64000.0, 32.0, 64000.0])
+    g = torch.sparse_coo_tensor(i, v, (2, 3), dtype=torch.float16, check_invariants=True)
+    p = torch.zeros(2, 3, dtype=torch.float16).to_sparse()
+    p.grad = g
+    out = kernels.unscale_grads_([p], torch.tensor(0.25), kernels.new_found_inf("cpu"), allow_fp16=True)
+    assert out[torch.device("cpu")].item() == 1.0
+    assert p.grad.is_coalesced()
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_unscale_to_master(src_dtype):
+    src = [(torch.randn(7) * 1000).to(src_dtype), (torch.randn(3, 2) * 10).to(src_dtype)]
+    dst = [torch.empty(7), torch.empty(3, 2)]
+    inv = kernels.inv_scale(torch.tensor(1024.0))
+    out = kernels.unscale_to_(src, dst, inv, kernels.new_found_inf("cpu"))
+    for s, d in zip(src, dst):
+        assert torch.equal(d, s.float() * inv)  # exact widening, then one fp32 multiply
+    assert out[torch.device("cpu")].item() == 0.0
+    src[1][0, 0] = float("nan")
+    out = kernels.unscale_to_(src, dst, inv, kernels.new_found_inf("cpu"))
+    assert out[torch.device("cpu")].item() == 1.0
+
+
+def test_unscale_to_length_mismatch():
+    with pytest.raises(ValueError, match="one destination per source; got 2 sources and 1"):
+        kernels.unscale_to_([torch.ones(1)] * 2, [torch.ones(1)], torch.tensor(1.0), kernels.new_found_inf("cpu"))
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float16, torch.bfloat16])
+def test_copy_rounds_like_copy_(dst_dtype):
+    masters = [torch.randn(100) * 3, torch.randn(5, 5) * 1e5]
+    params = [torch.empty(100, dtype=dst_dtype), torch.empty(5, 5, dtype=dst_dtype)]
+    kernels.copy_(masters, params)
+    for m, p in zip(masters, params):
+        assert torch.equal(p, m.to(dst_dtype))
+
+
+def test_copy_length_mismatch():
+    with pytest.raises(ValueError, match="one destination per source"):
+        kernels.copy_([torch.ones(1)], [])
+
+
+def test_check_finite_leaves_values_bitwise():
+    t = torch.tensor([1.5, -0.0, float("nan"), 3e38, 1e-45])
+    before = t.clone()
+    out = kernels.check_finite_([t], kernels.new_found_inf("cpu"))
+    assert out[torch.device("cpu")].item() == 1.0
+    assert torch.equal(t.view(torch.int32), before.view(torch.int32))
+    clean = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert kernels.check_finite_([clean], kernels.new_found_inf("cpu"))[torch.device("cpu")].item() == 0.0
+
+
+def test_combine_found_inf():
+    a, b = torch.tensor(1.0), torch.tensor(0.0)
+    total = kernels.combine_found_inf([a, b, a], torch.device("cpu"))
+    assert total.item() == 2.0 and a.item() == 1.0  # inputs untouched
+    with pytest.raises(ValueError, match="at least one"):
+        kernels.combine_found_inf([], torch.device("cpu"))
+
+
+def test_scale_outputs_structures():
+    calls = []
+
+    def get_scale(device):
+        calls.append(device)
+        return torch.tensor(2.0)
+
+    t = torch.full((1,), 4.0)
+    out = kernels.scale_outputs((t, [t, (t,)], t), get_scale)
+    assert isinstance(out, tuple) and isinstance(out[1], list) and isinstance(out[1][1], tuple)
+    assert out[0].item() == out[1][0].item() == out[1][1][0].item() == out[2].item() == 8.0
+    assert calls == [torch.device("cpu")]  # the scale is looked up once
+    lazy = kernels.scale_outputs(iter([t, t]), get_scale)
+    assert [x.item() for x in lazy] == [8.0, 8.0]
+    assert kernels.scale_outputs(t, get_scale).item() == 8.0
+    with pytest.raises(ValueError, match="outputs must be a Tensor or an iterable of Tensors"):
+        kernels.scale_outputs([t, 3.0], get_scale)
+
+
+def test_scale_outputs_keeps_torch_dtype_promotion():
+    loss = torch.tensor(1.5, dtype=torch.float16)
+    out = kernels.scale_outputs(loss, lambda d: torch.tensor(4.0))
+    assert out.dtype == (loss * torch.tensor(4.0)).dtype
+
+
+@pytest.mark.cuda
+@cuda
+def test_unscale_to_cpu_offloaded_masters():
+    src = [torch.randn(1000, device="cuda").half(), torch.randn(10, device="cuda").bfloat16()]
+    dst = [torch.empty(1000), torch.empty(10)]
+    out = kernels.unscale_to_(src, dst, torch.tensor(0.5), kernels.new_found_inf("cpu"))
+    for s, d in zip(src, dst):
+        assert torch.equal(d, s.float().cpu() * 0.5)
+    assert list(out) == [torch.device("cpu")]
+
+
+@pytest.mark.cuda
+@cuda
+def test_unscale_mixed_devices_flags_per_device():
+    a = torch.ones(3, device="cuda")
+    b = torch.ones(3)
+    b[0] = float("inf")
+    out = kernels.unscale_([a, b], torch.tensor(0.5, device="cuda"), kernels.new_found_inf("cuda"))
+    assert out[torch.device("cpu")].item() == 1.0
+    assert out[torch.device("cuda", 0)].item() == 0.0

@@ -1,0 +1,59 @@
+"""DESIGN.md's house rules that a test can see: imports point down; no host reads in kernels;
+no print() in the library."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import fp16kit
+
+PKG = pathlib.Path(fp16kit.__file__).parent
+FACES = ("fp16kit.grad_scaler", "fp16kit.legacy", "fp16kit.optimizer", "fp16kit.cli", "fp16kit.demo")
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            names.add(mod)
+            names.update(f"{mod}.{a.name}" for a in node.names)
+    return names
+
+
+def test_core_imports_no_face():
+    for path in (PKG / "core").glob("*.py"):
+        bad = {n for n in _imports(path) if n.startswith(FACES)}
+        assert not bad, f"{path.name} imports a face: {sorted(bad)}"
+
+
+def test_kernels_never_read_tensors_on_the_host():
+    src = (PKG / "core" / "kernels.py").read_text()
+    code = ast.parse(src)
+    calls = {
+        node.func.attr
+        for node in ast.walk(code)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    assert not calls & {"item", "tolist", "numpy", "cpu"}
+
+
+def test_library_never_prints():
+    for path in PKG.rglob("*.py"):
+        if path.name in ("cli.py", "__main__.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        prints = [
+            n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"
+        ]
+        assert not prints, f"print() in {path.relative_to(PKG)} at lines {prints}"

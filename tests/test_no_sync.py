@@ -1,0 +1,113 @@
+"""scale(), unscale_() and update() never read a tensor on the host (DESIGN.md rule 2).
+
+On CPU a host read is cheap, but the same code runs on CUDA, where each read is a device sync.
+So we forbid the Python entry points of a host read (item, bool, float, int, index, tolist,
+numpy) while the scaler works, and let only the documented sync points (the skip decision of
+a non-fused step, get_scale) through. On CUDA, torch's own sync detector checks the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import fp16kit
+
+READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
+
+
+class HostRead(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    with monkeypatch.context() as m:
+        for name in READS:
+            def forbidden(self, *a, __name=name, **k):
+                raise HostRead(f"Tensor.{__name} called on the hot path")
+            m.setattr(torch.Tensor, name, forbidden)
+        yield
+
+
+def _setup(fused: bool, **scaler_kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), fused=fused) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = fp16kit.GradScaler("cpu", growth_interval=2, **scaler_kwargs)
+    return model, opt, scaler
+
+
+@pytest.mark.parametrize(
+    "scaler_kwargs",
+    [{}, {"hysteresis": 2, "min_scale": 1.0, "max_scale": 2.0**20}],
+    ids=["torch-rule", "extras"],
+)
+def test_scale_unscale_update_do_not_read_the_device(monkeypatch, scaler_kwargs):
+    model, opt, scaler = _setup(False, **scaler_kwargs)
+    for i in range(4):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        with no_host_reads(monkeypatch):
+            scaled = scaler.scale(loss)
+            scaled_list = scaler.scale([loss, (loss,)])
+        scaled.backward()
+        if i == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        with no_host_reads(monkeypatch):
+            scaler.unscale_(opt)
+            skipped = scaler.last_step_skipped_tensor()
+        scaler.step(opt)  # the non-fused skip decision is the documented sync (torch's too)
+        with no_host_reads(monkeypatch):
+            scaler.update()
+            scaler.last_step_skipped_tensor()
+        assert bool(skipped) == (i == 1)
+        assert isinstance(scaled_list, list)
+    assert scaler.skipped_steps() == 1
+
+
+def test_fused_step_is_sync_free_end_to_end(monkeypatch):
+    model, opt, scaler = _setup(True)
+    for i in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        scaler.scale(loss).backward()
+        if i == 2:
+            model[2].bias.grad[0] = float("nan")
+        with no_host_reads(monkeypatch):
+            scaler.step(opt)  # fused Adam takes found_inf on the device and skips there
+            scaler.update()
+    assert scaler.skipped_steps() == 1
+
+
+def test_the_guard_itself_catches_reads(monkeypatch):
+    with no_host_reads(monkeypatch):
+        with pytest.raises(HostRead):
+            torch.ones(()).item()
+        with pytest.raises(HostRead):
+            bool(torch.ones(()))
+    assert torch.ones(()).item() == 1.0  # restored
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sync_debug_mode():
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    scaler = fp16kit.GradScaler("cuda", hysteresis=2, min_scale=1.0)
+    for i in range(3):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(8, 64, device="cuda")).float().pow(2).mean()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert scaler.get_scale() > 0
