@@ -9,6 +9,7 @@ goes through :mod:`fp16kit.core.kernels` and :class:`fp16kit.core.scale.LossScal
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections import defaultdict
@@ -27,6 +28,39 @@ __all__ = ["GradScaler", "OptState"]
 # inspects `scaler._per_optimizer_states` (torch's tests, FSDP's ShardedGradScaler) works.
 OptState = _torch_grad_scaler.OptState
 _refresh_per_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
+
+
+class _LossScaleField:
+    """One of torch's private GradScaler attributes, backed by a LossScale attribute.
+
+    torch never sets these attributes on a disabled scaler, so there reading one raises
+    ``AttributeError`` until it is assigned (e.g. ``get_growth_factor()`` on a disabled scaler
+    fails in torch); a disabled scaler keeps assigned values aside, as plain attributes."""
+
+    def __init__(self, attr: str) -> None:
+        self.attr = attr
+        self.name = attr
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if not obj._enabled:
+            try:
+                return obj.__dict__["_disabled_fields"][self.name]
+            except KeyError:
+                raise AttributeError(
+                    f"'{type(obj).__name__}' object has no attribute '{self.name}'"
+                ) from None
+        return getattr(obj._loss_scale, self.attr)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if not obj._enabled:
+            obj.__dict__.setdefault("_disabled_fields", {})[self.name] = value
+        else:
+            setattr(obj._loss_scale, self.attr, value)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -114,61 +148,13 @@ class GradScaler(torch.amp.GradScaler):
     # torch keeps the scale state in these attributes, and code in the wild (torch's own
     # tests, FSDP's ShardedGradScaler, checkpoint helpers) reads and writes them. They are
     # views of the LossScale, so both spellings stay in step.
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        return self._loss_scale.scale
-
-    @_scale.setter
-    def _scale(self, value: torch.Tensor | None) -> None:
-        self._loss_scale.scale = value
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        return self._loss_scale.growth_tracker
-
-    @_growth_tracker.setter
-    def _growth_tracker(self, value: torch.Tensor | None) -> None:
-        self._loss_scale.growth_tracker = value
-
-    @property
-    def _init_scale(self) -> float:
-        return self._loss_scale.init_scale
-
-    @_init_scale.setter
-    def _init_scale(self, value: float) -> None:
-        self._loss_scale.init_scale = value
-
-    @property
-    def _init_growth_tracker(self) -> int:
-        return self._loss_scale.init_growth_tracker
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        self._loss_scale.init_growth_tracker = value
-
-    @property
-    def _growth_factor(self) -> float:
-        return self._loss_scale.growth_factor
-
-    @_growth_factor.setter
-    def _growth_factor(self, value: float) -> None:
-        self._loss_scale.growth_factor = value
-
-    @property
-    def _backoff_factor(self) -> float:
-        return self._loss_scale.backoff_factor
-
-    @_backoff_factor.setter
-    def _backoff_factor(self, value: float) -> None:
-        self._loss_scale.backoff_factor = value
-
-    @property
-    def _growth_interval(self) -> int:
-        return self._loss_scale.growth_interval
-
-    @_growth_interval.setter
-    def _growth_interval(self, value: int) -> None:
-        self._loss_scale.growth_interval = value
+    _scale = _LossScaleField("scale")
+    _growth_tracker = _LossScaleField("growth_tracker")
+    _init_scale = _LossScaleField("init_scale")
+    _init_growth_tracker = _LossScaleField("init_growth_tracker")
+    _growth_factor = _LossScaleField("growth_factor")
+    _backoff_factor = _LossScaleField("backoff_factor")
+    _growth_interval = _LossScaleField("growth_interval")
 
     # -------------------------------------------------------------- scale
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,10 +216,8 @@ class GradScaler(torch.amp.GradScaler):
         if self._process_group is None:
             return found_inf_per_device
         scale, _ = self._check_scale_growth_tracker("_reduce_found_inf")
-        if found_inf_per_device:
-            combined = kernels.combine_found_inf(found_inf_per_device.values(), scale.device)
-        else:  # this rank holds no grads for the optimizer but must join the collective
-            combined = kernels.new_found_inf(scale.device)
+        # Also when this rank holds no grads for the optimizer: it must join the collective.
+        combined = kernels.combine_found_inf(found_inf_per_device.values(), scale.device)
         torch.distributed.all_reduce(
             combined, op=torch.distributed.ReduceOp.MAX, group=self._process_group
         )
@@ -340,9 +324,10 @@ class GradScaler(torch.amp.GradScaler):
                 scaler = self._get_scale_async()
                 if scaler is None:
                     raise AssertionError("_get_scale_async returned None")
-                found_inf = kernels.combine_found_inf(
-                    optimizer_state["found_inf_per_device"].values(), scaler.device
-                )
+                flags = list(optimizer_state["found_inf_per_device"].values())
+                # No flags (no grads were checked): torch passes sum([]), the int 0. A fused
+                # step with no grads ignores it; one with grads the check never saw fails.
+                found_inf = kernels.combine_found_inf(flags, scaler.device) if flags else 0
                 # Product of the scales, if the user preset `optimizer.grad_scale`.
                 optimizer.grad_scale = (  # type: ignore[attr-defined]
                     getattr(optimizer, "grad_scale", None)
@@ -410,7 +395,10 @@ class GradScaler(torch.amp.GradScaler):
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
 
-            found_inf_combined = kernels.combine_found_inf(found_infs, _scale.device)
+            # Summed into the first flag in place, as torch does.
+            found_inf_combined = kernels.combine_found_inf(
+                found_infs, _scale.device, into_first=True
+            )
 
         # To prepare for next iteration, clear the data collected from optimizers this iteration.
         # (Before the scale update: with on_min_scale="raise" that update may raise.)
@@ -458,7 +446,11 @@ class GradScaler(torch.amp.GradScaler):
 
     def _get_growth_tracker(self) -> int:
         if self._enabled:
-            return self._loss_scale.get_growth_tracker()
+            return (
+                self._init_growth_tracker
+                if self._growth_tracker is None
+                else cast(int, self._growth_tracker.item())
+            )
         return 0
 
     def is_enabled(self) -> bool:
@@ -581,9 +573,13 @@ class GradScaler(torch.amp.GradScaler):
                     "A GradScaler instance may only be pickled at the beginning "
                     "of an iteration, or at the end after scaler.update()."
                 )
-        # The LossScale pickles host values only and re-creates its tensors lazily, as
-        # torch's scaler does with _scale and _growth_tracker. A process group cannot cross
-        # processes: the unpickled scaler has none until one is assigned.
+        # A copy of the LossScale holding host values only: it re-creates its tensors lazily,
+        # as torch's scaler does with _scale and _growth_tracker, so copies (copy.copy
+        # included) never share scale tensors. A process group cannot cross processes: the
+        # unpickled scaler has none until one is assigned.
+        state["_loss_scale"] = copy.copy(self._loss_scale)
+        if "_disabled_fields" in state:
+            state["_disabled_fields"] = dict(state["_disabled_fields"])
         state["_process_group"] = None
         return state
 

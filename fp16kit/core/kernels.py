@@ -212,15 +212,17 @@ def copy_(
 
 
 def combine_found_inf(
-    found_infs: Iterable[torch.Tensor], device: torch.device
+    found_infs: Iterable[torch.Tensor], device: torch.device, *, into_first: bool = False
 ) -> torch.Tensor:
-    """Sum found-inf flags from any devices onto ``device`` (a new tensor; inputs untouched).
+    """Sum found-inf flags from any devices onto ``device``.
 
-    Raises ``ValueError`` when there is nothing to combine."""
+    The result is a new tensor, unless ``into_first=True``: then the sum accumulates into the
+    first flag when it already lives on ``device`` (torch's ``update()`` does this; it saves a
+    copy). No flags (an optimizer without grads this iteration) give a cleared flag."""
     moved = [f.to(device=device, non_blocking=True) for f in found_infs]
     if not moved:
-        raise ValueError("combine_found_inf needs at least one found_inf tensor.")
-    total = moved[0].clone()
+        return new_found_inf(device)
+    total = moved[0] if into_first else moved[0].clone()
     for f in moved[1:]:
         total += f
     return total

@@ -306,13 +306,14 @@ class LossScale:
         return float(self.init_scale) if self.scale is None else float(self.scale.item())
 
     def get_growth_tracker(self) -> int:
+        """The growth tracker (a host read; before materialize(), the value as it was set)."""
         if self.growth_tracker is None:
-            return int(self.init_growth_tracker)
+            return self.init_growth_tracker
         return int(self.growth_tracker.item())
 
     def get_hysteresis_tracker(self) -> int:
         if self.hysteresis_tracker is None:
-            return int(self.init_hysteresis_tracker)
+            return self.init_hysteresis_tracker
         return int(self.hysteresis_tracker.item())
 
     def set_scale(self, value: float | torch.Tensor) -> None:
