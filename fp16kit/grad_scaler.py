@@ -205,6 +205,11 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
+        # An optimizer that keeps its own unscaled copies of the grads (MixedPrecisionOptimizer:
+        # fp16 model grads -> fp32 master grads) unscales through its hook.
+        hook = getattr(optimizer, "_fp16kit_unscale_grads_", None)
+        if hook is not None:
+            return hook(inv_scale, found_inf, allow_fp16)
         return kernels.unscale_grads_(
             _optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16
         )

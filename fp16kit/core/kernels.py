@@ -31,10 +31,15 @@ __all__ = [
     "PerDevice",
     "TensorOrIterable",
     "check_finite_",
+    "clear_grads_",
+    "clip_grad_norm_",
     "combine_found_inf",
     "copy_",
+    "flat_views",
+    "flatten",
     "group_by_device_and_dtype",
     "inv_scale",
+    "merge_found_inf",
     "new_found_inf",
     "scale_outputs",
     "unscale_",
@@ -228,28 +233,119 @@ def combine_found_inf(
     return total
 
 
+def flatten(
+    tensors: Sequence[torch.Tensor],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """A new 1-D tensor holding the values of ``tensors`` one after another (converted to
+    ``dtype``/``device``; by default those of the first tensor)."""
+    if not tensors:
+        raise ValueError("flatten needs at least one tensor.")
+    dtype = tensors[0].dtype if dtype is None else dtype
+    device = tensors[0].device if device is None else device
+    flat = torch.empty(
+        sum(t.numel() for t in tensors), dtype=dtype, device=device, pin_memory=pin_memory
+    )
+    copy_([t.detach() for t in tensors], flat_views(flat, tensors))
+    return flat
+
+
+def flat_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive slices of the 1-D tensor ``flat``, shaped like each of ``like``."""
+    views, offset = [], 0
+    for t in like:
+        n = t.numel()
+        views.append(flat[offset : offset + n].view(t.shape))
+        offset += n
+    if offset > flat.numel():
+        raise ValueError(
+            f"flat_views: the shapes need {offset} elements, the flat tensor has {flat.numel()}."
+        )
+    return views
+
+
+def clear_grads_(params: Iterable[torch.Tensor], *, set_to_none: bool) -> None:
+    """Clear the params' grads as ``torch.optim.Optimizer.zero_grad`` does: set them to None,
+    or detach and zero them (one multi-tensor zero per (device, dtype) group)."""
+    dense: list[torch.Tensor] = []
+    with torch.no_grad():
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            if g.grad_fn is not None:
+                g.detach_()
+            else:
+                g.requires_grad_(False)
+            if g.is_sparse:
+                g.zero_()
+            else:
+                dense.append(g)
+        for per_dtype in group_by_device_and_dtype(dense).values():
+            for grads in per_dtype.values():
+                torch._foreach_zero_(grads)
+
+
+def merge_found_inf(
+    *per_device: dict[torch.device, torch.Tensor],
+) -> dict[torch.device, torch.Tensor]:
+    """Merge ``{device: found_inf}`` dicts from several unscale calls: flags of the same device
+    are summed (a new tensor), others kept."""
+    out: dict[torch.device, torch.Tensor] = {}
+    for flags in per_device:
+        for device, f in flags.items():
+            out[device] = f if device not in out else out[device] + f
+    return out
+
+
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip the grads of ``params`` by their total norm; return the norm (a device tensor).
+    torch's own multi-tensor implementation, kept here so every face clips the same way."""
+    return torch.nn.utils.clip_grad_norm_(
+        list(params), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+    )
+
+
 def scale_outputs(
     outputs: TensorOrIterable, get_scale: Callable[[torch.device], torch.Tensor]
 ) -> TensorOrIterable:
     """Multiply a tensor, or a (nested) list/tuple/iterable of tensors, by the loss scale.
 
     ``get_scale(device)`` is called once, with the device of the first tensor met (the place
-    where a lazily created scale is materialized), and must return the 0-dim scale tensor.
-    Lists and tuples keep their type; other iterables come back as a lazy ``map`` (torch's
-    behaviour). Anything else raises ``ValueError("outputs must be a Tensor or an iterable of
-    Tensors")``. Scale copies are made once per device.
+    where a lazily created scale is materialized), and returns the scale: a 0-dim tensor
+    (float32 multiplies as it is, with torch's type promotion; float64 -- a legacy scale kept
+    in double -- multiplies as its float32 value, as a Python float did in apex) or a Python
+    number (multiplied as a scalar). Lists and tuples keep their type; other iterables come
+    back as a lazy ``map`` (torch's behaviour). Anything else raises ``ValueError("outputs
+    must be a Tensor or an iterable of Tensors")``. Scale copies are made once per device.
     """
     if isinstance(outputs, torch.Tensor):
-        scale = get_scale(outputs.device)
+        scale = _as_multiplier(get_scale(outputs.device))
+        if not isinstance(scale, torch.Tensor):
+            return outputs * scale
         return outputs * scale.to(device=outputs.device, non_blocking=True)
 
-    stash: list[PerDevice] = []
+    stash: list[Any] = []
 
     def apply(val: Any) -> Any:
         if isinstance(val, torch.Tensor):
             if not stash:
-                stash.append(PerDevice(get_scale(val.device)))
-            return val * stash[0].get(val.device)
+                scale = _as_multiplier(get_scale(val.device))
+                stash.append(PerDevice(scale) if isinstance(scale, torch.Tensor) else scale)
+            if isinstance(stash[0], PerDevice):
+                return val * stash[0].get(val.device)
+            return val * stash[0]
         if isinstance(val, abc.Iterable):
             iterable = map(apply, val)
             if isinstance(val, (list, tuple)):
@@ -258,3 +354,9 @@ def scale_outputs(
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
     return apply(outputs)
+
+
+def _as_multiplier(scale: Any) -> Any:
+    if isinstance(scale, torch.Tensor) and scale.dtype == torch.float64:
+        return scale.float()
+    return scale

@@ -1,0 +1,213 @@
+"""fp32 master copies of low-precision model parameters.
+
+A :class:`MasterParams` pairs each fp16/bf16 model param with a master tensor (fp32 by
+default, on the param's device or on ``master_device``, e.g. the CPU for a CUDA model).
+Gradients flow model -> master and weights master -> model only through
+:mod:`fp16kit.core.kernels`, grouped by (device, dtype)::
+
+    grads_to_masters(inv_scale, found_inf):       # after backward
+        for each pair whose model grad exists:
+            master.grad = float(model.grad) * inv_scale     # found_inf set on inf/NaN
+        pairs without a model grad: master.grad = None      # the optimizer skips them
+    masters_to_model():                           # after the optimizer step
+        model.data = round_to_model_dtype(master)
+
+Flat storage (``flat=True``): the masters of each device live in one contiguous buffer and
+each master is a view of it (so is each master grad, in a second buffer). The optimizer still
+sees one tensor per param (same state dict, same per-tensor semantics), while the unscale
+runs as one op over the flat grad buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from . import kernels
+
+__all__ = ["LOW_PRECISION", "MasterParams", "needs_master"]
+
+LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+def needs_master(param: torch.Tensor) -> bool:
+    """A trainable fp16/bf16 param gets a master; everything else is optimized as it is."""
+    return param.requires_grad and param.dtype in LOW_PRECISION
+
+
+class _FlatBlock:
+    """One contiguous master buffer (and its grad buffer) on one device, with per-param views."""
+
+    def __init__(self, masters: list[torch.Tensor], buffer: torch.Tensor) -> None:
+        self.masters = masters
+        self.buffer = buffer
+        self.grad_buffer: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros_like(self.buffer)
+            self.grad_views = kernels.flat_views(self.grad_buffer, self.masters)
+        return self.grad_views[i]
+
+
+class MasterParams:
+    """Masters for a list of low-precision params (see the module docstring).
+
+    ``model_params[i]`` is paired with ``masters[i]``. Masters are leaf tensors with
+    ``requires_grad=True``: an optimizer can own them in place of the model params.
+    """
+
+    def __init__(
+        self,
+        model_params: Iterable[torch.Tensor],
+        *,
+        master_dtype: torch.dtype = torch.float32,
+        master_device: torch.device | str | None = None,
+        flat: bool = False,
+    ) -> None:
+        if not master_dtype.is_floating_point:
+            raise TypeError(f"master_dtype must be a floating dtype, got {master_dtype}.")
+        self.master_dtype = master_dtype
+        self.master_device = None if master_device is None else torch.device(master_device)
+        self.flat = flat
+        self.model_params: list[torch.Tensor] = []
+        self.masters: list[torch.Tensor] = []
+        self._blocks: list[tuple[_FlatBlock, int]] = []  # per master, when flat
+        self.add(model_params)
+
+    def __len__(self) -> int:
+        return len(self.masters)
+
+    def add(self, model_params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Create masters for more params (e.g. a new param group); return the new masters."""
+        params = list(model_params)
+        for p in params:
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                raise TypeError(
+                    f"Masters are made for floating-point tensors, got "
+                    f"{p.type() if isinstance(p, torch.Tensor) else type(p).__name__}."
+                )
+            if p.is_sparse:
+                raise TypeError("Masters cannot be made for sparse params; keep them out of the "
+                                "low-precision set (give them dtype float32).")
+        if self.flat:
+            new = self._add_flat(params)
+        else:
+            new = [self._new_master(p) for p in params]
+        self.model_params.extend(params)
+        self.masters.extend(new)
+        return new
+
+    def _target_device(self, p: torch.Tensor) -> torch.device:
+        return p.device if self.master_device is None else self.master_device
+
+    def _new_master(self, p: torch.Tensor) -> torch.Tensor:
+        m = p.detach().to(device=self._target_device(p), dtype=self.master_dtype, copy=True)
+        if m.device.type == "cpu" and p.device.type == "cuda":
+            m = m.pin_memory()  # host <-> device copies of offloaded masters can overlap
+        return m.requires_grad_(True)
+
+    def _add_flat(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(self._target_device(p), []).append(i)
+        new: list[torch.Tensor | None] = [None] * len(params)
+        blocks: list[tuple[_FlatBlock, int] | None] = [None] * len(params)
+        for device, idx in by_device.items():
+            group = [params[i] for i in idx]
+            pin = device.type == "cpu" and any(p.device.type == "cuda" for p in group)
+            buffer = kernels.flatten(group, dtype=self.master_dtype, device=device, pin_memory=pin)
+            # Views of a buffer that does not require grad are leaves: they can be params.
+            views = kernels.flat_views(buffer, group)
+            block = _FlatBlock(views, buffer)
+            for j, (i, v) in enumerate(zip(idx, views)):
+                v.requires_grad_(True)
+                new[i] = v
+                blocks[i] = (block, j)
+        self._blocks.extend(b for b in blocks if b is not None)
+        return [m for m in new if m is not None]
+
+    # ------------------------------------------------------------------ grads
+    def grads_to_masters(
+        self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool = True
+    ) -> dict[torch.device, torch.Tensor]:
+        """``master.grad = float(model.grad) * inv_scale`` for every pair with a model grad
+        (master grads are allocated on first use). Pairs without a model grad get
+        ``master.grad = None`` (the optimizer then skips them), or keep their master grad with
+        ``clear_missing=False`` (apex's FP16_Optimizer did). Returns ``{device: found_inf}``
+        for the master devices (see kernels.unscale_to_)."""
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
+            g = p.grad
+            if g is None:
+                if clear_missing:
+                    m.grad = None
+                continue
+            if g.is_sparse:
+                raise TypeError(
+                    "Sparse gradients cannot be unscaled into dense masters; keep params with "
+                    "sparse grads (e.g. nn.Embedding(sparse=True)) in float32."
+                )
+            if m.grad is None:
+                m.grad = self._blocks[i][0].grad_view(self._blocks[i][1]) if self.flat else torch.empty_like(m)
+            srcs.append(g)
+            dsts.append(m.grad)
+        if not srcs:
+            return {}
+        if not self.flat:
+            return kernels.unscale_to_(srcs, dsts, inv_scale, found_inf)
+        # Flat: copy per param, then check-and-unscale each block whose every master grad is
+        # its view as one tensor (one op over the buffer), the rest per tensor.
+        kernels.copy_(srcs, dsts)
+        return kernels.unscale_(self._flat_unscale_targets(), inv_scale, found_inf)
+
+    def _flat_unscale_targets(self) -> list[torch.Tensor]:
+        per_block: dict[int, tuple[_FlatBlock, list[torch.Tensor], bool]] = {}
+        for m, (block, j) in zip(self.masters, self._blocks):
+            entry = per_block.setdefault(id(block), (block, [], True))
+            whole = entry[2] and m.grad is not None and m.grad is block.grad_views[j]
+            if m.grad is not None:
+                entry[1].append(m.grad)
+            per_block[id(block)] = (block, entry[1], whole)
+        targets: list[torch.Tensor] = []
+        for block, grads, whole in per_block.values():
+            if whole and block.grad_buffer is not None:
+                targets.append(block.grad_buffer)
+            else:
+                targets.extend(grads)
+        return targets
+
+    def masters_to_model(self) -> None:
+        """Copy the masters into the model params (rounding to the params' dtype)."""
+        if self.masters:
+            kernels.copy_([m.detach() for m in self.masters], [p.detach() for p in self.model_params])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model params' grads and the masters' grads."""
+        kernels.clear_grads_([*self.model_params, *self.masters], set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_masters(self, saved: Sequence[torch.Tensor], what: str = "masters") -> None:
+        """Copy saved master values in (exactly; no low-precision round trip). Shapes are
+        checked first; a mismatch raises ValueError naming the index and changes nothing."""
+        if len(saved) != len(self.masters):
+            raise ValueError(f"{what}: expected {len(self.masters)} tensors, got {len(saved)}.")
+        for i, (m, s) in enumerate(zip(self.masters, saved)):
+            if not isinstance(s, torch.Tensor) or s.shape != m.shape:
+                got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+                raise ValueError(f"{what}[{i}]: expected shape {tuple(m.shape)}, got {got}.")
+        kernels.copy_(list(saved), [m.detach() for m in self.masters])
+
+    def describe(self) -> dict[str, Any]:
+        devices = sorted({str(m.device) for m in self.masters})
+        return {
+            "count": len(self.masters),
+            "numel": sum(m.numel() for m in self.masters),
+            "master_dtype": str(self.master_dtype).replace("torch.", ""),
+            "devices": devices,
+            "flat": self.flat,
+        }

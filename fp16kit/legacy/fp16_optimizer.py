@@ -1,0 +1,403 @@
+"""apex.fp16_utils.fp16_optimizer: ``FP16_Optimizer``, as apex shipped it from 2019 to 2025.
+
+A facade over :class:`fp16kit.MixedPrecisionOptimizer` (the masters) and
+:class:`fp16kit.core.scale.LossScale` (the scale, apex amp's era-2 rule in float64). The
+loop apex documented::
+
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr), dynamic_loss_scale=True)
+    optimizer.zero_grad()
+    loss = criterion(model(x), y)
+    optimizer.backward(loss)    # (loss.float() * scale).backward(); fp16 grads -> fp32 masters
+    optimizer.step()            # skipped (and logged) on overflow; masters -> fp16 params
+
+Differences from apex (fixes, listed in MIGRATION.md): CPU and bf16 params are accepted;
+``scale_factor`` in ``dynamic_loss_args`` is honoured; it is a ``torch.optim.Optimizer`` (LR
+schedulers work); ``state_dict()`` is plain data; ``load_state_dict`` reads both apex forms
+and refuses mismatched groups instead of truncating them; closure retries are bounded;
+messages go to the ``fp16kit`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core import kernels
+from ..core.scale import LossScale
+from ..optimizer import MixedPrecisionOptimizer, WrappingOptimizer, validate_master_groups
+from .checkpoint import scaler_state
+from .fp16util import clip_grad_norm
+
+__all__ = ["FP16_Optimizer", "AmpLossScaler"]
+
+logger = logging.getLogger("fp16kit")
+
+_DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
+_STATE_KEYS = (
+    "loss_scaler",
+    "dynamic_loss_scale",
+    "overflow",
+    "first_closure_call_this_step",
+    "optimizer_state_dict",
+    "fp32_from_fp16",
+)
+
+
+class AmpLossScaler:
+    """The interface of apex's ``apex.amp.scaler.LossScaler`` (``FP16_Optimizer.loss_scaler``)
+    on a :class:`LossScale` with apex amp's rule, in float64 on the params' device.
+
+    ``loss_scale()`` is a method here, as in apex's era-2 scaler."""
+
+    def __init__(
+        self,
+        loss_scale: float | str,
+        init_scale: float = 2.0**16,
+        scale_factor: float = 2.0,
+        scale_window: int = 2000,
+        min_loss_scale: float | None = None,
+        max_loss_scale: float | None = 2.0**24,
+        *,
+        device: torch.device | str = "cpu",
+        unskipped: int = 0,
+    ) -> None:
+        self.dynamic = loss_scale == "dynamic"
+        if max_loss_scale is not None and max_loss_scale == float("inf"):
+            max_loss_scale = None  # no cap
+        if self.dynamic:
+            init = init_scale if max_loss_scale is None else min(max_loss_scale, init_scale)
+        else:
+            init = float(loss_scale)  # type: ignore[arg-type]
+        self._state = LossScale(
+            init,
+            rule="apex_amp",
+            growth_factor=scale_factor,
+            growth_interval=scale_window,
+            min_scale=min_loss_scale,
+            max_scale=max_loss_scale,
+            dtype=torch.float64,
+            device=device,
+        )
+        self._state.set_growth_tracker(unskipped)
+
+    def loss_scale(self) -> float:
+        return self._state.get_scale()
+
+    def scale_tensor(self) -> torch.Tensor:
+        assert self._state.scale is not None
+        return self._state.scale
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """One scale update (device op); static scalers never change."""
+        if self.dynamic:
+            self._state.update(found_inf)
+
+    # apex's attribute names
+    @property
+    def _loss_scale(self) -> float:
+        return self._state.get_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        self._state.set_scale(float(value))
+
+    @property
+    def _unskipped(self) -> int:
+        return self._state.get_growth_tracker()
+
+    @property
+    def _scale_seq_len(self) -> int:
+        return self._state.growth_interval
+
+    @property
+    def _min_loss_scale(self) -> float | None:
+        return self._state.min_scale
+
+    @property
+    def _max_loss_scale(self) -> float | None:
+        return self._state.max_scale
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self._state
+        return {
+            "dynamic": self.dynamic,
+            "loss_scale": s.get_scale(),
+            "scale_factor": s.growth_factor,
+            "scale_window": s.growth_interval,
+            "min_loss_scale": s.min_scale,
+            "max_loss_scale": s.max_scale,
+            "unskipped": s.get_growth_tracker(),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device | str) -> AmpLossScaler:
+        return cls(
+            "dynamic" if state["dynamic"] else state["loss_scale"],
+            init_scale=state["loss_scale"],
+            scale_factor=state["scale_factor"],
+            scale_window=state["scale_window"],
+            min_loss_scale=state["min_loss_scale"],
+            max_loss_scale=state["max_loss_scale"],
+            device=device,
+            unskipped=state["unskipped"],
+        )
+
+    def __repr__(self) -> str:
+        return f"AmpLossScaler({self.state_dict()})"
+
+
+def _check_param_types(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and param.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise TypeError(
+                    "Wrapped parameters must be either torch.cuda.FloatTensor or "
+                    f"torch.cuda.HalfTensor. Received {param.type()}"
+                )
+
+
+class FP16_Optimizer(WrappingOptimizer):
+    """apex's FP16_Optimizer (era 2). See the module docstring and ``spec/apex.md``.
+
+    Args:
+        init_optimizer: a torch optimizer over the (fp16/bf16/fp32) model params.
+        static_loss_scale: the scale when ``dynamic_loss_scale`` is False.
+        dynamic_loss_scale: use apex amp's dynamic rule (overrides ``static_loss_scale``).
+        dynamic_loss_args: any of ``init_scale, scale_factor, scale_window, min_loss_scale,
+            max_loss_scale``.
+        verbose: log apex's ingestion messages (at INFO).
+    """
+
+    MAX_CLOSURE_RETRIES = 32
+    """Overflowing closure evaluations tolerated in one step before FloatingPointError (each
+    halves the scale; 32 halvings take 2**24 below 1)."""
+
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: dict[str, Any] | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if not isinstance(init_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}."
+            )
+        _check_param_types(init_optimizer)
+        if dynamic_loss_args is not None:
+            unknown = sorted(set(dynamic_loss_args) - set(_DYNAMIC_ARGS))
+            if unknown:
+                raise TypeError(
+                    f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(_DYNAMIC_ARGS)}."
+                )
+        self.verbose = verbose
+        for i, group in enumerate(init_optimizer.param_groups):
+            self.maybe_print(f"FP16_Optimizer processing param group {i}:")
+            for param in group["params"]:
+                if param.requires_grad:
+                    self.maybe_print(f"FP16_Optimizer received {param.type()} with {param.size()}")
+
+        super().__init__(init_optimizer)
+        self._mpo = MixedPrecisionOptimizer(init_optimizer)
+        self.fp16_groups = [g.model_params for g in self._mpo.groups]
+        self.fp32_from_fp16_groups = [g.masters for g in self._mpo.groups]
+        self.fp32_from_fp32_groups = [g.direct for g in self._mpo.groups]
+        self.all_fp16_params = [p for g in self.fp16_groups for p in g]
+        self.all_fp32_from_fp16_params = [p for g in self.fp32_from_fp16_groups for p in g]
+        self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
+
+        self._device = self._scale_device()
+        if dynamic_loss_scale:
+            self.dynamic_loss_scale = True
+            self.loss_scaler = AmpLossScaler("dynamic", **(dynamic_loss_args or {}), device=self._device)
+        else:
+            self.dynamic_loss_scale = False
+            self.loss_scaler = AmpLossScaler(static_loss_scale, device=self._device)
+        self._overflow: bool | torch.Tensor = False
+        self.first_closure_call_this_step = True
+        self.clip_grad_norm = clip_grad_norm
+
+    def _scale_device(self) -> torch.device:
+        for p in (*self.all_fp16_params, *self.all_fp32_from_fp32_params):
+            return p.device
+        return torch.device("cpu")
+
+    def maybe_print(self, msg: str) -> None:
+        if self.verbose:
+            logger.info(msg)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
+
+    # ------------------------------------------------------------------ apex's attributes
+    @property
+    def overflow(self) -> bool:
+        """Did the last ``update_master_grads`` see inf/NaN? (Reading it syncs with the device,
+        once per iteration; the flag itself is computed on the device.)"""
+        if isinstance(self._overflow, torch.Tensor):
+            self._overflow = bool(self._overflow.item())
+        return self._overflow
+
+    @overflow.setter
+    def overflow(self, value: bool) -> None:
+        self._overflow = bool(value)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale()
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.loss_scaler._loss_scale = value
+
+    # ------------------------------------------------------------------ the loop
+    def zero_grad(self, set_grads_to_None: bool = False) -> None:  # type: ignore[override]
+        """Zero (or set to None) the grads of every param the optimizer owns and of the fp16
+        model params."""
+        owned = [p for group in self.optimizer.param_groups for p in group["params"]]
+        kernels.clear_grads_(owned + self.all_fp16_params, set_to_none=set_grads_to_None)
+
+    def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
+        """``(loss.float() * loss_scale).backward(retain_graph=retain_graph)``, then
+        :meth:`update_master_grads` unless ``update_master_grads=False`` (for several losses:
+        ``backward(l1, False); backward(l2, False); update_master_grads()``)."""
+        scaled_loss = kernels.scale_outputs(loss.float(), lambda _d: self.loss_scaler.scale_tensor())
+        scaled_loss.backward(retain_graph=retain_graph)
+        if update_master_grads:
+            self.update_master_grads()
+
+    def update_master_grads(self) -> None:
+        """fp16 model grads -> fp32 master grads * 1/scale, fp32 params' grads * 1/scale in
+        place, one non-finite check; with a dynamic scale, the scale update (on the device)."""
+        scale = self.loss_scaler.scale_tensor()
+        flags = self._mpo.grads_to_masters(
+            kernels.inv_scale(scale), kernels.new_found_inf(scale.device), clear_missing=False
+        )
+        if self.dynamic_loss_scale:
+            found_inf = kernels.combine_found_inf(flags.values(), scale.device)
+            self.loss_scaler.update(found_inf)
+            self._overflow = found_inf != 0
+        else:
+            self._overflow = False  # apex never checked with a static scale
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Skip (logging apex's message) if the last backward overflowed; else step the
+        masters (with the closure if given) and copy them into the fp16 params."""
+        if self.overflow:
+            logger.warning(
+                "Gradient overflow.  Skipping step, reducing loss scale to {}".format(
+                    self.loss_scaler.loss_scale()
+                )
+            )
+            return None
+        if closure is not None:
+            return self._step_with_closure(closure)
+        return self._mpo.inner_step()
+
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        def wrapped_closure() -> Any:
+            if self.first_closure_call_this_step:
+                self.first_closure_call_this_step = False
+            else:
+                # The optimizer may re-evaluate at new points (LBFGS): the fp16 model must
+                # see the masters it moved.
+                self._mpo.masters_to_model()
+            temp_loss = closure()
+            retries = 0
+            while self.overflow:
+                retries += 1
+                if retries > self.MAX_CLOSURE_RETRIES:
+                    raise FloatingPointError(
+                        f"The closure's backward overflowed {self.MAX_CLOSURE_RETRIES} times in a "
+                        f"row (loss scale now {self.loss_scaler.loss_scale()}): the loss is not "
+                        "finite at any scale. Check the loss and the inputs for inf/NaN."
+                    )
+                logger.warning(
+                    "OVERFLOW within closure! Skipping step, reducing loss scale to {}".format(
+                        self.loss_scaler.loss_scale()
+                    )
+                )
+                temp_loss = closure()
+            return temp_loss
+
+        try:
+            return self._mpo.inner_step(wrapped_closure)
+        finally:
+            self.first_closure_call_this_step = True
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> Any:
+        """Clip the grads of every param in ``param_groups`` (the fp32 masters and fp32 params)
+        by their total norm; return that norm, or ``-1`` if the last backward overflowed."""
+        if self.overflow:
+            return -1
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return self.clip_grad_norm(params, max_norm, norm_type)
+
+    def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
+        """The master grads per group (None where a param has none), or None while in an
+        overflow state."""
+        if self.overflow:
+            logger.warning(
+                "Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
+                "state.  Gradients are currently invalid (may be inf, nan, or stale).  Returning None."
+            )
+            return None
+        return [
+            [p.grad.data if p.grad is not None else None for p in group["params"]]
+            for group in self.optimizer.param_groups
+        ]
+
+    def _master_params_to_model_params(self) -> None:
+        self._mpo.masters_to_model()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """apex's six keys, as plain data (``torch.load(weights_only=True)`` reads it):
+        ``loss_scaler`` is a dict, ``fp32_from_fp16`` the exact fp32 masters per group."""
+        return {
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "overflow": self.overflow,
+            "first_closure_call_this_step": self.first_closure_call_this_step,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "fp32_from_fp16": [[m.detach() for m in g] for g in self.fp32_from_fp16_groups],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load fp16kit's form or apex's (an era-2 ``apex.amp.scaler.LossScaler`` or an era-1
+        ``LossScaler``/``DynamicLossScaler`` under ``loss_scaler``; read apex files with
+        :func:`fp16kit.legacy.load_checkpoint`). Load the model first (``model.load_state_dict``):
+        the masters are restored by copy. Everything is checked before anything changes; a
+        mismatch raises ValueError naming the group and the counts."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"FP16_Optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(
+                f"FP16_Optimizer state dict is missing {missing}; pass the dict from "
+                "FP16_Optimizer.state_dict() (or an apex checkpoint's optimizer entry)."
+            )
+        scaler = scaler_state(state_dict["loss_scaler"], current=self.loss_scaler.state_dict())
+        validate_master_groups(state_dict["fp32_from_fp16"], self._mpo.groups)
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self.loss_scaler = AmpLossScaler.from_state(scaler, self._device)
+        self.dynamic_loss_scale = scaler["dynamic"]
+        self.overflow = bool(state_dict["overflow"])
+        self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
+        kernels.copy_(
+            [t for g in state_dict["fp32_from_fp16"] for t in g],
+            [m.detach() for m in self.all_fp32_from_fp16_params],
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"FP16_Optimizer(dynamic_loss_scale={self.dynamic_loss_scale}, "
+            f"loss_scale={self.loss_scale}, optimizer={self.optimizer!r})"
+        )

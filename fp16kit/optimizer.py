@@ -1,0 +1,433 @@
+"""``fp16kit.MixedPrecisionOptimizer``: fp32 master weights for fp16/bf16 models, torch.amp style.
+
+``torch.amp.GradScaler`` refuses fp16 gradients, so a model kept in fp16 (or bf16) has no
+torch-native way to train with fp32 master weights. This optimizer adds them::
+
+    model = model.half()                                   # or .bfloat16()
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    scaler = fp16kit.GradScaler("cuda")
+    for x, y in loader:
+        opt.zero_grad()
+        scaler.scale(loss_fn(model(x), y)).backward()
+        scaler.step(opt)      # fp16 grads -> fp32 master grads * 1/scale; step; masters -> model
+        scaler.update()
+
+How it works (the algorithm apex's FP16_Optimizer used, on fp16kit's core):
+
+* Construction walks the wrapped optimizer's param groups. Every trainable fp16/bf16 param is
+  replaced *in place* in its group by an fp32 master (``master_dtype``, on ``master_device``
+  or the param's device); its optimizer state moves to the master and is re-cast. Other params
+  (fp32, fp64, frozen) stay as they are: the optimizer updates fp32 params directly.
+* Unscale (``scaler.unscale_``/``scaler.step`` through :class:`fp16kit.GradScaler`, or
+  ``step()`` alone): ``master.grad = float(model.grad) * (1/scale)`` and fp32 params' grads are
+  unscaled in place, all with one non-finite check (:mod:`fp16kit.core.kernels`).
+* Step: the wrapped optimizer steps the masters; the masters are copied back into the model.
+  Fused optimizers (``fused=True``) receive ``grad_scale``/``found_inf`` and skip on the device:
+  no host sync. Otherwise the skip decision reads the flag on the host (as torch's scaler does).
+* Without a scaler, ``step()`` unscales with scale 1 and still refuses non-finite grads: the
+  step is skipped (logged) -- or, with a closure, ``FloatingPointError`` is raised.
+
+The unscaled gradients live on the masters: clip ``opt.param_groups``' params (or call
+:meth:`clip_grad_norm_`), not ``model.parameters()``, whose fp16 grads are still scaled.
+Changing the model grads after ``scaler.unscale_(opt)`` raises at ``step()``.
+
+Checkpoints: :meth:`state_dict` holds the wrapped optimizer's state dict and the masters
+(plain data, ``torch.load(weights_only=True)`` reads it); :meth:`load_state_dict` restores
+both exactly and leaves the model params to ``model.load_state_dict`` (load the model first).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .core import kernels
+from .core.master import MasterParams, needs_master
+
+__all__ = ["MixedPrecisionOptimizer", "MasterGroup", "WrappingOptimizer", "validate_master_groups"]
+
+logger = logging.getLogger("fp16kit")
+
+_STATE_KEYS = ("optimizer", "masters")
+
+
+@dataclass
+class MasterGroup:
+    """One param group's params, by role: ``model_params[i]`` is mastered by ``masters[i]``;
+    ``direct`` params (fp32, fp64) are optimized as they are."""
+
+    model_params: list[torch.Tensor] = field(default_factory=list)
+    masters: list[torch.Tensor] = field(default_factory=list)
+    direct: list[torch.Tensor] = field(default_factory=list)
+
+
+class WrappingOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose param groups and state are those of a wrapped
+    optimizer (``self.optimizer``): LR schedulers, step hooks and ``isinstance`` checks work on
+    the wrapper, and changes to ``param_groups`` (e.g. the lr) reach the wrapped optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        # torch.optim.Optimizer.__init__ minus the param groups, which live in the wrapped
+        # optimizer: hooks, the profiled step, and the flags torch reads.
+        self.optimizer = optimizer
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+
+class MixedPrecisionOptimizer(WrappingOptimizer):
+    """Wrap ``optimizer`` (built on the model's params) so it steps fp32 masters of the model's
+    fp16/bf16 params. See the module docstring for the algorithm and the contract.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
+        master_dtype: dtype of the masters (default ``torch.float32``).
+        master_device: device of the masters (default: each param's own device); e.g.
+            ``"cpu"`` keeps masters and optimizer state in host memory for a CUDA model.
+        flat: keep each device's masters in one contiguous buffer (per-param views).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        master_dtype: torch.dtype = torch.float32,
+        master_device: torch.device | str | None = None,
+        flat: bool = False,
+    ) -> None:
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            raise TypeError("This optimizer is already a MixedPrecisionOptimizer; wrap the inner optimizer once.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"MixedPrecisionOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}. "
+                "Build the optimizer on the model's parameters first, then wrap it."
+            )
+        super().__init__(optimizer)
+        self._masters = MasterParams([], master_dtype=master_dtype, master_device=master_device, flat=flat)
+        self.groups: list[MasterGroup] = []
+        self._flags: dict[torch.device, torch.Tensor] = {}
+        self._transfer: _TransferRecord | None = None
+        self._unscaled_by_scaler = False
+        for group in optimizer.param_groups:
+            self._adopt_group(group)
+        if optimizer.state:
+            # Re-cast moved state (e.g. fp16 momentum) to the masters' dtype and device, the
+            # way apex did: torch's load_state_dict casts floating state to its param's dtype.
+            optimizer.load_state_dict(optimizer.state_dict())
+
+    def _adopt_group(self, group: dict[str, Any]) -> None:
+        params = group["params"]
+        low = [i for i, p in enumerate(params) if needs_master(p)]
+        masters = self._masters.add([params[i] for i in low])
+        info = MasterGroup()
+        for i, m in zip(low, masters):
+            p = params[i]
+            params[i] = m  # in place: LBFGS caches this very list
+            if p in self.optimizer.state:
+                self.optimizer.state[m] = self.optimizer.state.pop(p)
+            info.model_params.append(p)
+            info.masters.append(m)
+        mastered = {id(m) for m in masters}
+        info.direct = [p for p in params if p.requires_grad and id(p) not in mastered]
+        self.groups.append(info)
+
+    # ------------------------------------------------------------------ torch.optim surface
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # Fused inner optimizers take grad_scale/found_inf from GradScaler and skip on device.
+        return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its fp16/bf16 params get masters."""
+        self.optimizer.add_param_group(param_group)
+        self._adopt_group(self.optimizer.param_groups[-1])
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        return list(self._masters.masters)
+
+    @property
+    def model_params(self) -> list[torch.Tensor]:
+        return list(self._masters.model_params)
+
+    def _direct_params(self) -> list[torch.Tensor]:
+        return [p for g in self.groups for p in g.direct]
+
+    # ------------------------------------------------------------------ grads
+    def grads_to_masters(
+        self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool = True
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale this iteration's grads onto what the optimizer steps: fp16/bf16 model grads
+        into fp32 master grads, fp32 params' grads in place; one non-finite check over all.
+        A master whose model param has no grad loses its grad (``clear_missing=False`` keeps
+        it, as apex did). Returns ``{device: found_inf}``. No host sync."""
+        flags = kernels.merge_found_inf(
+            self._masters.grads_to_masters(inv_scale, found_inf, clear_missing=clear_missing),
+            kernels.unscale_grads_(self._direct_params(), inv_scale, found_inf, allow_fp16=True),
+        )
+        self._flags = flags
+        self._transfer = _TransferRecord.of(self._masters.model_params + self._direct_params())
+        return flags
+
+    def _fp16kit_unscale_grads_(
+        self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """The hook :class:`fp16kit.GradScaler` calls instead of unscaling param grads in place."""
+        flags = self.grads_to_masters(inv_scale, found_inf)
+        self._unscaled_by_scaler = True
+        return flags
+
+    def _ensure_master_grads(self) -> None:
+        """Make the master grads current for this step (see the module docstring)."""
+        record = self._transfer
+        current = record is not None and record.matches(self._masters.model_params + self._direct_params())
+        if self._unscaled_by_scaler:
+            if not current:
+                raise RuntimeError(
+                    "The model's gradients changed after scaler.unscale_(optimizer). With "
+                    "MixedPrecisionOptimizer the unscaled gradients live on the masters: clip or "
+                    "edit the params in optimizer.param_groups (or call optimizer.clip_grad_norm_), "
+                    "not model.parameters(), and run every backward before unscale_()."
+                )
+            return
+        if not current:
+            device = self._flag_device()
+            self.grads_to_masters(
+                torch.ones((), dtype=torch.float32, device=device), kernels.new_found_inf(device)
+            )
+
+    def _flag_device(self) -> torch.device:
+        for p in (*self._masters.masters, *self._direct_params()):
+            return p.device
+        return torch.device("cpu")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the grads of the model's fp16/bf16 params, their masters and the other params."""
+        self._masters.zero_grad(set_to_none)
+        self.optimizer.zero_grad(set_to_none)
+        self._transfer = None
+        self._unscaled_by_scaler = False
+        self._flags = {}
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the unscaled grads the optimizer will use (masters and fp32 params) by their
+        total norm, as ``torch.nn.utils.clip_grad_norm_``; returns the total norm. Call after
+        ``scaler.unscale_(optimizer)`` (or with no scaler, at any point after backward)."""
+        self._ensure_master_grads()
+        params = [p for g in self.param_groups for p in g["params"]]
+        return kernels.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Unscale (if no scaler did), step the masters, copy them into the model.
+
+        Returns the wrapped optimizer's return value, or None when the step was skipped for
+        non-finite gradients."""
+        if closure is not None:
+            return self._step_with_closure(closure)
+        self._ensure_master_grads()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        try:
+            if found_inf is not None or grad_scale is not None:
+                # GradScaler's fused path: hand its tensors to the fused inner optimizer.
+                return self.inner_step(grad_scale=grad_scale, found_inf=found_inf)
+            combined = self._combined_flag()
+            if self._step_supports_amp_scaling:
+                return self.inner_step(found_inf=combined)  # skips on the device
+            if combined is not None and combined.item():
+                logger.warning(
+                    "MixedPrecisionOptimizer: non-finite gradients (inf/NaN); step skipped. "
+                    "With fp16 use fp16kit.GradScaler; otherwise look for a diverging loss."
+                )
+                return None
+            return self.inner_step()
+        finally:
+            self._unscaled_by_scaler = False
+
+    def _combined_flag(self) -> torch.Tensor | None:
+        if not self._flags:
+            return None
+        return kernels.combine_found_inf(self._flags.values(), self._flag_device())
+
+    def inner_step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grad_scale: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> Any:
+        """Step the wrapped optimizer on the master grads as they are, then copy the masters
+        into the model. ``grad_scale``/``found_inf`` go to a fused optimizer (which unscales
+        and skips on the device). No unscale, no check: the building block of :meth:`step`."""
+        inner = self.optimizer
+        if found_inf is not None or grad_scale is not None:
+            inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+            inner.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            ret = inner.step(closure) if closure is not None else inner.step()
+        finally:
+            for name in ("grad_scale", "found_inf"):
+                if name in inner.__dict__:
+                    delattr(inner, name)
+        self._masters.masters_to_model()
+        return ret
+
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        if getattr(self, "found_inf", None) is not None:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        first = [True]
+
+        def wrapped() -> Any:
+            # The optimizer may evaluate the closure at several points (LBFGS's line search):
+            # from the second call on, the model must see the masters' current values.
+            if not first[0]:
+                self._masters.masters_to_model()
+            first[0] = False
+            with torch.enable_grad():
+                loss = closure()
+            device = self._flag_device()
+            self.grads_to_masters(torch.ones((), device=device), kernels.new_found_inf(device))
+            combined = self._combined_flag()
+            if combined is not None and combined.item():
+                raise FloatingPointError(
+                    "The closure produced non-finite gradients (inf/NaN) at scale 1; the step "
+                    "cannot be skipped inside the optimizer. Check the loss and the inputs."
+                )
+            return loss
+
+        return self.inner_step(wrapped)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``{"optimizer": wrapped optimizer's state dict, "masters": [[master, ...] per group]}``:
+        plain data, exact fp32 masters (no fp16 round trip)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [[m.detach() for m in g.masters] for g in self.groups],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore the wrapped optimizer's state and the masters exactly. The model params are
+        not touched: load them with ``model.load_state_dict`` (before or after). Structure is
+        checked before anything changes: a mismatch raises ValueError naming the group."""
+        if not isinstance(state_dict, dict) or set(state_dict) != set(_STATE_KEYS):
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"MixedPrecisionOptimizer.load_state_dict expects the keys {list(_STATE_KEYS)} "
+                f"(from MixedPrecisionOptimizer.state_dict()), got {got}."
+            )
+        saved = state_dict["masters"]
+        validate_master_groups(saved, self.groups)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        kernels.copy_(
+            [s for group in saved for s in group], [m.detach() for g in self.groups for m in g.masters]
+        )
+        self._transfer = None
+        self._unscaled_by_scaler = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise RuntimeError(
+            "MixedPrecisionOptimizer cannot be pickled or deep-copied (it refers to the model's "
+            "params); save it with state_dict() and restore it with load_state_dict()."
+        )
+
+    def __repr__(self) -> str:
+        d = self._masters.describe()
+        return (
+            f"MixedPrecisionOptimizer({d['count']} masters, {d['numel']} elements, "
+            f"{d['master_dtype']} on {', '.join(d['devices']) or '-'}{', flat' if d['flat'] else ''}; "
+            f"wrapping {self.optimizer!r})"
+        )
+
+
+def validate_master_groups(saved: Any, groups: list[MasterGroup]) -> None:
+    """Check saved masters (a list per group) against the live groups: counts and shapes.
+    Raises ValueError naming the group, the index and the counts; changes nothing."""
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(groups):
+        n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+        raise ValueError(
+            f"Saved masters have {n} param groups, this optimizer has {len(groups)}: the "
+            "checkpoint was written for a different optimizer layout."
+        )
+    for gi, (s, g) in enumerate(zip(saved, groups)):
+        if not isinstance(s, (list, tuple)) or len(s) != len(g.masters):
+            n = len(s) if isinstance(s, (list, tuple)) else type(s).__name__
+            raise ValueError(
+                f"Param group {gi}: the checkpoint has {n} master tensors, this optimizer has "
+                f"{len(g.masters)} fp16/bf16 params in that group."
+            )
+        for i, (t, m) in enumerate(zip(s, g.masters)):
+            if not isinstance(t, torch.Tensor) or t.shape != m.shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"Param group {gi}, master {i}: the checkpoint has shape {got}, the "
+                    f"param has shape {tuple(m.shape)}."
+                )
+
+
+class _TransferRecord:
+    """Which grad tensors (identity and version) the last unscale read, so a later step can
+    tell whether the model grads changed since (a new backward, an in-place edit)."""
+
+    def __init__(self, entries: list[tuple[Any, int]]) -> None:
+        self.entries = entries
+
+    @classmethod
+    def of(cls, params: Iterable[torch.Tensor]) -> _TransferRecord:
+        entries: list[tuple[Any, int]] = []
+        for p in params:
+            g = p.grad
+            entries.append((None, -1) if g is None else (weakref.ref(g), g._version))
+        return cls(entries)
+
+    def matches(self, params: Iterable[torch.Tensor]) -> bool:
+        params = list(params)
+        if len(params) != len(self.entries):
+            return False
+        for p, (ref, version) in zip(params, self.entries):
+            g = p.grad
+            if g is None:
+                if ref is not None:
+                    return False
+            elif ref is None or ref() is not g or g._version != version:
+                return False
+        return True
