@@ -358,7 +358,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         saved = state_dict["masters"]
         validate_master_groups(saved, self.groups)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        kernels.copy_(
+        kernels.copy_to_(
             [s for group in saved for s in group], [m.detach() for g in self.groups for m in g.masters]
         )
         self._transfer = None

@@ -57,3 +57,19 @@ def test_library_never_prints():
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"
         ]
         assert not prints, f"print() in {path.relative_to(PKG)} at lines {prints}"
+
+
+def test_legacy_holds_no_tensor_math():
+    # DESIGN.md rule 1: every tensor operation on grads, masters or scales runs in the core.
+    import re
+
+    pattern = re.compile(r"torch\._amp_|torch\._foreach_|\.mul_\(|\.copy_\(|\.add_\(|\.div_\(")
+    for path in (PKG / "legacy").glob("*.py"):
+        hits = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if pattern.search(line)]
+        assert not hits, f"tensor math in legacy/{path.name} at lines {hits}"
+
+
+def test_faces_import_downwards_only():
+    for path in PKG.glob("*.py"):  # the modern face never imports the legacy one
+        bad = {n for n in _imports(path) if n.startswith("fp16kit.legacy")}
+        assert not bad, f"{path.name} imports the legacy face: {sorted(bad)}"

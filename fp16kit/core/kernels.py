@@ -34,7 +34,7 @@ __all__ = [
     "clear_grads_",
     "clip_grad_norm_",
     "combine_found_inf",
-    "copy_",
+    "copy_to_",
     "flat_views",
     "flatten",
     "group_by_device_and_dtype",
@@ -183,11 +183,11 @@ def unscale_to_(
             f"unscale_to_ needs one destination per source; got {len(srcs)} sources "
             f"and {len(dsts)} destinations."
         )
-    copy_(srcs, dsts)
+    copy_to_(srcs, dsts)
     return unscale_(dsts, inv_scale, found_inf)
 
 
-def copy_(
+def copy_to_(
     srcs: Sequence[torch.Tensor],
     dsts: Sequence[torch.Tensor],
     *,
@@ -249,7 +249,7 @@ def flatten(
     flat = torch.empty(
         sum(t.numel() for t in tensors), dtype=dtype, device=device, pin_memory=pin_memory
     )
-    copy_([t.detach() for t in tensors], flat_views(flat, tensors))
+    copy_to_([t.detach() for t in tensors], flat_views(flat, tensors))
     return flat
 
 

@@ -162,7 +162,7 @@ class MasterParams:
             return kernels.unscale_to_(srcs, dsts, inv_scale, found_inf)
         # Flat: copy per param, then check-and-unscale each block whose every master grad is
         # its view as one tensor (one op over the buffer), the rest per tensor.
-        kernels.copy_(srcs, dsts)
+        kernels.copy_to_(srcs, dsts)
         return kernels.unscale_(self._flat_unscale_targets(), inv_scale, found_inf)
 
     def _flat_unscale_targets(self) -> list[torch.Tensor]:
@@ -184,7 +184,7 @@ class MasterParams:
     def masters_to_model(self) -> None:
         """Copy the masters into the model params (rounding to the params' dtype)."""
         if self.masters:
-            kernels.copy_([m.detach() for m in self.masters], [p.detach() for p in self.model_params])
+            kernels.copy_to_([m.detach() for m in self.masters], [p.detach() for p in self.model_params])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model params' grads and the masters' grads."""
@@ -200,7 +200,7 @@ class MasterParams:
             if not isinstance(s, torch.Tensor) or s.shape != m.shape:
                 got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
                 raise ValueError(f"{what}[{i}]: expected shape {tuple(m.shape)}, got {got}.")
-        kernels.copy_(list(saved), [m.detach() for m in self.masters])
+        kernels.copy_to_(list(saved), [m.detach() for m in self.masters])
 
     def describe(self) -> dict[str, Any]:
         devices = sorted({str(m.device) for m in self.masters})

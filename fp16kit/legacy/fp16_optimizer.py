@@ -391,7 +391,7 @@ class FP16_Optimizer(WrappingOptimizer):
         self.dynamic_loss_scale = scaler["dynamic"]
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
-        kernels.copy_(
+        kernels.copy_to_(
             [t for g in state_dict["fp32_from_fp16"] for t in g],
             [m.detach() for m in self.all_fp32_from_fp16_params],
         )

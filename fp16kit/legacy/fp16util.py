@@ -133,7 +133,7 @@ def model_grads_to_master_grads(
             flat.grad = torch.zeros_like(flat)
         views = kernels.flat_views(flat.grad, model_params)
         srcs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model_params]
-        kernels.copy_(srcs, views)
+        kernels.copy_to_(srcs, views)
         return
     srcs, dsts = [], []
     for model, master in zip(model_params, master_params):
@@ -144,7 +144,7 @@ def model_grads_to_master_grads(
             dsts.append(master.grad)
         else:
             master.grad = None
-    kernels.copy_(srcs, dsts)
+    kernels.copy_to_(srcs, dsts)
 
 
 def master_params_to_model_params(
@@ -158,4 +158,4 @@ def master_params_to_model_params(
     else:
         masters = [m.detach() for m in master_params]
     pairs = list(zip(masters, model_params))  # apex zipped: extra entries are ignored
-    kernels.copy_([m for m, _ in pairs], [p.detach() for _, p in pairs])
+    kernels.copy_to_([m for m, _ in pairs], [p.detach() for _, p in pairs])

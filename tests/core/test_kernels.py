@@ -133,14 +133,14 @@ def test_unscale_to_length_mismatch():
 def test_copy_rounds_like_copy_(dst_dtype):
     masters = [torch.randn(100) * 3, torch.randn(5, 5) * 1e5]
     params = [torch.empty(100, dtype=dst_dtype), torch.empty(5, 5, dtype=dst_dtype)]
-    kernels.copy_(masters, params)
+    kernels.copy_to_(masters, params)
     for m, p in zip(masters, params):
         assert torch.equal(p, m.to(dst_dtype))
 
 
 def test_copy_length_mismatch():
     with pytest.raises(ValueError, match="one destination per source"):
-        kernels.copy_([torch.ones(1)], [])
+        kernels.copy_to_([torch.ones(1)], [])
 
 
 def test_check_finite_leaves_values_bitwise():

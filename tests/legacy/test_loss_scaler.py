@@ -1,0 +1,124 @@
+"""apex's era-1 LossScaler / DynamicLossScaler: names, attributes and exact scale sequences."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+import torch
+
+from fp16kit.legacy import DynamicLossScaler, LossScaler, to_python_float
+
+
+def spec_update(state, overflow):
+    """spec/apex.md's pseudo-code, in Python floats."""
+    if overflow:
+        state["cur_scale"] = max(state["cur_scale"] / state["scale_factor"], 1)
+        state["last_overflow_iter"] = state["cur_iter"]
+    elif (state["cur_iter"] - state["last_overflow_iter"]) % state["scale_window"] == 0:
+        state["cur_scale"] *= state["scale_factor"]
+    state["cur_iter"] += 1
+
+
+def test_defaults():
+    s = DynamicLossScaler()
+    assert s.cur_scale == 2**32 and s.loss_scale == 2**32
+    assert (s.cur_iter, s.last_overflow_iter, s.scale_factor, s.scale_window) == (0, -1, 2.0, 1000)
+
+
+def test_sequence_by_hand():
+    s = DynamicLossScaler(init_scale=8, scale_factor=2.0, scale_window=3)
+    seen = []
+    for o in [False, False, False, True, False, False, False, True, True, True, True]:
+        s.update_scale(o)
+        seen.append((s.cur_scale, s.cur_iter, s.last_overflow_iter))
+    assert seen == [
+        (8, 1, -1), (8, 2, -1), (16, 3, -1), (8, 4, 3), (8, 5, 3), (8, 6, 3), (16, 7, 3),
+        (8, 8, 7), (4, 9, 8), (2, 10, 9), (1, 11, 10),
+    ]
+    s.update_scale(True)
+    assert s.cur_scale == 1  # floor 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sequences_equal_the_spec_in_python_floats(seed):
+    rng = random.Random(seed)
+    factor = rng.choice([2.0, 3.0, 1.5])
+    window = rng.randint(1, 5)
+    s = DynamicLossScaler(init_scale=2**32, scale_factor=factor, scale_window=window)
+    ref = {"cur_scale": 2**32, "cur_iter": 0, "last_overflow_iter": -1, "scale_factor": factor, "scale_window": window}
+    for _ in range(300):
+        o = rng.random() < 0.35
+        s.update_scale(o)
+        spec_update(ref, o)
+        assert s.cur_scale == ref["cur_scale"]  # bit for bit: float64 state
+        assert (s.cur_iter, s.last_overflow_iter) == (ref["cur_iter"], ref["last_overflow_iter"])
+
+
+def test_attributes_are_writable():
+    s = DynamicLossScaler(init_scale=16, scale_window=4)
+    s.cur_scale = 1024
+    s.scale_window = 2
+    s.update_scale(False)  # (0 - -1) % 2 != 0
+    s.update_scale(False)  # (1 - -1) % 2 == 0: grow
+    assert s.cur_scale == 2048
+    s.last_overflow_iter = 1
+    assert s.last_overflow_iter == 1
+    s.update_scale(False)  # (2 - 1) % 2 != 0
+    s.update_scale(False)  # (3 - 1) % 2 == 0
+    assert s.cur_scale == 4096
+
+
+def test_has_overflow_checks_elements():
+    s = DynamicLossScaler()
+    p = torch.zeros(3, requires_grad=True)
+    q = torch.zeros(2, requires_grad=True)
+    assert s.has_overflow([p, q]) is False  # no grads at all
+    p.grad = torch.tensor([3e38, 3e38, 1.0])  # finite; apex's per-tensor sum called this overflow
+    assert s.has_overflow([p, q]) is False
+    q.grad = torch.tensor([1.0, float("nan")])
+    assert s.has_overflow([p, q]) is True
+    assert torch.equal(p.grad, torch.tensor([3e38, 3e38, 1.0]))  # untouched
+
+
+def test_has_inf_or_nan_on_class_and_instance():
+    t = torch.tensor([1.0, float("inf")], dtype=torch.float16)
+    assert DynamicLossScaler._has_inf_or_nan(t) is True
+    assert DynamicLossScaler()._has_inf_or_nan(torch.ones(2)) is False
+    assert LossScaler._has_inf_or_nan(t) is False
+
+
+def test_backward_and_scale_gradient():
+    for scaler in (LossScaler(4), DynamicLossScaler(init_scale=4)):
+        w = torch.ones(2, requires_grad=True)
+        scaler.backward((w * 3).sum())
+        assert torch.equal(w.grad, torch.full((2,), 12.0))
+        assert scaler.scale_gradient(None, (torch.ones(1), None), ()) == (torch.full((1,), 4.0), None)
+
+
+def test_static_scaler():
+    s = LossScaler(128)
+    assert s.loss_scale == 128 and s.cur_scale == 128
+    assert s.has_overflow([]) is False
+    s.update_scale(True)
+    assert s.loss_scale == 128
+
+
+def test_pickle_round_trip():
+    s = DynamicLossScaler(init_scale=64, scale_window=3)
+    for o in [False, True, False]:
+        s.update_scale(o)
+    t = pickle.loads(pickle.dumps(s))
+    assert (t.cur_scale, t.cur_iter, t.last_overflow_iter, t.scale_factor, t.scale_window) == (
+        s.cur_scale, s.cur_iter, s.last_overflow_iter, s.scale_factor, s.scale_window)
+    for o in [False, False, False, True]:
+        s.update_scale(o)
+        t.update_scale(o)
+        assert s.cur_scale == t.cur_scale
+
+
+def test_to_python_float():
+    assert to_python_float(torch.tensor(2.5)) == 2.5
+    assert to_python_float(3) == 3.0 and isinstance(to_python_float(3), float)
+    assert to_python_float(1.5) == 1.5
