@@ -50,7 +50,13 @@ import torch
 from .core import kernels
 from .core.master import MasterParams, needs_master
 
-__all__ = ["MixedPrecisionOptimizer", "MasterGroup", "WrappingOptimizer", "validate_master_groups"]
+__all__ = [
+    "MasterGroup",
+    "MixedPrecisionOptimizer",
+    "WrappingOptimizer",
+    "validate_master_groups",
+    "validate_optimizer_groups",
+]
 
 logger = logging.getLogger("fp16kit")
 
@@ -204,6 +210,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._transfer = _TransferRecord.of(self._masters.model_params + self._direct_params())
         return flags
 
+    def masters_to_model(self) -> None:
+        """Copy the masters into the model params (rounded to their dtype)."""
+        self._masters.masters_to_model()
+
     def _fp16kit_unscale_grads_(
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
@@ -356,6 +366,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 f"(from MixedPrecisionOptimizer.state_dict()), got {got}."
             )
         saved = state_dict["masters"]
+        validate_optimizer_groups(state_dict["optimizer"], self.optimizer)
         validate_master_groups(saved, self.groups)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         kernels.copy_to_(
@@ -377,6 +388,30 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             f"{d['master_dtype']} on {', '.join(d['devices']) or '-'}{', flat' if d['flat'] else ''}; "
             f"wrapping {self.optimizer!r})"
         )
+
+
+def validate_optimizer_groups(saved: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Check a saved torch optimizer state dict against the live optimizer's param groups
+    (torch's own check does not say which group differs). Raises ValueError; changes nothing."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or "state" not in saved:
+        raise ValueError(
+            "The saved optimizer state is not a torch optimizer state dict (no 'state' and "
+            "'param_groups'): pass the dict from state_dict()."
+        )
+    live = optimizer.param_groups
+    if len(groups) != len(live):
+        raise ValueError(
+            f"The checkpoint has {len(groups)} param groups, this optimizer has {len(live)}: it "
+            "was written for a different optimizer layout."
+        )
+    for gi, (s, g) in enumerate(zip(groups, live)):
+        n = len(s.get("params", ())) if isinstance(s, dict) else -1
+        if n != len(g["params"]):
+            raise ValueError(
+                f"Param group {gi}: the checkpoint has {n} params, this optimizer has "
+                f"{len(g['params'])} in that group."
+            )
 
 
 def validate_master_groups(saved: Any, groups: list[MasterGroup]) -> None:

@@ -334,7 +334,7 @@ def test_load_state_dict_rejects_mismatch_and_changes_nothing():
     good = opt.state_dict()
     before = [m.detach().clone() for m in opt.master_params]
     other = MixedPrecisionOptimizer(torch.optim.SGD(nn.Linear(8, 2).half().parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="Param group 0: the checkpoint has 2 master tensors, this optimizer has 4"):
+    with pytest.raises(ValueError, match="Param group 0: the checkpoint has 2 params, this optimizer has 4"):
         opt.load_state_dict(other.state_dict())
     bad = {"optimizer": good["optimizer"], "masters": [[torch.zeros(3)] + good["masters"][0][1:]]}
     with pytest.raises(ValueError, match=r"Param group 0, master 0: the checkpoint has shape \(3,\)"):

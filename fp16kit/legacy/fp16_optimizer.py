@@ -27,7 +27,12 @@ import torch
 
 from ..core import kernels
 from ..core.scale import LossScale
-from ..optimizer import MixedPrecisionOptimizer, WrappingOptimizer, validate_master_groups
+from ..optimizer import (
+    MixedPrecisionOptimizer,
+    WrappingOptimizer,
+    validate_master_groups,
+    validate_optimizer_groups,
+)
 from .checkpoint import scaler_state
 from .fp16util import clip_grad_norm
 
@@ -385,6 +390,7 @@ class FP16_Optimizer(WrappingOptimizer):
                 "FP16_Optimizer.state_dict() (or an apex checkpoint's optimizer entry)."
             )
         scaler = scaler_state(state_dict["loss_scaler"], current=self.loss_scaler.state_dict())
+        validate_optimizer_groups(state_dict["optimizer_state_dict"], self.optimizer)
         validate_master_groups(state_dict["fp32_from_fp16"], self._mpo.groups)
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         self.loss_scaler = AmpLossScaler.from_state(scaler, self._device)

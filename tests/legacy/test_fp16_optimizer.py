@@ -15,6 +15,7 @@ import io
 import logging
 import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -294,10 +295,10 @@ def train_iter(model, opt, ref, i, dtype, inject=None):
 # ---------------------------------------------------------------- bit for bit: the main loop
 SCALINGS = {
     "static": {"static_loss_scale": 128.0},
-    "dynamic": {"dynamic": True, "dynamic_args": {"init_scale": 2.0**21, "scale_window": 3}},
+    "dynamic": {"dynamic": True, "dynamic_args": {"init_scale": 2.0**19, "scale_window": 2}},
     "dynamic_floor": {
         "dynamic": True,
-        "dynamic_args": {"init_scale": 2.0**22, "scale_window": 2, "min_loss_scale": 2.0**20},
+        "dynamic_args": {"init_scale": 2.0**20, "scale_window": 2, "min_loss_scale": 2.0**18},
     },
     "dynamic_cap": {
         "dynamic": True,
@@ -305,7 +306,7 @@ SCALINGS = {
     },
     "dynamic_factor3": {
         "dynamic": True,
-        "dynamic_args": {"init_scale": 2.0**21, "scale_factor": 3.0, "scale_window": 2},
+        "dynamic_args": {"init_scale": 2.0**20, "scale_factor": 3.0, "scale_window": 2},
     },
 }
 
@@ -318,9 +319,9 @@ def test_bitwise_against_reference(dtype, opt_name, scaling):
     model, opt, ref = build(dtype, opt_name, **cfg)
     frozen0 = model.frozen.detach().clone()
     dynamic = cfg.get("dynamic", False)
-    injections = {4: inject_inf_fp16, 7: inject_nan_fp32} if dynamic else {}
+    injections = {5: inject_inf_fp16, 9: inject_nan_fp32} if dynamic else {}
     scales = []
-    for i in range(10):
+    for i in range(12):
         train_iter(model, opt, ref, i, dtype, injections.get(i))
         assert_matches(model, opt, ref, f"iter {i}")
         scales.append(opt.loss_scale)
@@ -331,8 +332,8 @@ def test_bitwise_against_reference(dtype, opt_name, scaling):
             assert ref.n_overflows > 2, "expected real fp16 overflows from the large init scale"
         if scaling in ("dynamic", "dynamic_cap", "dynamic_factor3"):
             assert ref.n_growths >= 1
-        if scaling == "dynamic_floor":
-            assert min(scales) == 2.0**20
+        if scaling == "dynamic_floor" and dtype == torch.float16:
+            assert min(scales) == 2.0**18  # reached the floor and stayed there
         if scaling == "dynamic_cap":
             assert max(scales) == 32.0
     else:
@@ -841,7 +842,10 @@ def test_lr_scheduler():
     for i in range(6):
         train_iter(model, opt, ref, i, torch.float16)
         sched.step()
-        rsched.step()
+        with warnings.catch_warnings():
+            # the reference skips its inner step on overflow; torch notices and warns
+            warnings.simplefilter("ignore")
+            rsched.step()
         lrs.append([g["lr"] for g in opt.param_groups])
         assert_matches(model, opt, ref, f"iter {i}")
     assert lrs[-1] == [1e-2 * 0.125, 3e-3 * 0.125]
@@ -980,6 +984,10 @@ def test_mismatched_groups_raise_and_change_nothing(layout):
     with pytest.raises(ValueError) as e:
         opt2.load_state_dict(sd)
     msg = str(e.value)
+    # nothing changed ...
+    same_value(_snapshot(model2, opt2), before, "after failed load")
+    same_value(opt2.optimizer.state_dict(), inner_sd_before, "inner state dict after failed load")
+    # ... and the message names the group and the counts
     if layout == "fp16_count":
         assert re.search(r"group 0", msg, re.I), msg
         assert "3" in msg and "2" in msg, msg
@@ -989,5 +997,3 @@ def test_mismatched_groups_raise_and_change_nothing(layout):
         # group 0: the checkpoint has 3 params, this optimizer 4
         assert re.search(r"group 0", msg, re.I), msg
         assert "3" in msg and "4" in msg, msg
-    same_value(_snapshot(model2, opt2), before, "after failed load")
-    same_value(opt2.optimizer.state_dict(), inner_sd_before, "inner state dict after failed load")
