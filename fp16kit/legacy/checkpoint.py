@@ -87,7 +87,10 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, _ApexRecord):
         return {_CLASS_KEY: obj._path, **{k: _plain(v) for k, v in vars(obj).items()}}
     if isinstance(obj, OrderedDict):
-        return OrderedDict((k, _plain(v)) for k, v in obj.items())
+        out = OrderedDict((k, _plain(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # module versions in a model's state dict
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
     if type(obj) is dict:
         return {k: _plain(v) for k, v in obj.items()}
     if type(obj) is list:
@@ -102,6 +105,8 @@ def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
         return str(saved.get(_CLASS_KEY, "")), saved
     cls = type(saved)  # a live apex object (apex installed) or an _ApexRecord
     path = getattr(saved, "_path", "") or f"{cls.__module__}.{cls.__qualname__}"
+    if not hasattr(saved, "__dict__"):
+        raise ValueError(f"a {cls.__name__} is not a loss scaler")
     return path, vars(saved)
 
 
@@ -111,8 +116,8 @@ def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
     ``apex.fp16_utils.loss_scaler.LossScaler``/``DynamicLossScaler`` (object or the dict
     :func:`load_checkpoint` makes of it). Settings an era does not store are taken from
     ``current`` (the loading optimizer's state). Raises ValueError for anything else."""
-    path, a = _attributes(saved)
     try:
+        path, a = _attributes(saved)
         if not path and "loss_scale" in a and "dynamic" in a:  # fp16kit's own form
             state = {k: a[k] for k in current}
         elif path == "apex.amp.scaler.LossScaler":

@@ -139,9 +139,8 @@ class AmpLossScaler:
 
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device | str) -> AmpLossScaler:
-        return cls(
+        scaler = cls(
             "dynamic" if state["dynamic"] else state["loss_scale"],
-            init_scale=state["loss_scale"],
             scale_factor=state["scale_factor"],
             scale_window=state["scale_window"],
             min_loss_scale=state["min_loss_scale"],
@@ -149,6 +148,10 @@ class AmpLossScaler:
             device=device,
             unskipped=state["unskipped"],
         )
+        # The saved scale as it was, even above max_loss_scale (set through loss_scale, or an
+        # era-1 scale): only init_scale is capped, as in apex.
+        scaler._state.set_scale(float(state["loss_scale"]))
+        return scaler
 
     def __repr__(self) -> str:
         return f"AmpLossScaler({self.state_dict()})"
