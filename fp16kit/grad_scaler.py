@@ -33,9 +33,10 @@ _refresh_per_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
 class _LossScaleField:
     """One of torch's private GradScaler attributes, backed by a LossScale attribute.
 
-    torch never sets these attributes on a disabled scaler, so there reading one raises
-    ``AttributeError`` until it is assigned (e.g. ``get_growth_factor()`` on a disabled scaler
-    fails in torch); a disabled scaler keeps assigned values aside, as plain attributes."""
+    torch sets these attributes only when a scaler is *constructed* enabled, so on one built
+    disabled reading one raises ``AttributeError`` until it is assigned (e.g.
+    ``get_growth_factor()`` fails in torch); such a scaler keeps assigned values aside, as
+    plain attributes. Flipping ``_enabled`` later changes nothing here, as in torch."""
 
     def __init__(self, attr: str) -> None:
         self.attr = attr
@@ -47,7 +48,7 @@ class _LossScaleField:
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
-        if not obj._enabled:
+        if not obj.__dict__.get("_built_enabled", True):
             try:
                 return obj.__dict__["_disabled_fields"][self.name]
             except KeyError:
@@ -57,7 +58,7 @@ class _LossScaleField:
         return getattr(obj._loss_scale, self.attr)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        if not obj._enabled:
+        if not obj.__dict__.get("_built_enabled", True):
             obj.__dict__.setdefault("_disabled_fields", {})[self.name] = value
         else:
             setattr(obj._loss_scale, self.attr, value)
@@ -138,7 +139,9 @@ class GradScaler(torch.amp.GradScaler):
             max_scale=max_scale,
             on_min_scale=on_min_scale,
         )
+        self._built_enabled = self._enabled
         self._process_group = _check_process_group(process_group)
+        self._process_group_lost = False
         if self._enabled:
             self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
                 _refresh_per_optimizer_state
@@ -217,16 +220,26 @@ class GradScaler(torch.amp.GradScaler):
     def _reduce_found_inf(
         self, found_inf_per_device: dict[torch.device, torch.Tensor]
     ) -> dict[torch.device, torch.Tensor]:
-        """With a process group: one flag, max-reduced over the ranks, on the scale's device."""
+        """With a process group: one flag, max-reduced over the ranks, on the scale's device.
+        (Also when this rank holds no grads for the optimizer: it must join the collective.)"""
         if self._process_group is None:
             return found_inf_per_device
         scale, _ = self._check_scale_growth_tracker("_reduce_found_inf")
-        # Also when this rank holds no grads for the optimizer: it must join the collective.
-        combined = kernels.combine_found_inf(found_inf_per_device.values(), scale.device)
-        torch.distributed.all_reduce(
-            combined, op=torch.distributed.ReduceOp.MAX, group=self._process_group
-        )
-        return {combined.device: combined}
+        return kernels.all_reduce_found_inf(found_inf_per_device, scale.device, self._process_group)
+
+    def _check_process_group_present(self) -> None:
+        if self.__dict__.get("_process_group_lost", False):
+            raise RuntimeError(
+                "This GradScaler was built with a process_group, which cannot be pickled: the "
+                "copy has none, and its ranks could skip different steps. Call "
+                "scaler.set_process_group(group) after loading it (None: no all-reduce)."
+            )
+
+    def set_process_group(self, process_group: Any) -> None:
+        """Set (or, with None, remove) the group over which ``found_inf`` is all-reduced; e.g.
+        after unpickling a scaler that had one."""
+        self._process_group = _check_process_group(process_group)
+        self._process_group_lost = False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ("unscale") the optimizer's gradients by the scale factor, in place, and record
@@ -236,6 +249,7 @@ class GradScaler(torch.amp.GradScaler):
             return
 
         self._check_scale_growth_tracker("unscale_")
+        self._check_process_group_present()
 
         optimizer_state = self._per_optimizer_states[id(optimizer)]
 
@@ -250,13 +264,19 @@ class GradScaler(torch.amp.GradScaler):
         inv_scale = kernels.inv_scale(self._scale)
         found_inf = kernels.new_found_inf(self._scale.device)
 
-        optimizer_state["found_inf_per_device"] = self._reduce_found_inf(
-            self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        # The grads are unscaled from here on: record it before the all-reduce, so that a
+        # failing collective cannot leave them to be unscaled a second time.
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, inv_scale, found_inf, False
         )
         optimizer_state["stage"] = OptState.UNSCALED
+        optimizer_state["found_inf_per_device"] = self._reduce_found_inf(
+            optimizer_state["found_inf_per_device"]
+        )
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        self._check_process_group_present()
         # Unscaling by exactly 1.0 checks the grads without changing them (torch does the same).
         dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=_scale.device)
         found_inf = kernels.new_found_inf(_scale.device)
@@ -585,8 +605,24 @@ class GradScaler(torch.amp.GradScaler):
         state["_loss_scale"] = copy.copy(self._loss_scale)
         if "_disabled_fields" in state:
             state["_disabled_fields"] = dict(state["_disabled_fields"])
-        state["_process_group"] = None
+        if state.get("_process_group") is not None:
+            state["_process_group"] = None
+            state["_process_group_lost"] = True
         return state
+
+    def _copy(self, state: dict[str, Any]) -> GradScaler:
+        new = type(self).__new__(type(self))
+        new.__setstate__(state)
+        # In the same process a copy keeps the group (only a pickle cannot carry it).
+        new._process_group = self._process_group
+        new._process_group_lost = self.__dict__.get("_process_group_lost", False)
+        return new
+
+    def __copy__(self) -> GradScaler:
+        return self._copy(self.__getstate__())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
+        return self._copy(copy.deepcopy(self.__getstate__(), memo))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -235,3 +235,35 @@ def test_process_group_ranks_skip_together(tmp_path):
     for log in logs:
         assert [skipped for _, skipped in log] == [False, True, False]
         assert [s for s, _ in log] == [8.0, 4.0, 4.0]
+
+
+def test_fields_follow_how_the_scaler_was_built_not_later_flips():
+    built_on = GradScaler("cpu")
+    built_on._enabled = False
+    assert built_on.get_growth_factor() == 2.0  # torch keeps its fields
+    built_on.set_growth_factor(4.0)
+    built_on._enabled = True
+    assert built_on.get_growth_factor() == 4.0
+    built_off = GradScaler("cpu", enabled=False)
+    with pytest.raises(AttributeError, match="no attribute '_growth_factor'"):
+        built_off.get_growth_factor()
+    built_off.set_growth_factor(3.0)
+    assert built_off.get_growth_factor() == 3.0
+
+
+def test_copies_keep_the_process_group_pickles_cannot():
+    import copy
+
+    scaler = GradScaler("cpu")
+    group = object()
+    scaler._process_group = group  # stands in for a ProcessGroup
+    assert copy.copy(scaler)._process_group is group
+    assert copy.deepcopy(scaler)._process_group is group
+    clone = pickle.loads(pickle.dumps(scaler))
+    model, opt = _model_opt()
+    opt.zero_grad()
+    clone.scale(model(torch.randn(3, 4)).sum()).backward()
+    with pytest.raises(RuntimeError, match=r"scaler.set_process_group\(group\)"):
+        clone.unscale_(opt)
+    clone.set_process_group(None)  # explicitly single-process from now on
+    clone.unscale_(opt)

@@ -45,6 +45,12 @@ def test_kernels_never_read_tensors_on_the_host():
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
     }
     assert not calls & {"item", "tolist", "numpy", "cpu"}
+    conversions = [
+        node.lineno
+        for node in ast.walk(code)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("bool", "float", "int")
+    ]
+    assert not conversions, f"bool()/float()/int() in kernels.py at lines {conversions}"
 
 
 def test_library_never_prints():

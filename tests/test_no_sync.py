@@ -15,7 +15,7 @@ import torch
 
 import fp16kit
 
-READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy")
+READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "cpu")
 
 
 class HostRead(AssertionError):
@@ -29,6 +29,11 @@ def no_host_reads(monkeypatch):
             def forbidden(self, *a, __name=name, **k):
                 raise HostRead(f"Tensor.{__name} called on the hot path")
             m.setattr(torch.Tensor, name, forbidden)
+
+        def equal(*a, **k):
+            raise HostRead("torch.equal called on the hot path")
+
+        m.setattr(torch, "equal", equal)
         yield
 
 
@@ -111,3 +116,26 @@ def test_cuda_sync_debug_mode():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert scaler.get_scale() > 0
+
+
+def test_sparse_grads_and_fp16_masters_do_not_read_the_device(monkeypatch):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    head = torch.nn.Linear(4, 2).half()
+    sparse_opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    mp_opt = fp16kit.MixedPrecisionOptimizer(torch.optim.Adam(head.parameters(), fused=True))
+    scaler = fp16kit.GradScaler("cpu", init_scale=256.0)
+    for _ in range(2):
+        sparse_opt.zero_grad()
+        mp_opt.zero_grad()
+        loss = head(emb(torch.tensor([1, 2, 3])).half()).float().sum()
+        with no_host_reads(monkeypatch):
+            scaled = scaler.scale(loss)
+        scaled.backward()
+        with no_host_reads(monkeypatch):
+            scaler.unscale_(sparse_opt)
+            scaler.step(mp_opt)  # fp16 grads -> fp32 masters, fused step: no host read
+        scaler.step(sparse_opt)
+        with no_host_reads(monkeypatch):
+            scaler.update()
+    assert scaler.skipped_steps() == 0

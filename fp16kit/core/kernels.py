@@ -10,8 +10,10 @@ Arithmetic contract (the reference is ``torch.amp.GradScaler``)::
         if any element of t is inf or NaN: found_inf[t.device] = 1.0
         t = t * inv_scale                            # also when non-finite values are present
 
-* ``found_inf`` is a float32 0-dim tensor. Kernels only ever *set* it to 1.0; clearing is the
-  caller's job (a new tensor per iteration), so several calls can accumulate into one flag.
+* ``found_inf`` is a float32 0-dim tensor. A kernel returns ``{device: flag}``: per-device
+  copies of ``found_inf`` that it only ever *sets* to 1.0 (a flag passed in set stays set);
+  the argument itself is not written. Flags of several calls are merged with
+  :func:`merge_found_inf` / :func:`combine_found_inf`; clearing means a new flag.
 * Tensors are grouped by ``(device, dtype)`` and each group is handed to one multi-tensor op
   (``torch._amp_foreach_non_finite_check_and_unscale_`` / ``torch._foreach_copy_``), which runs
   on CPU and CUDA alike: one launch per group, not one per tensor.
@@ -30,6 +32,7 @@ import torch
 __all__ = [
     "PerDevice",
     "TensorOrIterable",
+    "all_reduce_found_inf",
     "check_finite_",
     "clear_grads_",
     "clip_grad_norm_",
@@ -315,6 +318,16 @@ def clip_grad_norm_(
     return torch.nn.utils.clip_grad_norm_(
         list(params), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
     )
+
+
+def all_reduce_found_inf(
+    found_inf_per_device: dict[torch.device, torch.Tensor], device: torch.device, group: Any
+) -> dict[torch.device, torch.Tensor]:
+    """Combine the flags onto ``device`` and max-reduce them over the ranks of ``group``
+    (``torch.distributed``; asynchronous on the device with NCCL). Returns ``{device: flag}``."""
+    combined = combine_found_inf(found_inf_per_device.values(), device)
+    torch.distributed.all_reduce(combined, op=torch.distributed.ReduceOp.MAX, group=group)
+    return {combined.device: combined}
 
 
 def scale_outputs(

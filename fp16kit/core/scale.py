@@ -88,7 +88,8 @@ class LossScale:
                 scale = min(scale * growth_factor, max_scale)    # no cap by default
 
     ``rule="apex_amp"`` -- apex.amp.scaler.LossScaler, driven by apex's FP16_Optimizer
-    (``max_scale`` defaults to 2**24 there; a ``min_scale`` of 0 means none, as in apex)::
+    (``max_scale`` defaults to 2**24 -- ``float("inf")`` for no cap -- and a ``min_scale`` of
+    0 means none, as in apex)::
 
         if overflow:
             growth_tracker = 0
@@ -101,6 +102,10 @@ class LossScale:
 
     Products and quotients are taken in float64 and rounded once to ``dtype``, which is what
     torch's kernel does (float scale times double factor) and what Python floats did in apex.
+
+    Bounds: the initial scale is clamped into ``[min_scale, max_scale]`` (not with the apex
+    rule, whose scaler started where it was told). ``set_scale`` and ``load_state_dict`` set
+    exactly the value given: bounds govern the rule's own moves.
 
     Floor policy (``on_min_scale``; needs a floor): when a step overflows while the scale is
     already at ``min_scale`` the scaler cannot adapt any more -- the loss is probably not
@@ -131,8 +136,13 @@ class LossScale:
     ) -> None:
         if rule == "apex" and min_scale is None:
             min_scale = 1.0
-        if rule == "apex_amp" and not min_scale:
-            min_scale = None  # apex tested `if self._min_loss_scale:`, so 0 meant no floor
+        if rule == "apex_amp":
+            if not min_scale:
+                min_scale = None  # apex tested `if self._min_loss_scale:`, so 0 meant no floor
+            if max_scale is None:
+                max_scale = 2.0**24
+        if max_scale is not None and max_scale == math.inf:
+            max_scale = None  # no cap
         _validate_settings(
             rule=rule,
             growth_interval=growth_interval,
@@ -155,7 +165,14 @@ class LossScale:
         self.on_min_scale: str = on_min_scale
         self.dtype = dtype
 
-        # Host values used until the tensors exist (and after unpickling).
+        # Host values used until the tensors exist (and after unpickling). The initial scale
+        # starts inside the bounds (apex's amp scaler took min(max_loss_scale, init_scale));
+        # apex's fp16_utils scaler started where it was told.
+        if rule != "apex":
+            if self.max_scale is not None and init_scale > self.max_scale:
+                init_scale = self.max_scale
+            if self.min_scale is not None and init_scale < self.min_scale:
+                init_scale = self.min_scale
         self.init_scale = init_scale
         self.init_growth_tracker = 0
         self.init_hysteresis_tracker = hysteresis
@@ -399,6 +416,12 @@ class LossScale:
             max_scale=state_dict["max_scale"],
             on_min_scale=state_dict["on_min_scale"],
         )
+        for key in ("scale", "growth_factor", "backoff_factor"):
+            if not _is_number(state_dict[key]):
+                raise ValueError(f"LossScale state dict: {key} must be a number, got {state_dict[key]!r}.")
+        for key in ("growth_tracker", "hysteresis_tracker", "growth_interval"):
+            if not _is_number(state_dict[key]) or float(state_dict[key]) != int(state_dict[key]):
+                raise ValueError(f"LossScale state dict: {key} must be an integer, got {state_dict[key]!r}.")
         self.growth_factor = state_dict["growth_factor"]
         self.backoff_factor = state_dict["backoff_factor"]
         self.growth_interval = state_dict["growth_interval"]
@@ -447,6 +470,10 @@ class LossScale:
             f"min_scale={self.min_scale}, max_scale={self.max_scale}, "
             f"on_min_scale={self.on_min_scale!r}, dtype={self.dtype}, {where})"
         )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _validate_settings(

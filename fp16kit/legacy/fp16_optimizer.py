@@ -70,10 +70,10 @@ class AmpLossScaler:
         unskipped: int = 0,
     ) -> None:
         self.dynamic = loss_scale == "dynamic"
-        if max_loss_scale is not None and max_loss_scale == float("inf"):
-            max_loss_scale = None  # no cap
+        if max_loss_scale is None:
+            max_loss_scale = float("inf")  # no cap
         if self.dynamic:
-            init = init_scale if max_loss_scale is None else min(max_loss_scale, init_scale)
+            init = min(max_loss_scale, init_scale)
         else:
             init = float(loss_scale)  # type: ignore[arg-type]
         self._state = LossScale(
@@ -86,6 +86,7 @@ class AmpLossScaler:
             dtype=torch.float64,
             device=device,
         )
+        self._state.set_scale(init)  # exactly: apex clamped only a dynamic init to the max
         self._state.set_growth_tracker(unskipped)
 
     def loss_scale(self) -> float:

@@ -195,7 +195,7 @@ def test_floor_policy_needs_a_floor():
         ({"hysteresis": 0}, "hysteresis must be an int >= 1"),
         ({"hysteresis": 1.5}, "hysteresis must be an int >= 1"),
         ({"min_scale": -1.0}, "min_scale must be None or a finite number"),
-        ({"max_scale": float("inf")}, "max_scale must be None or a finite number"),
+        ({"max_scale": float("nan")}, "max_scale must be None or a finite number"),
         ({"min_scale": 8.0, "max_scale": 4.0}, "above max_scale"),
         ({"on_min_scale": "panic"}, "on_min_scale must be one of"),
         ({"dtype": torch.float16}, "dtype must be torch.float32 or torch.float64"),
@@ -294,3 +294,31 @@ def test_cuda_update_and_floor_report_without_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert ls.get_scale() == 1.0
+
+
+def test_initial_scale_starts_inside_the_bounds():
+    assert LossScale(65536.0, max_scale=1024.0).get_scale() == 1024.0
+    assert LossScale(0.5, min_scale=1.0).get_scale() == 1.0
+    assert LossScale(2.0**30, rule="apex_amp").get_scale() == 2.0**24  # apex: min(max, init)
+    assert LossScale(0.25, rule="apex").get_scale() == 0.25  # apex's era-1 scaler: as told
+    ls = LossScale(8.0, max_scale=16.0, device="cpu")
+    ls.set_scale(1e9)  # an explicit value is taken as it is
+    assert ls.get_scale() == 1e9
+
+
+def test_apex_amp_caps_at_2_pow_24_by_default():
+    ls = LossScale(2.0**24, rule="apex_amp", growth_interval=1, device="cpu")
+    ls.update(False)
+    assert ls.get_scale() == 2.0**24
+    uncapped = LossScale(2.0**24, rule="apex_amp", growth_interval=1, max_scale=float("inf"), device="cpu")
+    uncapped.update(False)
+    assert uncapped.max_scale is None and uncapped.get_scale() == 2.0**25
+
+
+def test_load_state_dict_checks_values_before_assigning():
+    ls = LossScale(32.0, device="cpu")
+    before = ls.state_dict()
+    for key, bad in [("scale", "oops"), ("growth_tracker", 1.5), ("growth_factor", None)]:
+        with pytest.raises(ValueError, match=key):
+            ls.load_state_dict({**before, "growth_factor": 7.0, key: bad})
+        assert ls.state_dict() == before
