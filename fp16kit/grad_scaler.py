@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -21,6 +22,8 @@ import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .core import kernels
 from .core.scale import FloorPolicy, LossScale
+from .core.thread import OptimizerThread, current_optimizer_thread, last_submit_target
+from .scaler_thread import IterationRecord, ThreadBinding
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -62,6 +65,22 @@ class _LossScaleField:
             obj.__dict__.setdefault("_disabled_fields", {})[self.name] = value
         else:
             setattr(obj._loss_scale, self.attr, value)
+
+
+class _ScaleField(_LossScaleField):
+    """``_scale``: bound to an optimizer thread, each side sees its own scale -- the step being
+    run on the optimizer thread, the next forward's on the main thread (spec/async.md)."""
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        binding = obj.__dict__.get("_binding")
+        if binding is not None:
+            return binding.head().scale if binding.thread.on_optimizer_thread() else binding.forward_scale
+        return super().__get__(obj, objtype)
+
+
+_BIND_LOCK = threading.Lock()
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -143,21 +162,81 @@ class GradScaler(torch.amp.GradScaler):
         self._process_group = _check_process_group(process_group)
         self._process_group_lost = False
         if self._enabled:
-            self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
-                _refresh_per_optimizer_state
-            )
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # -------------------------------------------------------------- torch's private fields
     # torch keeps the scale state in these attributes, and code in the wild (torch's own
     # tests, FSDP's ShardedGradScaler, checkpoint helpers) reads and writes them. They are
     # views of the LossScale, so both spellings stay in step.
-    _scale = _LossScaleField("scale")
+    _scale = _ScaleField("scale")
     _growth_tracker = _LossScaleField("growth_tracker")
     _init_scale = _LossScaleField("init_scale")
     _init_growth_tracker = _LossScaleField("init_growth_tracker")
     _growth_factor = _LossScaleField("growth_factor")
     _backoff_factor = _LossScaleField("backoff_factor")
     _growth_interval = _LossScaleField("growth_interval")
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        # Bound to an optimizer thread, a step run there records into its iteration's states.
+        binding = self.__dict__.get("_binding")
+        if binding is not None and binding.thread.on_optimizer_thread():
+            return binding.head().states
+        try:
+            return self.__dict__["_opt_states"]
+        except KeyError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '_per_optimizer_states'"
+            ) from None
+
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, value: dict[int, dict[str, Any]]) -> None:
+        self.__dict__["_opt_states"] = value
+
+    # -------------------------------------------------------------- the optimizer thread
+    def _thread_binding(self) -> ThreadBinding | None:
+        """This scaler's binding to an optimizer thread; created when called from one."""
+        binding = self.__dict__.get("_binding")
+        owner = current_optimizer_thread()
+        if owner is not None and binding is None:
+            binding = self._bind(owner)
+        elif owner is not None and binding is not None and binding.thread is not owner:
+            raise RuntimeError(
+                f"This GradScaler steps on {binding.thread.name}; it cannot also be used from "
+                f"{owner.name}. Use one optimizer thread per scaler."
+            )
+        return binding
+
+    def _bind(self, thread: OptimizerThread) -> ThreadBinding:
+        with _BIND_LOCK:
+            binding = self.__dict__.get("_binding")
+            if binding is None:
+                scale, _ = self._check_scale_growth_tracker("a step on the optimizer thread")
+                binding = ThreadBinding(thread, scale, _refresh_per_optimizer_state)
+                binding.mark = None  # the first update cannot tell which jobs were steps
+                self.__dict__["_binding"] = binding
+            return binding
+
+    def _route(self, fn: Any, *args: Any, **kwargs: Any) -> bool:
+        """Main thread of a bound scaler: run ``fn`` on the optimizer thread and wait."""
+        binding = self._thread_binding()
+        if binding is None or binding.thread.on_optimizer_thread():
+            return False
+        binding.thread.wait(binding.thread.submit(fn, *args, **kwargs))
+        return True
+
+    def _queue(self, fn: Any, *args: Any) -> bool:
+        """Main thread of a bound scaler: queue ``fn`` behind the pending jobs."""
+        binding = self.__dict__.get("_binding")
+        if binding is None or binding.thread.on_optimizer_thread():
+            return False
+        binding.thread.submit(fn, *args)
+        return True
+
+    def _wait_for_thread(self) -> None:
+        binding = self.__dict__.get("_binding")
+        if binding is not None and not binding.thread.on_optimizer_thread():
+            binding.thread.synchronize()
 
     # -------------------------------------------------------------- scale
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +277,9 @@ class GradScaler(torch.amp.GradScaler):
         unmodified when disabled. The scale is created on the device of the first tensor."""
         if not self._enabled:
             return outputs
+        binding = self._thread_binding()
+        if binding is not None and not binding.thread.on_optimizer_thread():
+            binding.open_record()  # this iteration's loss is scaled with the forward scale
         return kernels.scale_outputs(outputs, self._scale_on)
 
     # -------------------------------------------------------------- unscale
@@ -246,6 +328,8 @@ class GradScaler(torch.amp.GradScaler):
         whether any is inf/NaN. Optional: :meth:`step` unscales if you have not. Call it at
         most once per optimizer per iteration, after all grads are accumulated. No host sync."""
         if not self._enabled:
+            return
+        if self._route(self.unscale_, optimizer):
             return
 
         self._check_scale_growth_tracker("unscale_")
@@ -319,6 +403,9 @@ class GradScaler(torch.amp.GradScaler):
                 "Closure use is not currently supported if GradScaler is enabled."
             )
 
+        if self._route(self.step, optimizer, *args, **kwargs):
+            return None  # ran on the optimizer thread (spec/async.md): the value stays there
+
         self._check_scale_growth_tracker("step")
 
         optimizer_state = self._per_optimizer_states[id(optimizer)]
@@ -327,6 +414,21 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
 
         retval: float | None = None
+
+        async_hook = getattr(optimizer, "_fp16kit_async_step_", None)
+        if async_hook is not None and getattr(optimizer, "async_step", False) and current_optimizer_thread() is None:
+            # MixedPrecisionOptimizer(async_step=True): it checks the grads on their device,
+            # hands them to the optimizer thread and returns this step's flags; update() uses
+            # them on the device, so the next scale() sees this step's overflow. No sync.
+            self._check_process_group_present()
+            unscaled = optimizer_state["stage"] is OptState.UNSCALED
+            optimizer_state["found_inf_per_device"] = async_hook(
+                self._scale,
+                unscaled_flags=optimizer_state["found_inf_per_device"] if unscaled else None,
+                reduce=self._reduce_found_inf,
+            )
+            optimizer_state["stage"] = OptState.STEPPED
+            return None
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # The optimizer handles scaling itself. Old protocol: it takes a `grad_scaler`
@@ -380,13 +482,29 @@ class GradScaler(torch.amp.GradScaler):
         return retval
 
     # -------------------------------------------------------------- update
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None, *, is_async: bool = True) -> None:
         """Update the scale: back off if any optimizer step this iteration was skipped, grow
         after ``growth_interval`` clean iterations (see :class:`LossScale` for the rule), or
         set ``new_scale`` (a float, or a 1-element tensor on this scaler's device that does
         not require grad; it is copied). Call once per iteration, after every ``step()``.
-        No host sync."""
+        No host sync.
+
+        When the steps run on an optimizer thread (``opt.submit_step``), call it from the main
+        thread: it publishes the scale the previous iteration's update computed (the next
+        loss is scaled with it: one iteration of lag) and queues this iteration's update
+        behind this iteration's step. ``is_async=False`` waits for it instead: torch's exact
+        trajectory. See :mod:`fp16kit.scaler_thread`."""
         if not self._enabled:
+            return
+        if current_optimizer_thread() is not None:
+            raise RuntimeError(
+                "scaler.update() must be called from the main thread, once per iteration after "
+                "the step: loss = scaler.scale(loss); loss.backward(); "
+                "opt.submit_step(lambda: scaler.step(opt)); scaler.update()."
+            )
+        binding = self.__dict__.get("_binding") or self._bind_for_update()
+        if binding is not None:
+            self._update_bound(binding, new_scale, is_async)
             return
 
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
@@ -431,6 +549,77 @@ class GradScaler(torch.amp.GradScaler):
         if new_scale is None:
             self._loss_scale.update(found_inf_combined)
 
+    def _bind_for_update(self) -> ThreadBinding | None:
+        """An update() with no inf checks recorded here, right after steps were submitted to an
+        optimizer thread that has not run them yet: the steps run there (mode 2)."""
+        if self._scale is None or any(
+            st["found_inf_per_device"] for st in self._per_optimizer_states.values()
+        ):
+            return None
+        thread = last_submit_target()
+        if thread is None or thread._closed:
+            return None
+        return self._bind(thread)
+
+    @staticmethod
+    def _check_new_scale(new_scale: float | torch.Tensor, device: str) -> None:
+        if isinstance(new_scale, float):
+            return
+        reason = (
+            "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+            "torch.FloatTensor with requires_grad=False."
+        )
+        if new_scale.device.type != device:
+            raise AssertionError(reason)
+        if new_scale.numel() != 1:
+            raise AssertionError(reason)
+        if new_scale.requires_grad is True:
+            raise AssertionError(reason)
+
+    def _update_bound(
+        self, binding: ThreadBinding, new_scale: float | torch.Tensor | None, is_async: bool
+    ) -> None:
+        if new_scale is not None:
+            self._check_new_scale(new_scale, self._device)
+            binding.thread.synchronize()
+            binding.close_open()
+            self._loss_scale.set_scale(new_scale)
+            assert self._loss_scale.scale is not None
+            binding.reset(self._loss_scale.scale)
+            return
+        if binding.mark is not None and not binding.steps_submitted():
+            raise RuntimeError(
+                "scaler.update() was called before this iteration's step. With steps on the "
+                "optimizer thread the order is: loss = scaler.scale(loss); loss.backward(); "
+                "opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad())); scaler.update()."
+            )
+        binding.thread.raise_pending_error()
+        record = binding.close_open()
+        if binding.last_update is not None:
+            binding.publish(binding.last_update)  # the next loss uses iteration k-1's result
+        binding.last_update = binding.thread.submit(self._update_job, binding, record)
+        binding.mark = binding.thread.submitted
+        if not is_async:
+            binding.publish(binding.last_update)
+
+    def _update_job(self, binding: ThreadBinding, record: IterationRecord) -> torch.Tensor:
+        """On the optimizer thread, after the iteration's step: the scale update."""
+        binding.pop(record)
+        found_infs = [
+            f for st in record.states.values() for f in st["found_inf_per_device"].values()
+        ]
+        if not found_infs:
+            raise RuntimeError(
+                "No inf checks were recorded prior to update(): this iteration's submitted step "
+                "did not call scaler.step(optimizer) (or scaler.unscale_). Submit "
+                "opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad())) before scaler.update()."
+            )
+        scale = self._loss_scale.scale
+        assert scale is not None
+        found = kernels.combine_found_inf(found_infs, scale.device)
+        self._loss_scale.update(found, used_scale=record.scale)
+        return scale.clone()
+
     # -------------------------------------------------------------- reads and settings
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
@@ -445,28 +634,46 @@ class GradScaler(torch.amp.GradScaler):
             )
         return 1.0
 
-    def get_growth_factor(self) -> float:
-        r"""Return a Python float containing the scale growth factor."""
+    def get_growth_factor(self, *, up_to_date: bool = False) -> float:
+        r"""Return a Python float containing the scale growth factor. With steps on the optimizer thread, ``up_to_date=True`` first waits
+        for the queued work (a ``set_growth_factor`` queued from the main thread included)."""
+        if up_to_date:
+            self._wait_for_thread()
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        r"""Set a new scale growth factor."""
+        r"""Set a new scale growth factor. With steps on the optimizer thread, from the main thread the change
+        is queued behind the pending jobs."""
+        if self._queue(self.set_growth_factor, new_factor):
+            return
         self._growth_factor = new_factor
 
-    def get_backoff_factor(self) -> float:
-        r"""Return a Python float containing the scale backoff factor."""
+    def get_backoff_factor(self, *, up_to_date: bool = False) -> float:
+        r"""Return a Python float containing the scale backoff factor. With steps on the optimizer thread, ``up_to_date=True`` first waits
+        for the queued work (a ``set_backoff_factor`` queued from the main thread included)."""
+        if up_to_date:
+            self._wait_for_thread()
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        r"""Set a new scale backoff factor."""
+        r"""Set a new scale backoff factor. With steps on the optimizer thread, from the main thread the change
+        is queued behind the pending jobs."""
+        if self._queue(self.set_backoff_factor, new_factor):
+            return
         self._backoff_factor = new_factor
 
-    def get_growth_interval(self) -> int:
-        r"""Return a Python int containing the growth interval."""
+    def get_growth_interval(self, *, up_to_date: bool = False) -> int:
+        r"""Return a Python int containing the growth interval. With steps on the optimizer thread, ``up_to_date=True`` first waits
+        for the queued work (a ``set_growth_interval`` queued from the main thread included)."""
+        if up_to_date:
+            self._wait_for_thread()
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        r"""Set a new growth interval."""
+        r"""Set a new growth interval. With steps on the optimizer thread, from the main thread the change
+        is queued behind the pending jobs."""
+        if self._queue(self.set_growth_interval, new_interval):
+            return
         self._growth_interval = new_interval
 
     def _get_growth_tracker(self) -> int:
@@ -537,8 +744,11 @@ class GradScaler(torch.amp.GradScaler):
         disabled. Call it after :meth:`update` to checkpoint the end of an iteration.
         """
         if self._enabled:
+            self._wait_for_thread()
             state = {
-                "scale": self.get_scale(),
+                "scale": self._loss_scale.get_scale()
+                if "_binding" in self.__dict__ and self.__dict__["_binding"] is not None
+                else self.get_scale(),
                 "growth_factor": self._growth_factor,
                 "backoff_factor": self._backoff_factor,
                 "growth_interval": self._growth_interval,
@@ -569,6 +779,7 @@ class GradScaler(torch.amp.GradScaler):
                 "from a disabled instance of GradScaler."
             )
 
+        self._wait_for_thread()
         ls = self._loss_scale
         extras = {
             "hysteresis": state_dict.get("hysteresis", ls.hysteresis),
@@ -589,9 +800,15 @@ class GradScaler(torch.amp.GradScaler):
             **extras,
         }
         ls.load_state_dict(ls_state)
+        binding = self.__dict__.get("_binding")
+        if binding is not None and ls.scale is not None:
+            binding.reset(ls.scale)
 
     def __getstate__(self) -> dict[str, Any]:
+        self._wait_for_thread()
         state = self.__dict__.copy()
+        # A copy starts unbound, from the optimizer thread's scale (a binding holds a thread).
+        state.pop("_binding", None)
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
                 raise AssertionError(

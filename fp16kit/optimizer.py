@@ -42,13 +42,16 @@ import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .async_step import AsyncSteps, Handoff
 from .core import kernels
-from .core.master import MasterParams, needs_master
+from .core.master import LOW_PRECISION, MasterParams, needs_master
+from .core.thread import OptimizerThread
 
 __all__ = [
     "MasterGroup",
@@ -124,8 +127,19 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
         master_dtype: dtype of the masters (default ``torch.float32``).
         master_device: device of the masters (default: each param's own device); e.g.
-            ``"cpu"`` keeps masters and optimizer state in host memory for a CUDA model.
+            ``"cpu"`` keeps masters and optimizer state in host memory for a CUDA model. Then
+            fp32 params get masters too: everything the optimizer touches lives there.
         flat: keep each device's masters in one contiguous buffer (per-param views).
+        async_step: run each step on the optimizer thread beside the next forward/backward
+            (spec/async.md, mode 1): ``step()`` lands the previous step's masters in the model,
+            checks this step's grads on their device, hands them to the thread and returns
+            None at once. The model trains with a one-step delayed update. Every trainable
+            param gets a master. Call :meth:`synchronize` before evaluating or exporting.
+        thread: the :class:`~fp16kit.core.thread.OptimizerThread` for asynchronous steps
+            (default: the process-wide ``fp16kit.optimizer_thread()``).
+
+    :meth:`submit_step` (mode 2) runs a function of yours -- typically
+    ``scaler.step(opt); opt.zero_grad()`` -- on the optimizer thread.
     """
 
     def __init__(
@@ -135,6 +149,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         master_dtype: torch.dtype = torch.float32,
         master_device: torch.device | str | None = None,
         flat: bool = False,
+        async_step: bool = False,
+        thread: OptimizerThread | None = None,
     ) -> None:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise TypeError("This optimizer is already a MixedPrecisionOptimizer; wrap the inner optimizer once.")
@@ -143,12 +159,27 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 f"MixedPrecisionOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}. "
                 "Build the optimizer on the model's parameters first, then wrap it."
             )
+        # Asynchronous steps and offloaded masters need a master for every trainable param:
+        # the optimizer thread must never write a tensor the forward pass reads.
+        self._all_masters = async_step or master_device is not None
+        if self._all_masters:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and p.dtype not in (*LOW_PRECISION, torch.float32):
+                        raise TypeError(
+                            f"With async_step=True or a master_device, every trainable param gets a "
+                            f"{master_dtype} master; got a {p.dtype} param of shape {tuple(p.shape)}. "
+                            "Keep it out of this optimizer or convert it to float32."
+                        )
         super().__init__(optimizer)
+        self.async_step = async_step
         self._masters = MasterParams([], master_dtype=master_dtype, master_device=master_device, flat=flat)
+        self._async = AsyncSteps(self._masters, thread)
         self.groups: list[MasterGroup] = []
         self._flags: dict[torch.device, torch.Tensor] = {}
         self._transfer: _TransferRecord | None = None
         self._unscaled_by_scaler = False
+        self._handed_off = False  # the master grads hold this step's raw grads (submit_step)
         for group in optimizer.param_groups:
             self._adopt_group(group)
         if optimizer.state:
@@ -158,7 +189,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def _adopt_group(self, group: dict[str, Any]) -> None:
         params = group["params"]
-        low = [i for i, p in enumerate(params) if needs_master(p)]
+        low = [
+            i
+            for i, p in enumerate(params)
+            if needs_master(p) or (self._all_masters and p.requires_grad and p.dtype == torch.float32)
+        ]
         masters = self._masters.add([params[i] for i in low])
         info = MasterGroup()
         for i, m in zip(low, masters):
@@ -218,12 +253,26 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
         """The hook :class:`fp16kit.GradScaler` calls instead of unscaling param grads in place."""
-        flags = self.grads_to_masters(inv_scale, found_inf)
+        if self._handed_off:  # submit_step moved the raw grads into the masters already
+            flags = kernels.unscale_(self._present_master_grads(), inv_scale, found_inf)
+            self._flags = flags
+        else:
+            if self.async_step and not self._async.on_optimizer_thread():
+                self._async.land()  # the previous step's job must be done with the masters
+            flags = self.grads_to_masters(inv_scale, found_inf)
         self._unscaled_by_scaler = True
         return flags
 
+    def _present_master_grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self._masters.masters if m.grad is not None]
+
     def _ensure_master_grads(self) -> None:
         """Make the master grads current for this step (see the module docstring)."""
+        if self._handed_off:
+            if not self._unscaled_by_scaler:  # raw grads at scale 1: only check them
+                found = kernels.new_found_inf(self._flag_device())
+                self._flags = kernels.check_finite_(self._present_master_grads(), found)
+            return
         record = self._transfer
         current = record is not None and record.matches(self._masters.model_params + self._direct_params())
         if self._unscaled_by_scaler:
@@ -247,9 +296,16 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         return torch.device("cpu")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the grads of the model's fp16/bf16 params, their masters and the other params."""
-        self._masters.zero_grad(set_to_none)
-        self.optimizer.zero_grad(set_to_none)
+        """Clear the grads of the model's fp16/bf16 params, their masters and the other params.
+
+        With asynchronous steps each thread clears its own: on the main thread the model's
+        grads (the job in flight owns the master grads), on the optimizer thread the masters'."""
+        on_thread = self._async.on_optimizer_thread()
+        if on_thread or not (self.async_step or self._async.inflight is not None):
+            self._masters.zero_grad(set_to_none, model=not on_thread)
+            self.optimizer.zero_grad(set_to_none)
+        else:
+            self._masters.zero_grad(set_to_none, masters=False)
         self._transfer = None
         self._unscaled_by_scaler = False
         self._flags = {}
@@ -270,7 +326,17 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         """Unscale (if no scaler did), step the masters, copy them into the model.
 
         Returns the wrapped optimizer's return value, or None when the step was skipped for
-        non-finite gradients."""
+        non-finite gradients -- and None with ``async_step=True``, whose step runs later on the
+        optimizer thread (its errors surface at the next call that waits for it)."""
+        if self.async_step and not self._async.on_optimizer_thread():
+            if closure is not None:
+                raise RuntimeError(
+                    "Closures are not supported with async_step=True: the step runs later on the "
+                    "optimizer thread, but a closure must re-evaluate the model now. Build the "
+                    "MixedPrecisionOptimizer with async_step=False for LBFGS-style optimizers."
+                )
+            self._async_step(None, reduce=None)
+            return None
         if closure is not None:
             return self._step_with_closure(closure)
         self._ensure_master_grads()
@@ -318,8 +384,111 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             for name in ("grad_scale", "found_inf"):
                 if name in inner.__dict__:
                     delattr(inner, name)
-        self._masters.masters_to_model()
+        if self._async.on_optimizer_thread():
+            self._async.land_pending = True  # the main thread copies them (land) between steps
+        else:
+            self._masters.masters_to_model()
         return ret
+
+    # ------------------------------------------------------------------ asynchronous steps
+    def _async_step(
+        self,
+        scale: torch.Tensor | None,
+        *,
+        reduce: Callable[[dict[torch.device, torch.Tensor]], dict[torch.device, torch.Tensor]] | None,
+        unscaled_flags: dict[torch.device, torch.Tensor] | None = None,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Mode 1 on the main thread (see :mod:`fp16kit.async_step`). Returns the device flags
+        of this step's grads (for GradScaler.update); never reads them on the host."""
+        params = self._masters.model_params
+        if unscaled_flags is not None:
+            # scaler.unscale_ already put this step's unscaled grads into the masters (it
+            # landed the previous job first): only the skip decision and the step are left.
+            flags, handoff, inv = unscaled_flags, None, None
+            self._masters.zero_grad(model=True, masters=False)
+        else:
+            self._async.land()
+            device = self._grad_device()
+            flags = kernels.check_finite_([p.grad for p in params if p.grad is not None], kernels.new_found_inf(device))
+            if reduce is not None:
+                flags = reduce(flags)
+            inv = kernels.inv_scale(scale) if scale is not None else torch.ones((), device=device)
+            handoff = self._async.hand_off(params)
+        found = kernels.combine_found_inf(flags.values(), self._grad_device())
+        self._transfer = None
+        self._unscaled_by_scaler = False
+        self._async.submit(self._async_job, handoff, inv, found)
+        return flags
+
+    def _async_job(self, handoff: Handoff | None, inv: torch.Tensor | None, found: torch.Tensor) -> Any:
+        """Mode 1 on the optimizer thread: receive the grads, skip or step."""
+        grads = AsyncSteps.receive(handoff) if handoff is not None else None
+        if found.item():  # the worker may wait for the device; the main thread never does
+            return None
+        if grads is not None:
+            assert inv is not None
+            device = self._flag_device()
+            self._masters.grads_to_masters(inv, kernels.new_found_inf(device), grads=grads)
+        return self.inner_step()
+
+    def _grad_device(self) -> torch.device:
+        for p in self._masters.model_params:
+            return p.device
+        return self._flag_device()
+
+    def _fp16kit_async_step_(
+        self,
+        scale: torch.Tensor,
+        *,
+        unscaled_flags: dict[torch.device, torch.Tensor] | None,
+        reduce: Callable[[dict[torch.device, torch.Tensor]], dict[torch.device, torch.Tensor]],
+    ) -> dict[torch.device, torch.Tensor]:
+        """GradScaler.step's hook for ``async_step=True``: submit this step, return its flags."""
+        return self._async_step(scale, reduce=reduce, unscaled_flags=unscaled_flags)
+
+    def submit_step(self, fn: Callable[[], Any]) -> Future:
+        """Mode 2 (spec/async.md): run ``fn`` -- e.g. ``lambda: (scaler.step(opt), opt.zero_grad())``
+        -- on the optimizer thread, beside the next forward/backward.
+
+        On the main thread: wait for the previous submitted step (re-raising its error), copy
+        the masters it produced into the model, move this step's raw (still scaled) model grads
+        into the master grads -- the model grads are cleared, so the next backward starts from
+        zero -- and submit ``fn``. Returns its Future; call :meth:`synchronize` before
+        evaluating or exporting the model."""
+        if self._async.on_optimizer_thread():
+            raise RuntimeError("submit_step() is called from the main thread, not from a step job.")
+        if self.async_step:
+            raise RuntimeError(
+                "This optimizer already steps asynchronously (async_step=True): call step() (or "
+                "scaler.step(opt)), or build it with async_step=False to use submit_step()."
+            )
+        direct = self._direct_params()
+        if direct:
+            raise RuntimeError(
+                f"submit_step() needs a master for every trainable param ({len(direct)} float32 "
+                "params have none: the thread would update them while the forward pass reads "
+                "them). Build the MixedPrecisionOptimizer with master_device=... (e.g. 'cpu')."
+            )
+        self._async.land()
+        handoff = self._async.hand_off(self._masters.model_params)
+        return self._async.submit(self._submitted_job, handoff, fn)
+
+    def _submitted_job(self, handoff: Handoff, fn: Callable[[], Any]) -> Any:
+        grads = AsyncSteps.receive(handoff)
+        one = torch.ones((), device=self._grad_device())
+        self._masters.grads_to_masters(one, kernels.new_found_inf(self._flag_device()), grads=grads)
+        self._handed_off = True
+        self._unscaled_by_scaler = False
+        try:
+            return fn()
+        finally:
+            self._handed_off = False
+            self._unscaled_by_scaler = False
+
+    def synchronize(self) -> None:
+        """Wait for the step in flight and copy the final masters into the model (call before
+        evaluating or exporting an asynchronously trained model). A no-op otherwise."""
+        self._async.land()
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         if getattr(self, "found_inf", None) is not None:
@@ -349,7 +518,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"optimizer": wrapped optimizer's state dict, "masters": [[master, ...] per group]}``:
-        plain data, exact fp32 masters (no fp16 round trip)."""
+        plain data, exact fp32 masters (no fp16 round trip). Waits for a step in flight but
+        does not write the model params (their own state dict holds what the next forward
+        uses)."""
+        if not self._async.on_optimizer_thread():
+            self._async.wait()
         return {
             "optimizer": self.optimizer.state_dict(),
             "masters": [[m.detach() for m in g.masters] for g in self.groups],
@@ -368,12 +541,17 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         saved = state_dict["masters"]
         validate_optimizer_groups(state_dict["optimizer"], self.optimizer)
         validate_master_groups(saved, self.groups)
+        if not self._async.on_optimizer_thread():
+            self._async.wait()
         self.optimizer.load_state_dict(state_dict["optimizer"])
         kernels.copy_to_(
             [s for group in saved for s in group], [m.detach() for g in self.groups for m in g.masters]
         )
         self._transfer = None
         self._unscaled_by_scaler = False
+        # Asynchronously trained, the masters are a step ahead of the saved model params: the
+        # next step lands them, exactly as in the uninterrupted run.
+        self._async.land_pending = self.async_step
 
     def __getstate__(self) -> dict[str, Any]:
         raise RuntimeError(

@@ -1,6 +1,7 @@
-"""PyTorch's own GradScaler test scenarios, ported to pytest and run on CPU.
+"""PyTorch's own GradScaler test scenarios, ported to pytest, run on CPU and (when present) CUDA.
 
-Sources (reproduced from PyTorch's test suite, adapted to device "cpu"):
+Sources (reproduced from PyTorch's test suite; the device-generic ones are parametrized over
+``device``: "cpu" always, "cuda" marked ``cuda`` and skipped without a GPU):
 
 * test/test_torch.py (TestTorchDeviceType): ``test_grad_scaling_unscale``,
   ``test_grad_scaling_update_scale``, ``test_grad_scaling_unscale_sparse``,
@@ -14,8 +15,9 @@ Sources (reproduced from PyTorch's test suite, adapted to device "cpu"):
   ``test_grad_scaling_device_as_key``.
 * test/test_cuda.py: ``test_grad_scaler_pass_itself``,
   ``test_grad_scaler_with_preset_grad_scale``, ``test_grad_scaling_scale`` (nested iterables,
-  multi-device placement: CUDA-only here), the "CUDA is not available.  Disabling." warning and
-  the behaviour of a disabled scaler.
+  multi-device placement: CUDA-only here), ``test_graph_grad_scaling`` and
+  ``test_graph_scaling_fused_optimizers`` (CUDA graphs: CUDA-only), the "CUDA is not available.
+  Disabling." warning and the behaviour of a disabled scaler.
 
 Every test runs twice: against ``torch.amp.GradScaler`` (which validates the scenario) and
 against ``fp16kit.GradScaler`` (which must behave identically). The few checks at the end marked
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import pickle
 import warnings
 from itertools import chain
@@ -36,7 +39,23 @@ import torch
 
 import fp16kit
 
-DEVICE = "cpu"
+_NEEDS_CUDA = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=_NEEDS_CUDA),
+]
+
+# Every device-generic scenario takes `device` ("cpu" / "cuda"); as the outermost decorator it
+# lands just before scaler_cls in the test id: test_x[...-cpu-fp16kit], test_x[...-cuda-torch].
+on_devices = pytest.mark.parametrize("device", DEVICES)
+
+# torch's tests autocast to float16 on CUDA; the CPU ports have always used float16 (torch.half)
+# too (the default CPU autocast dtype would be bfloat16).
+AUTOCAST_DTYPE = {"cpu": torch.half, "cuda": torch.float16}
 
 SCALER_CLASSES = [
     pytest.param(torch.amp.GradScaler, id="torch"),
@@ -112,8 +131,9 @@ def _assert_equal(actual, expected, *, rtol=None, atol=None, msg=None):
 # ---------------------------------------------------------------------------------------------
 # test_torch.py: unscale / update_scale / sparse / state_dict / scale / pickle / overflow
 # ---------------------------------------------------------------------------------------------
-def test_grad_scaling_unscale(scaler_cls, dtype=torch.float):
-    device = torch.device(DEVICE)
+@on_devices
+def test_grad_scaling_unscale(scaler_cls, device, dtype=torch.float):
+    device = torch.device(device)
     device0 = "cuda:0" if device.type == "cuda" else "cpu"
     inv_scale = torch.full((1,), 0.25, dtype=torch.float, device=device0)
     found_inf = torch.full((1,), 0.0, dtype=torch.float, device=device0)
@@ -193,15 +213,16 @@ def test_grad_scaling_unscale(scaler_cls, dtype=torch.float):
             assert sum(v.item() for v in found_inf_per_device.values()) == 1
 
 
-def test_grad_scaling_update_scale(scaler_cls):
+@on_devices
+def test_grad_scaling_update_scale(scaler_cls, device):
     # torch's test drives torch._amp_update_scale_ directly; the same sequence is run here
     # through the scaler (whose update() must apply exactly that rule to _scale/_growth_tracker).
     growth = 2.0
     backoff = 0.25
     growth_interval = 2
-    scale = torch.full((1,), 4.0, dtype=torch.float, device=DEVICE)
-    growth_tracker = torch.full((1,), 0.0, dtype=torch.int32, device=DEVICE)
-    found_inf = torch.full((1,), 0.0, dtype=torch.float, device=DEVICE)
+    scale = torch.full((1,), 4.0, dtype=torch.float, device=device)
+    growth_tracker = torch.full((1,), 0.0, dtype=torch.int32, device=device)
+    found_inf = torch.full((1,), 0.0, dtype=torch.float, device=device)
 
     # Simulates 2 consecutive unskipped iterations
     torch._amp_update_scale_(scale, growth_tracker, found_inf, growth, backoff, growth_interval)
@@ -219,10 +240,10 @@ def test_grad_scaling_update_scale(scaler_cls):
 
     # The same through the scaler.
     scaler = scaler_cls(
-        DEVICE, init_scale=4.0, growth_factor=growth, backoff_factor=backoff,
+        device, init_scale=4.0, growth_factor=growth, backoff_factor=backoff,
         growth_interval=growth_interval,
     )
-    p = torch.zeros(3, requires_grad=True)
+    p = torch.zeros(3, device=device, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.0)
 
     def iteration(bad):
@@ -249,9 +270,10 @@ def test_grad_scaling_update_scale(scaler_cls):
     assert scaler._growth_tracker.dtype == torch.int32 and scaler._growth_tracker.dim() == 0
 
 
+@on_devices
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")
-def test_grad_scaling_unscale_sparse(scaler_cls, dtype=torch.float):
-    device = torch.device(DEVICE)
+def test_grad_scaling_unscale_sparse(scaler_cls, device, dtype=torch.float):
+    device = torch.device(device)
     scaler = scaler_cls(device=device.type)
 
     inv_scale = torch.full((1,), 0.25, dtype=dtype, device=device)
@@ -307,9 +329,10 @@ def test_grad_scaling_unscale_sparse(scaler_cls, dtype=torch.float):
     assert p.grad.is_coalesced()
 
 
+@on_devices
 @pytest.mark.parametrize("lazy_init_scale", [True, False])
-def test_grad_scaling_state_dict(scaler_cls, lazy_init_scale):
-    device = torch.device(DEVICE)
+def test_grad_scaling_state_dict(scaler_cls, device, lazy_init_scale):
+    device = torch.device(device)
     s0 = scaler_cls(device.type, init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
     s1 = scaler_cls(device.type, init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
 
@@ -319,7 +342,10 @@ def test_grad_scaling_state_dict(scaler_cls, lazy_init_scale):
     if lazy_init_scale:
         # Dummy scale() call to ensure the scale tensor is lazily initialized.
         s1.scale(torch.full((1,), 4.0, dtype=torch.float32, device=device))
-        assert isinstance(s1._scale, torch.FloatTensor)
+        if device.type == "cuda":
+            assert isinstance(s1._scale, torch.cuda.FloatTensor)
+        else:
+            assert isinstance(s1._scale, torch.FloatTensor)
 
     sd = s0.state_dict()
     assert list(sd) == ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"]
@@ -339,22 +365,24 @@ def test_grad_scaling_state_dict(scaler_cls, lazy_init_scale):
         _assert_equal(s1._growth_tracker, 0)
 
 
-def test_grad_scaling_state_dict_cross_load(scaler_cls):
+@on_devices
+def test_grad_scaling_state_dict_cross_load(scaler_cls, device):
     # A drop-in must accept torch's state dicts and produce ones torch accepts.
     other_cls = fp16kit.GradScaler if scaler_cls is torch.amp.GradScaler else torch.amp.GradScaler
-    src = other_cls(DEVICE, init_scale=32.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=5)
-    src.scale(torch.ones(()))
+    src = other_cls(device, init_scale=32.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=5)
+    src.scale(torch.ones((), device=device))
     src._growth_tracker.fill_(3)
-    dst = scaler_cls(DEVICE)
+    dst = scaler_cls(device)
     dst.load_state_dict(src.state_dict())
     assert dst.state_dict() == src.state_dict()
-    back = other_cls(DEVICE)
+    back = other_cls(device)
     back.load_state_dict(dst.state_dict())
     assert back.state_dict() == src.state_dict()
 
 
-def test_grad_scaling_scale(scaler_cls):
-    device = torch.device(DEVICE)
+@on_devices
+def test_grad_scaling_scale(scaler_cls, device):
+    device = torch.device(device)
     scaler = scaler_cls(device.type, init_scale=2.0)
     t0 = torch.full((1,), 4.0, dtype=torch.float32, device=device)
     t1 = torch.full((1,), 4.0, dtype=torch.float32, device=device)
@@ -370,7 +398,7 @@ def test_grad_scaling_scale(scaler_cls):
     assert type(outputs) is tuple and type(outputs[1]) is tuple
     assert type(outputs[2]) is list and type(outputs[2][1]) is tuple
     # single tensor
-    out = scaler.scale(torch.full((2, 2), 3.0))
+    out = scaler.scale(torch.full((2, 2), 3.0, device=device))
     _assert_equal(out, 6.0)
     # other iterables come back as a lazy iterator
     gen_out = scaler.scale(t for t in (t0.clone(), t1.clone()))
@@ -380,8 +408,9 @@ def test_grad_scaling_scale(scaler_cls):
         scaler.scale([t0, 1.0])
 
 
+@on_devices
 @pytest.mark.parametrize("lazy_init_scale", [True, False])
-def test_pickle_gradscaler(scaler_cls, lazy_init_scale):
+def test_pickle_gradscaler(scaler_cls, device, lazy_init_scale):
     # This test should pass in 3 cases for cuda:
     #  1. cuda is not available.
     #  2. cuda is available but device is not cuda.
@@ -390,7 +419,8 @@ def test_pickle_gradscaler(scaler_cls, lazy_init_scale):
     # In case 2, a and b are enabled.  Workhorse attributes participate in pickling, but none are lazy-inited
     # to cuda Tensors, because I don't want to do cuda things if device is not cuda.
     # In case 3, a and b are enabled and we may also try lazy-initing _scale to a cuda tensor.
-    device = torch.device(DEVICE)
+    # (Case 1 is test_pickle_gradscaler_cuda_unavailable below.)
+    device = torch.device(device)
     a = scaler_cls(device.type, init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
     assert a.is_enabled()
     if lazy_init_scale:
@@ -426,10 +456,11 @@ def test_pickle_gradscaler_cuda_unavailable(scaler_cls):
     assert b.get_scale() == 1.0
 
 
-def test_pickle_gradscaler_mid_iteration_refused(scaler_cls):
+@on_devices
+def test_pickle_gradscaler_mid_iteration_refused(scaler_cls, device):
     # Same scaler, pickled between step() and update(): torch refuses.
-    scaler = scaler_cls(DEVICE, init_scale=4.0)
-    p = torch.ones(2, requires_grad=True)
+    scaler = scaler_cls(device, init_scale=4.0)
+    p = torch.ones(2, device=device, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.1)
     scaler.scale(p.sum()).backward()
     scaler.step(opt)
@@ -441,8 +472,9 @@ def test_pickle_gradscaler_mid_iteration_refused(scaler_cls):
     assert b._get_growth_tracker() == scaler._get_growth_tracker() == 1
 
 
-def test_grad_scale_will_not_overflow(scaler_cls):
-    device = torch.device(DEVICE)
+@on_devices
+def test_grad_scale_will_not_overflow(scaler_cls, device):
+    device = torch.device(device)
     model = torch.nn.Linear(5, 1).to(device)
     optimizer = torch.optim.Adam(model.parameters())
     scaler = scaler_cls(device=device.type, growth_interval=1, growth_factor=2**4, init_scale=1e38)
@@ -457,14 +489,18 @@ def test_grad_scale_will_not_overflow(scaler_cls):
     assert torch.isfinite(scaler._scale)
 
 
-def test_grad_scaling_device_as_key(scaler_cls):
+@on_devices
+def test_grad_scaling_device_as_key(scaler_cls, device):
     # Ensure that different instances of "device" objects that point to the same device
     # are treated as identical keys by dicts.  GradScaler relies on this behavior, and may
     # error otherwise in a way that's difficult to detect (a silent performance hit).
     d = {}
-    t = torch.empty((1,), device=DEVICE)
-    dev0a = torch.device(DEVICE)
-    dev0b = torch.device(DEVICE)
+    t = torch.empty((1,), device=device)
+    # A tensor's device carries an index on CUDA ("cuda:0") and none on CPU ("cpu").
+    dev_str = "cuda:0" if device == "cuda" else "cpu"
+    dev0a = torch.device(dev_str)
+    dev0b = torch.device(dev_str)
+    assert hash(dev0a) == hash(dev0b)
     d[dev0a] = "0a"
     d[dev0b] = "0b"
     assert len(d) == 1
@@ -474,13 +510,16 @@ def test_grad_scaling_device_as_key(scaler_cls):
     assert d[dev0a] == "t"
 
     # ... and the scaler keys its per-device found_inf flags that way (one entry per device).
-    scaler = scaler_cls(DEVICE)
-    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, dtype=torch.float64, requires_grad=True)]
+    scaler = scaler_cls(device)
+    params = [
+        torch.zeros(3, device=device, requires_grad=True),
+        torch.zeros(2, dtype=torch.float64, device=device, requires_grad=True),
+    ]
     opt = torch.optim.SGD(params, lr=1.0)
     scaler.scale(sum(p.sum() for p in params)).backward()
     scaler.unscale_(opt)
     per_device = scaler._found_inf_per_device(opt)
-    assert list(per_device) == [torch.device(DEVICE)]
+    assert list(per_device) == [torch.device(dev_str)]
     assert per_device[dev0a].item() == 0.0
 
 
@@ -535,17 +574,18 @@ _AUTOCAST_OPTIMS = [
 
 
 # Compares no scaling + no autocasting against scaling + autocasting.
+@on_devices
 @pytest.mark.parametrize(
     "foreach, fused", [(None, None), (True, None), (None, True)],
     ids=["default", "foreach", "fused"],
 )
 @pytest.mark.parametrize("optimizer_ctor", _AUTOCAST_OPTIMS)
 @pytest.mark.parametrize("try_pickle", [False, True], ids=["nopickle", "pickle"])
-def test_grad_scaling_autocast(scaler_cls, optimizer_ctor, foreach, fused, try_pickle):
+def test_grad_scaling_autocast(scaler_cls, device, optimizer_ctor, foreach, fused, try_pickle):
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         for i, (input, target) in enumerate(data):
             optimizer.zero_grad()
-            with torch.autocast(device_type=device, dtype=torch.half, enabled=try_scaling_api):
+            with torch.autocast(device_type=device, dtype=AUTOCAST_DTYPE[device], enabled=try_scaling_api):
                 output = model(input)
                 loss = loss_fn(output, target)
             if try_scaling_api:
@@ -574,7 +614,7 @@ def test_grad_scaling_autocast(scaler_cls, optimizer_ctor, foreach, fused, try_p
     with context:
         # sets atol=1e-3 because we're comparing pure fp32 arithmetic vs a mixture of fp16 and fp32
         _run_scaling_case(
-            scaler_cls, DEVICE, run, unskipped=3, skipped=1, atol=1e-3,
+            scaler_cls, device, run, unskipped=3, skipped=1, atol=1e-3,
             optimizer_ctor=optimizer_ctor, optimizer_kwargs={"foreach": foreach, "fused": fused},
         )
 
@@ -582,11 +622,11 @@ def test_grad_scaling_autocast(scaler_cls, optimizer_ctor, foreach, fused, try_p
     def scaled_run(cls):
         torch.manual_seed(0)
         _, mod_scaling, _, opt_scaling, data, loss_fn, skip_iter = _create_scaling_case(
-            device=DEVICE, optimizer_ctor=optimizer_ctor,
+            device=device, optimizer_ctor=optimizer_ctor,
             optimizer_kwargs={"foreach": foreach, "fused": fused},
         )
-        scaler = cls(DEVICE, init_scale=128.0, growth_factor=2.0, growth_interval=1)
-        scaler = run(DEVICE, data, mod_scaling, opt_scaling, scaler, loss_fn, skip_iter, True)
+        scaler = cls(device, init_scale=128.0, growth_factor=2.0, growth_interval=1)
+        scaler = run(device, data, mod_scaling, opt_scaling, scaler, loss_fn, skip_iter, True)
         return scaler.get_scale(), [p.detach().clone() for p in mod_scaling.parameters()]
 
     ref_scale, ref_params = scaled_run(torch.amp.GradScaler)
@@ -596,7 +636,8 @@ def test_grad_scaling_autocast(scaler_cls, optimizer_ctor, foreach, fused, try_p
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
 
-def test_grad_scaling_clipping(scaler_cls):
+@on_devices
+def test_grad_scaling_clipping(scaler_cls, device):
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         max_norm = 0.2  # A reasonable value that actually has an effect, based on printouts of grads
         for i, (input, target) in enumerate(data):
@@ -616,10 +657,11 @@ def test_grad_scaling_clipping(scaler_cls):
                 if (not scaler.is_enabled()) or (i != skip_iter):
                     optimizer.step()
 
-    _run_scaling_case(scaler_cls, DEVICE, run, unskipped=3, skipped=1, atol=1e-5)
+    _run_scaling_case(scaler_cls, device, run, unskipped=3, skipped=1, atol=1e-5)
 
 
-def test_grad_scaling_clipping_separate_unscale(scaler_cls):
+@on_devices
+def test_grad_scaling_clipping_separate_unscale(scaler_cls, device):
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         max_norm = 0.2  # A reasonable value that actually has an effect, based on printouts of grads
         for i, (input, target) in enumerate(data):
@@ -640,10 +682,11 @@ def test_grad_scaling_clipping_separate_unscale(scaler_cls):
                 if (not scaler.is_enabled()) or (i != skip_iter):
                     optimizer.step()
 
-    _run_scaling_case(scaler_cls, DEVICE, run, unskipped=3, skipped=1)
+    _run_scaling_case(scaler_cls, device, run, unskipped=3, skipped=1)
 
 
-def test_grad_scaling_penalty(scaler_cls):
+@on_devices
+def test_grad_scaling_penalty(scaler_cls, device):
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         for i, (input, target) in enumerate(data):
             optimizer.zero_grad()
@@ -674,10 +717,11 @@ def test_grad_scaling_penalty(scaler_cls):
                 if (not scaler.is_enabled()) or (i != skip_iter):
                     optimizer.step()
 
-    _run_scaling_case(scaler_cls, DEVICE, run, unskipped=3, skipped=1)
+    _run_scaling_case(scaler_cls, device, run, unskipped=3, skipped=1)
 
 
-def test_grad_scaling_accumulation(scaler_cls):
+@on_devices
+def test_grad_scaling_accumulation(scaler_cls, device):
     def run(device, data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
         iters_to_accumulate = 2
         for i, (input, target) in enumerate(data):
@@ -697,12 +741,13 @@ def test_grad_scaling_accumulation(scaler_cls):
                     optimizer.step()
                     optimizer.zero_grad()
 
-    _run_scaling_case(scaler_cls, DEVICE, run, unskipped=2, skipped=0)
+    _run_scaling_case(scaler_cls, device, run, unskipped=2, skipped=0)
 
 
+@on_devices
 @pytest.mark.parametrize("enabled", [True, False])
-def test_grad_scaling_multiple(scaler_cls, enabled):
-    device = torch.device(DEVICE)
+def test_grad_scaling_multiple(scaler_cls, device, enabled):
+    device = torch.device(device)
     # Tests gradient scaling with 2 models and 2 optimizers that both receive gradients from 2 losses.
     # Some of the logic here cannot reuse the generic helper functions created for the 1-optimizer cases.
     mod_control0, mod_scaling0, opt_control0, opt_scaling0, data, loss_fn, skip_iter = _create_scaling_case(device.type)
@@ -769,10 +814,12 @@ _FUSED_OPTIM_INPUTS = [
 ]
 
 
+@on_devices
 @pytest.mark.parametrize("separate_unscale", [True, False], ids=["unscale_", "no_unscale_"])
 @pytest.mark.parametrize("optimizer_ctor, optimizer_kwargs", _FUSED_OPTIM_INPUTS)
-def test_grad_scaling_autocast_fused_optimizers(scaler_cls, optimizer_ctor, optimizer_kwargs, separate_unscale):
-    device = DEVICE
+def test_grad_scaling_autocast_fused_optimizers(
+    scaler_cls, device, optimizer_ctor, optimizer_kwargs, separate_unscale
+):
     optimizer_kwargs = dict(optimizer_kwargs, fused=True)
     (
         mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn, _,
@@ -798,7 +845,7 @@ def test_grad_scaling_autocast_fused_optimizers(scaler_cls, optimizer_ctor, opti
 
     for input, target in data:
         opt_control.zero_grad()
-        with torch.autocast(device_type=device, dtype=torch.half):
+        with torch.autocast(device_type=device, dtype=AUTOCAST_DTYPE[device]):
             output_control = mod_control(input)
             loss_control = loss_fn(output_control, target)
         scaler_control.scale(loss_control).backward()
@@ -806,7 +853,7 @@ def test_grad_scaling_autocast_fused_optimizers(scaler_cls, optimizer_ctor, opti
         scaler_control.update()
 
         opt_scaling.zero_grad()
-        with torch.autocast(device_type=device, dtype=torch.half):
+        with torch.autocast(device_type=device, dtype=AUTOCAST_DTYPE[device]):
             output_scaling = mod_scaling(input)
             loss_scaling = loss_fn(output_scaling, target)
         scaler_scaling.scale(loss_scaling).backward()
@@ -836,6 +883,7 @@ def test_grad_scaling_autocast_fused_optimizers(scaler_cls, optimizer_ctor, opti
     assert scaler_scaling.get_scale() == scaler_control.get_scale()
 
 
+@on_devices
 @pytest.mark.parametrize(
     "optimizer_ctor, optimizer_kwargs",
     [
@@ -854,9 +902,8 @@ def test_grad_scaling_autocast_fused_optimizers(scaler_cls, optimizer_ctor, opti
     ],
 )
 def test_params_invalidated_with_grads_invalidated_between_unscale_and_step(
-    scaler_cls, optimizer_ctor, optimizer_kwargs
+    scaler_cls, device, optimizer_ctor, optimizer_kwargs
 ):
-    device = DEVICE
     model, _, optimizer, _, data, loss_fn, _ = _create_scaling_case(
         optimizer_ctor=optimizer_ctor, optimizer_kwargs=optimizer_kwargs, device=device
     )
@@ -864,7 +911,7 @@ def test_params_invalidated_with_grads_invalidated_between_unscale_and_step(
 
     for input, target in data:
         optimizer.zero_grad()
-        with torch.autocast(device_type=device, dtype=torch.half):
+        with torch.autocast(device_type=device, dtype=AUTOCAST_DTYPE[device]):
             output = model(input)
             loss = loss_fn(output, target)
         scaler.scale(loss).backward()
@@ -881,9 +928,10 @@ def test_params_invalidated_with_grads_invalidated_between_unscale_and_step(
 
 
 # ---------------------------------------------------------------------------------------------
-# test_cuda.py scenarios, on CPU
+# test_cuda.py scenarios, device-generic here
 # ---------------------------------------------------------------------------------------------
-def test_grad_scaler_pass_itself(scaler_cls):
+@on_devices
+def test_grad_scaler_pass_itself(scaler_cls, device):
     class _PlaceHolderOptimizer(torch.optim.Optimizer):
         def __init__(self, params, defaults=None):
             if defaults is None:
@@ -909,13 +957,13 @@ def test_grad_scaler_pass_itself(scaler_cls):
             seen["o2"] = (self.grad_scale.clone(), self.found_inf.clone())
             return "o2-ret"
 
-    x = torch.randn(4, 4, device=DEVICE)
-    m = torch.nn.Linear(4, 1).to(DEVICE)
+    x = torch.randn(4, 4, device=device)
+    m = torch.nn.Linear(4, 1).to(device)
     o1 = Optimizer1(m.parameters())
     o2 = Optimizer2(m.parameters())
-    scaler = scaler_cls(device=DEVICE, init_scale=2.0)
+    scaler = scaler_cls(device=device, init_scale=2.0)
 
-    with torch.autocast(device_type=DEVICE, dtype=torch.half):
+    with torch.autocast(device_type=device, dtype=AUTOCAST_DTYPE[device]):
         y = m(x)
         loss = y.mean()
     scaler.scale(loss).backward()
@@ -934,21 +982,22 @@ def test_grad_scaler_pass_itself(scaler_cls):
     assert scaler._get_growth_tracker() == 1
 
 
+@on_devices
 @pytest.mark.parametrize(
     "foreach, fused", [(None, None), (True, None), (None, True)], ids=["default", "foreach", "fused"]
 )
-def test_grad_scaler_with_preset_grad_scale(scaler_cls, foreach, fused):
-    weight = torch.ones((5, 5), device=DEVICE, requires_grad=True)
+def test_grad_scaler_with_preset_grad_scale(scaler_cls, device, foreach, fused):
+    weight = torch.ones((5, 5), device=device, requires_grad=True)
     weight.grad = torch.full_like(weight, fill_value=15)
     opt = torch.optim.SGD([weight], lr=0.1, foreach=foreach, fused=fused)
-    scaler = scaler_cls(device=DEVICE, init_scale=5)
+    scaler = scaler_cls(device=device, init_scale=5)
 
     # simulate scaling a loss
-    scaler.scale(torch.ones(5, device=DEVICE))
+    scaler.scale(torch.ones(5, device=device))
 
     if fused:
         # A fused optimizer's preset grad_scale multiplies the scaler's: grads are divided by 5 * 3.
-        opt.grad_scale = torch.tensor(3.0, device=DEVICE)
+        opt.grad_scale = torch.tensor(3.0, device=device)
         scaler.step(opt)
         # the scaler removes the attribute after the step
         assert not hasattr(opt, "grad_scale")
@@ -963,16 +1012,17 @@ def test_grad_scaler_with_preset_grad_scale(scaler_cls, foreach, fused):
     assert scaler._get_growth_tracker() == 1
 
 
-def test_grad_scaler_fused_skips_on_inf(scaler_cls):
+@on_devices
+def test_grad_scaler_fused_skips_on_inf(scaler_cls, device):
     # Fused optimizers get found_inf on the device and skip the update themselves.
-    weight = torch.ones((3,), requires_grad=True)
-    weight.grad = torch.tensor([4.0, float("inf"), 4.0])
+    weight = torch.ones((3,), device=device, requires_grad=True)
+    weight.grad = torch.tensor([4.0, float("inf"), 4.0], device=device)
     opt = torch.optim.Adam([weight], lr=0.1, fused=True)
-    scaler = scaler_cls(DEVICE, init_scale=4.0)
-    scaler.scale(torch.ones(()))
+    scaler = scaler_cls(device, init_scale=4.0)
+    scaler.scale(torch.ones((), device=device))
     scaler.step(opt)
     scaler.update()
-    _assert_equal(weight, torch.ones(3))
+    _assert_equal(weight, torch.ones(3, device=device))
     assert scaler.get_scale() == 2.0
 
 
@@ -992,10 +1042,18 @@ def test_grad_scaler_cuda_unavailable_warns_and_disables(scaler_cls, device_str)
         assert not scaler_cls("cuda", enabled=False).is_enabled()
 
 
-@pytest.mark.parametrize("how", ["enabled_false", "cuda_unavailable"])
-def test_grad_scaler_disabled(scaler_cls, how):
+@pytest.mark.parametrize(
+    "how, device",
+    [
+        pytest.param("enabled_false", "cpu", id="enabled_false-cpu"),
+        pytest.param("enabled_false", "cuda", id="enabled_false-cuda", marks=_NEEDS_CUDA),
+        # a "cuda" scaler that disabled itself (no CUDA): the tensors live on the CPU
+        pytest.param("cuda_unavailable", "cpu", id="cuda_unavailable"),
+    ],
+)
+def test_grad_scaler_disabled(scaler_cls, how, device):
     if how == "enabled_false":
-        scaler = scaler_cls(DEVICE, enabled=False)
+        scaler = scaler_cls(device, enabled=False)
     else:
         if torch.cuda.is_available():
             pytest.skip("CUDA is available")
@@ -1004,17 +1062,17 @@ def test_grad_scaler_disabled(scaler_cls, how):
     assert not scaler.is_enabled()
 
     # scale() returns its argument unchanged (the same object)
-    t = torch.full((2,), 3.0)
+    t = torch.full((2,), 3.0, device=device)
     assert scaler.scale(t) is t
     nested = [t, (t,)]
     assert scaler.scale(nested) is nested
 
-    p = torch.ones(2, requires_grad=True)
-    p.grad = torch.tensor([2.0, float("inf")])
+    p = torch.ones(2, device=device, requires_grad=True)
+    p.grad = torch.tensor([2.0, float("inf")], device=device)
     opt = torch.optim.SGD([p], lr=0.5)
     scaler.unscale_(opt)  # no-op: grads untouched
     _assert_equal(p.grad, torch.tensor([2.0, float("inf")]))
-    p.grad = torch.tensor([2.0, 4.0])
+    p.grad = torch.tensor([2.0, 4.0], device=device)
     # step() just calls optimizer.step() and returns its value, even twice per iteration
     assert scaler.step(opt) is None
     assert scaler.step(opt) is None
@@ -1074,18 +1132,159 @@ def test_grad_scaling_scale_multigpu(scaler_cls):
 
 
 # ---------------------------------------------------------------------------------------------
+# CUDA graphs (test_cuda.py; CUDA only)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "foreach, fused", [(False, False), (True, False), (False, True)],
+    ids=["forloop", "foreach", "fused"],
+)
+def test_graph_grad_scaling(scaler_cls, foreach, fused):
+    # torch's test_graph_grad_scaling / _test_graph_grad_scaling: scale() and backward() are
+    # captured; the scale tensor is read on replay, so the eager step()/update() between
+    # replays must change the scale the graph multiplies by.
+    torch.cuda.empty_cache()
+
+    scaler = scaler_cls(device="cuda", init_scale=4.0)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+
+    weight = torch.ones((100,), device="cuda", requires_grad=True)
+    opt = torch.optim.SGD([weight], lr=0.1, foreach=foreach, fused=fused)
+    static_input = torch.ones_like(weight)
+
+    # warmup
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        loss = (weight.half() * static_input).sum()
+        scaler.scale(loss).backward()
+    torch.cuda.current_stream().wait_stream(s)
+
+    opt.zero_grad(set_to_none=True)
+
+    # capture
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        loss = (weight.half() * static_input).sum()
+        scaler.scale(loss).backward()
+        g.capture_end()
+
+    input_vals = [5, 20000, 5, 40000]
+    # If the scale gets updated properly, these are the scale, growth tracker,
+    # and grad values we expect.
+    expected_scales = [4, 2, 2, 1]
+    expected_growth_trackers = [1, 0, 1, 0]
+    expected_grad_vals = [5 * 4, float("inf"), 5 * 2, float("inf")]
+
+    for data, scale, growth_tracker, grad_val in zip(
+        input_vals, expected_scales, expected_growth_trackers, expected_grad_vals
+    ):
+        static_input.fill_(data)
+        g.replay()
+        _assert_equal(weight.grad, torch.full_like(weight.grad, grad_val))
+        scaler.step(opt)
+        scaler.update()
+        _assert_equal(scaler._scale, scale)
+        _assert_equal(scaler._growth_tracker, growth_tracker)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("optimizer_ctor, optimizer_kwargs", _FUSED_OPTIM_INPUTS)
+def test_graph_scaling_fused_optimizers(scaler_cls, optimizer_ctor, optimizer_kwargs):
+    # torch's test_graph_scaling_fused_optimizers (there over optim_db's fused optimizers and
+    # their optim_inputs; here over the fused inputs used above): scaler.step() + update()
+    # captured in a graph with a fused optimizer (capturable=True where it has the argument)
+    # and replayed must match an eager control run with capturable=False.
+    device = "cuda"
+    steps_warmup = 3
+    steps_train = 2
+
+    kwargs = dict(optimizer_kwargs, fused=True)
+    has_capturable_arg = "capturable" in inspect.signature(optimizer_ctor.__init__).parameters
+
+    for actually_do_graphs in (True, False) if has_capturable_arg else (True,):
+        params = [torch.randn((i + 5, i + 5), device=device) for i in range(2)]
+        params_control = [p.clone().requires_grad_() for p in params]
+        params_graphed = [p.clone().requires_grad_() for p in params]
+
+        # `GradScaler` in-place updates gradients thus it's necessary to duplicate gradients.
+        grads = [[torch.randn_like(p) for p in params] for _ in range(steps_warmup + steps_train)]
+        with torch.no_grad():
+            grads_control = [[g.clone() for g in gs] for gs in grads]
+            grads_graphed = [[g.clone() for g in gs] for gs in grads]
+
+        # Gradient Scaler
+        scaler_for_control = scaler_cls(device=device, init_scale=128.0)
+        with torch.no_grad():
+            scaler_for_control._lazy_init_scale_growth_tracker(device)
+
+        scaler_for_graphed = scaler_cls(device=device)
+        scaler_for_graphed.load_state_dict(scaler_for_control.state_dict())
+        with torch.no_grad():
+            scaler_for_graphed._lazy_init_scale_growth_tracker(device)
+
+        # Control (capturable=False)
+        if has_capturable_arg:
+            kwargs["capturable"] = False
+        opt = optimizer_ctor(params_control, **kwargs)
+
+        for i in range(steps_warmup + steps_train):
+            for j, p in enumerate(params_control):
+                p.grad = grads_control[i][j]
+            scaler_for_control.step(opt)
+            scaler_for_control.update()
+
+        # capturable=True
+        if has_capturable_arg:
+            kwargs["capturable"] = True
+        opt = optimizer_ctor(params_graphed, **kwargs)
+
+        for i in range(steps_warmup):
+            for j, p in enumerate(params_graphed):
+                p.grad = grads_graphed[i][j]
+            scaler_for_graphed.step(opt)
+            scaler_for_graphed.update()
+
+        if actually_do_graphs:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                scaler_for_graphed.step(opt)
+                scaler_for_graphed.update()
+
+        for i in range(steps_train):
+            if actually_do_graphs:
+                for j, p in enumerate(params_graphed):
+                    p.grad.copy_(grads_graphed[i + steps_warmup][j])
+                g.replay()
+            else:
+                # Passing capturable=True to the constructor and running without graphs should
+                # still be numerically correct, even if it's not ideal for performance.
+                for j, p in enumerate(params_graphed):
+                    p.grad = grads_graphed[i + steps_warmup][j]
+                scaler_for_graphed.step(opt)
+                scaler_for_graphed.update()
+
+        for p_control, p_graphed in zip(params_control, params_graphed):
+            torch.testing.assert_close(p_control, p_graphed)
+        assert scaler_for_graphed.get_scale() == scaler_for_control.get_scale()
+
+
+# ---------------------------------------------------------------------------------------------
 # (contract) torch's state machine, error types and texts
 # ---------------------------------------------------------------------------------------------
-def _one_param_case(scaler_cls, **kw):
-    p = torch.ones(4, requires_grad=True)
+def _one_param_case(scaler_cls, device, **kw):
+    p = torch.ones(4, device=device, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.1)
-    scaler = scaler_cls(DEVICE, init_scale=8.0, **kw)
+    scaler = scaler_cls(device, init_scale=8.0, **kw)
     scaler.scale((p * 2).sum()).backward()
     return p, opt, scaler
 
 
-def test_state_machine_errors(scaler_cls):
-    p, opt, scaler = _one_param_case(scaler_cls)
+@on_devices
+def test_state_machine_errors(scaler_cls, device):
+    p, opt, scaler = _one_param_case(scaler_cls, device)
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match=r"^unscale_\(\) has already been called on this optimizer since the last update\(\)\.$"):
         scaler.unscale_(opt)
@@ -1101,9 +1300,10 @@ def test_state_machine_errors(scaler_cls):
         scaler.step(opt, closure=lambda: None)
 
 
-def test_calls_before_scale_raise(scaler_cls):
-    scaler = scaler_cls(DEVICE)
-    opt = torch.optim.SGD([torch.ones(1, requires_grad=True)], lr=0.1)
+@on_devices
+def test_calls_before_scale_raise(scaler_cls, device):
+    scaler = scaler_cls(device)
+    opt = torch.optim.SGD([torch.ones(1, device=device, requires_grad=True)], lr=0.1)
     fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
     for name, call in (
         ("unscale_", lambda: scaler.unscale_(opt)),
@@ -1117,22 +1317,24 @@ def test_calls_before_scale_raise(scaler_cls):
     assert scaler._get_growth_tracker() == 0
 
 
-def test_update_without_inf_checks_and_no_grad_step(scaler_cls):
-    scaler = scaler_cls(DEVICE)
-    scaler.scale(torch.ones(()))
+@on_devices
+def test_update_without_inf_checks_and_no_grad_step(scaler_cls, device):
+    scaler = scaler_cls(device)
+    scaler.scale(torch.ones((), device=device))
     with pytest.raises(AssertionError, match="^No inf checks were recorded prior to update.$"):
         scaler.update()
-    opt = torch.optim.SGD([torch.ones(1, requires_grad=True)], lr=0.1)  # no grads
+    opt = torch.optim.SGD([torch.ones(1, device=device, requires_grad=True)], lr=0.1)  # no grads
     with pytest.raises(AssertionError, match="^No inf checks were recorded for this optimizer.$"):
         scaler.step(opt)
 
 
-def test_fp16_grads_rejected(scaler_cls):
-    p = torch.ones(4, dtype=torch.float16, requires_grad=True)
-    p.grad = torch.ones(4, dtype=torch.float16)
+@on_devices
+def test_fp16_grads_rejected(scaler_cls, device):
+    p = torch.ones(4, dtype=torch.float16, device=device, requires_grad=True)
+    p.grad = torch.ones(4, dtype=torch.float16, device=device)
     opt = torch.optim.SGD([p], lr=0.1)
-    scaler = scaler_cls(DEVICE)
-    scaler.scale(torch.ones(()))
+    scaler = scaler_cls(device)
+    scaler.scale(torch.ones((), device=device))
     with pytest.raises(ValueError, match="^Attempting to unscale FP16 gradients.$"):
         scaler.unscale_(opt)
     with pytest.raises(ValueError, match="^Attempting to unscale FP16 gradients.$"):
@@ -1140,21 +1342,23 @@ def test_fp16_grads_rejected(scaler_cls):
     _assert_equal(p.grad, torch.ones(4))
 
 
-def test_factor_validation(scaler_cls):
+@on_devices
+def test_factor_validation(scaler_cls, device):
     with pytest.raises(AssertionError, match=r"^The growth factor must be > 1\.0\.$"):
-        scaler_cls(DEVICE, growth_factor=1.0)
+        scaler_cls(device, growth_factor=1.0)
     with pytest.raises(AssertionError, match=r"^The backoff factor must be < 1\.0\.$"):
-        scaler_cls(DEVICE, backoff_factor=1.0)
+        scaler_cls(device, backoff_factor=1.0)
     # a disabled scaler does not validate them
-    assert not scaler_cls(DEVICE, growth_factor=0.5, backoff_factor=2.0, enabled=False).is_enabled()
+    assert not scaler_cls(device, growth_factor=0.5, backoff_factor=2.0, enabled=False).is_enabled()
 
 
-def test_update_new_scale(scaler_cls):
-    p, opt, scaler = _one_param_case(scaler_cls)
+@on_devices
+def test_update_new_scale(scaler_cls, device):
+    p, opt, scaler = _one_param_case(scaler_cls, device)
     scaler.step(opt)
     scaler.update(3.0)
     assert scaler.get_scale() == 3.0
-    new = torch.tensor(5.0)
+    new = torch.tensor(5.0, device=device)
     scaler.scale((p * 2).sum())
     scaler.update(new)
     new.fill_(11.0)  # copied, not aliased
@@ -1163,14 +1367,18 @@ def test_update_new_scale(scaler_cls):
         "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
         "torch.FloatTensor with requires_grad=False."
     )
-    for bad in (torch.ones(2), torch.tensor(2.0, requires_grad=True)):
+    bads = [torch.ones(2, device=device), torch.tensor(2.0, device=device, requires_grad=True)]
+    if device != "cpu":
+        bads.append(torch.tensor(2.0))  # on another device type than the scaler's
+    for bad in bads:
         with pytest.raises(AssertionError) as exc:
             scaler.update(bad)
         assert str(exc.value) == reason
 
 
-def test_setters_getters(scaler_cls):
-    scaler = scaler_cls(DEVICE, init_scale=4.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+@on_devices
+def test_setters_getters(scaler_cls, device):
+    scaler = scaler_cls(device, init_scale=4.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
     assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (3.0, 0.25, 7)
     scaler.set_growth_factor(5.0)
     scaler.set_backoff_factor(0.125)
@@ -1179,7 +1387,7 @@ def test_setters_getters(scaler_cls):
     assert (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval) == (5.0, 0.125, 1)
     assert scaler._init_scale == 4.0 and scaler._init_growth_tracker == 0
     assert scaler._scale is None and scaler._growth_tracker is None
-    p = torch.ones(2, requires_grad=True)
+    p = torch.ones(2, device=device, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.1)
     scaler.scale(p.sum()).backward()
     scaler.step(opt)
@@ -1192,16 +1400,17 @@ def test_setters_getters(scaler_cls):
     assert scaler.get_scale() == 2.5
 
 
-def test_fused_optimizer_without_grads_in_iteration(scaler_cls):
+@on_devices
+def test_fused_optimizer_without_grads_in_iteration(scaler_cls, device):
     # Two fused optimizers; one of them (an unused head) has no grads this iteration. torch
     # then hands that optimizer found_inf = sum([]) and its fused step is a no-op.
-    trunk = torch.nn.Linear(4, 4)
-    head = torch.nn.Linear(4, 4)
+    trunk = torch.nn.Linear(4, 4).to(device)
+    head = torch.nn.Linear(4, 4).to(device)
     opt_trunk = torch.optim.Adam(trunk.parameters(), lr=0.1, fused=True)
     opt_head = torch.optim.Adam(head.parameters(), lr=0.1, fused=True)
-    scaler = scaler_cls(DEVICE, init_scale=8.0)
+    scaler = scaler_cls(device, init_scale=8.0)
     head_before = [q.detach().clone() for q in head.parameters()]
-    scaler.scale(trunk(torch.randn(2, 4)).sum()).backward()
+    scaler.scale(trunk(torch.randn(2, 4, device=device)).sum()).backward()
     scaler.step(opt_trunk)
     scaler.step(opt_head)
     scaler.update()

@@ -132,17 +132,24 @@ class MasterParams:
 
     # ------------------------------------------------------------------ grads
     def grads_to_masters(
-        self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool = True
+        self,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        *,
+        clear_missing: bool = True,
+        grads: Sequence[torch.Tensor | None] | None = None,
     ) -> dict[torch.device, torch.Tensor]:
         """``master.grad = float(model.grad) * inv_scale`` for every pair with a model grad
         (master grads are allocated on first use). Pairs without a model grad get
         ``master.grad = None`` (the optimizer then skips them), or keep their master grad with
-        ``clear_missing=False`` (apex's FP16_Optimizer did). Returns ``{device: found_inf}``
+        ``clear_missing=False`` (apex's FP16_Optimizer did). ``grads`` replaces the model
+        params' ``.grad`` (grads handed off to another thread). Returns ``{device: found_inf}``
         for the master devices (see kernels.unscale_to_)."""
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
-        for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
-            g = p.grad
+        if grads is None:
+            grads = [p.grad for p in self.model_params]
+        for i, (g, m) in enumerate(zip(grads, self.masters)):
             if g is None:
                 if clear_missing:
                     m.grad = None
@@ -181,14 +188,21 @@ class MasterParams:
                 targets.extend(grads)
         return targets
 
-    def masters_to_model(self) -> None:
-        """Copy the masters into the model params (rounding to the params' dtype)."""
+    def masters_to_model(self, *, non_blocking: bool = False) -> None:
+        """Copy the masters into the model params (rounding to the params' dtype).
+        ``non_blocking``: from pinned host masters, let the copies overlap (the caller orders
+        any later write to the masters after an event)."""
         if self.masters:
-            kernels.copy_to_([m.detach() for m in self.masters], [p.detach() for p in self.model_params])
+            kernels.copy_to_(
+                [m.detach() for m in self.masters],
+                [p.detach() for p in self.model_params],
+                non_blocking=non_blocking,
+            )
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model params' grads and the masters' grads."""
-        kernels.clear_grads_([*self.model_params, *self.masters], set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool = True, *, model: bool = True, masters: bool = True) -> None:
+        """Clear the model params' grads and/or the masters' grads."""
+        params = [*(self.model_params if model else ()), *(self.masters if masters else ())]
+        kernels.clear_grads_(params, set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ checkpoints
     def load_masters(self, saved: Sequence[torch.Tensor], what: str = "masters") -> None:

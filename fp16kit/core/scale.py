@@ -236,15 +236,28 @@ class LossScale:
             and self.dtype == torch.float32
         )
 
-    def update(self, found_inf: torch.Tensor | bool) -> None:
+    def update(
+        self, found_inf: torch.Tensor | bool, *, used_scale: torch.Tensor | None = None
+    ) -> None:
         """Apply one step of the rule. ``found_inf``: a tensor (any device, nonzero means the
-        step overflowed) or a Python bool. Device ops only; see the class docstring."""
+        step overflowed) or a Python bool. Device ops only; see the class docstring.
+
+        ``used_scale``: the scale the overflowing loss was actually multiplied by, when that
+        can differ from the current one (steps that lag the scale, on the optimizer thread).
+        A back-off then starts from it and never goes above the current scale::
+
+            backed_off = min(scale, backoff(used_scale))
+
+        so one overflowing scale is never backed off twice. Equal to the current scale, this
+        is the plain rule."""
         scale = self._require("update")
         if not isinstance(found_inf, torch.Tensor):
             found_inf = torch.full((), float(bool(found_inf)), device=scale.device)
         found_inf = found_inf.to(device=scale.device, dtype=torch.float32, non_blocking=True)
         found = found_inf != 0
-        if self._is_torch_fast_path:
+        if used_scale is not None:
+            self._update_generic(found, used_scale.to(device=scale.device, dtype=torch.float64))
+        elif self._is_torch_fast_path:
             torch._amp_update_scale_(
                 scale,
                 self.growth_tracker,
@@ -261,14 +274,17 @@ class LossScale:
         self._last_found_inf = found
         self._poll_floor()
 
-    def _update_generic(self, found: torch.Tensor) -> None:
+    def _update_generic(self, found: torch.Tensor, used: torch.Tensor | None = None) -> None:
         assert self.scale is not None and self.growth_tracker is not None
         assert self.hysteresis_tracker is not None
         s = self.scale.double()
         hyst = torch.where(found, (self.hysteresis_tracker - 1).clamp_min(0), self.hysteresis_tracker)
         backoff = found & (hyst == 0)
 
-        backed = s * self.backoff_factor if self.rule == "torch" else s / self.growth_factor
+        base = s if used is None else used
+        backed = base * self.backoff_factor if self.rule == "torch" else base / self.growth_factor
+        if used is not None:
+            backed = torch.minimum(backed, s)
         if self.min_scale is not None:
             backed = backed.clamp_min(self.min_scale)
         after_backoff = torch.where(backoff, backed, s)
