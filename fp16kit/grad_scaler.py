@@ -386,6 +386,8 @@ class GradScaler(torch.amp.GradScaler):
         # The skip decision needs the flag on the host: the one sync of a non-fused step
         # (fused optimizers take found_inf on the device instead; see step()).
         if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            if hasattr(optimizer, "_fp16kit_unscale_grads_"):
+                optimizer._fp16kit_skip_decided = True  # it need not read the flags again
             retval = optimizer.step(*args, **kwargs)
         return retval
 

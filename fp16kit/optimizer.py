@@ -242,7 +242,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             kernels.unscale_grads_(self._direct_params(), inv_scale, found_inf, allow_fp16=True),
         )
         self._flags = flags
-        self._transfer = _TransferRecord.of(self._masters.model_params + self._direct_params())
+        # Only the fp16/bf16 model grads: fp32 params' grads are the unscaled ones and may be
+        # clipped in place after unscale_.
+        self._transfer = _TransferRecord.of(self._masters.model_params)
         return flags
 
     def masters_to_model(self) -> None:
@@ -274,7 +276,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 self._flags = kernels.check_finite_(self._present_master_grads(), found)
             return
         record = self._transfer
-        current = record is not None and record.matches(self._masters.model_params + self._direct_params())
+        current = record is not None and record.matches(self._masters.model_params)
         if self._unscaled_by_scaler:
             if not current:
                 raise RuntimeError(
@@ -349,6 +351,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             combined = self._combined_flag()
             if self._step_supports_amp_scaling:
                 return self.inner_step(found_inf=combined)  # skips on the device
+            if self.__dict__.pop("_fp16kit_skip_decided", False):
+                return self.inner_step()  # GradScaler read these flags already: no second read
             if combined is not None and combined.item():
                 logger.warning(
                     "MixedPrecisionOptimizer: non-finite gradients (inf/NaN); step skipped. "
@@ -358,6 +362,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             return self.inner_step()
         finally:
             self._unscaled_by_scaler = False
+            self.__dict__.pop("_fp16kit_skip_decided", None)
 
     def _combined_flag(self) -> torch.Tensor | None:
         if not self._flags:

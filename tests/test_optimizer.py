@@ -394,3 +394,47 @@ def test_cuda_model_with_cpu_masters_matches_on_device_masters(flat):
         runs.append([p.detach().cpu() for p in model.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_fused_inner_with_fp32_params_skips_an_overflow_everywhere(with_scaler):
+    # masters and fp32 params both overflow: their flags must combine to exactly 1.0, or the
+    # fused kernel applies the step and the weights turn NaN
+    model = _model()
+    model[2].float()
+    opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True))
+    x, y = _batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    out = model[2](model[1](model[0](x)).float())
+    loss = (out - y).pow(2).mean()
+    scaler = GradScaler("cpu", init_scale=256.0) if with_scaler else None
+    (scaler.scale(loss) if scaler else loss).backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    model[2].weight.grad[0, 0] = float("nan")
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    assert all(torch.isfinite(m).all() for m in opt.master_params)
+
+
+def test_clip_after_unscale_with_fp32_params():
+    model = _model()
+    model[2].float()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    x, y = _batches(1)[0]
+    opt.zero_grad()
+    out = model[2](model[1](model[0](x)).float())
+    scaler.scale((out - y).pow(2).mean()).backward()
+    scaler.unscale_(opt)
+    opt.clip_grad_norm_(1e-3)  # clips masters and the fp32 params' grads in place
+    w = model[2].weight.detach().clone()
+    g = model[2].weight.grad.clone()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(model[2].weight, w - 0.1 * g)

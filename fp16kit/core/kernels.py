@@ -222,17 +222,21 @@ def copy_to_(
 def combine_found_inf(
     found_infs: Iterable[torch.Tensor], device: torch.device, *, into_first: bool = False
 ) -> torch.Tensor:
-    """Sum found-inf flags from any devices onto ``device``.
+    """Combine found-inf flags from any devices onto ``device``: 1.0 if any is set.
 
     The result is a new tensor, unless ``into_first=True``: then the sum accumulates into the
-    first flag when it already lives on ``device`` (torch's ``update()`` does this; it saves a
-    copy). No flags (an optimizer without grads this iteration) give a cleared flag."""
+    first flag when it already lives on ``device`` (torch's ``update()`` sums into it; it saves
+    a copy). No flags (an optimizer without grads this iteration) give a cleared flag."""
     moved = [f.to(device=device, non_blocking=True) for f in found_infs]
     if not moved:
         return new_found_inf(device)
     total = moved[0] if into_first else moved[0].clone()
     for f in moved[1:]:
         total += f
+    if len(moved) > 1:
+        # A flag, not a count: fused optimizers skip only on found_inf == 1.0 (torch's own
+        # sum here could reach 2.0 with grads on two devices, and the step would apply).
+        total.clamp_max_(1.0)
     return total
 
 
@@ -299,11 +303,11 @@ def merge_found_inf(
     *per_device: dict[torch.device, torch.Tensor],
 ) -> dict[torch.device, torch.Tensor]:
     """Merge ``{device: found_inf}`` dicts from several unscale calls: flags of the same device
-    are summed (a new tensor), others kept."""
+    are combined (their maximum, a new tensor: still 0.0 or 1.0), others kept."""
     out: dict[torch.device, torch.Tensor] = {}
     for flags in per_device:
         for device, f in flags.items():
-            out[device] = f if device not in out else out[device] + f
+            out[device] = f if device not in out else torch.maximum(out[device], f)
     return out
 
 

@@ -35,18 +35,23 @@ _CLASS_KEY = "__apex_class__"
 
 
 class _ApexRecord:
-    """What an apex scaler object unpickles into: its attributes, as plain data only."""
+    """What an apex scaler object unpickles into: its attributes, kept apart from the
+    record's own (a crafted pickle cannot overwrite ``_path`` or methods)."""
 
     _path = ""
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
             state = {**(state[0] or {}), **(state[1] or {})}
-        if not isinstance(state, dict):
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise pickle.UnpicklingError(
                 f"{self._path}: expected a dict of attributes, got {type(state).__name__}."
             )
-        self.__dict__.update(state)
+        object.__setattr__(self, "_attrs", dict(state))
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        return self.__dict__.get("_attrs", {})
 
 
 def _record_class(path: str) -> type:
@@ -71,6 +76,10 @@ def load_checkpoint(f: Any, map_location: Any = None) -> Any:
     try:
         with torch.serialization.safe_globals(list(_RECORD_CLASSES)):
             obj = torch.load(f, map_location=map_location, weights_only=True)
+    except (TypeError, AttributeError, RecursionError) as e:  # e.g. a REDUCE on a record class
+        raise pickle.UnpicklingError(
+            f"fp16kit.legacy.load_checkpoint could not read this file: {type(e).__name__}: {e}"
+        ) from None
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL (\S+)", str(e)) or re.search(r"got <class '([^']+)'>", str(e))
         what = found.group(1) if found else "an object it does not allow"
@@ -80,34 +89,43 @@ def load_checkpoint(f: Any, map_location: Any = None) -> Any:
             "If you trust this file and need that object, use torch.load(..., "
             f"weights_only=False) yourself.\n(torch said: {e})"
         ) from None
-    return _plain(obj)
+    return _plain(obj, set())
 
 
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, _ApexRecord):
-        return {_CLASS_KEY: obj._path, **{k: _plain(v) for k, v in vars(obj).items()}}
-    if isinstance(obj, OrderedDict):
-        out = OrderedDict((k, _plain(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):  # module versions in a model's state dict
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    if type(obj) is dict:
-        return {k: _plain(v) for k, v in obj.items()}
-    if type(obj) is list:
-        return [_plain(v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_plain(v) for v in obj)
-    return obj
+def _plain(obj: Any, active: set[int]) -> Any:
+    """Containers rebuilt with apex records turned into dicts. A container met again while
+    it is being rebuilt (a cyclic pickle) is refused."""
+    if not isinstance(obj, (_ApexRecord, dict, list, tuple)):
+        return obj
+    if id(obj) in active:
+        raise pickle.UnpicklingError("fp16kit.legacy.load_checkpoint refused a cyclic structure.")
+    active.add(id(obj))
+    try:
+        if isinstance(obj, _ApexRecord):
+            return {_CLASS_KEY: obj._path, **{k: _plain(v, active) for k, v in obj.attributes.items()}}
+        if isinstance(obj, OrderedDict):
+            out = OrderedDict((k, _plain(v, active)) for k, v in obj.items())
+            if hasattr(obj, "_metadata"):  # module versions in a model's state dict
+                out._metadata = obj._metadata  # type: ignore[attr-defined]
+            return out
+        if isinstance(obj, dict):
+            return {k: _plain(v, active) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [_plain(v, active) for v in obj]
+        return tuple(_plain(v, active) for v in obj)
+    finally:
+        active.discard(id(obj))
 
 
 def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(saved, dict):
         return str(saved.get(_CLASS_KEY, "")), saved
-    cls = type(saved)  # a live apex object (apex installed) or an _ApexRecord
-    path = getattr(saved, "_path", "") or f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(saved, _ApexRecord):
+        return saved._path, saved.attributes
+    cls = type(saved)  # a live apex object (apex installed)
     if not hasattr(saved, "__dict__"):
         raise ValueError(f"a {cls.__name__} is not a loss scaler")
-    return path, vars(saved)
+    return f"{cls.__module__}.{cls.__qualname__}", vars(saved)
 
 
 def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
@@ -140,8 +158,11 @@ def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
                 "scale_factor": float(a["scale_factor"]),
                 "scale_window": window,
                 # era 1 grows when (cur_iter - last_overflow_iter) % window == 0; era 2 when
-                # the clean-step counter reaches the window: the same next growth.
+                # the clean-step counter reaches the window: the same next growth. With era 1's
+                # floor of 1 and no cap, the era-2 rule then continues exactly as era 1 would.
                 "unskipped": since % window,
+                "min_loss_scale": 1.0,
+                "max_loss_scale": None,
             }
         elif path == "apex.fp16_utils.loss_scaler.LossScaler":
             state = {**current, "dynamic": False, "loss_scale": float(a["cur_scale"]), "unskipped": 0}

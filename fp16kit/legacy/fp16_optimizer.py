@@ -88,6 +88,7 @@ class AmpLossScaler:
         )
         self._state.set_scale(init)  # exactly: apex clamped only a dynamic init to the max
         self._state.set_growth_tracker(unskipped)
+        self._static_unskipped = unskipped  # apex counted clean updates even when static
 
     def loss_scale(self) -> float:
         return self._state.get_scale()
@@ -96,10 +97,13 @@ class AmpLossScaler:
         assert self._state.scale is not None
         return self._state.scale
 
-    def update(self, found_inf: torch.Tensor) -> None:
-        """One scale update (device op); static scalers never change."""
+    def update(self, found_inf: torch.Tensor | None) -> None:
+        """One scale update (device op); a static scale never changes (it only counts)."""
         if self.dynamic:
+            assert found_inf is not None
             self._state.update(found_inf)
+        else:
+            self._static_unskipped += 1
 
     # apex's attribute names
     @property
@@ -112,7 +116,7 @@ class AmpLossScaler:
 
     @property
     def _unskipped(self) -> int:
-        return self._state.get_growth_tracker()
+        return self._state.get_growth_tracker() if self.dynamic else self._static_unskipped
 
     @property
     def _scale_seq_len(self) -> int:
@@ -135,7 +139,7 @@ class AmpLossScaler:
             "scale_window": s.growth_interval,
             "min_loss_scale": s.min_scale,
             "max_loss_scale": s.max_scale,
-            "unskipped": s.get_growth_tracker(),
+            "unskipped": self._unskipped,
         }
 
     @classmethod
@@ -160,12 +164,18 @@ class AmpLossScaler:
 
 def _check_param_types(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.requires_grad and param.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-                raise TypeError(
-                    "Wrapped parameters must be either torch.cuda.FloatTensor or "
-                    f"torch.cuda.HalfTensor. Received {param.type()}"
-                )
+        _check_param_types_of(group["params"])
+
+
+def _check_param_types_of(params: Any) -> None:
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    for param in list(params):
+        if param.requires_grad and param.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(
+                "Wrapped parameters must be either torch.cuda.FloatTensor or "
+                f"torch.cuda.HalfTensor. Received {param.type()}"
+            )
 
 
 class FP16_Optimizer(WrappingOptimizer):
@@ -294,6 +304,7 @@ class FP16_Optimizer(WrappingOptimizer):
             self.loss_scaler.update(found_inf)
             self._overflow = found_inf != 0
         else:
+            self.loss_scaler.update(None)
             self._overflow = False  # apex never checked with a static scale
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -366,6 +377,19 @@ class FP16_Optimizer(WrappingOptimizer):
     def _master_params_to_model_params(self) -> None:
         self._mpo.masters_to_model()
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (apex had no such method): its fp16/bf16 params get fp32 masters,
+        as at construction."""
+        _check_param_types_of(param_group.get("params", []))
+        self._mpo.add_param_group(param_group)
+        g = self._mpo.groups[-1]
+        self.fp16_groups.append(g.model_params)
+        self.fp32_from_fp16_groups.append(g.masters)
+        self.fp32_from_fp32_groups.append(g.direct)
+        self.all_fp16_params.extend(g.model_params)
+        self.all_fp32_from_fp16_params.extend(g.masters)
+        self.all_fp32_from_fp32_params.extend(g.direct)
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """apex's six keys, as plain data (``torch.load(weights_only=True)`` reads it):
@@ -396,8 +420,12 @@ class FP16_Optimizer(WrappingOptimizer):
         scaler = scaler_state(state_dict["loss_scaler"], current=self.loss_scaler.state_dict())
         validate_optimizer_groups(state_dict["optimizer_state_dict"], self.optimizer)
         validate_master_groups(state_dict["fp32_from_fp16"], self._mpo.groups)
+        try:
+            new_scaler = AmpLossScaler.from_state(scaler, self._device)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"The saved loss scaler has invalid settings: {e}") from None
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
-        self.loss_scaler = AmpLossScaler.from_state(scaler, self._device)
+        self.loss_scaler = new_scaler
         self.dynamic_loss_scale = scaler["dynamic"]
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])

@@ -13,8 +13,9 @@ that every scale equals what apex computed in Python floats::
         cur_iter += 1
 
 Differences from apex (fixes): ``_has_inf_or_nan`` works on an instance too (apex's lacked
-``self``), overflow is checked element by element (apex summed each tensor, so two finite
-``3e38`` values counted as an overflow), and ``cur_scale`` reads back as a float.
+``self``), and overflow is checked element by element (apex summed each tensor, so two finite
+``3e38`` values counted as an overflow). ``cur_scale`` keeps apex's Python type: the int it was
+given, a float after the first change, the int 1 at the floor.
 """
 
 from __future__ import annotations
@@ -93,25 +94,38 @@ class DynamicLossScaler:
             dtype=torch.float64,
             device="cpu",
         )
-        self.cur_iter = 0
+        self._cur_iter = 0
+        self._int_scale = isinstance(init_scale, int)
 
     # apex's attributes, views of the core state
     @property
     def cur_scale(self) -> float:
-        return self._state.get_scale()
+        value = self._state.get_scale()
+        return int(value) if self._int_scale else value
 
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
         self._state.set_scale(float(value))
+        self._int_scale = isinstance(value, int)
+
+    @property
+    def cur_iter(self) -> int:
+        return self._cur_iter
+
+    @cur_iter.setter
+    def cur_iter(self, value: int) -> None:
+        last = self.last_overflow_iter  # apex kept it as it was
+        self._cur_iter = int(value)
+        self.last_overflow_iter = last
 
     @property
     def last_overflow_iter(self) -> int:
         # the rule's tracker counts the iterations since the last overflow
-        return self.cur_iter - 1 - self._state.get_growth_tracker()
+        return self._cur_iter - 1 - self._state.get_growth_tracker()
 
     @last_overflow_iter.setter
     def last_overflow_iter(self, value: int) -> None:
-        self._state.set_growth_tracker(self.cur_iter - 1 - int(value))
+        self._state.set_growth_tracker(self._cur_iter - 1 - int(value))
 
     @property
     def scale_factor(self) -> float:
@@ -143,8 +157,15 @@ class DynamicLossScaler:
         return _any_non_finite([x.detach().clone()])
 
     def update_scale(self, overflow: bool) -> None:
+        before = self._state.get_scale()
         self._state.update(bool(overflow))
-        self.cur_iter += 1
+        self._cur_iter += 1
+        # Python's types, as apex's arithmetic produced them: max(s / f, 1) is the int 1 when
+        # s / f < 1 and a float otherwise; s * f keeps int only for an int factor.
+        if overflow:
+            self._int_scale = before / self.scale_factor < 1
+        elif self._state.get_scale() != before:
+            self._int_scale = self._int_scale and isinstance(self.scale_factor, int)
 
     def scale_gradient(self, module: Any, grad_in: tuple, grad_out: tuple) -> tuple:
         return _scale_grads_in(self.loss_scale, grad_in)

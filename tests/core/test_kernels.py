@@ -156,7 +156,9 @@ def test_check_finite_leaves_values_bitwise():
 def test_combine_found_inf():
     a, b = torch.tensor(1.0), torch.tensor(0.0)
     total = kernels.combine_found_inf([a, b, a], torch.device("cpu"))
-    assert total.item() == 2.0 and a.item() == 1.0  # inputs untouched
+    assert total.item() == 1.0 and a.item() == 1.0  # a flag, not a count; inputs untouched
+    merged = kernels.merge_found_inf({torch.device("cpu"): a}, {torch.device("cpu"): a.clone()})
+    assert merged[torch.device("cpu")].item() == 1.0  # fused optimizers skip only on exactly 1
     empty = kernels.combine_found_inf([], torch.device("cpu"))  # no grads: a cleared flag
     assert empty.item() == 0.0 and empty.dtype == torch.float32
 

@@ -444,10 +444,11 @@ def test_era1_dynamic_checkpoint_grows_when_apex_would_and_continues_identically
     assert got[0] == [float(s) for s in by_hand]
 
     # the same numbers through fp16kit's own form: clean steps since the last overflow,
-    # modulo the window, are era 2's counter
+    # modulo the window, are era 2's counter; era 1's floor of 1 and no cap come along
     ref_model, ref_opt = _reference(
         tmp_path, src_model, src_opt,
-        _scaler_dict(cur_scale, scale_factor=factor, window=window, unskipped=(cur_iter - last - 1) % window),
+        _scaler_dict(cur_scale, scale_factor=factor, window=window, unskipped=(cur_iter - last - 1) % window,
+                     min_loss_scale=1.0, max_loss_scale=None),
         True,
     )
     assert got == _continue(ref_model, ref_opt, pattern)
@@ -1006,3 +1007,41 @@ def test_cuda_saved_apex_checkpoint_maps_to_cpu_and_loads_on_cuda(tmp_path, fake
     gpu_opt.load_state_dict(on_gpu["optimizer"])
     _same(_masters(gpu_opt), _masters(src_opt))
     assert (gpu_opt.loss_scale, gpu_opt.loss_scaler._unskipped) == (512.0, 1)
+
+
+def test_era1_scale_keeps_growing_past_era2s_cap(tmp_path, fake_apex):
+    from fp16kit.legacy.checkpoint import scaler_state
+    from fp16kit.legacy.fp16_optimizer import AmpLossScaler
+
+    saved = {"__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler", "cur_scale": 2**30,
+             "cur_iter": 10, "last_overflow_iter": 9, "scale_factor": 2.0, "scale_window": 1}
+    current = AmpLossScaler("dynamic").state_dict()
+    state = scaler_state(saved, current=current)
+    assert state["min_loss_scale"] == 1.0 and state["max_loss_scale"] is None
+    scaler = AmpLossScaler.from_state(state, "cpu")
+    seen = []
+    for found in [0.0, 0.0, 1.0]:
+        scaler.update(torch.tensor(found))
+        seen.append(scaler.loss_scale())
+    assert seen == [2.0**31, 2.0**32, 2.0**31]  # era 1: no cap (era 2 would stop at 2**24)
+    floor = AmpLossScaler.from_state({**state, "loss_scale": 1.5}, "cpu")
+    floor.update(torch.tensor(1.0))
+    assert floor.loss_scale() == 1.0  # era 1's floor
+
+
+def test_crafted_record_state_cannot_replace_the_class_path(tmp_path, fake_apex):
+    scaler = fake_apex.era2(512.0)
+    scaler.__dict__["_path"] = "evil"
+    scaler.__dict__["__setstate__"] = "x"
+    path = _save({"s": scaler}, tmp_path / "c.pt")
+    out = load_checkpoint(path)["s"]
+    assert out["__apex_class__"] == "apex.amp.scaler.LossScaler"
+    assert out["_path"] == "evil"  # kept as plain data, not as the record's class path
+
+
+def test_cyclic_pickles_are_refused(tmp_path):
+    cyc: list = []
+    cyc.append(cyc)
+    path = _save({"c": cyc}, tmp_path / "cyc.pt")
+    with pytest.raises(pickle.UnpicklingError, match="cyclic"):
+        load_checkpoint(path)

@@ -997,3 +997,47 @@ def test_mismatched_groups_raise_and_change_nothing(layout):
         # group 0: the checkpoint has 3 params, this optimizer 4
         assert re.search(r"group 0", msg, re.I), msg
         assert "3" in msg and "4" in msg, msg
+
+
+def test_add_param_group_gets_masters():
+    model = make_model(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.l1.parameters(), lr=0.1), static_loss_scale=128.0, verbose=False)
+    opt.add_param_group({"params": list(model.l2.parameters()), "lr": 0.1})
+    assert len(opt.fp16_groups) == 2 and len(opt.fp32_from_fp16_groups[1]) == 2
+    assert all(p.dtype == torch.float32 for p in opt.param_groups[1]["params"])
+    with pytest.raises(TypeError, match="Received"):
+        opt.add_param_group({"params": [torch.zeros(2, dtype=torch.float64, requires_grad=True)]})
+    w = model.l2.weight.detach().clone()
+    opt.zero_grad()
+    x, y = batch(0, torch.float16)
+    opt.backward(loss_fn(model, x, y))
+    g = opt.fp32_from_fp16_groups[1][0].grad.clone()  # unscaled: / 128
+    opt.step()
+    assert torch.equal(model.l2.weight, (w.float() - 0.1 * g).half())
+
+
+def test_static_scaler_counts_clean_updates_like_apex():
+    model = make_model(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0, verbose=False)
+    for i in range(3):
+        opt.zero_grad()
+        x, y = batch(i, torch.float16)
+        opt.backward(loss_fn(model, x, y))
+        opt.step()
+    assert opt.loss_scaler._unskipped == 3 and opt.state_dict()["loss_scaler"]["unskipped"] == 3
+
+
+def test_load_with_bad_scaler_settings_changes_nothing():
+    model = make_model(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dynamic_loss_scale=True, verbose=False)
+    x, y = batch(0, torch.float16)
+    opt.backward(loss_fn(model, x, y))
+    opt.step()
+    sd = opt.state_dict()
+    before = (copy.deepcopy(opt.optimizer.state_dict()), [m.detach().clone() for m in flat_masters(opt)], opt.loss_scale)
+    bad = dict(sd, loss_scaler=dict(sd["loss_scaler"], min_loss_scale=-1.0))
+    with pytest.raises(ValueError, match="invalid settings"):
+        opt.load_state_dict(bad)
+    after = (opt.optimizer.state_dict(), flat_masters(opt), opt.loss_scale)
+    same_value(before[0], after[0], "optimizer state")
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1])) and before[2] == after[2]

@@ -122,3 +122,36 @@ def test_to_python_float():
     assert to_python_float(torch.tensor(2.5)) == 2.5
     assert to_python_float(3) == 3.0 and isinstance(to_python_float(3), float)
     assert to_python_float(1.5) == 1.5
+
+
+def test_cur_iter_writes_keep_last_overflow_iter_as_apex():
+    s = DynamicLossScaler(init_scale=16, scale_window=4)
+    s.last_overflow_iter = 5
+    s.cur_iter = 10
+    assert (s.cur_iter, s.last_overflow_iter) == (10, 5)
+    ref = {"cur_scale": 16, "cur_iter": 10, "last_overflow_iter": 5, "scale_factor": 2.0, "scale_window": 4}
+    for o in [False, False, True, False, False, False, False]:
+        s.update_scale(o)
+        spec_update(ref, o)
+        assert (s.cur_scale, s.cur_iter, s.last_overflow_iter) == (ref["cur_scale"], ref["cur_iter"], ref["last_overflow_iter"])
+
+
+def test_cur_scale_keeps_apexs_python_types():
+    s = DynamicLossScaler()
+    assert type(s.cur_scale) is int and s.cur_scale == 4294967296
+    s.update_scale(False)  # (0 - -1) % 1000 != 0: unchanged
+    assert type(s.cur_scale) is int
+    s.update_scale(True)
+    assert type(s.cur_scale) is float and s.cur_scale == 2147483648.0
+    small = DynamicLossScaler(init_scale=1.5, scale_window=1000)
+    small.update_scale(True)  # max(0.75, 1) -> the int 1
+    assert type(small.cur_scale) is int and small.cur_scale == 1
+    exact = DynamicLossScaler(init_scale=2.0)
+    exact.update_scale(True)  # max(1.0, 1) -> 1.0, the float
+    assert type(exact.cur_scale) is float
+    ref = {"cur_scale": 2**32, "cur_iter": 0, "last_overflow_iter": -1, "scale_factor": 2.0, "scale_window": 3}
+    t = DynamicLossScaler(scale_window=3)
+    for o in [False, False, False, True, True] + [False] * 6:
+        t.update_scale(o)
+        spec_update(ref, o)
+        assert type(t.cur_scale) is type(ref["cur_scale"]) and t.cur_scale == ref["cur_scale"]
