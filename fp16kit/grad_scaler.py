@@ -22,7 +22,7 @@ import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .core import kernels
 from .core.scale import FloorPolicy, LossScale
-from .core.thread import OptimizerThread, current_optimizer_thread, last_submit_target
+from .core.thread import OptimizerThread, current_optimizer_thread, last_step_target
 from .scaler_thread import IterationRecord, ThreadBinding
 
 __all__ = ["GradScaler", "OptState"]
@@ -217,12 +217,15 @@ class GradScaler(torch.amp.GradScaler):
                 self.__dict__["_binding"] = binding
             return binding
 
-    def _route(self, fn: Any, *args: Any, **kwargs: Any) -> bool:
+    def _route(self, fn: Any, *args: Any, is_step: bool = False, **kwargs: Any) -> bool:
         """Main thread of a bound scaler: run ``fn`` on the optimizer thread and wait."""
         binding = self._thread_binding()
         if binding is None or binding.thread.on_optimizer_thread():
             return False
-        binding.thread.wait(binding.thread.submit(fn, *args, **kwargs))
+        fut = binding.thread.submit(fn, *args, **kwargs)
+        if is_step:
+            binding.thread.mark_step()
+        binding.thread.wait(fut)
         return True
 
     def _queue(self, fn: Any, *args: Any) -> bool:
@@ -405,7 +408,7 @@ class GradScaler(torch.amp.GradScaler):
                 "Closure use is not currently supported if GradScaler is enabled."
             )
 
-        if self._route(self.step, optimizer, *args, **kwargs):
+        if self._route(self.step, optimizer, *args, is_step=True, **kwargs):
             return None  # ran on the optimizer thread (spec/async.md): the value stays there
 
         self._check_scale_growth_tracker("step")
@@ -558,8 +561,8 @@ class GradScaler(torch.amp.GradScaler):
             st["found_inf_per_device"] for st in self._per_optimizer_states.values()
         ):
             return None
-        thread = last_submit_target()
-        if thread is None or thread._closed:
+        thread = last_step_target()
+        if thread is None or thread._closed or thread.steps == 0:
             return None
         return self._bind(thread)
 
@@ -589,7 +592,7 @@ class GradScaler(torch.amp.GradScaler):
             assert self._loss_scale.scale is not None
             binding.reset(self._loss_scale.scale)
             return
-        if binding.mark is not None and not binding.steps_submitted():
+        if not binding.steps_submitted():
             raise RuntimeError(
                 "scaler.update() was called before this iteration's step. With steps on the "
                 "optimizer thread the order is: loss = scaler.scale(loss); loss.backward(); "
@@ -600,7 +603,7 @@ class GradScaler(torch.amp.GradScaler):
         if binding.last_update is not None:
             binding.publish(binding.last_update)  # the next loss uses iteration k-1's result
         binding.last_update = binding.thread.submit(self._update_job, binding, record)
-        binding.mark = binding.thread.submitted
+        binding.mark = binding.thread.steps
         if not is_async:
             binding.publish(binding.last_update)
 

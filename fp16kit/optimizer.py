@@ -476,7 +476,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             )
         self._async.land()
         handoff = self._async.hand_off(self._masters.model_params)
-        return self._async.submit(self._submitted_job, handoff, fn)
+        fut = self._async.submit(self._submitted_job, handoff, fn)
+        self._async.thread.mark_step()
+        return fut
 
     def _submitted_job(self, handoff: Handoff, fn: Callable[[], Any]) -> Any:
         grads = AsyncSteps.receive(handoff)

@@ -55,7 +55,7 @@ class ThreadBinding:
         self.records: deque[IterationRecord] = deque()
         self.open: IterationRecord | None = None  # the record main is filling this iteration
         self.last_update: Future | None = None
-        self.mark = thread.submitted  # jobs submitted up to the last update()
+        self.mark: int | None = thread.steps  # steps submitted up to the last update()
         self.lock = threading.Lock()
         self._refresh = refresh
 
@@ -91,8 +91,8 @@ class ThreadBinding:
             self.records.popleft()
 
     def steps_submitted(self) -> bool:
-        """Main thread: was any job submitted to the thread since the last update()?"""
-        return self.thread.submitted > self.mark
+        """Main thread: was a step submitted to the thread since the last update()?"""
+        return self.mark is None or self.thread.steps > self.mark
 
     def publish(self, fut: Future) -> None:
         """Main thread: wait for an update job and make its scale the forward scale."""
@@ -107,7 +107,7 @@ class ThreadBinding:
             self.open = None
         self.forward_scale.copy_(scale)
         self.last_update = None
-        self.mark = self.thread.submitted
+        self.mark = self.thread.steps
 
     def __getstate__(self) -> Any:
         raise TypeError("internal: a ThreadBinding is never pickled")

@@ -40,7 +40,7 @@ __all__ = [
     "EXIT_TIMEOUT_S",
     "OptimizerThread",
     "current_optimizer_thread",
-    "last_submit_target",
+    "last_step_target",
     "optimizer_thread",
 ]
 
@@ -53,7 +53,7 @@ _STOP = object()
 _local = threading.local()
 _live: weakref.WeakSet[OptimizerThread] = weakref.WeakSet()
 _names = itertools.count()
-_last_target: weakref.ref[OptimizerThread] | None = None
+_last_step_target: weakref.ref[OptimizerThread] | None = None
 
 
 def current_optimizer_thread() -> OptimizerThread | None:
@@ -61,9 +61,9 @@ def current_optimizer_thread() -> OptimizerThread | None:
     return getattr(_local, "owner", None)
 
 
-def last_submit_target() -> OptimizerThread | None:
-    """The OptimizerThread that most recently received a job from outside its worker."""
-    return None if _last_target is None else _last_target()
+def last_step_target() -> OptimizerThread | None:
+    """The OptimizerThread that most recently received a step (see :meth:`mark_step`)."""
+    return None if _last_step_target is None else _last_step_target()
 
 
 class OptimizerThread:
@@ -80,6 +80,7 @@ class OptimizerThread:
         self._pending: list[Future] = []  # submitted, not yet known to be done
         self._unreported: list[Future] = []  # failed, exception not yet raised to the caller
         self._submitted = 0
+        self._steps = 0
         self._closed = False
         self._stream: Any = None
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -116,10 +117,21 @@ class OptimizerThread:
         with self._lock:
             self._pending.append(fut)
             self._submitted += 1
-        global _last_target
-        _last_target = weakref.ref(self)
         self._queue.put((fut, ready, fn, args, kwargs))
         return fut
+
+    @property
+    def steps(self) -> int:
+        """How many submitted jobs were marked as optimizer steps (:meth:`mark_step`)."""
+        return self._steps
+
+    def mark_step(self) -> None:
+        """Note that the job just submitted runs an optimizer step (``submit_step`` does): a
+        GradScaler uses this to tell that its steps run here and to check the call order."""
+        global _last_step_target
+        with self._lock:
+            self._steps += 1
+        _last_step_target = weakref.ref(self)
 
     def synchronize(self) -> None:
         """Wait for every job submitted so far; re-raise the first unreported error."""

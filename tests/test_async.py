@@ -1,0 +1,348 @@
+"""Asynchronous steps (spec/async.md): mode 1 (async_step=True), mode 2 (submit_step) and the
+thread-aware GradScaler."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fp16kit
+from fp16kit import GradScaler, MixedPrecisionOptimizer
+
+
+def _model(dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+
+
+def _data(n, dtype=torch.bfloat16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, 8, generator=g).to(dtype), torch.randn(6, 4, generator=g)) for _ in range(n)]
+
+
+def _loss(model, x, y):
+    return (model(x).float() - y).pow(2).mean()
+
+
+class DelayedReference:
+    """The hand-written one-step-delayed loop: the grads of iteration k (taken at the weights
+    the model has then) are applied after step k-1's masters have reached the model; the
+    scale follows torch's rule with no lag."""
+
+    def __init__(self, model, opt_cls, scale, growth_interval, **kw):
+        self.model = model
+        self.masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
+        self.opt = opt_cls(self.masters, **kw)
+        self.scale, self.tracker, self.interval = scale, 0, growth_interval
+        self.pending = None
+
+    def iteration(self, x, y, inject=False):
+        for p in self.model.parameters():
+            p.grad = None
+        loss = _loss(self.model, x, y)
+        (loss * torch.tensor(self.scale)).backward()
+        if inject:
+            next(self.model.parameters()).grad.view(-1)[0] = float("inf")
+        if self.pending is not None:  # step k-1 finishes; its masters reach the model
+            grads, inv, skip = self.pending
+            if not skip:
+                for m, g in zip(self.masters, grads):
+                    m.grad = g.float() * inv
+                self.opt.step()
+            with torch.no_grad():
+                for p, m in zip(self.model.parameters(), self.masters):
+                    p.copy_(m)
+        grads = [p.grad for p in self.model.parameters()]
+        skip = not all(torch.isfinite(g).all() for g in grads)
+        self.pending = (grads, torch.tensor(1.0 / self.scale, dtype=torch.float64).float(), skip)
+        if skip:
+            self.scale, self.tracker = self.scale * 0.5, 0
+        else:
+            self.tracker += 1
+            if self.tracker == self.interval:
+                self.scale, self.tracker = self.scale * 2.0, 0
+        return loss
+
+
+def _amp_iteration(model, opt, scaler, x, y, inject=False):
+    opt.zero_grad()
+    loss = _loss(model, x, y)
+    scaler.scale(loss).backward()
+    if inject:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    assert scaler.step(opt) is None
+    scaler.update()
+    return loss
+
+
+# ------------------------------------------------------------------------------ mode 1
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "opt_cls, kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 1e-2})], ids=["sgd", "adam"]
+)
+@pytest.mark.parametrize("flat", [False, True])
+def test_mode1_equals_a_one_step_delayed_reference_bit_for_bit(dtype, opt_cls, kw, flat):
+    model = _model(dtype)
+    ref = DelayedReference(copy.deepcopy(model), opt_cls, 1024.0, 3, **kw)
+    opt = MixedPrecisionOptimizer(opt_cls(model.parameters(), **kw), async_step=True, flat=flat)
+    scaler = GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    for i, (x, y) in enumerate(_data(9, dtype)):
+        inject = i in (3, 4)
+        a = _amp_iteration(model, opt, scaler, x, y, inject)
+        b = ref.iteration(x, y, inject)
+        assert torch.equal(a, b), f"loss at iteration {i}"
+        assert scaler.get_scale() == ref.scale, f"scale at iteration {i}: no lag"
+        for p, q in zip(model.parameters(), ref.model.parameters()):
+            assert torch.equal(p, q), f"weights at iteration {i}"
+    opt.synchronize()
+    grads, inv, skip = ref.pending
+    for m, g in zip(ref.masters, grads):
+        m.grad = g.float() * inv
+    ref.opt.step()
+    for m, r in zip(opt.master_params, ref.masters):
+        assert torch.equal(m, r)
+    for p, m in zip(model.parameters(), opt.master_params):
+        assert torch.equal(p, m.detach().to(dtype))  # synchronize() landed the last step
+    assert scaler.skipped_steps() == 2
+
+
+def test_mode1_without_a_scaler_skips_non_finite_on_the_thread():
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    x, y = _data(1)[0]
+    _loss(model, x, y).backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    masters = [m.detach().clone() for m in opt.master_params]
+    assert opt.step() is None
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(masters, opt.master_params))
+    assert all(p.grad is None for p in model.parameters())  # handed to the thread
+
+
+def test_mode1_fp32_params_get_masters_too():
+    model = _model()
+    model[2].float()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    assert opt._direct_params() == [] and len(opt.master_params) == 4
+    with pytest.raises(TypeError, match="float64 param"):
+        MixedPrecisionOptimizer(torch.optim.SGD(nn.Linear(2, 2).double().parameters(), lr=0.1), async_step=True)
+
+
+def test_mode1_closures_are_refused():
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.LBFGS(model.parameters()), async_step=True)
+    with pytest.raises(RuntimeError, match="Closures are not supported with async_step=True"):
+        opt.step(lambda: _loss(model, *_data(1)[0]))
+
+
+class FailingSGD(torch.optim.SGD):
+    fail_at = 3
+
+    def step(self, closure=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("inner step failed")
+        return super().step(closure)
+
+
+def test_mode1_an_error_in_a_step_surfaces_at_the_next_call_and_training_goes_on():
+    model = _model()
+    opt = MixedPrecisionOptimizer(FailingSGD(model.parameters(), lr=0.1), async_step=True)
+    scaler = GradScaler("cpu", init_scale=256.0)
+    data = _data(6)
+    for x, y in data[:3]:
+        _amp_iteration(model, opt, scaler, x, y)
+    with pytest.raises(RuntimeError, match="inner step failed"):
+        _amp_iteration(model, opt, scaler, *data[3])  # reports job 3's failure; this step did not run
+    for x, y in data[4:]:
+        _amp_iteration(model, opt, scaler, x, y)
+    opt.synchronize()
+    assert opt.optimizer.calls == 5  # jobs 1, 2, 3 (failed), then the steps of data[4:]
+
+
+def test_mode1_state_dict_during_pending_work_resumes_bit_for_bit(tmp_path):
+    data = _data(10)
+
+    def build():
+        model = _model()
+        opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), async_step=True)
+        return model, opt, GradScaler("cpu", init_scale=512.0, growth_interval=2)
+
+    model, opt, scaler = build()
+    for x, y in data[:5]:
+        _amp_iteration(model, opt, scaler, x, y)
+    assert opt._async.inflight is not None  # a step is pending while we save
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}, tmp_path / "c.pt")
+    for i, (x, y) in enumerate(data[5:]):
+        _amp_iteration(model, opt, scaler, x, y, inject=(i == 2))
+    opt.synchronize()
+
+    ck = torch.load(tmp_path / "c.pt", weights_only=True)
+    model2, opt2, scaler2 = build()
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    scaler2.load_state_dict(ck["scaler"])
+    for i, (x, y) in enumerate(data[5:]):
+        _amp_iteration(model2, opt2, scaler2, x, y, inject=(i == 2))
+    opt2.synchronize()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    assert scaler.state_dict() == scaler2.state_dict()
+
+
+def test_mode1_unscale_then_clip_then_step():
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    scaler = GradScaler("cpu", init_scale=256.0)
+    for x, y in _data(3):
+        opt.zero_grad()
+        scaler.scale(_loss(model, x, y)).backward()
+        scaler.unscale_(opt)  # lands the previous step, unscales into the masters
+        opt.clip_grad_norm_(1e-3)
+        scaler.step(opt)
+        scaler.update()
+    opt.synchronize()
+    assert scaler.skipped_steps() == 0
+
+
+# ------------------------------------------------------------------------------ mode 2
+def _overflowing_setup():
+    """One fp16 weight whose gradient is 2 * scale: it overflows fp16 whenever scale > 2**14."""
+    w = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = MixedPrecisionOptimizer(torch.optim.SGD([w], lr=1e-6), master_device="cpu")
+    scaler = GradScaler("cpu")  # init 2**16, growth interval 2000
+    return w, opt, scaler
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+def test_mode2_scenario_settles_where_torch_does(is_async):
+    w, opt, scaler = _overflowing_setup()
+    forward, stepped = [], []
+
+    def step():
+        stepped.append(scaler.get_scale())  # the scale of the step being run
+        scaler.step(opt)
+        opt.zero_grad()
+
+    for _ in range(12):
+        forward.append(scaler.get_scale())
+        loss = scaler.scale((w.float() * 2).sum())
+        loss.backward()
+        opt.submit_step(step)
+        scaler.update(is_async=is_async)
+    opt.synchronize()
+    assert stepped == forward  # the scale that multiplied a loss is the one it is unscaled with
+    if is_async:  # one iteration of lag, and one overflowing scale is never backed off twice
+        assert forward == [65536.0, 65536.0, 32768.0, 32768.0] + [16384.0] * 8
+    else:  # torch's trajectory
+        assert forward == [65536.0, 32768.0] + [16384.0] * 10
+    assert scaler.state_dict()["scale"] == 16384.0
+
+
+def test_mode2_update_before_the_step_raises_on_the_main_thread():
+    w, opt, scaler = _overflowing_setup()
+    scaler.scale((w.float() * 1e-3).sum()).backward()
+    opt.submit_step(lambda: scaler.step(opt))
+    scaler.update()
+    scaler.scale((w.float() * 1e-3).sum()).backward()
+    with pytest.raises(RuntimeError, match="called before this iteration's step"):
+        scaler.update()
+    opt.submit_step(lambda: scaler.step(opt))  # the right order works after the error
+    scaler.update()
+    opt.synchronize()
+
+
+def test_mode2_a_second_step_without_update_raises_on_the_main_thread():
+    w, opt, scaler = _overflowing_setup()
+    scaler.scale((w.float() * 1e-3).sum()).backward()
+    opt.submit_step(lambda: scaler.step(opt))
+    opt.submit_step(lambda: scaler.step(opt))
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update\(\)"):
+        opt.synchronize()
+    scaler.update()
+    opt.synchronize()
+
+
+def test_mode2_an_error_in_fn_surfaces_and_the_thread_keeps_working():
+    w, opt, scaler = _overflowing_setup()
+
+    def bad():
+        raise ZeroDivisionError("in fn")
+
+    scaler.scale((w.float() * 1e-3).sum()).backward()
+    opt.submit_step(bad)
+    with pytest.raises(ZeroDivisionError, match="in fn"):
+        opt.synchronize()
+    scaler.scale((w.float() * 1e-3).sum()).backward()
+    opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()))
+    scaler.update()
+    opt.synchronize()
+
+
+def test_mode2_grad_scaler_per_thread_behaviour():
+    w, opt, scaler = _overflowing_setup()
+    seen = {}
+
+    def step():
+        seen["scale"] = scaler.get_scale()
+        seen["ret"] = scaler.step(opt)
+        try:
+            scaler.update()
+        except RuntimeError as e:
+            seen["update"] = str(e)
+        scaler.set_growth_interval(7)  # inline on the thread
+        opt.zero_grad()
+
+    scaler.scale((w.float() * 1e-3).sum()).backward()
+    opt.submit_step(step)
+    scaler.update()
+    opt.synchronize()
+    assert seen["scale"] == 65536.0 and "must be called from the main thread" in seen["update"]
+    assert scaler.get_growth_interval(up_to_date=True) == 7
+    scaler.set_growth_factor(4.0)  # from the main thread: queued behind pending jobs
+    assert scaler.get_growth_factor(up_to_date=True) == 4.0
+    # from the main thread, a bound scaler's step runs on the optimizer thread and returns None
+    before = opt.master_params[0].detach().clone()
+    opt.param_groups[0]["lr"] = 10.0
+    scaler.scale((w.float() * 1e-3).sum()).backward()
+    assert scaler.step(opt) is None
+    scaler.update()
+    opt.synchronize()
+    assert not torch.equal(before, opt.master_params[0])  # it stepped
+    sd = scaler.state_dict()  # waits for pending work
+    other = GradScaler("cpu")
+    other.load_state_dict(sd)
+    assert other.state_dict() == sd
+
+
+def test_mode2_needs_a_master_for_every_param():
+    model = _model()
+    model[2].float()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="master_device"):
+        opt.submit_step(lambda: None)
+    async_opt = MixedPrecisionOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), async_step=True)
+    with pytest.raises(RuntimeError, match="already steps asynchronously"):
+        async_opt.submit_step(lambda: None)
+
+
+def test_mode2_without_a_scaler():
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu")
+    ref = copy.deepcopy(model)
+    ref_opt = MixedPrecisionOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1), master_device="cpu")
+    x, y = _data(1)[0]
+    _loss(model, x, y).backward()
+    _loss(ref, x, y).backward()
+    opt.submit_step(lambda: (opt.step(), opt.zero_grad()))
+    opt.synchronize()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_public_names():
+    assert fp16kit.OptimizerThread is fp16kit.core.thread.OptimizerThread
