@@ -222,7 +222,8 @@ def copy_to_(
 def combine_found_inf(
     found_infs: Iterable[torch.Tensor], device: torch.device, *, into_first: bool = False
 ) -> torch.Tensor:
-    """Combine found-inf flags from any devices onto ``device``: 1.0 if any is set.
+    """Combine found-inf flags from any devices onto ``device``: 1.0 if any is set
+    (with ``into_first``, their sum, as torch's ``update()``).
 
     The result is a new tensor, unless ``into_first=True``: then the sum accumulates into the
     first flag when it already lives on ``device`` (torch's ``update()`` sums into it; it saves
@@ -233,9 +234,10 @@ def combine_found_inf(
     total = moved[0] if into_first else moved[0].clone()
     for f in moved[1:]:
         total += f
-    if len(moved) > 1:
+    if len(moved) > 1 and not into_first:
         # A flag, not a count: fused optimizers skip only on found_inf == 1.0 (torch's own
         # sum here could reach 2.0 with grads on two devices, and the step would apply).
+        # (update()'s in-place sum stays torch's: the scale rule only asks "nonzero?")
         total.clamp_max_(1.0)
     return total
 
