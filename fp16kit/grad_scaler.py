@@ -283,6 +283,11 @@ class GradScaler(torch.amp.GradScaler):
         binding = self._thread_binding()
         if binding is not None and not binding.thread.on_optimizer_thread():
             binding.open_record()  # this iteration's loss is scaled with the forward scale
+        elif binding is None:
+            # Remember which steps were submitted so far: if this iteration's step goes to an
+            # optimizer thread (submit_step), update() binds this scaler to it.
+            target = last_step_target()
+            self.__dict__["_step_snapshot"] = (target, 0 if target is None else target.steps)
         return kernels.scale_outputs(outputs, self._scale_on)
 
     # -------------------------------------------------------------- unscale
@@ -562,8 +567,14 @@ class GradScaler(torch.amp.GradScaler):
         ):
             return None
         thread = last_step_target()
-        if thread is None or thread._closed or thread.steps == 0:
+        snapshot = self.__dict__.get("_step_snapshot")
+        if thread is None or thread._closed:
             return None
+        if snapshot is None:
+            return None
+        seen = snapshot[1] if snapshot[0] is thread else 0
+        if thread.steps <= seen:
+            return None  # no step went to the thread since this iteration's scale()
         return self._bind(thread)
 
     @staticmethod
@@ -814,6 +825,7 @@ class GradScaler(torch.amp.GradScaler):
         state = self.__dict__.copy()
         # A copy starts unbound, from the optimizer thread's scale (a binding holds a thread).
         state.pop("_binding", None)
+        state.pop("_step_snapshot", None)
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
                 raise AssertionError(

@@ -346,3 +346,16 @@ def test_mode2_without_a_scaler():
 
 def test_public_names():
     assert fp16kit.OptimizerThread is fp16kit.core.thread.OptimizerThread
+
+
+def test_an_unrelated_scaler_is_not_bound_by_earlier_submitted_steps():
+    w, opt, scaler = _overflowing_setup()
+    scaler.scale((w.float() * 1e-3).sum()).backward()
+    opt.submit_step(lambda: scaler.step(opt))
+    scaler.update()
+    opt.synchronize()
+    plain = GradScaler("cpu")
+    plain.scale(torch.ones(()))
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
+        plain.update()  # torch's error: its step never went to the thread
+    assert plain.__dict__.get("_binding") is None
