@@ -522,21 +522,9 @@ class GradScaler(torch.amp.GradScaler):
         if new_scale is not None:
             if self._scale is None:
                 raise AssertionError("_scale is None in update")
-            # Accept a new user-defined scale.
-            if isinstance(new_scale, float):
-                self._loss_scale.set_scale(new_scale)
-            else:
-                reason = (
-                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                    "torch.FloatTensor with requires_grad=False."
-                )
-                if new_scale.device.type != self._device:
-                    raise AssertionError(reason)
-                if new_scale.numel() != 1:
-                    raise AssertionError(reason)
-                if new_scale.requires_grad is True:
-                    raise AssertionError(reason)
-                self._loss_scale.set_scale(new_scale)
+            # Accept a new user-defined scale (copied, not aliased).
+            self._check_new_scale(new_scale, self._device)
+            self._loss_scale.set_scale(new_scale)
         else:
             # Consume the inf/nan flags the optimizers recorded this iteration.
             found_infs = [
@@ -761,10 +749,10 @@ class GradScaler(torch.amp.GradScaler):
         """
         if self._enabled:
             self._wait_for_thread()
+            bound = self.__dict__.get("_binding") is not None
             state = {
-                "scale": self._loss_scale.get_scale()
-                if "_binding" in self.__dict__ and self.__dict__["_binding"] is not None
-                else self.get_scale(),
+                # bound to an optimizer thread: the thread's (latest) scale, not the lagged one
+                "scale": self._loss_scale.get_scale() if bound else self.get_scale(),
                 "growth_factor": self._growth_factor,
                 "backoff_factor": self._backoff_factor,
                 "growth_interval": self._growth_interval,
