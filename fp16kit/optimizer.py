@@ -287,10 +287,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 )
             return
         if not current:
-            device = self._flag_device()
-            self.grads_to_masters(
-                torch.ones((), dtype=torch.float32, device=device), kernels.new_found_inf(device)
-            )
+            self._grads_to_masters_unscaled()
+
+    def _grads_to_masters_unscaled(self) -> None:
+        """No scaler: the grads as they are (scale 1), with the non-finite check."""
+        device = self._flag_device()
+        self.grads_to_masters(
+            torch.ones((), dtype=torch.float32, device=device), kernels.new_found_inf(device)
+        )
 
     def _flag_device(self) -> torch.device:
         for p in (*self._masters.masters, *self._direct_params()):
@@ -510,8 +514,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             first[0] = False
             with torch.enable_grad():
                 loss = closure()
-            device = self._flag_device()
-            self.grads_to_masters(torch.ones((), device=device), kernels.new_found_inf(device))
+            self._grads_to_masters_unscaled()
             combined = self._combined_flag()
             if combined is not None and combined.item():
                 raise FloatingPointError(
