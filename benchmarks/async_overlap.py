@@ -4,7 +4,9 @@ A bf16 MLP trains with fp32 masters and Adam through fp16kit.MixedPrecisionOptim
 fp16kit.GradScaler. Synchronous: forward, backward and step in sequence, with every core for
 intra-op threads. Asynchronous (``async_step=True``): the step of iteration k runs on the
 optimizer thread while the main thread computes forward/backward k+1; the cores are split
-between the two sides. Prints iterations per second for both and their ratio (one run).
+between the two sides. Runs the two alternately for ``--rounds`` rounds (so drift on a shared
+machine hits both alike) and prints iterations per second and the async/sync ratio of every
+round, then the median ratio.
 
     python benchmarks/async_overlap.py                    # CPU, 2 cores here
     python benchmarks/async_overlap.py --device cuda      # CUDA model, masters offloaded to CPU
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -35,7 +38,7 @@ def build(args: argparse.Namespace, async_step: bool):
     model = nn.Sequential(*layers, nn.Linear(args.width, 16)).to(args.device, torch.bfloat16)
     master_device = "cpu" if args.device == "cuda" else None
     opt = fp16kit.MixedPrecisionOptimizer(
-        torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True),
+        torch.optim.Adam(model.parameters(), lr=1e-4, **{args.impl: True}),
         master_device=master_device,
         async_step=async_step,
     )
@@ -77,6 +80,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--iters", type=int, default=80)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--impl", default="foreach", choices=["foreach", "fused"], help="Adam implementation")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU cores to use")
     parser.add_argument("--main-threads", type=int, default=None,
@@ -85,22 +90,25 @@ def main() -> None:
 
     params = sum(p.numel() for p in build(args, False)[0].parameters())
     print(f"bf16 MLP {args.layers}x{args.width}, {params / 1e6:.1f}M params, batch {args.batch}, "
-          f"Adam on fp32 masters ({'CPU-offloaded, ' if args.device == 'cuda' else ''}{args.device}), "
+          f"Adam ({args.impl}) on fp32 masters ({'CPU-offloaded, ' if args.device == 'cuda' else ''}{args.device}), "
           f"{args.threads} cores, torch {torch.__version__}")
-
-    torch.set_num_threads(args.threads)  # synchronous: every core on each op
-    sync_ips = run(args, async_step=False)
 
     # asynchronous: the main thread and the optimizer thread share the cores
     main_threads = args.main_threads or max(1, args.threads // 2)
-    worker_threads = max(1, args.threads - main_threads) if args.main_threads is None else max(1, args.threads // 2)
-    torch.set_num_threads(main_threads)
-    fp16kit.optimizer_thread().wait(fp16kit.optimizer_thread().submit(torch.set_num_threads, worker_threads))
-    async_ips = run(args, async_step=True)
-
-    print(f"synchronous : {sync_ips:8.2f} it/s")
-    print(f"asynchronous: {async_ips:8.2f} it/s  ({main_threads}+{worker_threads} threads)")
-    print(f"ratio async/sync: {async_ips / sync_ips:.2f}x")
+    worker_threads = max(1, args.threads - main_threads)
+    thread = fp16kit.optimizer_thread()
+    ratios = []
+    for r in range(args.rounds):
+        torch.set_num_threads(args.threads)  # synchronous: every core on each op
+        sync_ips = run(args, async_step=False)
+        torch.set_num_threads(main_threads)
+        thread.wait(thread.submit(torch.set_num_threads, worker_threads))
+        async_ips = run(args, async_step=True)
+        ratios.append(async_ips / sync_ips)
+        print(f"round {r + 1}: synchronous {sync_ips:7.1f} it/s, asynchronous {async_ips:7.1f} it/s "
+              f"({main_threads}+{worker_threads} threads): {ratios[-1]:.2f}x")
+    print(f"ratio async/sync: {statistics.median(ratios):.2f}x median of {args.rounds} rounds "
+          f"(range {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 if __name__ == "__main__":

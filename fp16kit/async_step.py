@@ -7,7 +7,8 @@ between the two; the optimizer decides what runs where::
     main thread, step k                          optimizer thread, job k
     ----------------------------------------     ----------------------------------------
     land():  wait for job k-1 (re-raise its      (job k-1 done)
-             error); masters -> model params
+             error); masters -> model params     (host masters: this copy runs here, while
+                                                  the main thread checks the grads)
     hand_off(): model grads -> the job (on
              CPU offload a non-blocking copy
              into pinned buffers + an event);
@@ -54,6 +55,7 @@ class AsyncSteps:
         self.inflight: Future | None = None
         self.land_pending = False  # the masters are newer than the model params
         self._staging: list[torch.Tensor] | None = None
+        self._landing: Future | None = None  # land_begin's copy on the optimizer thread
 
     @property
     def thread(self) -> OptimizerThread:
@@ -68,6 +70,7 @@ class AsyncSteps:
     def wait(self) -> None:
         """Wait for the job in flight (re-raising its error); the masters then are newer than
         the model params until :meth:`land`."""
+        self.land_end()
         fut, self.inflight = self.inflight, None
         if fut is None:
             return
@@ -77,10 +80,35 @@ class AsyncSteps:
 
     def land(self) -> None:
         """Wait for the job in flight and copy the masters into the model params."""
+        self.land_begin(overlap=False)
+
+    def land_begin(self, *, overlap: bool = True) -> None:
+        """Start :meth:`land`; the main thread may do other work (not touching the model
+        params) until :meth:`land_end`.
+
+        Copying host masters into host params is real work for whichever thread does it, so
+        with ``overlap`` and an optimizer thread that has nothing else queued, the copy runs
+        there while the main thread goes on (e.g. checking the next grads). Otherwise -- a
+        device copy, which the main thread merely enqueues, or a busy shared thread whose
+        queue the copy would wait behind -- it runs here, before returning."""
         self.wait()
-        if self.land_pending:
+        if not self.land_pending:
+            return
+        if overlap and self._landing_on_host() and self.thread.idle():
+            self._landing = self.thread.submit(self._masters.masters_to_model)
+        else:
             self._masters.masters_to_model(non_blocking=True)
             self.land_pending = False
+
+    def land_end(self) -> None:
+        """Wait for the copy :meth:`land_begin` started (re-raising its error)."""
+        fut, self._landing = self._landing, None
+        if fut is not None:
+            self.thread.wait(fut)
+            self.land_pending = False
+
+    def _landing_on_host(self) -> bool:
+        return all(p.device.type == "cpu" for p in self._masters.model_params)
 
     def hand_off(self, params: Sequence[torch.Tensor]) -> Handoff:
         """Give this step's grads of ``params`` to the job and clear them on the model. Grads

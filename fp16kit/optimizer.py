@@ -416,12 +416,16 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             flags, handoff, inv = unscaled_flags, None, None
             self._masters.zero_grad(model=True, masters=False)
         else:
-            self._async.land()
-            device = self._grad_device()
-            flags = kernels.check_finite_([p.grad for p in params if p.grad is not None], kernels.new_found_inf(device))
-            if reduce is not None:
-                flags = reduce(flags)
-            inv = kernels.inv_scale(scale) if scale is not None else torch.ones((), device=device)
+            self._async.land_begin()
+            try:  # the grads, not the params: the landing copy may still be writing those
+                device = self._grad_device()
+                grads = [p.grad for p in params if p.grad is not None]
+                flags = kernels.check_finite_(grads, kernels.new_found_inf(device))
+                if reduce is not None:
+                    flags = reduce(flags)
+                inv = kernels.inv_scale(scale) if scale is not None else torch.ones((), device=device)
+            finally:
+                self._async.land_end()
             handoff = self._async.hand_off(params)
         found = kernels.combine_found_inf(flags.values(), self._grad_device())
         self._transfer = None

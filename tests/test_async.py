@@ -122,6 +122,57 @@ def test_mode1_without_a_scaler_skips_non_finite_on_the_thread():
     assert all(p.grad is None for p in model.parameters())  # handed to the thread
 
 
+def _landing_threads(opt):
+    """Record which thread copies the masters into the model (None: the main thread)."""
+    seen = []
+    copy_masters = opt._masters.masters_to_model
+
+    def recording(*args, **kwargs):
+        seen.append(fp16kit.core.thread.current_optimizer_thread())
+        return copy_masters(*args, **kwargs)
+
+    opt._masters.masters_to_model = recording
+    return seen
+
+
+def test_mode1_host_landing_runs_on_the_idle_optimizer_thread():
+    model = _model()
+    with fp16kit.OptimizerThread() as thread:
+        opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True, thread=thread)
+        seen = _landing_threads(opt)
+        for x, y in _data(3):
+            opt.zero_grad()
+            _loss(model, x, y).backward()
+            opt.step()
+        opt.synchronize()
+        assert seen[:2] == [thread, thread]  # the steps' landings overlapped the checks
+        assert seen[2] is None  # synchronize() lands on the caller
+        for p, m in zip(model.parameters(), opt.master_params):
+            assert torch.equal(p, m.detach().to(p.dtype))
+
+
+def test_mode1_a_busy_shared_thread_lands_inline_without_waiting_for_other_work():
+    import threading
+
+    model = _model()
+    with fp16kit.OptimizerThread() as thread:
+        opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True, thread=thread)
+        seen = _landing_threads(opt)
+        (x, y), (x2, y2) = _data(2)
+        _loss(model, x, y).backward()
+        opt.step()
+        thread.wait(opt._async.inflight)  # the step is done; now the thread gets busy elsewhere
+        release = threading.Event()
+        other = thread.submit(release.wait, 30)
+        opt.zero_grad()
+        _loss(model, x2, y2).backward()
+        opt.step()  # must not wait behind the unrelated job
+        assert not other.done() and seen == [None]
+        release.set()
+        opt.synchronize()
+        assert other.result() is True
+
+
 def test_mode1_fp32_params_get_masters_too():
     model = _model()
     model[2].float()

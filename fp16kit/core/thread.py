@@ -93,6 +93,11 @@ class OptimizerThread:
         """How many jobs were submitted so far (a counter callers can compare)."""
         return self._submitted
 
+    def idle(self) -> bool:
+        """True when every job submitted so far has finished (a job queued now runs at once)."""
+        with self._lock:
+            return all(f.done() for f in self._pending)
+
     def on_optimizer_thread(self) -> bool:
         """True when called from this thread's worker."""
         return threading.current_thread() is self._thread

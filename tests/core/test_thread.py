@@ -71,6 +71,16 @@ def test_waiting_on_the_failed_job_reports_it(thread):
     thread.synchronize()
 
 
+def test_idle_means_every_submitted_job_finished(thread):
+    assert thread.idle()
+    release = threading.Event()
+    fut = thread.submit(release.wait, 30)
+    assert not thread.idle()
+    release.set()
+    thread.wait(fut)
+    assert thread.idle()
+
+
 def test_a_job_may_submit_inline(thread):
     fut = thread.submit(lambda: thread.wait(thread.submit(lambda: "inner")))
     assert thread.wait(fut) == "inner"
