@@ -409,39 +409,103 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     ) -> dict[torch.device, torch.Tensor]:
         """Mode 1 on the main thread (see :mod:`fp16kit.async_step`). Returns the device flags
         of this step's grads (for GradScaler.update); never reads them on the host."""
-        params = self._masters.model_params
         if unscaled_flags is not None:
             # scaler.unscale_ already put this step's unscaled grads into the masters (it
             # landed the previous job first): only the skip decision and the step are left.
-            flags, handoff, inv = unscaled_flags, None, None
             self._masters.zero_grad(model=True, masters=False)
-        else:
-            self._async.land_begin()
-            try:  # the grads, not the params: the landing copy may still be writing those
-                device = self._grad_device()
-                grads = [p.grad for p in params if p.grad is not None]
-                flags = kernels.check_finite_(grads, kernels.new_found_inf(device))
-                if reduce is not None:
-                    flags = reduce(flags)
-                inv = kernels.inv_scale(scale) if scale is not None else torch.ones((), device=device)
-            finally:
-                self._async.land_end()
-            handoff = self._async.hand_off(params)
-        found = kernels.combine_found_inf(flags.values(), self._grad_device())
-        self._transfer = None
-        self._unscaled_by_scaler = False
-        self._async.submit(self._async_job, handoff, inv, found)
+            self._submit_async_job(None, None, self._found(unscaled_flags))
+            return unscaled_flags
+        flags = self.async_check_grads(reduce=reduce)
+        device = self._grad_device()
+        inv = kernels.inv_scale(scale) if scale is not None else torch.ones((), device=device)
+        self.async_submit(inv, self._found(flags))
         return flags
 
-    def _async_job(self, handoff: Handoff | None, inv: torch.Tensor | None, found: torch.Tensor) -> Any:
+    def async_check_grads(
+        self,
+        *,
+        reduce: Callable[[dict[torch.device, torch.Tensor]], dict[torch.device, torch.Tensor]] | None = None,
+        check: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        """First half of an asynchronous step (``async_step=True``), on the main thread: wait
+        for the step in flight (re-raising its error) and land its masters in the model, while
+        this step's model grads are checked for inf/NaN on their device (``reduce`` may
+        all-reduce the flags). Returns ``{device: found_inf}`` -- empty with ``check=False``.
+        No host sync. Then call :meth:`async_submit`."""
+        self._require_async("async_check_grads")
+        self._async.land_begin()
+        try:  # the grads, not the params: the landing copy may still be writing those
+            if not check:
+                return {}
+            grads = [p.grad for p in self._masters.model_params if p.grad is not None]
+            flags = kernels.check_finite_(grads, kernels.new_found_inf(self._grad_device()))
+            return reduce(flags) if reduce is not None else flags
+        finally:
+            self._async.land_end()
+
+    def async_submit(
+        self,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        *,
+        missing_grads: str = "none",
+        on_skip: Callable[[], Any] | None = None,
+    ) -> Future:
+        """Second half of an asynchronous step, after :meth:`async_check_grads`: hand this
+        step's model grads to the optimizer thread (the model grads are cleared) and queue the
+        job. There it skips the step -- calling ``on_skip()`` -- if ``found_inf`` is set, and
+        otherwise unscales the grads by ``inv_scale`` into the master grads and steps.
+        ``missing_grads`` says what a master whose param got no grad holds: ``"none"`` (no
+        grad: the optimizer skips it), ``"zero"``, or ``"keep"`` (its previous grad; apex)."""
+        self._require_async("async_submit")
+        if missing_grads not in _MISSING_GRADS:
+            raise ValueError(f"missing_grads must be one of {_MISSING_GRADS}, got {missing_grads!r}.")
+        handoff = self._async.hand_off(self._masters.model_params)
+        return self._submit_async_job(handoff, inv_scale, found_inf, missing_grads, on_skip)
+
+    def _require_async(self, name: str) -> None:
+        if not self.async_step:
+            raise RuntimeError(f"{name}() is part of an asynchronous step; build the optimizer with async_step=True.")
+        if self._async.on_optimizer_thread():
+            raise RuntimeError(f"{name}() is called from the main thread, not from a step job.")
+
+    def _found(self, flags: dict[torch.device, torch.Tensor]) -> torch.Tensor:
+        return kernels.combine_found_inf(flags.values(), self._grad_device())
+
+    def _submit_async_job(
+        self,
+        handoff: Handoff | None,
+        inv: torch.Tensor | None,
+        found: torch.Tensor,
+        missing_grads: str = "none",
+        on_skip: Callable[[], Any] | None = None,
+    ) -> Future:
+        self._transfer = None
+        self._unscaled_by_scaler = False
+        return self._async.submit(self._async_job, handoff, inv, found, missing_grads, on_skip)
+
+    def _async_job(
+        self,
+        handoff: Handoff | None,
+        inv: torch.Tensor | None,
+        found: torch.Tensor,
+        missing_grads: str,
+        on_skip: Callable[[], Any] | None,
+    ) -> Any:
         """Mode 1 on the optimizer thread: receive the grads, skip or step."""
         grads = AsyncSteps.receive(handoff) if handoff is not None else None
         if found.item():  # the worker may wait for the device; the main thread never does
+            if on_skip is not None:
+                on_skip()
             return None
         if grads is not None:
             assert inv is not None
+            if missing_grads == "zero":
+                self._masters.zero_grad(False, model=False)
             device = self._flag_device()
-            self._masters.grads_to_masters(inv, kernels.new_found_inf(device), grads=grads)
+            self._masters.grads_to_masters(
+                inv, kernels.new_found_inf(device), grads=grads, clear_missing=missing_grads == "none"
+            )
         return self.inner_step()
 
     def _grad_device(self) -> torch.device:
@@ -535,8 +599,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         plain data, exact fp32 masters (no fp16 round trip). Waits for a step in flight but
         does not write the model params (their own state dict holds what the next forward
         uses)."""
-        if not self._async.on_optimizer_thread():
-            self._async.wait()
+        self.wait_for_step()
         return {
             "optimizer": self.optimizer.state_dict(),
             "masters": [[m.detach() for m in g.masters] for g in self.groups],
@@ -555,16 +618,25 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         saved = state_dict["masters"]
         validate_optimizer_groups(state_dict["optimizer"], self.optimizer)
         validate_master_groups(saved, self.groups)
-        if not self._async.on_optimizer_thread():
-            self._async.wait()
+        self.wait_for_step()
         self.optimizer.load_state_dict(state_dict["optimizer"])
         kernels.copy_to_(
             [s for group in saved for s in group], [m.detach() for g in self.groups for m in g.masters]
         )
         self._transfer = None
         self._unscaled_by_scaler = False
-        # Asynchronously trained, the masters are a step ahead of the saved model params: the
-        # next step lands them, exactly as in the uninterrupted run.
+        self.masters_loaded()
+
+    def wait_for_step(self) -> None:
+        """Wait for the step in flight (re-raising its error) without landing its masters in
+        the model. A no-op on the optimizer thread and with no step in flight."""
+        if not self._async.on_optimizer_thread():
+            self._async.wait()
+
+    def masters_loaded(self) -> None:
+        """Note that the masters were written from a checkpoint. Asynchronously trained, they
+        are a step ahead of the saved model params: the next step lands them, exactly as in
+        the uninterrupted run. (Synchronously the model already holds them.)"""
         self._async.land_pending = self.async_step
 
     def __getstate__(self) -> dict[str, Any]:
@@ -629,6 +701,9 @@ def validate_master_groups(saved: Any, groups: list[MasterGroup]) -> None:
                     f"Param group {gi}, master {i}: the checkpoint has shape {got}, the "
                     f"param has shape {tuple(m.shape)}."
                 )
+
+
+_MISSING_GRADS = ("none", "zero", "keep")
 
 
 class _TransferRecord:

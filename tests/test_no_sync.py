@@ -9,6 +9,7 @@ a non-fused step, get_scale) through. On CUDA, torch's own sync detector checks 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -23,14 +24,28 @@ class HostRead(AssertionError):
 
 
 @contextlib.contextmanager
-def no_host_reads(monkeypatch):
+def no_host_reads(monkeypatch, *, main_thread_only=False):
+    """Forbid host reads; with ``main_thread_only`` only on the main thread (the optimizer
+    thread may read the device)."""
+
+    def allowed():
+        return main_thread_only and threading.current_thread() is not threading.main_thread()
+
     with monkeypatch.context() as m:
         for name in READS:
-            def forbidden(self, *a, __name=name, **k):
+            original = getattr(torch.Tensor, name)
+
+            def forbidden(self, *a, __name=name, __original=original, **k):
+                if allowed():
+                    return __original(self, *a, **k)
                 raise HostRead(f"Tensor.{__name} called on the hot path")
             m.setattr(torch.Tensor, name, forbidden)
 
+        torch_equal = torch.equal
+
         def equal(*a, **k):
+            if allowed():
+                return torch_equal(*a, **k)
             raise HostRead("torch.equal called on the hot path")
 
         m.setattr(torch, "equal", equal)
@@ -139,3 +154,40 @@ def test_sparse_grads_and_fp16_masters_do_not_read_the_device(monkeypatch):
         with no_host_reads(monkeypatch):
             scaler.update()
     assert scaler.skipped_steps() == 0
+
+
+@pytest.mark.parametrize("face", ["MixedPrecisionOptimizer", "FP16_Optimizer"])
+def test_asynchronous_steps_never_read_the_device_on_the_main_thread(monkeypatch, face):
+    # Mode 1: the check, the scale update and the hand-off stay on the device; only the
+    # optimizer thread reads the skip flag. An overflow in iteration 2 exercises the skip.
+    from fp16kit.legacy import FP16_Optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if face == "FP16_Optimizer":
+        opt = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False, async_step=True)
+    else:
+        opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=True)
+        scaler = fp16kit.GradScaler("cpu", growth_interval=2)
+    for i in range(5):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8).half()).float().pow(2).mean()
+        with no_host_reads(monkeypatch, main_thread_only=True):
+            if face == "FP16_Optimizer":
+                opt.backward(loss, update_master_grads=False)
+                if i == 2:
+                    model[0].weight.grad.view(-1)[0] = float("inf")
+                opt.update_master_grads()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                if i == 2:
+                    model[0].weight.grad.view(-1)[0] = float("inf")
+                scaler.step(opt)
+                scaler.update()
+    opt.synchronize()
+    if face == "FP16_Optimizer":
+        assert opt.loss_scale == 2.0**15  # one back-off (the window is 2000)
+    else:
+        assert scaler.get_scale() == 2.0**17  # grown at 1, backed off at 2, grown at 4

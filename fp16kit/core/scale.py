@@ -334,6 +334,11 @@ class LossScale:
         logger.warning(msg)
 
     # ------------------------------------------------------------------ reads and writes
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the scale tensor as it is now (a device op, no sync): a later update does
+        not change it, so another thread can read it afterwards."""
+        return self._require("snapshot").clone()
+
     def get_scale(self) -> float:
         """The scale as a Python float (reads the device: a host sync on GPU)."""
         return float(self.init_scale) if self.scale is None else float(self.scale.item())

@@ -10,6 +10,12 @@ loop apex documented::
     optimizer.backward(loss)    # (loss.float() * scale).backward(); fp16 grads -> fp32 masters
     optimizer.step()            # skipped (and logged) on overflow; masters -> fp16 params
 
+With ``async_step=True`` (spec/async.md, mode 1) ``step()`` runs on the optimizer thread
+beside the next forward/backward, a one-step delayed update; ``update_master_grads`` checks
+the grads and updates the scale on their device with no lag and no host sync, and the worker
+logs apex's overflow message. ``master_device="cpu"`` keeps the fp32 masters and optimizer
+state in host memory.
+
 Differences from apex (fixes, listed in MIGRATION.md): CPU and bf16 params are accepted;
 ``scale_factor`` in ``dynamic_loss_args`` is honoured; it is a ``torch.optim.Optimizer`` (LR
 schedulers work); ``state_dict()`` is plain data; ``load_state_dict`` reads both apex forms
@@ -19,6 +25,7 @@ messages go to the ``fp16kit`` logger.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -92,6 +99,10 @@ class AmpLossScaler:
 
     def loss_scale(self) -> float:
         return self._state.get_scale()
+
+    def scale_snapshot(self) -> torch.Tensor:
+        """The scale now, as a tensor later updates leave alone (no host sync)."""
+        return self._state.snapshot()
 
     def scale_tensor(self) -> torch.Tensor:
         assert self._state.scale is not None
@@ -188,6 +199,16 @@ class FP16_Optimizer(WrappingOptimizer):
         dynamic_loss_args: any of ``init_scale, scale_factor, scale_window, min_loss_scale,
             max_loss_scale``.
         verbose: log apex's ingestion messages (at INFO).
+        async_step: step on the optimizer thread (see the module docstring). Then every
+            trainable param (fp32 ones too) gets a master, closures are refused, and
+            :meth:`clip_master_grads` / :meth:`inspect_master_grad_data` raise (the master
+            grads are computed on the thread). Call :meth:`synchronize` before evaluating.
+        master_device: device of the masters and the optimizer state (e.g. ``"cpu"`` for a
+            CUDA model); fp32 params get masters there too.
+
+    With ``async_step`` or ``master_device`` the ``fp32_from_fp16`` groups (and the saved
+    ``fp32_from_fp16``) hold the masters of the fp32 params too: load such a checkpoint into an
+    FP16_Optimizer built with the same options.
     """
 
     MAX_CLOSURE_RETRIES = 32
@@ -201,6 +222,9 @@ class FP16_Optimizer(WrappingOptimizer):
         dynamic_loss_scale: bool = False,
         dynamic_loss_args: dict[str, Any] | None = None,
         verbose: bool = True,
+        *,
+        async_step: bool = False,
+        master_device: torch.device | str | None = None,
     ) -> None:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -221,7 +245,7 @@ class FP16_Optimizer(WrappingOptimizer):
                     self.maybe_print(f"FP16_Optimizer received {param.type()} with {param.size()}")
 
         super().__init__(init_optimizer)
-        self._mpo = MixedPrecisionOptimizer(init_optimizer)
+        self._mpo = MixedPrecisionOptimizer(init_optimizer, async_step=async_step, master_device=master_device)
         self.fp16_groups = [g.model_params for g in self._mpo.groups]
         self.fp32_from_fp16_groups = [g.masters for g in self._mpo.groups]
         self.fp32_from_fp32_groups = [g.direct for g in self._mpo.groups]
@@ -237,8 +261,21 @@ class FP16_Optimizer(WrappingOptimizer):
             self.dynamic_loss_scale = False
             self.loss_scaler = AmpLossScaler(static_loss_scale, device=self._device)
         self._overflow: bool | torch.Tensor = False
+        # async_step: what update_master_grads prepared for step() -- (1/scale, found_inf, the
+        # scale after the update) -- and what zero_grad asked of the masters' grads
+        self._prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self._master_grads_reset = "keep"
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
+
+    @property
+    def async_step(self) -> bool:
+        return self._mpo.async_step
+
+    def synchronize(self) -> None:
+        """Wait for the step in flight and copy the final masters into the model (call before
+        evaluating or saving the model with ``async_step=True``). A no-op otherwise."""
+        self._mpo.synchronize()
 
     def _scale_device(self) -> torch.device:
         for p in (*self.all_fp16_params, *self.all_fp32_from_fp32_params):
@@ -279,7 +316,12 @@ class FP16_Optimizer(WrappingOptimizer):
     # ------------------------------------------------------------------ the loop
     def zero_grad(self, set_grads_to_None: bool = False) -> None:  # type: ignore[override]
         """Zero (or set to None) the grads of every param the optimizer owns and of the fp16
-        model params."""
+        model params. With ``async_step`` the masters' grads belong to the step in flight:
+        the next step's job clears them before it writes this iteration's grads."""
+        if self.async_step:
+            kernels.clear_grads_(self.all_fp16_params, set_to_none=set_grads_to_None)
+            self._master_grads_reset = "none" if set_grads_to_None else "zero"
+            return
         owned = [p for group in self.optimizer.param_groups for p in group["params"]]
         kernels.clear_grads_(owned + self.all_fp16_params, set_to_none=set_grads_to_None)
 
@@ -294,8 +336,15 @@ class FP16_Optimizer(WrappingOptimizer):
 
     def update_master_grads(self) -> None:
         """fp16 model grads -> fp32 master grads * 1/scale, fp32 params' grads * 1/scale in
-        place, one non-finite check; with a dynamic scale, the scale update (on the device)."""
+        place, one non-finite check; with a dynamic scale, the scale update (on the device).
+
+        With ``async_step``: land the previous step's masters in the model, check the model
+        grads and update the scale on their device; the transfer into the master grads runs
+        in the step's job."""
         scale = self.loss_scaler.scale_tensor()
+        if self.async_step:
+            self._prepare_async_step(scale)
+            return
         flags = self._mpo.grads_to_masters(
             kernels.inv_scale(scale), kernels.new_found_inf(scale.device), clear_missing=False
         )
@@ -307,9 +356,28 @@ class FP16_Optimizer(WrappingOptimizer):
             self.loss_scaler.update(None)
             self._overflow = False  # apex never checked with a static scale
 
+    def _prepare_async_step(self, scale: torch.Tensor) -> None:
+        inv = kernels.inv_scale(scale)
+        flags = self._mpo.async_check_grads(check=self.dynamic_loss_scale)
+        if self.dynamic_loss_scale:
+            found_inf = kernels.combine_found_inf(flags.values(), scale.device)
+            self.loss_scaler.update(found_inf)
+            self._overflow = found_inf != 0
+            self._prepared = (inv, found_inf, self.loss_scaler.scale_snapshot())
+        else:
+            self.loss_scaler.update(None)
+            self._overflow = False  # apex never checked with a static scale
+            self._prepared = (inv, kernels.new_found_inf(scale.device), None)
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Skip (logging apex's message) if the last backward overflowed; else step the
-        masters (with the closure if given) and copy them into the fp16 params."""
+        masters (with the closure if given) and copy them into the fp16 params.
+
+        With ``async_step``: hand the grads to the optimizer thread and return None at once
+        (no host read of the overflow flag); the job skips or steps, and its errors surface
+        at the next call that waits for it."""
+        if self.async_step:
+            return self._submit_step(closure)
         if self.overflow:
             logger.warning(
                 "Gradient overflow.  Skipping step, reducing loss scale to {}".format(
@@ -320,6 +388,24 @@ class FP16_Optimizer(WrappingOptimizer):
         if closure is not None:
             return self._step_with_closure(closure)
         return self._mpo.inner_step()
+
+    def _submit_step(self, closure: Callable[[], Any] | None) -> None:
+        if closure is not None:
+            raise RuntimeError(
+                "Closures are not supported with async_step=True: the step runs later on the "
+                "optimizer thread, but a closure must re-evaluate the model now. Build the "
+                "FP16_Optimizer with async_step=False for LBFGS-style optimizers."
+            )
+        if self._prepared is None:
+            raise RuntimeError(
+                "FP16_Optimizer(async_step=True).step() found no prepared gradients: call "
+                "optimizer.backward(loss) (or, after backward(loss, update_master_grads=False), "
+                "optimizer.update_master_grads()) before each step()."
+            )
+        (inv, found_inf, scale_after), self._prepared = self._prepared, None
+        on_skip = None if scale_after is None else functools.partial(_log_overflow, scale_after)
+        reset, self._master_grads_reset = self._master_grads_reset, "keep"
+        self._mpo.async_submit(inv, found_inf, missing_grads=reset, on_skip=on_skip)
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         def wrapped_closure() -> Any:
@@ -355,6 +441,7 @@ class FP16_Optimizer(WrappingOptimizer):
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> Any:
         """Clip the grads of every param in ``param_groups`` (the fp32 masters and fp32 params)
         by their total norm; return that norm, or ``-1`` if the last backward overflowed."""
+        self._refuse_when_async("clip_master_grads")
         if self.overflow:
             return -1
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -363,6 +450,7 @@ class FP16_Optimizer(WrappingOptimizer):
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """The master grads per group (None where a param has none), or None while in an
         overflow state."""
+        self._refuse_when_async("inspect_master_grad_data")
         if self.overflow:
             logger.warning(
                 "Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
@@ -374,13 +462,25 @@ class FP16_Optimizer(WrappingOptimizer):
             for group in self.optimizer.param_groups
         ]
 
+    def _refuse_when_async(self, name: str) -> None:
+        if self.async_step:
+            raise RuntimeError(
+                f"FP16_Optimizer.{name}() needs this iteration's master grads, but with "
+                "async_step=True they are computed later, on the optimizer thread. Build the "
+                "FP16_Optimizer with async_step=False to clip or inspect the master grads."
+            )
+
     def _master_params_to_model_params(self) -> None:
-        self._mpo.masters_to_model()
+        if self.async_step:
+            self._mpo.synchronize()
+        else:
+            self._mpo.masters_to_model()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (apex had no such method): its fp16/bf16 params get fp32 masters,
         as at construction."""
         _check_param_types_of(param_group.get("params", []))
+        self._mpo.wait_for_step()  # the step in flight reads the param groups
         self._mpo.add_param_group(param_group)
         g = self._mpo.groups[-1]
         self.fp16_groups.append(g.model_params)
@@ -393,7 +493,9 @@ class FP16_Optimizer(WrappingOptimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """apex's six keys, as plain data (``torch.load(weights_only=True)`` reads it):
-        ``loss_scaler`` is a dict, ``fp32_from_fp16`` the exact fp32 masters per group."""
+        ``loss_scaler`` is a dict, ``fp32_from_fp16`` the exact fp32 masters per group. Waits
+        for a step in flight; does not write the model params."""
+        self._mpo.wait_for_step()
         return {
             "loss_scaler": self.loss_scaler.state_dict(),
             "dynamic_loss_scale": self.dynamic_loss_scale,
@@ -424,6 +526,7 @@ class FP16_Optimizer(WrappingOptimizer):
             new_scaler = AmpLossScaler.from_state(scaler, self._device)
         except (TypeError, ValueError) as e:
             raise ValueError(f"The saved loss scaler has invalid settings: {e}") from None
+        self._mpo.wait_for_step()
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         self.loss_scaler = new_scaler
         self.dynamic_loss_scale = scaler["dynamic"]
@@ -433,9 +536,16 @@ class FP16_Optimizer(WrappingOptimizer):
             [t for g in state_dict["fp32_from_fp16"] for t in g],
             [m.detach() for m in self.all_fp32_from_fp16_params],
         )
+        self._prepared = None
+        self._mpo.masters_loaded()
 
     def __repr__(self) -> str:
         return (
             f"FP16_Optimizer(dynamic_loss_scale={self.dynamic_loss_scale}, "
             f"loss_scale={self.loss_scale}, optimizer={self.optimizer!r})"
         )
+
+
+def _log_overflow(scale_after: torch.Tensor) -> None:
+    # On the optimizer thread, which may read the device (the main thread never does).
+    logger.warning("Gradient overflow.  Skipping step, reducing loss scale to {}".format(scale_after.item()))
