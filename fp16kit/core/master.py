@@ -193,11 +193,7 @@ class MasterParams:
         ``non_blocking``: from pinned host masters, let the copies overlap (the caller orders
         any later write to the masters after an event)."""
         if self.masters:
-            kernels.copy_to_(
-                [m.detach() for m in self.masters],
-                [p.detach() for p in self.model_params],
-                non_blocking=non_blocking,
-            )
+            kernels.copy_to_(self.masters, self.model_params, non_blocking=non_blocking)
 
     def zero_grad(self, set_to_none: bool = True, *, model: bool = True, masters: bool = True) -> None:
         """Clear the model params' grads and/or the masters' grads."""
