@@ -57,7 +57,7 @@ __all__ = [
     "MasterGroup",
     "MixedPrecisionOptimizer",
     "WrappingOptimizer",
-    "validate_master_groups",
+    "saved_master_pairs",
     "validate_optimizer_groups",
 ]
 
@@ -180,6 +180,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._transfer: _TransferRecord | None = None
         self._unscaled_by_scaler = False
         self._handed_off = False  # the master grads hold this step's raw grads (submit_step)
+        # In a step job: the param groups as they were when the step was submitted
+        self._submitted_groups: list[dict[str, Any]] | None = None
         for group in optimizer.param_groups:
             self._adopt_group(group)
         if optimizer.state:
@@ -215,6 +217,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its fp16/bf16 params get masters."""
+        self.wait_for_step()  # the step in flight reads the groups and the masters
         self.optimizer.add_param_group(param_group)
         self._adopt_group(self.optimizer.param_groups[-1])
 
@@ -384,6 +387,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         into the model. ``grad_scale``/``found_inf`` go to a fused optimizer (which unscales
         and skips on the device). No unscale, no check: the building block of :meth:`step`."""
         inner = self.optimizer
+        submitted = self._submitted_groups if self._async.on_optimizer_thread() else None
+        view = None if submitted is None else _StepView(inner, submitted)
+        if view is not None:
+            inner = view.optimizer
         if found_inf is not None or grad_scale is not None:
             inner.grad_scale = grad_scale  # type: ignore[attr-defined]
             inner.found_inf = found_inf  # type: ignore[attr-defined]
@@ -393,6 +400,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             for name in ("grad_scale", "found_inf"):
                 if name in inner.__dict__:
                     delattr(inner, name)
+            if view is not None:
+                view.write_back()
         if self._async.on_optimizer_thread():
             self._async.land_pending = True  # the main thread copies them (land) between steps
         else:
@@ -425,18 +434,19 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self,
         *,
         reduce: Callable[[dict[torch.device, torch.Tensor]], dict[torch.device, torch.Tensor]] | None = None,
-        check: bool = True,
+        land: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
-        """First half of an asynchronous step (``async_step=True``), on the main thread: wait
-        for the step in flight (re-raising its error) and land its masters in the model, while
-        this step's model grads are checked for inf/NaN on their device (``reduce`` may
-        all-reduce the flags). Returns ``{device: found_inf}`` -- empty with ``check=False``.
-        No host sync. Then call :meth:`async_submit`."""
+        """First half of an asynchronous step (``async_step=True``), on the main thread: check
+        this step's model grads for inf/NaN on their device (``reduce`` may all-reduce the
+        flags); returns ``{device: found_inf}``. No host sync. Then call :meth:`async_submit`.
+
+        With ``land`` it also waits for the step in flight (re-raising its error) and lands
+        its masters in the model meanwhile -- only when nothing (a retained autograd graph, a
+        second loss) still needs the current weights; otherwise :meth:`async_submit` lands."""
         self._require_async("async_check_grads")
-        self._async.land_begin()
+        if land:
+            self._async.land_begin()
         try:  # the grads, not the params: the landing copy may still be writing those
-            if not check:
-                return {}
             grads = [p.grad for p in self._masters.model_params if p.grad is not None]
             flags = kernels.check_finite_(grads, kernels.new_found_inf(self._grad_device()))
             return reduce(flags) if reduce is not None else flags
@@ -451,15 +461,17 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         missing_grads: str = "none",
         on_skip: Callable[[], Any] | None = None,
     ) -> Future:
-        """Second half of an asynchronous step, after :meth:`async_check_grads`: hand this
-        step's model grads to the optimizer thread (the model grads are cleared) and queue the
-        job. There it skips the step -- calling ``on_skip()`` -- if ``found_inf`` is set, and
-        otherwise unscales the grads by ``inv_scale`` into the master grads and steps.
-        ``missing_grads`` says what a master whose param got no grad holds: ``"none"`` (no
-        grad: the optimizer skips it), ``"zero"``, or ``"keep"`` (its previous grad; apex)."""
+        """Second half of an asynchronous step, after :meth:`async_check_grads`: land the
+        previous step (if that did not), hand this step's model grads to the optimizer thread
+        (the model grads are cleared) and queue the job. There it skips the step -- calling
+        ``on_skip()`` -- if ``found_inf`` is set, and otherwise unscales the grads by
+        ``inv_scale`` into the master grads and steps. ``missing_grads`` says what a master
+        whose param got no grad holds: ``"none"`` (no grad: the optimizer skips it),
+        ``"zero"``, or ``"keep"`` (its previous grad, as apex's FP16_Optimizer)."""
         self._require_async("async_submit")
         if missing_grads not in _MISSING_GRADS:
             raise ValueError(f"missing_grads must be one of {_MISSING_GRADS}, got {missing_grads!r}.")
+        self._async.land()
         handoff = self._async.hand_off(self._masters.model_params)
         return self._submit_async_job(handoff, inv_scale, found_inf, missing_grads, on_skip)
 
@@ -467,7 +479,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         if not self.async_step:
             raise RuntimeError(f"{name}() is part of an asynchronous step; build the optimizer with async_step=True.")
         if self._async.on_optimizer_thread():
-            raise RuntimeError(f"{name}() is called from the main thread, not from a step job.")
+            raise RuntimeError(f"{name}() must be called from the main thread, not from a step job.")
 
     def _found(self, flags: dict[torch.device, torch.Tensor]) -> torch.Tensor:
         return kernels.combine_found_inf(flags.values(), self._grad_device())
@@ -482,7 +494,23 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     ) -> Future:
         self._transfer = None
         self._unscaled_by_scaler = False
-        return self._async.submit(self._async_job, handoff, inv, found, missing_grads, on_skip)
+        return self._async.submit(
+            self._run_submitted, _snapshot(self.optimizer.param_groups),
+            self._async_job, handoff, inv, found, missing_grads, on_skip,
+        )
+
+    def _run_submitted(self, groups: list[dict[str, Any]], job: Callable[..., Any], *args: Any) -> Any:
+        """On the optimizer thread: run ``job`` stepping with the param groups (lr, momentum,
+        ...) as they were when the step was submitted -- an LR scheduler on the main thread
+        already sets the next step's values. Values the inner optimizer itself writes into
+        its groups (e.g. D-Adaptation's estimates) are written back to the live groups."""
+        before = _snapshot(groups)
+        self._submitted_groups = groups
+        try:
+            return job(*args)
+        finally:
+            self._submitted_groups = None
+            _write_back(before, groups, self.optimizer.param_groups)
 
     def _async_job(
         self,
@@ -533,7 +561,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         zero -- and submit ``fn``. Returns its Future; call :meth:`synchronize` before
         evaluating or exporting the model."""
         if self._async.on_optimizer_thread():
-            raise RuntimeError("submit_step() is called from the main thread, not from a step job.")
+            raise RuntimeError("submit_step() must be called from the main thread, not from a step job.")
         if self.async_step:
             raise RuntimeError(
                 "This optimizer already steps asynchronously (async_step=True): call step() (or "
@@ -548,7 +576,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             )
         self._async.land()
         handoff = self._async.hand_off(self._masters.model_params)
-        fut = self._async.submit(self._submitted_job, handoff, fn)
+        self._opt_called = True  # the step is taken: an LR scheduler may follow at once
+        fut = self._async.submit(
+            self._run_submitted, _snapshot(self.optimizer.param_groups), self._submitted_job, handoff, fn
+        )
         self._async.thread.mark_step()
         return fut
 
@@ -615,14 +646,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 f"MixedPrecisionOptimizer.load_state_dict expects the keys {list(_STATE_KEYS)} "
                 f"(from MixedPrecisionOptimizer.state_dict()), got {got}."
             )
-        saved = state_dict["masters"]
         validate_optimizer_groups(state_dict["optimizer"], self.optimizer)
-        validate_master_groups(saved, self.groups)
         self.wait_for_step()
+        pairs = saved_master_pairs(state_dict["masters"], self.groups, self.optimizer.param_groups)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        kernels.copy_to_(
-            [s for group in saved for s in group], [m.detach() for g in self.groups for m in g.masters]
-        )
+        load_pairs(pairs)
         self._transfer = None
         self._unscaled_by_scaler = False
         self.masters_loaded()
@@ -678,31 +706,102 @@ def validate_optimizer_groups(saved: Any, optimizer: torch.optim.Optimizer) -> N
             )
 
 
-def validate_master_groups(saved: Any, groups: list[MasterGroup]) -> None:
-    """Check saved masters (a list per group) against the live groups: counts and shapes.
-    Raises ValueError naming the group, the index and the counts; changes nothing."""
+def saved_master_pairs(
+    saved: Any, groups: list[MasterGroup], param_groups: list[dict[str, Any]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Match saved masters (a list per group) to what they restore: ``[(saved, target)]``.
+    Checks counts and shapes first; raises ValueError naming the group; changes nothing.
+
+    A checkpoint written with and one written without ``async_step``/``master_device`` differ
+    in the fp32 params: with them every trainable param has a master (saved in group order),
+    without them only the fp16/bf16 params do and the fp32 params are stepped in place. Both
+    load either way: saved without, the fp32 params' masters come from the model params
+    (load the model first); saved with, the fp32 masters are written into the fp32 params."""
     if not isinstance(saved, (list, tuple)) or len(saved) != len(groups):
         n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
         raise ValueError(
             f"Saved masters have {n} param groups, this optimizer has {len(groups)}: the "
             "checkpoint was written for a different optimizer layout."
         )
-    for gi, (s, g) in enumerate(zip(saved, groups)):
-        if not isinstance(s, (list, tuple)) or len(s) != len(g.masters):
-            n = len(s) if isinstance(s, (list, tuple)) else type(s).__name__
+    pairs: list[tuple[Any, torch.Tensor]] = []
+    for gi, (s, g, pg) in enumerate(zip(saved, groups, param_groups)):
+        if not isinstance(s, (list, tuple)):
+            raise ValueError(f"Param group {gi}: expected a list of master tensors, got {type(s).__name__}.")
+        low = [m for m, p in zip(g.masters, g.model_params) if p.dtype in LOW_PRECISION]
+        trainable = [p for p in pg["params"] if p.requires_grad]
+        if len(s) == len(g.masters):
+            targets = list(zip(s, g.masters))
+        elif len(s) == len(low) < len(g.masters):  # saved without masters for fp32 params
+            it = iter(s)
+            targets = [
+                (next(it) if p.dtype in LOW_PRECISION else p.detach(), m) for m, p in zip(g.masters, g.model_params)
+            ]
+        elif len(s) == len(trainable) > len(g.masters):  # saved with them; stepped in place here
+            targets = list(zip(s, trainable))
+        else:
             raise ValueError(
-                f"Param group {gi}: the checkpoint has {n} master tensors, this optimizer has "
-                f"{len(g.masters)} fp16/bf16 params in that group."
+                f"Param group {gi}: the checkpoint has {len(s)} master tensors, this optimizer has "
+                f"{len(g.masters)} masters ({len(low)} fp16/bf16 params, {len(trainable)} trainable "
+                "params) in that group: it was written for a different model or param groups."
             )
-        for i, (t, m) in enumerate(zip(s, g.masters)):
-            if not isinstance(t, torch.Tensor) or t.shape != m.shape:
+        for i, (t, target) in enumerate(targets):
+            if not isinstance(t, torch.Tensor) or t.shape != target.shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
                     f"Param group {gi}, master {i}: the checkpoint has shape {got}, the "
-                    f"param has shape {tuple(m.shape)}."
+                    f"param has shape {tuple(target.shape)}."
                 )
+        pairs.extend(targets)
+    return pairs
 
 
+def load_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each saved tensor into its target (exact: no low-precision round trip)."""
+    kernels.copy_to_([src for src, _ in pairs], [dst.detach() for _, dst in pairs])
+
+
+def _snapshot(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [dict(g) for g in groups]  # the params lists stay shared
+
+
+class _StepView:
+    """The wrapped optimizer stepping a snapshot of its param groups (taken when the step was
+    submitted), so the live groups stay the main thread's: an LR scheduler there already sets
+    the next step's values. A shallow copy of the optimizer object (same state dict, same
+    hooks); attributes the step sets on itself (counters) are written back afterwards."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+        self.original = optimizer
+        if isinstance(getattr(type(optimizer), "param_groups", None), property):
+            self.optimizer = optimizer  # a wrapper whose groups live elsewhere: step it as it is
+            return
+        view = object.__new__(type(optimizer))
+        view.__dict__.update(optimizer.__dict__)
+        view.param_groups = groups
+        if "step" in view.__dict__:
+            # An LR scheduler's call-order tracker, bound to the original: step the view
+            # itself and note the call as the tracker would.
+            del view.__dict__["step"]
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+        self.optimizer = view
+        self._attrs = dict(view.__dict__)
+
+    def write_back(self) -> None:
+        if self.optimizer is self.original:
+            return
+        for key, value in self.optimizer.__dict__.items():
+            if key != "param_groups" and self._attrs.get(key, _UNSET) is not value:
+                self.original.__dict__[key] = value
+
+
+def _write_back(before: list[dict[str, Any]], stepped: list[dict[str, Any]], live: list[dict[str, Any]]) -> None:
+    for old, new, target in zip(before, stepped, live):
+        for key, value in new.items():
+            if key != "params" and old.get(key, _UNSET) is not value:
+                target[key] = value
+
+
+_UNSET = object()
 _MISSING_GRADS = ("none", "zero", "keep")
 
 

@@ -410,3 +410,96 @@ def test_an_unrelated_scaler_is_not_bound_by_earlier_submitted_steps():
     with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
         plain.update()  # torch's error: its step never went to the thread
     assert plain.__dict__.get("_binding") is None
+
+
+# ------------------------------------------------------------------------------ hyperparameters
+def _blocked(thread):
+    """Hold the thread with a job until the returned event is set (the next step then runs
+    after whatever the main thread does meanwhile)."""
+    import threading
+
+    release = threading.Event()
+    thread.submit(release.wait, 30)
+    return release
+
+
+@pytest.mark.parametrize("mode", ["mode1", "mode2"])
+def test_a_step_uses_the_lr_it_was_submitted_with(mode):
+    # The scheduler sets lr=0 for the next step right after this one is submitted; the job,
+    # run only afterwards, must still use lr=1 (as a synchronous step would have).
+    model = _model()
+    with fp16kit.OptimizerThread() as thread:
+        opt = MixedPrecisionOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0), async_step=mode == "mode1",
+            master_device="cpu", thread=thread,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
+        before = [m.detach().clone() for m in opt.master_params]
+        x, y = _data(1)[0]
+        _loss(model, x, y).backward()
+        release = _blocked(thread)
+        if mode == "mode1":
+            opt.step()
+        else:
+            opt.submit_step(lambda: (opt.step(), opt.zero_grad()))
+        sched.step()
+        assert opt.param_groups[0]["lr"] == 0.0
+        release.set()
+        opt.synchronize()
+        assert all(not torch.equal(a, b) for a, b in zip(before, opt.master_params))
+
+
+def test_what_a_step_writes_into_its_groups_or_itself_reaches_the_optimizer():
+    # e.g. D-Adaptation keeps its estimate in the group; counters on the optimizer object.
+    class Counting(torch.optim.SGD):
+        def step(self, closure=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            for g in self.param_groups:
+                g["estimate"] = g.get("estimate", 0) + 1
+            return super().step(closure)
+
+    model = _model()
+    opt = MixedPrecisionOptimizer(Counting(model.parameters(), lr=0.1), async_step=True)
+    for x, y in _data(3):
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.param_groups[0]["lr"] = 0.05  # the main thread's own write stays
+    opt.synchronize()
+    assert opt.optimizer.calls == 3
+    assert opt.param_groups[0]["estimate"] == 3 and opt.param_groups[0]["lr"] == 0.05
+
+
+def test_add_param_group_waits_for_the_step_in_flight():
+    model = _model()
+    extra = nn.Linear(3, 3).bfloat16()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    x, y = _data(1)[0]
+    _loss(model, x, y).backward()
+    opt.step()
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.2})
+    assert opt._async.inflight is None and len(opt.master_params) == 6
+    _loss(model, x, y).backward()
+    extra(torch.ones(1, 3, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    opt.synchronize()
+
+
+def test_async_submit_lands_the_previous_step_itself():
+    # The building blocks, as the legacy face uses them: a check without landing, then submit.
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    inv = torch.ones(())
+    for x, y in _data(3):
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        flags = opt.async_check_grads(land=False)
+        opt.async_submit(inv, opt._found(flags))
+    opt.synchronize()
+    for p, m in zip(model.parameters(), opt.master_params):
+        assert torch.equal(p, m.detach().to(p.dtype))
+    with pytest.raises(ValueError, match="missing_grads must be one of"):
+        opt.async_submit(inv, torch.zeros(()), missing_grads="drop")
+    sync = MixedPrecisionOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="build the optimizer with async_step=True"):
+        sync.async_check_grads()

@@ -200,18 +200,6 @@ class MasterParams:
         params = [*(self.model_params if model else ()), *(self.masters if masters else ())]
         kernels.clear_grads_(params, set_to_none=set_to_none)
 
-    # ------------------------------------------------------------------ checkpoints
-    def load_masters(self, saved: Sequence[torch.Tensor], what: str = "masters") -> None:
-        """Copy saved master values in (exactly; no low-precision round trip). Shapes are
-        checked first; a mismatch raises ValueError naming the index and changes nothing."""
-        if len(saved) != len(self.masters):
-            raise ValueError(f"{what}: expected {len(self.masters)} tensors, got {len(saved)}.")
-        for i, (m, s) in enumerate(zip(self.masters, saved)):
-            if not isinstance(s, torch.Tensor) or s.shape != m.shape:
-                got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
-                raise ValueError(f"{what}[{i}]: expected shape {tuple(m.shape)}, got {got}.")
-        kernels.copy_to_(list(saved), [m.detach() for m in self.masters])
-
     def describe(self) -> dict[str, Any]:
         devices = sorted({str(m.device) for m in self.masters})
         return {

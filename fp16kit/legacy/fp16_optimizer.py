@@ -37,7 +37,8 @@ from ..core.scale import LossScale
 from ..optimizer import (
     MixedPrecisionOptimizer,
     WrappingOptimizer,
-    validate_master_groups,
+    load_pairs,
+    saved_master_pairs,
     validate_optimizer_groups,
 )
 from .checkpoint import scaler_state
@@ -321,6 +322,7 @@ class FP16_Optimizer(WrappingOptimizer):
         if self.async_step:
             kernels.clear_grads_(self.all_fp16_params, set_to_none=set_grads_to_None)
             self._master_grads_reset = "none" if set_grads_to_None else "zero"
+            self._prepared = None  # those grads are gone: step() needs a new backward
             return
         owned = [p for group in self.optimizer.param_groups for p in group["params"]]
         kernels.clear_grads_(owned + self.all_fp16_params, set_to_none=set_grads_to_None)
@@ -338,9 +340,9 @@ class FP16_Optimizer(WrappingOptimizer):
         """fp16 model grads -> fp32 master grads * 1/scale, fp32 params' grads * 1/scale in
         place, one non-finite check; with a dynamic scale, the scale update (on the device).
 
-        With ``async_step``: land the previous step's masters in the model, check the model
-        grads and update the scale on their device; the transfer into the master grads runs
-        in the step's job."""
+        With ``async_step``: check the model grads and update the scale on their device; the
+        transfer into the master grads runs in the step's job. (The model keeps its weights
+        until ``step()``, as in apex: a second loss may still backpropagate through them.)"""
         scale = self.loss_scaler.scale_tensor()
         if self.async_step:
             self._prepare_async_step(scale)
@@ -358,8 +360,8 @@ class FP16_Optimizer(WrappingOptimizer):
 
     def _prepare_async_step(self, scale: torch.Tensor) -> None:
         inv = kernels.inv_scale(scale)
-        flags = self._mpo.async_check_grads(check=self.dynamic_loss_scale)
         if self.dynamic_loss_scale:
+            flags = self._mpo.async_check_grads(land=False)
             found_inf = kernels.combine_found_inf(flags.values(), scale.device)
             self.loss_scaler.update(found_inf)
             self._overflow = found_inf != 0
@@ -402,10 +404,12 @@ class FP16_Optimizer(WrappingOptimizer):
                 "optimizer.backward(loss) (or, after backward(loss, update_master_grads=False), "
                 "optimizer.update_master_grads()) before each step()."
             )
-        (inv, found_inf, scale_after), self._prepared = self._prepared, None
+        inv, found_inf, scale_after = self._prepared
         on_skip = None if scale_after is None else functools.partial(_log_overflow, scale_after)
-        reset, self._master_grads_reset = self._master_grads_reset, "keep"
-        self._mpo.async_submit(inv, found_inf, missing_grads=reset, on_skip=on_skip)
+        # (raises the previous step's error, if any, before anything changes: call step() again)
+        self._mpo.async_submit(inv, found_inf, missing_grads=self._master_grads_reset, on_skip=on_skip)
+        self._prepared = None
+        self._master_grads_reset = "keep"
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         def wrapped_closure() -> Any:
@@ -521,21 +525,18 @@ class FP16_Optimizer(WrappingOptimizer):
             )
         scaler = scaler_state(state_dict["loss_scaler"], current=self.loss_scaler.state_dict())
         validate_optimizer_groups(state_dict["optimizer_state_dict"], self.optimizer)
-        validate_master_groups(state_dict["fp32_from_fp16"], self._mpo.groups)
+        self._mpo.wait_for_step()
+        pairs = saved_master_pairs(state_dict["fp32_from_fp16"], self._mpo.groups, self.optimizer.param_groups)
         try:
             new_scaler = AmpLossScaler.from_state(scaler, self._device)
         except (TypeError, ValueError) as e:
             raise ValueError(f"The saved loss scaler has invalid settings: {e}") from None
-        self._mpo.wait_for_step()
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         self.loss_scaler = new_scaler
         self.dynamic_loss_scale = scaler["dynamic"]
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
-        kernels.copy_to_(
-            [t for g in state_dict["fp32_from_fp16"] for t in g],
-            [m.detach() for m in self.all_fp32_from_fp16_params],
-        )
+        load_pairs(pairs)
         self._prepared = None
         self._mpo.masters_loaded()
 

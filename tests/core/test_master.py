@@ -107,21 +107,6 @@ def test_zero_grad(set_to_none):
         assert (t.grad is None) if set_to_none else torch.equal(t.grad, torch.zeros_like(t))
 
 
-def test_load_masters_checks_before_copying():
-    params = _params()
-    mp = MasterParams(params)
-    before = [m.detach().clone() for m in mp.masters]
-    bad = [torch.zeros(3, 4), torch.zeros(6), torch.zeros(2, 2, 2)]
-    with pytest.raises(ValueError, match=r"masters\[1\]: expected shape \(5,\), got \(6,\)"):
-        mp.load_masters(bad)
-    with pytest.raises(ValueError, match="expected 3 tensors, got 2"):
-        mp.load_masters(bad[:2])
-    assert all(torch.equal(a, b) for a, b in zip(before, mp.masters))
-    good = [torch.full((3, 4), 0.1), torch.full((5,), 0.2), torch.full((2, 2, 2), 0.3)]
-    mp.load_masters(good)
-    assert all(torch.equal(a, b) for a, b in zip(good, mp.masters))
-
-
 def test_rejects_what_cannot_have_a_master():
     with pytest.raises(TypeError, match="floating-point"):
         MasterParams([torch.zeros(2, dtype=torch.int64)])

@@ -1250,25 +1250,83 @@ def test_an_error_in_the_step_surfaces_on_the_main_thread_and_the_thread_keeps_w
     opt.backward(loss_fn(model, x, y))
     opt.step()
     opt.zero_grad()
-    with pytest.raises(ValueError, match="boom in the step"):
-        opt.backward(loss_fn(model, x, y))  # update_master_grads waits for the failed step
-    opt.zero_grad()
     opt.backward(loss_fn(model, x, y))
-    opt.step()
+    grads = [p.grad for p in model.parameters()]
+    with pytest.raises(ValueError, match="boom in the step"):
+        opt.step()  # waits for the failed step before anything changes
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # still this iteration's
+    opt.step()  # the same prepared step, now submitted
     opt.synchronize()
+    assert all(p.grad is None for p in model.parameters())
     assert threading.main_thread().is_alive()
 
 
-def test_fp32_params_get_masters_and_checkpoints_need_the_same_options():
+def test_fp32_params_get_masters_with_async_step():
     model = make_model(torch.float16)
     opt = FP16_Optimizer(torch.optim.SGD(two_groups(model, 0.1, 0.1), lr=0.1), verbose=False, async_step=True)
     assert opt.all_fp32_from_fp32_params == []
     assert sum(m.numel() for m in opt.all_fp32_from_fp16_params) == sum(
         p.numel() for p in model.parameters() if p.requires_grad
     )
-    plain = FP16_Optimizer(torch.optim.SGD(two_groups(make_model(torch.float16), 0.1, 0.1), lr=0.1), verbose=False)
-    with pytest.raises(ValueError, match="group 1"):
-        opt.load_state_dict(plain.state_dict())
+
+
+def _trained(async_step, n=3):
+    model = make_model(torch.float16)
+    opt = FP16_Optimizer(
+        torch.optim.Adam(two_groups(model, 1e-2, 3e-3), lr=1e-2), dynamic_loss_scale=True, verbose=False,
+        async_step=async_step,
+    )
+    for i in range(n):
+        x, y = batch(i, torch.float16)
+        opt.zero_grad()
+        opt.backward(loss_fn(model, x, y))
+        opt.step()
+    return model, opt
+
+
+def test_a_synchronous_checkpoint_loads_into_an_asynchronous_optimizer():
+    # apex's form (network_to_half keeps fp32 params): the fp32 params' masters come from the
+    # loaded model, where the synchronous run stepped them.
+    model, opt = _trained(async_step=False)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    assert [len(g) for g in saved_opt["fp32_from_fp16"]] == [3, 1]
+    model2, opt2 = _trained(async_step=True, n=0)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    low = iter(t for g in saved_opt["fp32_from_fp16"] for t in g)
+    for m, p in zip(opt2.all_fp32_from_fp16_params, opt2.all_fp16_params):
+        assert torch.equal(m, next(low) if p.dtype == torch.float16 else p)
+    x, y = batch(5, torch.float16)
+    opt2.zero_grad()
+    opt2.backward(loss_fn(model2, x, y))
+    opt2.step()
+    opt2.synchronize()
+    assert all(torch.isfinite(m).all() for m in opt2.all_fp32_from_fp16_params)
+
+
+def test_an_asynchronous_checkpoint_loads_into_a_synchronous_optimizer():
+    model, opt = _trained(async_step=True)
+    saved_opt = copy.deepcopy(opt.state_dict())  # masters one step ahead of the model
+    saved_model = copy.deepcopy(model.state_dict())
+    assert [len(g) for g in saved_opt["fp32_from_fp16"]] == [3, 2]
+    model2, opt2 = _trained(async_step=False, n=0)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    gain_master = saved_opt["fp32_from_fp16"][1][0]  # group 1: gain, l2.bias
+    assert torch.equal(model2.gain, gain_master)  # the fp32 param is its own master here
+    assert not torch.equal(model.gain, gain_master)
+    assert torch.equal(opt2.all_fp32_from_fp16_params[-1], saved_opt["fp32_from_fp16"][1][1])
+
+
+def test_a_checkpoint_of_another_model_is_refused_untouched():
+    _, opt = _trained(async_step=True)
+    _, other = _trained(async_step=False, n=0)
+    saved = copy.deepcopy(other.state_dict())
+    saved["fp32_from_fp16"][1] = saved["fp32_from_fp16"][1] * 3
+    before = [m.detach().clone() for m in opt.all_fp32_from_fp16_params]
+    with pytest.raises(ValueError, match="Param group 1: the checkpoint has 3 master tensors"):
+        opt.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.all_fp32_from_fp16_params))
 
 
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
@@ -1294,3 +1352,49 @@ def test_master_device_alone_is_the_synchronous_apex_loop(opt_name):
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
     assert o1.loss_scale == o2.loss_scale
+
+
+def test_async_several_losses_through_one_graph_as_apex_documents():
+    # backward(l1, retain_graph=True) then backward(l2): the weights must not change in between
+    # (apex copies masters into the model only in step()).
+    model, opt, _ = _build("sgd_momentum")
+    for i in range(3):
+        x, y = batch(i, torch.float16)
+        opt.zero_grad()
+        out = model(x)
+        weights = [p.detach().clone() for p in model.parameters()]
+        opt.backward(out.pow(2).mean(), update_master_grads=False, retain_graph=True)
+        opt.backward((out - y).pow(2).mean(), update_master_grads=False)
+        opt.update_master_grads()
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+        opt.step()
+    opt.synchronize()
+
+
+def test_async_zero_grad_drops_a_prepared_step():
+    # Its grads are gone: stepping now would apply grads nobody checked.
+    model, opt, _ = _build("sgd_momentum")
+    x, y = batch(0, torch.float16)
+    opt.backward(loss_fn(model, x, y))
+    opt.zero_grad()
+    opt.backward(loss_fn(model, x, y), update_master_grads=False)
+    with pytest.raises(RuntimeError, match="found no prepared gradients"):
+        opt.step()
+
+
+def test_async_lr_scheduler_changes_the_next_step_not_the_pending_one():
+    model = make_model(torch.float16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.0), dynamic_loss_scale=True,
+                         verbose=False, async_step=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
+    before = [m.detach().clone() for m in opt.all_fp32_from_fp16_params]
+    thread = opt._mpo._async.thread
+    release = threading.Event()
+    thread.submit(release.wait, 30)  # the step job runs only after sched.step()
+    x, y = batch(0, torch.float16)
+    opt.backward(loss_fn(model, x, y))
+    opt.step()
+    sched.step()
+    release.set()
+    opt.synchronize()
+    assert all(not torch.equal(a, b) for a, b in zip(before, opt.all_fp32_from_fp16_params))
