@@ -208,8 +208,8 @@ class FP16_Optimizer(WrappingOptimizer):
             CUDA model); fp32 params get masters there too.
 
     With ``async_step`` or ``master_device`` the ``fp32_from_fp16`` groups (and the saved
-    ``fp32_from_fp16``) hold the masters of the fp32 params too: load such a checkpoint into an
-    FP16_Optimizer built with the same options.
+    ``fp32_from_fp16``) hold the masters of the fp32 params too. Checkpoints load either way
+    (see :meth:`load_state_dict`).
     """
 
     MAX_CLOSURE_RETRIES = 32
@@ -484,7 +484,6 @@ class FP16_Optimizer(WrappingOptimizer):
         """Add a param group (apex had no such method): its fp16/bf16 params get fp32 masters,
         as at construction."""
         _check_param_types_of(param_group.get("params", []))
-        self._mpo.wait_for_step()  # the step in flight reads the param groups
         self._mpo.add_param_group(param_group)
         g = self._mpo.groups[-1]
         self.fp16_groups.append(g.model_params)
@@ -514,7 +513,12 @@ class FP16_Optimizer(WrappingOptimizer):
         ``LossScaler``/``DynamicLossScaler`` under ``loss_scaler``; read apex files with
         :func:`fp16kit.legacy.load_checkpoint`). Load the model first (``model.load_state_dict``):
         the masters are restored by copy. Everything is checked before anything changes; a
-        mismatch raises ValueError naming the group and the counts."""
+        mismatch raises ValueError naming the group and the counts.
+
+        A checkpoint written without ``async_step``/``master_device`` (apex's own included)
+        loads into an optimizer built with them: the fp32 params' masters are taken from the
+        loaded model. The other way round, the saved fp32 masters (a step ahead of the model
+        when the run was asynchronous) are written into the fp32 params."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"FP16_Optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
         missing = [k for k in _STATE_KEYS if k not in state_dict]
