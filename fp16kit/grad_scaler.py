@@ -709,9 +709,9 @@ class GradScaler(torch.amp.GradScaler):
             ]
             if found:
                 return kernels.combine_found_inf(found, self._scale.device) != 0
-            last = self._loss_scale.last_found_inf()
+            last = self._loss_scale.last_found_inf()  # a new tensor
             if last is not None:
-                return last.clone()
+                return last
             return torch.zeros((), dtype=torch.bool, device=self._scale.device)
         return torch.zeros((), dtype=torch.bool)
 

@@ -425,9 +425,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             self._submit_async_job(None, None, self._found(unscaled_flags))
             return unscaled_flags
         flags = self.async_check_grads(reduce=reduce)
-        device = self._grad_device()
-        inv = kernels.inv_scale(scale) if scale is not None else torch.ones((), device=device)
-        self.async_submit(inv, self._found(flags))
+        found = self._found(flags)
+        if scale is None:  # no scaler: the grads as they are
+            self._submit_handoff(kernels.one(self._grad_device()), found)
+        else:  # the update after this step changes the scale in place: keep its value
+            self._submit_handoff(None, found, scale=scale.clone())
         return flags
 
     def async_check_grads(
@@ -471,9 +473,21 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._require_async("async_submit")
         if missing_grads not in _MISSING_GRADS:
             raise ValueError(f"missing_grads must be one of {_MISSING_GRADS}, got {missing_grads!r}.")
+        return self._submit_handoff(inv_scale, found_inf, missing_grads, on_skip)
+
+    def _submit_handoff(
+        self,
+        inv_scale: torch.Tensor | None,
+        found_inf: torch.Tensor,
+        missing_grads: str = "none",
+        on_skip: Callable[[], Any] | None = None,
+        *,
+        scale: torch.Tensor | None = None,
+    ) -> Future:
+        # ``scale`` instead of ``inv_scale``: the job takes the reciprocal (off the main thread)
         self._async.land()
         handoff = self._async.hand_off(self._masters.model_params)
-        return self._submit_async_job(handoff, inv_scale, found_inf, missing_grads, on_skip)
+        return self._submit_async_job(handoff, inv_scale, found_inf, missing_grads, on_skip, scale)
 
     def _require_async(self, name: str) -> None:
         if not self.async_step:
@@ -491,12 +505,13 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         found: torch.Tensor,
         missing_grads: str = "none",
         on_skip: Callable[[], Any] | None = None,
+        scale: torch.Tensor | None = None,
     ) -> Future:
         self._transfer = None
         self._unscaled_by_scaler = False
         return self._async.submit(
             self._run_submitted, _snapshot(self.optimizer.param_groups),
-            self._async_job, handoff, inv, found, missing_grads, on_skip,
+            self._async_job, handoff, inv, found, missing_grads, on_skip, scale,
         )
 
     def _run_submitted(self, groups: list[dict[str, Any]], job: Callable[..., Any], *args: Any) -> Any:
@@ -519,6 +534,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         found: torch.Tensor,
         missing_grads: str,
         on_skip: Callable[[], Any] | None,
+        scale: torch.Tensor | None,
     ) -> Any:
         """Mode 1 on the optimizer thread: receive the grads, skip or step."""
         grads = AsyncSteps.receive(handoff) if handoff is not None else None
@@ -527,7 +543,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 on_skip()
             return None
         if grads is not None:
-            assert inv is not None
+            if inv is None:
+                assert scale is not None
+                inv = kernels.inv_scale(scale)
             if missing_grads == "zero":
                 self._masters.zero_grad(False, model=False)
             device = self._flag_device()

@@ -162,18 +162,19 @@ def check_finite_(
     :func:`unscale_` (``x * 1.0 == x`` bit for bit, NaN stays NaN), which is also how torch's
     GradScaler checks grads for fused optimizers. Returns ``{device: found_inf}``.
     """
-    return unscale_(tensors, _one(found_inf.device), found_inf)
+    return unscale_(tensors, one(found_inf.device), found_inf)
 
 
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 
-def _one(device: torch.device) -> torch.Tensor:
-    # A read-only constant, made once per device: one device op less per check.
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
+def one(device: torch.device) -> torch.Tensor:
+    """A float32 0-dim 1.0 on ``device``, made once per device (read it, never write it): a
+    scale of 1 with no device op per use."""
+    t = _ONES.get(device)
+    if t is None:
+        t = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return t
 
 
 def unscale_to_(

@@ -184,7 +184,12 @@ class LossScale:
         self.hysteresis_tracker: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
         self._consecutive: torch.Tensor | None = None
-        self._last_found_inf: torch.Tensor | None = None
+        # The found-inf flags of the last updates, counted into _skipped/_consecutive every
+        # _HISTORY updates or when read: one device op per update instead of four.
+        self._history: torch.Tensor | None = None
+        self._slots: list[torch.Tensor] = []
+        self._recorded = 0
+        self._last_slot: torch.Tensor | None = None  # the flag of the last update
         self._floor_hits: torch.Tensor | None = None
         self._floor_reader = _LaggedReader()
         self._floor_hits_reported = 0
@@ -215,6 +220,9 @@ class LossScale:
         self._consecutive = torch.full(
             (), self._init_consecutive, dtype=torch.int64, device=device
         )
+        self._history = torch.zeros(_HISTORY, dtype=torch.float32, device=device)
+        self._slots = list(self._history.unbind(0))
+        self._recorded = 0
         self._floor_hits = torch.zeros((), dtype=torch.int64, device=device)
 
     def _require(self, what: str) -> torch.Tensor:
@@ -254,9 +262,8 @@ class LossScale:
         if not isinstance(found_inf, torch.Tensor):
             found_inf = torch.full((), float(bool(found_inf)), device=scale.device)
         found_inf = found_inf.to(device=scale.device, dtype=torch.float32, non_blocking=True)
-        found = found_inf != 0
         if used_scale is not None:
-            self._update_generic(found, used_scale.to(device=scale.device, dtype=torch.float64))
+            self._update_generic(found_inf != 0, used_scale.to(device=scale.device, dtype=torch.float64))
         elif self._is_torch_fast_path:
             torch._amp_update_scale_(
                 scale,
@@ -267,12 +274,30 @@ class LossScale:
                 self.growth_interval,
             )
         else:
-            self._update_generic(found)
-        assert self._skipped is not None and self._consecutive is not None
-        self._skipped.add_(found)
-        self._consecutive.add_(1).mul_(found)  # +1 on overflow, reset to 0 on a clean step
-        self._last_found_inf = found
+            self._update_generic(found_inf != 0)
+        self._last_slot = self._slots[self._recorded]
+        self._last_slot.copy_(found_inf)
+        self._recorded += 1
+        if self._recorded == _HISTORY:
+            self._count_skips()
         self._poll_floor()
+
+    def _count_skips(self) -> None:
+        """Fold the recorded flags into the counters (device ops, no sync)::
+
+            skipped     += number of overflowing updates
+            consecutive  = overflows after the last clean update, or consecutive + n if none
+        """
+        n = self._recorded
+        if n == 0:
+            return
+        assert self._history is not None and self._skipped is not None and self._consecutive is not None
+        overflow = self._history[:n] != 0
+        self._skipped.add_(overflow.sum())
+        positions = torch.arange(n, device=overflow.device)
+        last_clean = torch.where(overflow, -1, positions).max()
+        self._consecutive.copy_(torch.where(last_clean >= 0, n - 1 - last_clean, self._consecutive + n))
+        self._recorded = 0
 
     def _update_generic(self, found: torch.Tensor, used: torch.Tensor | None = None) -> None:
         assert self.scale is not None and self.growth_tracker is not None
@@ -376,16 +401,20 @@ class LossScale:
     def last_found_inf(self) -> torch.Tensor | None:
         """0-dim bool device tensor: did the last :meth:`update` see an overflow? (no sync);
         None before the first update."""
-        return self._last_found_inf
+        return None if self._last_slot is None else self._last_slot != 0
 
     def skipped_steps(self) -> int:
         """Updates that saw an overflow since construction (host read)."""
-        return self._init_skipped if self._skipped is None else int(self._skipped.item())
+        if self._skipped is None:
+            return self._init_skipped
+        self._count_skips()
+        return int(self._skipped.item())
 
     def consecutive_skipped_steps(self) -> int:
         """Overflowing updates in a row, up to the last one (host read)."""
         if self._consecutive is None:
             return self._init_consecutive
+        self._count_skips()
         return int(self._consecutive.item())
 
     # ------------------------------------------------------------------ checkpoints
@@ -471,10 +500,13 @@ class LossScale:
             "hysteresis_tracker",
             "_skipped",
             "_consecutive",
-            "_last_found_inf",
+            "_history",
+            "_last_slot",
             "_floor_hits",
         ):
             state[name] = None
+        state["_slots"] = []
+        state["_recorded"] = 0
         state["_floor_reader"] = _LaggedReader()
         state["_floor_hits_reported"] = 0
         return state
@@ -491,6 +523,9 @@ class LossScale:
             f"min_scale={self.min_scale}, max_scale={self.max_scale}, "
             f"on_min_scale={self.on_min_scale!r}, dtype={self.dtype}, {where})"
         )
+
+
+_HISTORY = 64  # updates between two folds of the skip counters (LossScale._count_skips)
 
 
 def _is_number(value: Any) -> bool:

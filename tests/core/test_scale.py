@@ -322,3 +322,23 @@ def test_load_state_dict_checks_values_before_assigning():
         with pytest.raises(ValueError, match=key):
             ls.load_state_dict({**before, "growth_factor": 7.0, key: bad})
         assert ls.state_dict() == before
+
+
+@pytest.mark.parametrize("query_every", [0, 1, 7, 64])
+def test_skip_counters_over_many_updates(query_every):
+    # The counters fold the recorded flags in batches: any pattern and any query rhythm
+    # (querying folds early) must give the plain running counts.
+    rng = random.Random(query_every)
+    pattern = [rng.random() < 0.3 for _ in range(150)] + [True] * 140 + [False, True]
+    ls = LossScale(2.0**16, device="cpu", min_scale=1.0)
+    skipped = consecutive = 0
+    for i, overflow in enumerate(pattern):
+        ls.update(torch.tensor(float(overflow)))
+        skipped += overflow
+        consecutive = consecutive + 1 if overflow else 0
+        assert bool(ls.last_found_inf()) == overflow
+        if query_every and i % query_every == 0:
+            assert (ls.skipped_steps(), ls.consecutive_skipped_steps()) == (skipped, consecutive)
+    assert (ls.skipped_steps(), ls.consecutive_skipped_steps()) == (skipped, consecutive)
+    clone = pickle.loads(pickle.dumps(ls))
+    assert (clone.skipped_steps(), clone.consecutive_skipped_steps()) == (skipped, consecutive)
