@@ -542,17 +542,32 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             if on_skip is not None:
                 on_skip()
             return None
-        if grads is not None:
-            if inv is None:
-                assert scale is not None
-                inv = kernels.inv_scale(scale)
-            if missing_grads == "zero":
-                self._masters.zero_grad(False, model=False)
-            device = self._flag_device()
-            self._masters.grads_to_masters(
-                inv, kernels.new_found_inf(device), grads=grads, clear_missing=missing_grads == "none"
-            )
+        if grads is None:
+            return self.inner_step()
+        if missing_grads == "zero":
+            self._masters.zero_grad(False, model=False)
+        clear = missing_grads == "none"
+        if inv is None and self._fused_unscale(scale):
+            # A fused optimizer unscales in its own pass over the grads: copy them only.
+            assert scale is not None
+            self._masters.grads_to_masters(None, None, grads=grads, clear_missing=clear, unscale=False)
+            return self.inner_step(grad_scale=scale.to(self._flag_device()))
+        if inv is None:
+            assert scale is not None
+            inv = kernels.inv_scale(scale)
+        device = self._flag_device()
+        self._masters.grads_to_masters(inv, kernels.new_found_inf(device), grads=grads, clear_missing=clear)
         return self.inner_step()
+
+    def _fused_unscale(self, scale: torch.Tensor | None) -> bool:
+        # Fused kernels take a float32 grad_scale on the params' device (one device here).
+        return (
+            scale is not None
+            and scale.dtype == torch.float32
+            and self._step_supports_amp_scaling
+            and not self._direct_params()
+            and len({m.device for m in self._masters.masters}) == 1
+        )
 
     def _grad_device(self) -> torch.device:
         for p in self._masters.model_params:

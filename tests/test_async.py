@@ -81,7 +81,13 @@ def _amp_iteration(model, opt, scaler, x, y, inject=False):
 # ------------------------------------------------------------------------------ mode 1
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    "opt_cls, kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 1e-2})], ids=["sgd", "adam"]
+    "opt_cls, kw",
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        (torch.optim.Adam, {"lr": 1e-2}),
+        (torch.optim.Adam, {"lr": 1e-2, "fused": True}),  # the kernel unscales (scales: powers of 2)
+    ],
+    ids=["sgd", "adam", "adam-fused"],
 )
 @pytest.mark.parametrize("flat", [False, True])
 def test_mode1_equals_a_one_step_delayed_reference_bit_for_bit(dtype, opt_cls, kw, flat):

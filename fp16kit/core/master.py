@@ -138,13 +138,16 @@ class MasterParams:
         *,
         clear_missing: bool = True,
         grads: Sequence[torch.Tensor | None] | None = None,
+        unscale: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
         """``master.grad = float(model.grad) * inv_scale`` for every pair with a model grad
         (master grads are allocated on first use). Pairs without a model grad get
         ``master.grad = None`` (the optimizer then skips them), or keep their master grad with
         ``clear_missing=False`` (apex's FP16_Optimizer did). ``grads`` replaces the model
         params' ``.grad`` (grads handed off to another thread). Returns ``{device: found_inf}``
-        for the master devices (see kernels.unscale_to_)."""
+        for the master devices (see kernels.unscale_to_). ``unscale=False`` only copies (for
+        a fused optimizer that unscales in its kernel; the grads were checked already) and
+        returns ``{}``."""
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
         if grads is None:
@@ -164,6 +167,9 @@ class MasterParams:
             srcs.append(g)
             dsts.append(m.grad)
         if not srcs:
+            return {}
+        if not unscale:
+            kernels.copy_to_(srcs, dsts)
             return {}
         if not self.flat:
             return kernels.unscale_to_(srcs, dsts, inv_scale, found_inf)
