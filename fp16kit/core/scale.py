@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections import deque
 from typing import Any, Literal
 
@@ -190,6 +191,8 @@ class LossScale:
         self._slots: list[torch.Tensor] = []
         self._recorded = 0
         self._last_slot: torch.Tensor | None = None  # the flag of the last update
+        # update() may run on the optimizer thread while the main thread reads the counters
+        self._count_lock = threading.Lock()
         self._floor_hits: torch.Tensor | None = None
         self._floor_reader = _LaggedReader()
         self._floor_hits_reported = 0
@@ -275,15 +278,16 @@ class LossScale:
             )
         else:
             self._update_generic(found_inf != 0)
-        self._last_slot = self._slots[self._recorded]
-        self._last_slot.copy_(found_inf)
-        self._recorded += 1
-        if self._recorded == _HISTORY:
-            self._count_skips()
+        with self._count_lock:
+            self._last_slot = self._slots[self._recorded]
+            self._last_slot.copy_(found_inf)
+            self._recorded += 1
+            if self._recorded == _HISTORY:
+                self._count_skips()
         self._poll_floor()
 
     def _count_skips(self) -> None:
-        """Fold the recorded flags into the counters (device ops, no sync)::
+        """Fold the recorded flags into the counters (device ops, no sync; under the lock)::
 
             skipped     += number of overflowing updates
             consecutive  = overflows after the last clean update, or consecutive + n if none
@@ -407,15 +411,17 @@ class LossScale:
         """Updates that saw an overflow since construction (host read)."""
         if self._skipped is None:
             return self._init_skipped
-        self._count_skips()
-        return int(self._skipped.item())
+        with self._count_lock:
+            self._count_skips()
+            return int(self._skipped.item())
 
     def consecutive_skipped_steps(self) -> int:
         """Overflowing updates in a row, up to the last one (host read)."""
         if self._consecutive is None:
             return self._init_consecutive
-        self._count_skips()
-        return int(self._consecutive.item())
+        with self._count_lock:
+            self._count_skips()
+            return int(self._consecutive.item())
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -507,12 +513,14 @@ class LossScale:
             state[name] = None
         state["_slots"] = []
         state["_recorded"] = 0
+        state["_count_lock"] = None
         state["_floor_reader"] = _LaggedReader()
         state["_floor_hits_reported"] = 0
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._count_lock = threading.Lock()
 
     def __repr__(self) -> str:
         where = "lazy" if self.scale is None else str(self.scale.device)

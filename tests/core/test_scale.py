@@ -342,3 +342,24 @@ def test_skip_counters_over_many_updates(query_every):
     assert (ls.skipped_steps(), ls.consecutive_skipped_steps()) == (skipped, consecutive)
     clone = pickle.loads(pickle.dumps(ls))
     assert (clone.skipped_steps(), clone.consecutive_skipped_steps()) == (skipped, consecutive)
+
+
+def test_skip_counters_are_exact_while_another_thread_updates():
+    # GradScaler's update may run on the optimizer thread while the main thread reads.
+    import threading
+
+    ls = LossScale(2.0**16, device="cpu", min_scale=1.0)
+    pattern = [i % 3 == 0 for i in range(1000)]
+
+    def updates():
+        for overflow in pattern:
+            ls.update(torch.tensor(float(overflow)))
+
+    worker = threading.Thread(target=updates)
+    worker.start()
+    while worker.is_alive():
+        ls.skipped_steps()
+        ls.consecutive_skipped_steps()
+    worker.join()
+    assert ls.skipped_steps() == sum(pattern)
+    assert ls.consecutive_skipped_steps() == 0
