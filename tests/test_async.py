@@ -299,6 +299,64 @@ def test_mode2_scenario_settles_where_torch_does(is_async):
     assert scaler.state_dict()["scale"] == 16384.0
 
 
+class Mode2Reference(DelayedReference):
+    """Mode 2 with ``update(is_async=True)`` by hand: the step of iteration k unscales with the
+    scale its loss was multiplied by, s_k; the update of iteration k runs after that step (the
+    torch rule, a back-off starting from s_k and never above the current scale), and its
+    result U_k first scales the loss of iteration k + 2."""
+
+    def __init__(self, model, opt_cls, scale, growth_interval, **kw):
+        super().__init__(model, opt_cls, scale, growth_interval, **kw)
+        self.forward = [scale, scale]  # s_0, s_1; then s_k = U_{k-2}
+
+    def iteration(self, x, y, inject=False):
+        k = len(self.forward) - 2
+        self.scale = self.forward[k]  # what DelayedReference multiplies the loss by
+        tracker = self.tracker
+        loss = super().iteration(x, y, inject)  # (its own, unlagged scale update is dropped)
+        self.tracker = tracker
+        grads, inv, overflow = self.pending
+        state = self.forward[-1]
+        if overflow:
+            state, self.tracker = min(state, self.forward[k] * 0.5), 0
+        else:
+            self.tracker += 1
+            if self.tracker == self.interval:
+                state, self.tracker = state * 2.0, 0
+        self.forward.append(state)
+        return loss
+
+
+@pytest.mark.parametrize("opt_cls, kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 1e-2})], ids=["sgd", "adam"])
+def test_mode2_async_updates_equal_a_hand_written_reference_bit_for_bit(opt_cls, kw):
+    model = _model(torch.float16)
+    ref = Mode2Reference(copy.deepcopy(model), opt_cls, 1024.0, 3, **kw)
+    opt = MixedPrecisionOptimizer(opt_cls(model.parameters(), **kw))
+    scaler = GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    for i, (x, y) in enumerate(_data(12, torch.float16)):
+        inject = i in (4, 5, 9)
+        assert scaler.get_scale() == ref.forward[i], f"forward scale at iteration {i}"
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        scaler.scale(loss).backward()
+        if inject:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()))
+        scaler.update()
+        assert torch.equal(loss, ref.iteration(x, y, inject)), f"loss at iteration {i}"
+        for p, q in zip(model.parameters(), ref.model.parameters()):
+            assert torch.equal(p, q), f"weights at iteration {i}"
+    opt.synchronize()
+    grads, inv, skip = ref.pending
+    if not skip:
+        for m, g in zip(ref.masters, grads):
+            m.grad = g.float() * inv
+        ref.opt.step()
+    for m, r in zip(opt.master_params, ref.masters):
+        assert torch.equal(m, r)
+    assert scaler.skipped_steps() == 3
+
+
 def test_mode2_update_before_the_step_raises_on_the_main_thread():
     w, opt, scaler = _overflowing_setup()
     scaler.scale((w.float() * 1e-3).sum()).backward()
