@@ -422,14 +422,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             # scaler.unscale_ already put this step's unscaled grads into the masters (it
             # landed the previous job first): only the skip decision and the step are left.
             self._masters.zero_grad(model=True, masters=False)
-            self._submit_async_job(None, None, self._found(unscaled_flags))
+            self._submit_async_job(None, self._found(unscaled_flags), hand_off=False)
             return unscaled_flags
         flags = self.async_check_grads(reduce=reduce)
         found = self._found(flags)
         if scale is None:  # no scaler: the grads as they are
-            self._submit_handoff(kernels.one(self._grad_device()), found)
+            self._submit_async_job(kernels.one(self._grad_device()), found)
         else:  # the update after this step changes the scale in place: keep its value
-            self._submit_handoff(None, found, scale=scale.clone())
+            self._submit_async_job(None, found, scale=scale.clone())
         return flags
 
     def async_check_grads(
@@ -473,21 +473,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._require_async("async_submit")
         if missing_grads not in _MISSING_GRADS:
             raise ValueError(f"missing_grads must be one of {_MISSING_GRADS}, got {missing_grads!r}.")
-        return self._submit_handoff(inv_scale, found_inf, missing_grads, on_skip)
-
-    def _submit_handoff(
-        self,
-        inv_scale: torch.Tensor | None,
-        found_inf: torch.Tensor,
-        missing_grads: str = "none",
-        on_skip: Callable[[], Any] | None = None,
-        *,
-        scale: torch.Tensor | None = None,
-    ) -> Future:
-        # ``scale`` instead of ``inv_scale``: the job takes the reciprocal (off the main thread)
-        self._async.land()
-        handoff = self._async.hand_off(self._masters.model_params)
-        return self._submit_async_job(handoff, inv_scale, found_inf, missing_grads, on_skip, scale)
+        return self._submit_async_job(inv_scale, found_inf, missing_grads, on_skip)
 
     def _require_async(self, name: str) -> None:
         if not self.async_step:
@@ -500,13 +486,20 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def _submit_async_job(
         self,
-        handoff: Handoff | None,
         inv: torch.Tensor | None,
         found: torch.Tensor,
         missing_grads: str = "none",
         on_skip: Callable[[], Any] | None = None,
+        *,
         scale: torch.Tensor | None = None,
+        hand_off: bool = True,
     ) -> Future:
+        # ``scale`` instead of ``inv``: the job takes the reciprocal (off the main thread).
+        # ``hand_off=False``: the masters hold this step's unscaled grads already.
+        handoff = None
+        if hand_off:
+            self._async.land()
+            handoff = self._async.hand_off(self._masters.model_params)
         self._transfer = None
         self._unscaled_by_scaler = False
         return self._async.submit(
