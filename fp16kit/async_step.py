@@ -56,6 +56,8 @@ class AsyncSteps:
         self.land_pending = False  # the masters are newer than the model params
         self._staging: list[torch.Tensor] | None = None
         self._landing: Future | None = None  # land_begin's copy on the optimizer thread
+        # (source, target) copies a checkpoint left for the next step: see defer_copies()
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def thread(self) -> OptimizerThread:
@@ -69,14 +71,26 @@ class AsyncSteps:
     # ------------------------------------------------------------------ main thread
     def wait(self) -> None:
         """Wait for the job in flight (re-raising its error); the masters then are newer than
-        the model params until :meth:`land`."""
+        the model params until :meth:`land`. Then apply the deferred copies."""
         self.land_end()
         fut, self.inflight = self.inflight, None
-        if fut is None:
-            return
-        self.land_pending = True
-        self.thread.wait(fut)
-        self.thread.wait_stream(fut)
+        if fut is not None:
+            self.land_pending = True
+            self.thread.wait(fut)
+            self.thread.wait_stream(fut)
+        self.apply_deferred()
+
+    def defer_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy ``source -> target`` for each pair just before the masters or the model are
+        next used (the next wait, landing or step), not now: a checkpoint whose values come
+        from the model, or go into it, then does not depend on whether the user loads the
+        model before or after the optimizer."""
+        self._deferred = list(pairs)
+
+    def apply_deferred(self) -> None:
+        pairs, self._deferred = self._deferred, []
+        if pairs:
+            kernels.copy_to_([src for src, _ in pairs], [dst.detach() for _, dst in pairs])
 
     def land(self) -> None:
         """Wait for the job in flight and copy the masters into the model params."""

@@ -236,6 +236,14 @@ class GradScaler(torch.amp.GradScaler):
         binding.thread.submit(fn, *args)
         return True
 
+    def _on_update_thread(self, read: Any) -> Any:
+        """Run ``read`` where this scaler's updates run: on its optimizer thread (after the
+        pending jobs, on the worker's stream) when bound, else here."""
+        binding = self.__dict__.get("_binding")
+        if binding is not None and not binding.thread.on_optimizer_thread():
+            return binding.thread.wait(binding.thread.submit(read))
+        return read()
+
     def _wait_for_thread(self) -> None:
         binding = self.__dict__.get("_binding")
         if binding is not None and not binding.thread.on_optimizer_thread():
@@ -722,11 +730,11 @@ class GradScaler(torch.amp.GradScaler):
     def skipped_steps(self) -> int:
         """Iterations whose update() saw an overflow, since construction (a host sync).
         Not part of the state dict (torch's keys only); carried through pickling."""
-        return self._loss_scale.skipped_steps() if self._enabled else 0
+        return self._on_update_thread(self._loss_scale.skipped_steps) if self._enabled else 0
 
     def consecutive_skipped_steps(self) -> int:
         """Overflowing iterations in a row, up to the last update() (a host sync)."""
-        return self._loss_scale.consecutive_skipped_steps() if self._enabled else 0
+        return self._on_update_thread(self._loss_scale.consecutive_skipped_steps) if self._enabled else 0
 
     # -------------------------------------------------------------- checkpoints
     def _extras_are_default(self) -> bool:

@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,7 +57,8 @@ __all__ = [
     "MasterGroup",
     "MixedPrecisionOptimizer",
     "WrappingOptimizer",
-    "saved_master_pairs",
+    "MatchedMasters",
+    "match_saved_masters",
     "validate_optimizer_groups",
 ]
 
@@ -135,6 +136,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             checks this step's grads on their device, hands them to the thread and returns
             None at once. The model trains with a one-step delayed update. Every trainable
             param gets a master. Call :meth:`synchronize` before evaluating or exporting.
+            Each step uses the hyperparameters (lr, ...) it was submitted with, stepping a
+            shallow copy of the wrapped optimizer over them: step hooks registered on the
+            wrapped optimizer receive that copy.
         thread: the :class:`~fp16kit.core.thread.OptimizerThread` for asynchronous steps
             (default: the process-wide ``fp16kit.optimizer_thread()``).
 
@@ -210,6 +214,20 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self.groups.append(info)
 
     # ------------------------------------------------------------------ torch.optim surface
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's param groups; inside a step job, the snapshot that job
+        steps (taken when it was submitted), so what the job's own code sets (a warm-up lr in
+        a ``submit_step`` function) applies to this step and is then written back."""
+        submitted = self._submitted_groups
+        if submitted is not None and self._async.on_optimizer_thread():
+            return submitted
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
     @property
     def _step_supports_amp_scaling(self) -> bool:
         # Fused inner optimizers take grad_scale/found_inf from GradScaler and skip on device.
@@ -386,6 +404,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         """Step the wrapped optimizer on the master grads as they are, then copy the masters
         into the model. ``grad_scale``/``found_inf`` go to a fused optimizer (which unscales
         and skips on the device). No unscale, no check: the building block of :meth:`step`."""
+        self._async.apply_deferred()
         inner = self.optimizer
         submitted = self._submitted_groups if self._async.on_optimizer_thread() else None
         view = None if submitted is None else _StepView(inner, submitted)
@@ -502,17 +521,24 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             handoff = self._async.hand_off(self._masters.model_params)
         self._transfer = None
         self._unscaled_by_scaler = False
+        self._note_step_taken()
         return self._async.submit(
             self._run_submitted, _snapshot(self.optimizer.param_groups),
             self._async_job, handoff, inv, found, missing_grads, on_skip, scale,
         )
+
+    def _note_step_taken(self) -> None:
+        # As LR schedulers' call-order trackers do (on this wrapper or the wrapped optimizer):
+        # the step is taken now, so scheduler.step() may follow at once without a warning.
+        self._opt_called = True
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _run_submitted(self, groups: list[dict[str, Any]], job: Callable[..., Any], *args: Any) -> Any:
         """On the optimizer thread: run ``job`` stepping with the param groups (lr, momentum,
         ...) as they were when the step was submitted -- an LR scheduler on the main thread
         already sets the next step's values. Values the inner optimizer itself writes into
         its groups (e.g. D-Adaptation's estimates) are written back to the live groups."""
-        before = _snapshot(groups)
+        before = [dict(g) for g in groups]
         self._submitted_groups = groups
         try:
             return job(*args)
@@ -602,7 +628,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             )
         self._async.land()
         handoff = self._async.hand_off(self._masters.model_params)
-        self._opt_called = True  # the step is taken: an LR scheduler may follow at once
+        self._note_step_taken()
         fut = self._async.submit(
             self._run_submitted, _snapshot(self.optimizer.param_groups), self._submitted_job, handoff, fn
         )
@@ -674,12 +700,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             )
         validate_optimizer_groups(state_dict["optimizer"], self.optimizer)
         self.wait_for_step()
-        pairs = saved_master_pairs(state_dict["masters"], self.groups, self.optimizer.param_groups)
+        matched = match_saved_masters(state_dict["masters"], self.groups, self.optimizer.param_groups)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        load_pairs(pairs)
+        self.restore_masters(matched)
         self._transfer = None
         self._unscaled_by_scaler = False
-        self.masters_loaded()
 
     def wait_for_step(self) -> None:
         """Wait for the step in flight (re-raising its error) without landing its masters in
@@ -687,10 +712,12 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         if not self._async.on_optimizer_thread():
             self._async.wait()
 
-    def masters_loaded(self) -> None:
-        """Note that the masters were written from a checkpoint. Asynchronously trained, they
-        are a step ahead of the saved model params: the next step lands them, exactly as in
-        the uninterrupted run. (Synchronously the model already holds them.)"""
+    def restore_masters(self, matched: MatchedMasters) -> None:
+        """Copy checkpointed masters in (see :func:`match_saved_masters`). Asynchronously
+        trained, they are a step ahead of the saved model params: the next step lands them,
+        exactly as in the uninterrupted run. (Synchronously the model already holds them.)"""
+        kernels.copy_to_([src for src, _ in matched.now], [dst.detach() for _, dst in matched.now])
+        self._async.defer_copies(matched.deferred)
         self._async.land_pending = self.async_step
 
     def __getstate__(self) -> dict[str, Any]:
@@ -732,62 +759,80 @@ def validate_optimizer_groups(saved: Any, optimizer: torch.optim.Optimizer) -> N
             )
 
 
-def saved_master_pairs(
+class MatchedMasters(NamedTuple):
+    """Saved masters matched to what they restore: ``(source, target)`` copies to make now,
+    and ones to make at the next step (values that come from, or go into, the model)."""
+
+    now: list[tuple[torch.Tensor, torch.Tensor]]
+    deferred: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def match_saved_masters(
     saved: Any, groups: list[MasterGroup], param_groups: list[dict[str, Any]]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Match saved masters (a list per group) to what they restore: ``[(saved, target)]``.
-    Checks counts and shapes first; raises ValueError naming the group; changes nothing.
+) -> MatchedMasters:
+    """Match saved masters (a list per group) to what they restore. Checks counts and shapes
+    first; raises ValueError naming the group; changes nothing.
 
     A checkpoint written with and one written without ``async_step``/``master_device`` differ
     in the fp32 params: with them every trainable param has a master (saved in group order),
     without them only the fp16/bf16 params do and the fp32 params are stepped in place. Both
-    load either way: saved without, the fp32 params' masters come from the model params
-    (load the model first); saved with, the fp32 masters are written into the fp32 params."""
+    load either way: saved without, the fp32 params' masters come from the model params;
+    saved with, the fp32 masters go into the fp32 params. Those copies wait for the next step,
+    so the model may be loaded before or after the optimizer. (Saved masters map to the params
+    that are trainable now: change no ``requires_grad`` between saving and loading.)"""
     if not isinstance(saved, (list, tuple)) or len(saved) != len(groups):
         n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
         raise ValueError(
             f"Saved masters have {n} param groups, this optimizer has {len(groups)}: the "
             "checkpoint was written for a different optimizer layout."
         )
-    pairs: list[tuple[Any, torch.Tensor]] = []
+    now: list[tuple[torch.Tensor, torch.Tensor]] = []
+    deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
     for gi, (s, g, pg) in enumerate(zip(saved, groups, param_groups)):
         if not isinstance(s, (list, tuple)):
             raise ValueError(f"Param group {gi}: expected a list of master tensors, got {type(s).__name__}.")
         low = [m for m, p in zip(g.masters, g.model_params) if p.dtype in LOW_PRECISION]
         trainable = [p for p in pg["params"] if p.requires_grad]
+        later: list[tuple[Any, torch.Tensor]] = []
         if len(s) == len(g.masters):
             targets = list(zip(s, g.masters))
         elif len(s) == len(low) < len(g.masters):  # saved without masters for fp32 params
-            it = iter(s)
-            targets = [
-                (next(it) if p.dtype in LOW_PRECISION else p.detach(), m) for m, p in zip(g.masters, g.model_params)
-            ]
+            targets = list(zip(s, low))
+            later = [(p, m) for m, p in zip(g.masters, g.model_params) if p.dtype not in LOW_PRECISION]
         elif len(s) == len(trainable) > len(g.masters):  # saved with them; stepped in place here
-            targets = list(zip(s, trainable))
+            mastered = {id(m) for m in g.masters}
+            targets = [(t, p) for t, p in zip(s, trainable) if id(p) in mastered]
+            later = [(t, p) for t, p in zip(s, trainable) if id(p) not in mastered]
         else:
             raise ValueError(
                 f"Param group {gi}: the checkpoint has {len(s)} master tensors, this optimizer has "
                 f"{len(g.masters)} masters ({len(low)} fp16/bf16 params, {len(trainable)} trainable "
                 "params) in that group: it was written for a different model or param groups."
             )
-        for i, (t, target) in enumerate(targets):
+        for i, (t, target) in enumerate(targets + later):
             if not isinstance(t, torch.Tensor) or t.shape != target.shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
                     f"Param group {gi}, master {i}: the checkpoint has shape {got}, the "
                     f"param has shape {tuple(target.shape)}."
                 )
-        pairs.extend(targets)
-    return pairs
-
-
-def load_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each saved tensor into its target (exact: no low-precision round trip)."""
-    kernels.copy_to_([src for src, _ in pairs], [dst.detach() for _, dst in pairs])
+        now.extend(targets)
+        deferred.extend(later)
+    return MatchedMasters(now, deferred)
 
 
 def _snapshot(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [dict(g) for g in groups]  # the params lists stay shared
+    """The param groups' values now: the params lists stay shared; tensor values (an lr
+    tensor, which LR schedulers update in place) are copied."""
+    return [{k: v if k == "params" else _frozen(v) for k, v in g.items()} for g in groups]
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 class _StepView:
@@ -798,17 +843,18 @@ class _StepView:
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
         self.original = optimizer
-        if isinstance(getattr(type(optimizer), "param_groups", None), property):
-            self.optimizer = optimizer  # a wrapper whose groups live elsewhere: step it as it is
+        step = optimizer.__dict__.get("step")
+        tracker = getattr(step, "_wrapped_by_lr_sched", False)
+        if isinstance(getattr(type(optimizer), "param_groups", None), property) or (step and not tracker):
+            # A wrapper whose groups live elsewhere, or a step replaced on the object (bound
+            # to it): step the optimizer itself, with its live groups.
+            self.optimizer = optimizer
             return
         view = object.__new__(type(optimizer))
         view.__dict__.update(optimizer.__dict__)
         view.param_groups = groups
-        if "step" in view.__dict__:
-            # An LR scheduler's call-order tracker, bound to the original: step the view
-            # itself and note the call as the tracker would.
+        if tracker:  # an LR scheduler's call-order tracker (the call was noted at submit)
             del view.__dict__["step"]
-            optimizer._opt_called = True  # type: ignore[attr-defined]
         self.optimizer = view
         self._attrs = dict(view.__dict__)
 

@@ -567,3 +567,90 @@ def test_async_submit_lands_the_previous_step_itself():
     sync = MixedPrecisionOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="build the optimizer with async_step=True"):
         sync.async_check_grads()
+
+
+def test_a_submitted_function_may_set_the_lr_of_its_own_step():
+    # e.g. a warm-up inside the job: it applies to this step, and stays afterwards.
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), master_device="cpu")
+    before = [m.detach().clone() for m in opt.master_params]
+    x, y = _data(1)[0]
+    _loss(model, x, y).backward()
+
+    def warm_then_step():
+        opt.param_groups[0]["lr"] = 0.0
+        opt.step()
+
+    opt.submit_step(warm_then_step)
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.master_params))
+    assert opt.param_groups[0]["lr"] == 0.0
+
+
+def test_a_tensor_lr_updated_in_place_by_a_scheduler_reaches_only_the_next_step():
+    model = _model()
+    with fp16kit.OptimizerThread() as thread:
+        opt = MixedPrecisionOptimizer(
+            torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2)), async_step=True, thread=thread
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
+        before = [m.detach().clone() for m in opt.master_params]
+        x, y = _data(1)[0]
+        _loss(model, x, y).backward()
+        release = _blocked(thread)
+        opt.step()
+        sched.step()  # lr.fill_(0.0) in place
+        assert float(opt.param_groups[0]["lr"]) == 0.0
+        release.set()
+        opt.synchronize()
+        assert all(not torch.equal(a, b) for a, b in zip(before, opt.master_params))
+
+
+def test_a_step_replaced_on_the_optimizer_object_still_runs():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    original = inner.step
+
+    def counting_step(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    inner.step = counting_step
+    opt = MixedPrecisionOptimizer(inner, async_step=True)
+    for x, y in _data(3):
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        opt.step()
+    opt.synchronize()
+    assert len(calls) == 3
+
+
+def test_a_scheduler_on_the_wrapped_optimizer_sees_the_step_taken(recwarn):
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=10)  # tracks the inner optimizer
+    opt = MixedPrecisionOptimizer(inner, async_step=True)
+    for x, y in _data(3):
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        opt.step()
+        sched.step()  # before the job ran, maybe: no call-order warning
+    opt.synchronize()
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
+def test_skip_counters_of_a_bound_scaler_are_read_where_its_updates_run():
+    w, opt, scaler = _overflowing_setup()
+
+    def step():
+        scaler.step(opt)
+        opt.zero_grad()
+
+    for _ in range(5):
+        scaler.scale((w.float() * 2).sum()).backward()
+        opt.submit_step(step)
+        scaler.update()
+        scaler.skipped_steps()  # queued behind this iteration's update, never racing it
+    assert scaler.skipped_steps() == 4  # 65536, 65536, 32768, 32768 overflow; 16384 does not
+    assert scaler.consecutive_skipped_steps() == 0

@@ -165,15 +165,19 @@ def check_finite_(
     return unscale_(tensors, one(found_inf.device), found_inf)
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
+_ONES: dict[Any, torch.Tensor] = {}
 
 
 def one(device: torch.device) -> torch.Tensor:
-    """A float32 0-dim 1.0 on ``device``, made once per device (read it, never write it): a
-    scale of 1 with no device op per use."""
-    t = _ONES.get(device)
+    """A float32 0-dim 1.0 on ``device`` (read it, never write it): a scale of 1 with no
+    device op per use. Made once per device -- on CUDA once per stream, since it is first
+    written on the stream that asks for it and read there."""
+    key: Any = device
+    if device.type == "cuda":
+        key = (device, torch.cuda.current_stream(device).cuda_stream)
+    t = _ONES.get(key)
     if t is None:
-        t = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+        t = _ONES[key] = torch.ones((), dtype=torch.float32, device=device)
     return t
 
 

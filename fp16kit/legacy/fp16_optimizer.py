@@ -37,8 +37,7 @@ from ..core.scale import LossScale
 from ..optimizer import (
     MixedPrecisionOptimizer,
     WrappingOptimizer,
-    load_pairs,
-    saved_master_pairs,
+    match_saved_masters,
     validate_optimizer_groups,
 )
 from .checkpoint import scaler_state
@@ -511,14 +510,14 @@ class FP16_Optimizer(WrappingOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load fp16kit's form or apex's (an era-2 ``apex.amp.scaler.LossScaler`` or an era-1
         ``LossScaler``/``DynamicLossScaler`` under ``loss_scaler``; read apex files with
-        :func:`fp16kit.legacy.load_checkpoint`). Load the model first (``model.load_state_dict``):
-        the masters are restored by copy. Everything is checked before anything changes; a
+        :func:`fp16kit.legacy.load_checkpoint`). Load the model (``model.load_state_dict``)
+        before or after: the masters are restored by copy. Everything is checked before anything changes; a
         mismatch raises ValueError naming the group and the counts.
 
         A checkpoint written without ``async_step``/``master_device`` (apex's own included)
         loads into an optimizer built with them: the fp32 params' masters are taken from the
-        loaded model. The other way round, the saved fp32 masters (a step ahead of the model
-        when the run was asynchronous) are written into the fp32 params."""
+        model at the next step. The other way round, the saved fp32 masters (a step ahead of
+        the model when the run was asynchronous) go into the fp32 params at the next step."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"FP16_Optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
         missing = [k for k in _STATE_KEYS if k not in state_dict]
@@ -530,7 +529,7 @@ class FP16_Optimizer(WrappingOptimizer):
         scaler = scaler_state(state_dict["loss_scaler"], current=self.loss_scaler.state_dict())
         validate_optimizer_groups(state_dict["optimizer_state_dict"], self.optimizer)
         self._mpo.wait_for_step()
-        pairs = saved_master_pairs(state_dict["fp32_from_fp16"], self._mpo.groups, self.optimizer.param_groups)
+        matched = match_saved_masters(state_dict["fp32_from_fp16"], self._mpo.groups, self.optimizer.param_groups)
         try:
             new_scaler = AmpLossScaler.from_state(scaler, self._device)
         except (TypeError, ValueError) as e:
@@ -540,9 +539,8 @@ class FP16_Optimizer(WrappingOptimizer):
         self.dynamic_loss_scale = scaler["dynamic"]
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
-        load_pairs(pairs)
+        self._mpo.restore_masters(matched)
         self._prepared = None
-        self._mpo.masters_loaded()
 
     def __repr__(self) -> str:
         return (

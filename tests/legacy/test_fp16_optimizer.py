@@ -1284,15 +1284,20 @@ def _trained(async_step, n=3):
     return model, opt
 
 
-def test_a_synchronous_checkpoint_loads_into_an_asynchronous_optimizer():
+@pytest.mark.parametrize("model_first", [True, False])
+def test_a_synchronous_checkpoint_loads_into_an_asynchronous_optimizer(model_first):
     # apex's form (network_to_half keeps fp32 params): the fp32 params' masters come from the
-    # loaded model, where the synchronous run stepped them.
+    # loaded model, where the synchronous run stepped them -- whichever is loaded first.
     model, opt = _trained(async_step=False)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     assert [len(g) for g in saved_opt["fp32_from_fp16"]] == [3, 1]
     model2, opt2 = _trained(async_step=True, n=0)
-    model2.load_state_dict(saved_model)
+    if model_first:
+        model2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
+    if not model_first:
+        model2.load_state_dict(saved_model)
+    opt2.state_dict()  # the next point that reads the masters
     low = iter(t for g in saved_opt["fp32_from_fp16"] for t in g)
     for m, p in zip(opt2.all_fp32_from_fp16_params, opt2.all_fp16_params):
         assert torch.equal(m, next(low) if p.dtype == torch.float16 else p)
@@ -1304,14 +1309,19 @@ def test_a_synchronous_checkpoint_loads_into_an_asynchronous_optimizer():
     assert all(torch.isfinite(m).all() for m in opt2.all_fp32_from_fp16_params)
 
 
-def test_an_asynchronous_checkpoint_loads_into_a_synchronous_optimizer():
+@pytest.mark.parametrize("model_first", [True, False])
+def test_an_asynchronous_checkpoint_loads_into_a_synchronous_optimizer(model_first):
     model, opt = _trained(async_step=True)
     saved_opt = copy.deepcopy(opt.state_dict())  # masters one step ahead of the model
     saved_model = copy.deepcopy(model.state_dict())
     assert [len(g) for g in saved_opt["fp32_from_fp16"]] == [3, 2]
     model2, opt2 = _trained(async_step=False, n=0)
-    model2.load_state_dict(saved_model)
+    if model_first:
+        model2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
+    if not model_first:
+        model2.load_state_dict(saved_model)  # the older fp32 weights, for now
+    opt2.state_dict()  # the next point that reads the masters: the fp32 masters go in
     gain_master = saved_opt["fp32_from_fp16"][1][0]  # group 1: gain, l2.bias
     assert torch.equal(model2.gain, gain_master)  # the fp32 param is its own master here
     assert not torch.equal(model.gain, gain_master)
