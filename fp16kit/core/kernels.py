@@ -57,17 +57,23 @@ class PerDevice:
     """Lazily serves copies of one tensor to the devices that ask for it (cached per device).
 
     The copy for the tensor's own device is a copy too (``copy=True``), exactly as torch's
-    ``_MultiDeviceReplicator``: writes into a per-device flag never alias the master.
+    ``_MultiDeviceReplicator``, so writes into a per-device flag never alias the master --
+    unless ``share_own_device``: then that device gets the master itself (one device op less;
+    for a read-only value, or a fresh flag the caller lets the kernels write).
     """
 
-    def __init__(self, master: torch.Tensor) -> None:
+    def __init__(self, master: torch.Tensor, *, share_own_device: bool = False) -> None:
         self.master = master
         self.per_device: dict[torch.device, torch.Tensor] = {}
+        self._share = share_own_device
 
     def get(self, device: torch.device) -> torch.Tensor:
         t = self.per_device.get(device)
         if t is None:
-            t = self.master.to(device=device, non_blocking=True, copy=True)
+            if self._share and device == self.master.device:
+                t = self.master
+            else:
+                t = self.master.to(device=device, non_blocking=True, copy=True)
             self.per_device[device] = t
         return t
 
@@ -102,12 +108,13 @@ def unscale_(
 ) -> dict[torch.device, torch.Tensor]:
     """In place: ``t *= inv_scale`` for every tensor; flag non-finite values in ``found_inf``.
 
-    Returns ``{device: found_inf on that device}`` for every device that held a tensor. The
-    flags are per-device copies of ``found_inf`` (which itself is not written), so the caller
-    combines them (see :func:`combine_found_inf`). Tensors must be dense and floating point.
+    Returns ``{device: found_inf on that device}`` for every device that held a tensor:
+    ``found_inf`` itself on its own device (pass a fresh flag, e.g. :func:`new_found_inf`),
+    copies of it on the others, so the caller combines them (see :func:`combine_found_inf`).
+    Tensors must be dense and floating point.
     """
-    per_inv = PerDevice(inv_scale)
-    per_found = PerDevice(found_inf)
+    per_inv = PerDevice(inv_scale, share_own_device=True)
+    per_found = PerDevice(found_inf, share_own_device=True)
     with torch.no_grad():
         for device, per_dtype in group_by_device_and_dtype(tensors).items():
             for group in per_dtype.values():
