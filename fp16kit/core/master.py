@@ -133,8 +133,8 @@ class MasterParams:
     # ------------------------------------------------------------------ grads
     def grads_to_masters(
         self,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
+        inv_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
         *,
         clear_missing: bool = True,
         grads: Sequence[torch.Tensor | None] | None = None,
@@ -148,6 +148,8 @@ class MasterParams:
         for the master devices (see kernels.unscale_to_). ``unscale=False`` only copies (for
         a fused optimizer that unscales in its kernel; the grads were checked already) and
         returns ``{}``."""
+        if unscale and (inv_scale is None or found_inf is None):
+            raise TypeError("grads_to_masters needs inv_scale and found_inf unless unscale=False.")
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
         if grads is None:
