@@ -237,11 +237,12 @@ class GradScaler(torch.amp.GradScaler):
         return True
 
     def _on_update_thread(self, read: Any) -> Any:
-        """Run ``read`` where this scaler's updates run: on its optimizer thread (after the
-        pending jobs, on the worker's stream) when bound, else here."""
+        """``read()`` after this scaler's pending updates: bound to an optimizer thread, wait
+        for its queued jobs first (their errors stay for update() to report) and order this
+        stream after the worker's."""
         binding = self.__dict__.get("_binding")
-        if binding is not None and not binding.thread.on_optimizer_thread():
-            return binding.thread.wait(binding.thread.submit(read))
+        if binding is not None:
+            binding.thread.wait_idle()
         return read()
 
     def _wait_for_thread(self) -> None:
@@ -728,7 +729,9 @@ class GradScaler(torch.amp.GradScaler):
         return bool(self.last_step_skipped_tensor().item())
 
     def skipped_steps(self) -> int:
-        """Iterations whose update() saw an overflow, since construction (a host sync).
+        """Iterations whose update() saw an overflow, since construction (a host sync; with
+        steps on the optimizer thread it also waits for the queued jobs: read it to log, not
+        every iteration).
         Not part of the state dict (torch's keys only); carried through pickling."""
         return self._on_update_thread(self._loss_scale.skipped_steps) if self._enabled else 0
 

@@ -270,6 +270,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def masters_to_model(self) -> None:
         """Copy the masters into the model params (rounded to their dtype)."""
+        self._async.apply_deferred()
         self._masters.masters_to_model()
 
     def _fp16kit_unscale_grads_(
@@ -523,9 +524,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._unscaled_by_scaler = False
         self._note_step_taken()
         return self._async.submit(
-            self._run_submitted, _snapshot(self.optimizer.param_groups),
+            self._run_submitted, self._groups_for_job(),
             self._async_job, handoff, inv, found, missing_grads, on_skip, scale,
         )
+
+    def _groups_for_job(self) -> list[dict[str, Any]] | None:
+        if not _StepView.applies_to(self.optimizer):
+            return None
+        return _snapshot(self.optimizer.param_groups)
 
     def _note_step_taken(self) -> None:
         # As LR schedulers' call-order trackers do (on this wrapper or the wrapped optimizer):
@@ -533,12 +539,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._opt_called = True
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
-    def _run_submitted(self, groups: list[dict[str, Any]], job: Callable[..., Any], *args: Any) -> Any:
+    def _run_submitted(self, groups: list[dict[str, Any]] | None, job: Callable[..., Any], *args: Any) -> Any:
         """On the optimizer thread: run ``job`` stepping with the param groups (lr, momentum,
         ...) as they were when the step was submitted -- an LR scheduler on the main thread
         already sets the next step's values. Values the inner optimizer itself writes into
         its groups (e.g. D-Adaptation's estimates) are written back to the live groups."""
-        before = [dict(g) for g in groups]
+        if groups is None:  # an optimizer that steps its live groups (_StepView.applies_to)
+            return job(*args)
+        before = _snapshot(groups)  # tensor values copied again: in-place edits show
         self._submitted_groups = groups
         try:
             return job(*args)
@@ -629,9 +637,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._async.land()
         handoff = self._async.hand_off(self._masters.model_params)
         self._note_step_taken()
-        fut = self._async.submit(
-            self._run_submitted, _snapshot(self.optimizer.param_groups), self._submitted_job, handoff, fn
-        )
+        fut = self._async.submit(self._run_submitted, self._groups_for_job(), self._submitted_job, handoff, fn)
         self._async.thread.mark_step()
         return fut
 
@@ -714,11 +720,12 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def restore_masters(self, matched: MatchedMasters) -> None:
         """Copy checkpointed masters in (see :func:`match_saved_masters`). Asynchronously
-        trained, they are a step ahead of the saved model params: the next step lands them,
-        exactly as in the uninterrupted run. (Synchronously the model already holds them.)"""
+        trained (``async_step`` or ``submit_step``), they are a step ahead of the saved model
+        params: the next asynchronous step lands them, exactly as in the uninterrupted run.
+        (A synchronous step never lands: there the model already holds them.)"""
         kernels.copy_to_([src for src, _ in matched.now], [dst.detach() for _, dst in matched.now])
         self._async.defer_copies(matched.deferred)
-        self._async.land_pending = self.async_step
+        self._async.land_pending = True
 
     def __getstate__(self) -> dict[str, Any]:
         raise RuntimeError(
@@ -777,8 +784,9 @@ def match_saved_masters(
     in the fp32 params: with them every trainable param has a master (saved in group order),
     without them only the fp16/bf16 params do and the fp32 params are stepped in place. Both
     load either way: saved without, the fp32 params' masters come from the model params;
-    saved with, the fp32 masters go into the fp32 params. Those copies wait for the next step,
-    so the model may be loaded before or after the optimizer. (Saved masters map to the params
+    saved with, the fp32 masters go into the fp32 params. Those copies wait until the
+    optimizer is next used (a step, ``state_dict()``, ``synchronize()``...), so the model may
+    be loaded before or after the optimizer -- but before that next use. (Saved masters map to the params
     that are trainable now: change no ``requires_grad`` between saving and loading.)"""
     if not isinstance(saved, (list, tuple)) or len(saved) != len(groups):
         n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
@@ -843,33 +851,51 @@ class _StepView:
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
         self.original = optimizer
-        step = optimizer.__dict__.get("step")
-        tracker = getattr(step, "_wrapped_by_lr_sched", False)
-        if isinstance(getattr(type(optimizer), "param_groups", None), property) or (step and not tracker):
-            # A wrapper whose groups live elsewhere, or a step replaced on the object (bound
-            # to it): step the optimizer itself, with its live groups.
-            self.optimizer = optimizer
-            return
         view = object.__new__(type(optimizer))
         view.__dict__.update(optimizer.__dict__)
         view.param_groups = groups
-        if tracker:  # an LR scheduler's call-order tracker (the call was noted at submit)
+        if "step" in view.__dict__:  # an LR scheduler's tracker (see applies_to); noted at submit
             del view.__dict__["step"]
         self.optimizer = view
         self._attrs = dict(view.__dict__)
 
+    @staticmethod
+    def applies_to(optimizer: torch.optim.Optimizer) -> bool:
+        """Can ``optimizer`` step a snapshot? Not when its groups are a property (they live
+        elsewhere) or its ``step`` was replaced on the object (bound to it): those step with
+        their live groups, read when the step runs."""
+        if isinstance(getattr(type(optimizer), "param_groups", None), property):
+            return False
+        step = optimizer.__dict__.get("step")
+        if step is None:
+            return True
+        # Only an LR scheduler's call-order tracker around the class's own step may go.
+        return bool(getattr(step, "_wrapped_by_lr_sched", False)) and (
+            getattr(step, "__wrapped__", None) is getattr(type(optimizer), "step", None)
+        )
+
     def write_back(self) -> None:
-        if self.optimizer is self.original:
-            return
         for key, value in self.optimizer.__dict__.items():
             if key != "param_groups" and self._attrs.get(key, _UNSET) is not value:
                 self.original.__dict__[key] = value
 
 
 def _write_back(before: list[dict[str, Any]], stepped: list[dict[str, Any]], live: list[dict[str, Any]]) -> None:
+    """Write what a job changed in its snapshot of the param groups into the live groups: a
+    new value, or new contents of a tensor value (copied into the live tensor)."""
     for old, new, target in zip(before, stepped, live):
         for key, value in new.items():
-            if key != "params" and old.get(key, _UNSET) is not value:
+            if key == "params":
+                continue
+            previous = old.get(key, _UNSET)
+            if isinstance(value, torch.Tensor) and isinstance(previous, torch.Tensor):
+                if not torch.equal(value, previous):  # changed in place (a scheduler's fill_)
+                    live_value = target.get(key)
+                    if isinstance(live_value, torch.Tensor) and live_value.shape == value.shape:
+                        live_value.copy_(value)
+                    else:
+                        target[key] = value
+            elif previous is not value:
                 target[key] = value
 
 

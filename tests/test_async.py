@@ -654,3 +654,93 @@ def test_skip_counters_of_a_bound_scaler_are_read_where_its_updates_run():
         scaler.skipped_steps()  # queued behind this iteration's update, never racing it
     assert scaler.skipped_steps() == 4  # 65536, 65536, 32768, 32768 overflow; 16384 does not
     assert scaler.consecutive_skipped_steps() == 0
+
+
+def test_a_scheduler_stepped_inside_the_job_updates_a_tensor_lr():
+    # LR schedulers fill_ a tensor lr in place: inside a job that lands in the snapshot and
+    # must reach the live groups.
+    model = _model()
+    opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01)), master_device="cpu")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in _data(3):
+        _loss(model, x, y).backward()
+        opt.submit_step(lambda: (opt.step(), sched.step(), opt.zero_grad()))
+    opt.synchronize()
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.5**3)
+
+
+def test_a_replaced_step_wrapped_by_a_scheduler_runs_with_the_lr_the_job_sets():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    calls = []
+    original = inner.step
+
+    def counting_step(self, closure=None):
+        calls.append(1)
+        return original(closure)
+
+    inner.step = counting_step.__get__(inner)  # a bound method, as wrappers install them
+    torch.optim.lr_scheduler.StepLR(inner, step_size=10)  # wraps the replacement
+    opt = MixedPrecisionOptimizer(inner, master_device="cpu")
+    before = [m.detach().clone() for m in opt.master_params]
+    x, y = _data(1)[0]
+    _loss(model, x, y).backward()
+
+    def frozen_step():
+        opt.param_groups[0]["lr"] = 0.0  # live groups here: the replaced step reads them
+        opt.step()
+
+    opt.submit_step(frozen_step)
+    opt.synchronize()
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.master_params))
+
+
+def test_mode2_resume_from_a_checkpoint_is_bit_for_bit():
+    def build():
+        model = _model(torch.float16)
+        return model, MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2)), GradScaler("cpu")
+
+    def run(model, opt, scaler, data):
+        for x, y in data:
+            opt.zero_grad()
+            scaler.scale(_loss(model, x, y)).backward()
+            opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()))
+            scaler.update()
+
+    data = _data(6, torch.float16)
+    model, opt, scaler = build()
+    run(model, opt, scaler, data[:3])
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), scaler.state_dict()))
+    run(model, opt, scaler, data[3:])
+    opt.synchronize()
+
+    model2, opt2, scaler2 = build()
+    opt2.load_state_dict(saved[1])
+    model2.load_state_dict(saved[0])
+    scaler2.load_state_dict(saved[2])
+    run(model2, opt2, scaler2, data[3:])
+    opt2.synchronize()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_skip_counters_after_a_failed_step_and_after_the_thread_is_gone():
+    w, opt, scaler = _overflowing_setup()
+    with fp16kit.OptimizerThread() as thread:
+        opt._async._thread = thread
+
+        def step():
+            scaler.step(opt)
+            opt.zero_grad()
+
+        for _ in range(3):
+            scaler.scale((w.float() * 2).sum()).backward()
+            opt.submit_step(step)
+            scaler.update()
+        assert scaler.skipped_steps() == 3  # 65536, 65536 (one iteration of lag), 32768
+        thread.submit(lambda: 1 / 0)
+        assert scaler.skipped_steps() == 3  # waits, and leaves the error to be reported
+        with pytest.raises(ZeroDivisionError):
+            thread.synchronize()
+    assert scaler.skipped_steps() == 3  # the thread is shut down: nothing to wait for

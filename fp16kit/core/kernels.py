@@ -10,10 +10,11 @@ Arithmetic contract (the reference is ``torch.amp.GradScaler``)::
         if any element of t is inf or NaN: found_inf[t.device] = 1.0
         t = t * inv_scale                            # also when non-finite values are present
 
-* ``found_inf`` is a float32 0-dim tensor. A kernel returns ``{device: flag}``: per-device
-  copies of ``found_inf`` that it only ever *sets* to 1.0 (a flag passed in set stays set);
-  the argument itself is not written. Flags of several calls are merged with
-  :func:`merge_found_inf` / :func:`combine_found_inf`; clearing means a new flag.
+* ``found_inf`` is a float32 0-dim tensor. A kernel returns ``{device: flag}`` and only ever
+  *sets* flags to 1.0 (a flag passed in set stays set): ``found_inf`` itself on its own
+  device (pass a fresh one, :func:`new_found_inf`), copies of it on other devices. Flags of
+  several calls are merged with :func:`merge_found_inf` / :func:`combine_found_inf`;
+  clearing means a new flag.
 * Tensors are grouped by ``(device, dtype)`` and each group is handed to one multi-tensor op
   (``torch._amp_foreach_non_finite_check_and_unscale_`` / ``torch._foreach_copy_``), which runs
   on CPU and CUDA alike: one launch per group, not one per tensor.

@@ -32,6 +32,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -150,6 +151,18 @@ class OptimizerThread:
             except BaseException:  # noqa: BLE001 - reported below, once
                 pass
         self.raise_pending_error()
+
+    def wait_idle(self) -> None:
+        """Wait for every job submitted so far to finish, leaving their errors to be reported
+        by the next call that reports them, and order the caller's CUDA stream after the
+        worker's. For reads of state the jobs write (a bound scaler's counters)."""
+        if self.on_optimizer_thread():
+            return
+        with self._lock:
+            pending = list(self._pending)
+        futures_wait(pending)
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
 
     def wait(self, fut: Future) -> Any:
         """Wait for one job and return its result, raising its error (marked as reported)."""

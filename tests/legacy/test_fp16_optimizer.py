@@ -1409,3 +1409,18 @@ def test_async_lr_scheduler_changes_the_next_step_not_the_pending_one():
     release.set()
     opt.synchronize()
     assert all(not torch.equal(a, b) for a, b in zip(before, opt.all_fp32_from_fp16_params))
+
+
+def test_copying_masters_to_the_model_after_a_cross_mode_load_keeps_the_loaded_fp32_weights():
+    model, opt = _trained(async_step=False)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    model2 = make_model(torch.float16, seed=5)
+    opt2 = FP16_Optimizer(
+        torch.optim.Adam(two_groups(model2, 1e-2, 3e-3), lr=1e-2), dynamic_loss_scale=True, verbose=False,
+        master_device="cpu",
+    )
+    opt2.load_state_dict(saved_opt)
+    model2.load_state_dict(saved_model)
+    opt2._master_params_to_model_params()  # apex's own call after a load
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
