@@ -696,8 +696,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore the wrapped optimizer's state and the masters exactly. The model params are
-        not touched: load them with ``model.load_state_dict`` (before or after). Structure is
-        checked before anything changes: a mismatch raises ValueError naming the group."""
+        not touched: load them with ``model.load_state_dict``, before or after this (but before
+        the optimizer is next used: see :func:`match_saved_masters`). Structure is checked
+        before anything changes: a mismatch raises ValueError naming the group."""
         if not isinstance(state_dict, dict) or set(state_dict) != set(_STATE_KEYS):
             got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(
@@ -786,8 +787,9 @@ def match_saved_masters(
     load either way: saved without, the fp32 params' masters come from the model params;
     saved with, the fp32 masters go into the fp32 params. Those copies wait until the
     optimizer is next used (a step, ``state_dict()``, ``synchronize()``...), so the model may
-    be loaded before or after the optimizer -- but before that next use. (Saved masters map to the params
-    that are trainable now: change no ``requires_grad`` between saving and loading.)"""
+    be loaded before or after the optimizer -- but before that next use. (Saved masters map
+    to the params that are trainable now: change no ``requires_grad`` between saving and
+    loading.)"""
     if not isinstance(saved, (list, tuple)) or len(saved) != len(groups):
         n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
         raise ValueError(

@@ -511,13 +511,14 @@ class FP16_Optimizer(WrappingOptimizer):
         """Load fp16kit's form or apex's (an era-2 ``apex.amp.scaler.LossScaler`` or an era-1
         ``LossScaler``/``DynamicLossScaler`` under ``loss_scaler``; read apex files with
         :func:`fp16kit.legacy.load_checkpoint`). Load the model (``model.load_state_dict``)
-        before or after: the masters are restored by copy. Everything is checked before anything changes; a
-        mismatch raises ValueError naming the group and the counts.
+        before or after this, but before the optimizer is next used: the masters are restored
+        by copy. Everything is checked before anything changes; a mismatch raises ValueError
+        naming the group and the counts.
 
         A checkpoint written without ``async_step``/``master_device`` (apex's own included)
         loads into an optimizer built with them: the fp32 params' masters are taken from the
-        model at the next step. The other way round, the saved fp32 masters (a step ahead of
-        the model when the run was asynchronous) go into the fp32 params at the next step."""
+        model when the optimizer is next used. The other way round, the saved fp32 masters (a
+        step ahead of the model when the run was asynchronous) go into the fp32 params then."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"FP16_Optimizer.load_state_dict expects a dict, got {type(state_dict).__name__}.")
         missing = [k for k in _STATE_KEYS if k not in state_dict]
