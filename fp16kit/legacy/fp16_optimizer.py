@@ -380,11 +380,7 @@ class FP16_Optimizer(WrappingOptimizer):
         if self.async_step:
             return self._submit_step(closure)
         if self.overflow:
-            logger.warning(
-                "Gradient overflow.  Skipping step, reducing loss scale to {}".format(
-                    self.loss_scaler.loss_scale()
-                )
-            )
+            _log_overflow(self.loss_scaler.loss_scale())
             return None
         if closure is not None:
             return self._step_with_closure(closure)
@@ -550,6 +546,8 @@ class FP16_Optimizer(WrappingOptimizer):
         )
 
 
-def _log_overflow(scale_after: torch.Tensor) -> None:
-    # On the optimizer thread, which may read the device (the main thread never does).
-    logger.warning("Gradient overflow.  Skipping step, reducing loss scale to {}".format(scale_after.item()))
+def _log_overflow(scale_after: float | torch.Tensor) -> None:
+    """apex's message for a skipped step. A tensor is read here: asynchronously, this runs on
+    the optimizer thread, which may read the device (the main thread never does)."""
+    value = scale_after.item() if isinstance(scale_after, torch.Tensor) else scale_after
+    logger.warning("Gradient overflow.  Skipping step, reducing loss scale to {}".format(value))
