@@ -89,8 +89,7 @@ class AsyncSteps:
 
     def apply_deferred(self) -> None:
         pairs, self._deferred = self._deferred, []
-        if pairs:
-            kernels.copy_to_([src for src, _ in pairs], [dst.detach() for _, dst in pairs])
+        kernels.copy_pairs_(pairs)
 
     def land(self) -> None:
         """Wait for the job in flight and copy the masters into the model params."""

@@ -314,9 +314,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     def _grads_to_masters_unscaled(self) -> None:
         """No scaler: the grads as they are (scale 1), with the non-finite check."""
         device = self._flag_device()
-        self.grads_to_masters(
-            torch.ones((), dtype=torch.float32, device=device), kernels.new_found_inf(device)
-        )
+        self.grads_to_masters(kernels.one(device), kernels.new_found_inf(device))
 
     def _flag_device(self) -> torch.device:
         for p in (*self._masters.masters, *self._direct_params()):
@@ -643,7 +641,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def _submitted_job(self, handoff: Handoff, fn: Callable[[], Any]) -> Any:
         grads = AsyncSteps.receive(handoff)
-        one = torch.ones((), device=self._grad_device())
+        one = kernels.one(self._grad_device())
         self._masters.grads_to_masters(one, kernels.new_found_inf(self._flag_device()), grads=grads)
         self._handed_off = True
         self._unscaled_by_scaler = False
@@ -724,7 +722,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         trained (``async_step`` or ``submit_step``), they are a step ahead of the saved model
         params: the next asynchronous step lands them, exactly as in the uninterrupted run.
         (A synchronous step never lands: there the model already holds them.)"""
-        kernels.copy_to_([src for src, _ in matched.now], [dst.detach() for _, dst in matched.now])
+        kernels.copy_pairs_(matched.now)
         self._async.defer_copies(matched.deferred)
         self._async.land_pending = True
 

@@ -38,6 +38,7 @@ __all__ = [
     "clear_grads_",
     "clip_grad_norm_",
     "combine_found_inf",
+    "copy_pairs_",
     "copy_to_",
     "flat_views",
     "flatten",
@@ -240,6 +241,12 @@ def copy_to_(
     with torch.no_grad():
         for s_list, d_list in groups.values():
             torch._foreach_copy_(d_list, s_list, non_blocking=non_blocking)
+
+
+def copy_pairs_(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, non_blocking: bool = False) -> None:
+    """:func:`copy_to_` for ``(source, destination)`` pairs (checkpoint restores)."""
+    if pairs:
+        copy_to_([src for src, _ in pairs], [dst for _, dst in pairs], non_blocking=non_blocking)
 
 
 def combine_found_inf(
