@@ -1,4 +1,4 @@
-"""OptimizerThread: FIFO, futures, errors, shutdown, exit."""
+"""OptimizerThread: FIFO, futures, errors delivered once, steps, shutdown, exit."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ import traceback
 import pytest
 
 import fp16kit
-from fp16kit.core.thread import OptimizerThread, current_optimizer_thread, optimizer_thread
+import fp16kit.core.thread as thread_module
+from fp16kit.core.thread import (
+    JobFuture,
+    OptimizerThread,
+    current_optimizer_thread,
+    optimizer_thread,
+    step_serial,
+    threads_with_steps_since,
+)
 
 
 @pytest.fixture
@@ -47,7 +55,7 @@ def _fails():
 
 def test_an_error_is_raised_once_at_the_next_call_with_its_traceback(thread):
     thread.submit(_fails)
-    time.sleep(0.05)
+    thread.wait_idle()  # the job has failed; waiting idle does not deliver its error
     with pytest.raises(ValueError, match="job failed here") as info:
         thread.submit(lambda: None)
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
@@ -152,9 +160,279 @@ def test_a_hanging_job_cannot_hang_exit():
 def test_an_uncollected_error_is_logged_at_exit():
     r = _run("""
         import fp16kit
-        def bad():
-            raise KeyError("lost")
-        fp16kit.optimizer_thread().submit(bad)
+        def bad(what):
+            raise KeyError(what)
+        t = fp16kit.optimizer_thread()
+        t.submit(bad, "seen").exception()  # delivered: not logged
+        t.submit(bad, "lost")
     """)
     assert r.returncode == 0
-    assert "never collected" in r.stderr and "KeyError" in r.stderr
+    assert r.stderr.count("never collected") == 1 and "KeyError: 'lost'" in r.stderr
+    assert "seen" not in r.stderr
+
+
+# ---------------------------------------------------------------------- shutdown races
+def test_submit_racing_shutdown_never_strands_a_future():
+    # Short thread slices, so that the shutdown lands among the submitters' calls rather than
+    # after a whole 5 ms slice of them (and the rounds stay fast).
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        for _ in range(200):
+            _race_submitters_against_shutdown()
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _race_submitters_against_shutdown() -> None:
+    t = OptimizerThread()
+    go = threading.Barrier(3)
+    submitting = threading.Event()
+    accepted: list[JobFuture] = []
+    refused: list[RuntimeError] = []
+
+    def submitter() -> None:
+        go.wait()
+        for i in range(100_000):  # until the shutdown refuses one (bounded all the same)
+            try:
+                accepted.append(t.submit(int, i))
+            except RuntimeError as e:
+                refused.append(e)
+                return
+            submitting.set()
+
+    submitters = [threading.Thread(target=submitter) for _ in range(3)]
+    for s in submitters:
+        s.start()
+    assert submitting.wait(10)
+    t.shutdown(wait=False)  # while they submit
+    for s in submitters:
+        s.join()
+    t.shutdown(wait=True, timeout=10)  # the worker has drained everything it accepted
+    assert all(f.done() for f in accepted)
+    assert len(refused) == 3 and all("shut down" in str(e) for e in refused)
+
+
+def test_a_submit_paused_inside_enqueue_by_a_shutdown_is_refused_or_runs(monkeypatch):
+    """The deterministic form of the race: the submitter is paused inside enqueue (where it
+    records the caller's CUDA event) while shutdown() runs to its end."""
+    t = OptimizerThread()
+    paused, release = threading.Event(), threading.Event()
+    record_event = thread_module._record_event
+
+    def pausing_record_event():
+        paused.set()
+        release.wait(10)
+        return record_event()
+
+    monkeypatch.setattr(thread_module, "_record_event", pausing_record_event)
+    outcome: list[object] = []
+
+    def submitter() -> None:
+        try:
+            outcome.append(t.submit(int, 7))
+        except RuntimeError as e:
+            outcome.append(e)
+
+    s = threading.Thread(target=submitter)
+    s.start()
+    assert paused.wait(10)
+    closer = threading.Thread(target=t.shutdown, kwargs={"wait": False})
+    closer.start()
+    closer.join(1.0)  # returns at once unless shutdown waits for the enqueue (also correct)
+    release.set()
+    s.join(10)
+    closer.join(10)
+    t.shutdown(wait=True, timeout=10)
+    [result] = outcome
+    assert isinstance(result, RuntimeError) or (result.done() and result.result() == 7)
+
+
+def test_closed_is_a_read_only_property():
+    t = OptimizerThread()
+    assert not t.closed and "running" in repr(t)
+    t.shutdown()
+    assert t.closed and t._closed and "closed" in repr(t)
+    with pytest.raises(AttributeError):
+        t.closed = False  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="shut down"):
+        t.enqueue(int)
+
+
+def test_the_default_thread_is_recreated_after_shutdown():
+    old = optimizer_thread()
+    old.shutdown()
+    new = optimizer_thread()
+    assert new is not old and not new.closed
+
+
+# ---------------------------------------------------------------------- errors, once
+def _deliver_by_result(thread, fut):
+    with pytest.raises(ValueError, match="job failed here"):
+        fut.result()
+
+
+def _deliver_by_exception(thread, fut):
+    assert isinstance(fut.exception(), ValueError)
+
+
+def _deliver_by_wait(thread, fut):
+    with pytest.raises(ValueError, match="job failed here"):
+        thread.wait(fut)
+
+
+def _deliver_by_another_submit(thread, fut):
+    thread.wait_idle()  # the job failed; the next submit (of any caller) raises it
+    with pytest.raises(ValueError, match="job failed here"):
+        thread.submit(int)
+
+
+def _deliver_by_raise_pending_error(thread, fut):
+    thread.wait_idle()
+    with pytest.raises(ValueError, match="job failed here"):
+        thread.raise_pending_error()
+
+
+def _deliver_by_synchronize(thread, fut):
+    with pytest.raises(ValueError, match="job failed here"):
+        thread.synchronize()
+
+
+@pytest.mark.parametrize("deliver", [
+    _deliver_by_result, _deliver_by_exception, _deliver_by_wait, _deliver_by_another_submit,
+    _deliver_by_raise_pending_error, _deliver_by_synchronize,
+], ids=lambda f: f.__name__[len("_deliver_by_"):])
+def test_each_channel_delivers_an_error_once(thread, deliver):
+    fut = thread.submit(_fails)
+    deliver(thread, fut)
+    thread.wait(thread.submit(int))  # neither the next submit nor a wait raises it again
+    thread.synchronize()
+    thread.raise_pending_error()
+    assert thread.wait(fut) is None  # delivered before: wait does not raise it again
+    with pytest.raises(ValueError):
+        fut.result()  # the Future itself keeps concurrent.futures' semantics
+
+
+def test_a_loop_that_catches_each_error_goes_on(thread):
+    for i in range(5):
+        fut = thread.submit(_fails)
+        with pytest.raises(ValueError):
+            fut.result()
+        assert thread.wait(thread.submit(lambda i=i: i)) == i
+    thread.synchronize()
+
+
+def test_errors_are_raised_oldest_first(thread):
+    def fails(what):
+        raise KeyError(what)
+
+    thread.submit(fails, "first")
+    thread.submit(fails, "second")
+    thread.wait_idle()
+    with pytest.raises(KeyError, match="first"):
+        thread.submit(int)
+    with pytest.raises(KeyError, match="second"):
+        thread.synchronize()
+    thread.synchronize()
+
+
+def test_an_ignored_inline_failure_reaches_the_main_thread(thread):
+    thread.submit(lambda: thread.submit(_fails))  # the job drops the inline job's future
+    with pytest.raises(ValueError, match="job failed here"):
+        thread.synchronize()
+    thread.synchronize()
+
+
+def test_an_error_propagated_through_an_outer_job_is_raised_once(thread):
+    fut = thread.submit(lambda: thread.wait(thread.submit(_fails)))
+    with pytest.raises(ValueError, match="job failed here"):
+        thread.synchronize()
+    thread.synchronize()
+    assert thread.wait(fut) is None
+
+
+def test_a_job_waiting_for_a_later_job_raises_instead_of_deadlocking(thread):
+    release = threading.Event()
+    later: list[JobFuture] = []
+    first = thread.submit(lambda: (release.wait(10), thread.wait(later[0])))
+    later.append(thread.submit(int))
+    release.set()
+    with pytest.raises(RuntimeError, match="deadlock"):
+        thread.wait(first)
+    thread.synchronize()
+
+
+# ---------------------------------------------------------------------- enqueue, steps
+def test_enqueue_does_not_raise_pending_errors_but_submit_does(thread):
+    thread.submit(_fails)
+    thread.wait_idle()
+    fut = thread.enqueue(lambda a, b=0: a + b, (2,), {"b": 3})  # queued: the error stays pending
+    assert thread.wait(fut) == 5
+    with pytest.raises(ValueError, match="job failed here"):
+        thread.submit(int)
+    thread.synchronize()
+
+
+def test_enqueue_from_a_job_runs_inline(thread):
+    def job():
+        inner = thread.enqueue(current_optimizer_thread)
+        return inner.done(), inner.result()
+
+    assert thread.wait(thread.submit(job)) == (True, thread)
+    assert thread.submitted == 2
+
+
+def test_steps_are_counted_per_thread_and_process_wide():
+    with OptimizerThread() as a, OptimizerThread() as b:
+        before = step_serial()
+        assert threads_with_steps_since(before) == []
+        a.enqueue(int, step=True)
+        a.submit(int)  # not a step
+        assert (a.steps, a.submitted, step_serial()) == (1, 2, before + 1)
+        assert threads_with_steps_since(before) == [a]
+        mid = step_serial()
+        a.wait(b.enqueue(lambda: b.enqueue(int, step=True), step=True))  # one queued, one inline
+        assert (b.steps, step_serial()) == (2, before + 3)
+        assert threads_with_steps_since(mid) == [b]
+        assert threads_with_steps_since(before) == [a, b]
+        a.shutdown()
+        assert threads_with_steps_since(before) == [b]  # a closed thread receives no more steps
+    assert threads_with_steps_since(before) == []
+
+
+# ---------------------------------------------------------------------- Ctrl-C while waiting
+def _interrupt_the_first_wait(monkeypatch, fut: JobFuture) -> None:
+    """Ctrl-C while the main thread blocks on ``fut``: its first wait raises KeyboardInterrupt."""
+    wait = fut._wait_error
+    calls = []
+
+    def interrupted() -> BaseException | None:
+        calls.append(None)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return wait()
+
+    monkeypatch.setattr(fut, "_wait_error", interrupted)
+
+
+@pytest.mark.parametrize("waiting", ["wait", "synchronize", "wait_idle"])
+def test_ctrl_c_while_waiting_keeps_the_job_tracked(thread, monkeypatch, waiting):
+    release = threading.Event()
+    ran: list[str] = []
+
+    def job():
+        release.wait(10)
+        ran.append("ran")
+        raise ValueError("failed after the interrupt")
+
+    fut = thread.submit(job)
+    _interrupt_the_first_wait(monkeypatch, fut)
+    with pytest.raises(KeyboardInterrupt):
+        getattr(thread, waiting)(*([fut] if waiting == "wait" else []))
+    assert not fut.done() and not thread.idle() and "1 pending" in repr(thread)
+    release.set()
+    with pytest.raises(ValueError, match="after the interrupt"):
+        thread.synchronize()  # still waits for the job, and delivers its error once
+    assert ran == ["ran"] and thread.idle()
+    thread.synchronize()
+    assert thread.wait(fut) is None
