@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -21,9 +20,10 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .core import kernels
+from .core.protocol import MasterWeightOptimizer, scaled_iterations
 from .core.scale import FloorPolicy, LossScale
-from .core.thread import OptimizerThread, current_optimizer_thread, last_step_target
-from .scaler_thread import IterationRecord, ThreadBinding
+from .core.thread import OptimizerThread, current_optimizer_thread
+from .scaler_thread import ScalerThreads
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -74,13 +74,12 @@ class _ScaleField(_LossScaleField):
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
-        binding = obj.__dict__.get("_binding")
-        if binding is not None:
-            return binding.head().scale if binding.thread.on_optimizer_thread() else binding.forward_scale
+        threads = obj.__dict__.get("_thread_side")
+        if threads is not None and threads.binding is not None:
+            return threads.binding.scale_for_caller()
         return super().__get__(obj, objtype)
 
 
-_BIND_LOCK = threading.Lock()
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -179,9 +178,9 @@ class GradScaler(torch.amp.GradScaler):
     @property
     def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
         # Bound to an optimizer thread, a step run there records into its iteration's states.
-        binding = self.__dict__.get("_binding")
-        if binding is not None and binding.thread.on_optimizer_thread():
-            return binding.head().states
+        threads = self.__dict__.get("_thread_side")
+        if threads is not None and threads.binding is not None and (states := threads.binding.states_for_caller()) is not None:
+            return states
         try:
             return self.__dict__["_opt_states"]
         except KeyError:
@@ -194,61 +193,22 @@ class GradScaler(torch.amp.GradScaler):
         self.__dict__["_opt_states"] = value
 
     # -------------------------------------------------------------- the optimizer thread
-    def _thread_binding(self) -> ThreadBinding | None:
-        """This scaler's binding to an optimizer thread; created when called from one."""
-        binding = self.__dict__.get("_binding")
-        owner = current_optimizer_thread()
-        if owner is not None and binding is None:
-            binding = self._bind(owner)
-        elif owner is not None and binding is not None and binding.thread is not owner:
-            raise RuntimeError(
-                f"This GradScaler steps on {binding.thread.name}; it cannot also be used from "
-                f"{owner.name}. Use one optimizer thread per scaler."
-            )
-        return binding
+    def bind(self, thread: OptimizerThread) -> None:
+        """Run this scaler's steps on ``thread`` (spec/async.md, mode 2): ``scale()`` and
+        ``update()`` stay on the main thread, ``step()`` runs in the jobs there, each side
+        seeing its own scale (see :mod:`fp16kit.scaler_thread`). ``opt.submit_step(fn,
+        scaler=scaler)`` calls this. Before the first ``scale()`` the binding is made there.
+        Binding to the same thread again does nothing; to another raises RuntimeError."""
+        if not isinstance(thread, OptimizerThread):
+            raise TypeError(f"bind() takes an fp16kit.OptimizerThread, got {type(thread).__name__}.")
+        self._threads.bind(thread, self._loss_scale, mark=thread.steps)
 
-    def _bind(self, thread: OptimizerThread) -> ThreadBinding:
-        with _BIND_LOCK:
-            binding = self.__dict__.get("_binding")
-            if binding is None:
-                scale, _ = self._check_scale_growth_tracker("a step on the optimizer thread")
-                binding = ThreadBinding(thread, scale, _refresh_per_optimizer_state)
-                binding.mark = None  # the first update cannot tell which jobs were steps
-                self.__dict__["_binding"] = binding
-            return binding
-
-    def _route(self, fn: Any, *args: Any, is_step: bool = False, **kwargs: Any) -> bool:
-        """Main thread of a bound scaler: run ``fn`` on the optimizer thread and wait."""
-        binding = self._thread_binding()
-        if binding is None or binding.thread.on_optimizer_thread():
-            return False
-        fut = binding.thread.submit(fn, *args, **kwargs)
-        if is_step:
-            binding.thread.mark_step()
-        binding.thread.wait(fut)
-        return True
-
-    def _queue(self, fn: Any, *args: Any) -> bool:
-        """Main thread of a bound scaler: queue ``fn`` behind the pending jobs."""
-        binding = self.__dict__.get("_binding")
-        if binding is None or binding.thread.on_optimizer_thread():
-            return False
-        binding.thread.submit(fn, *args)
-        return True
-
-    def _on_update_thread(self, read: Any) -> Any:
-        """``read()`` after this scaler's pending updates: bound to an optimizer thread, wait
-        for its queued jobs first (their errors stay for update() to report) and order this
-        stream after the worker's."""
-        binding = self.__dict__.get("_binding")
-        if binding is not None:
-            binding.thread.wait_idle()
-        return read()
-
-    def _wait_for_thread(self) -> None:
-        binding = self.__dict__.get("_binding")
-        if binding is not None and not binding.thread.on_optimizer_thread():
-            binding.thread.synchronize()
+    @property
+    def _threads(self) -> ScalerThreads:
+        threads = self.__dict__.get("_thread_side")
+        if threads is None:  # built lazily: also for scalers unpickled from older versions
+            threads = self.__dict__["_thread_side"] = ScalerThreads()
+        return threads
 
     # -------------------------------------------------------------- scale
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,15 +249,10 @@ class GradScaler(torch.amp.GradScaler):
         unmodified when disabled. The scale is created on the device of the first tensor."""
         if not self._enabled:
             return outputs
-        binding = self._thread_binding()
-        if binding is not None and not binding.thread.on_optimizer_thread():
-            binding.open_record()  # this iteration's loss is scaled with the forward scale
-        elif binding is None:
-            # Remember which steps were submitted so far: if this iteration's step goes to an
-            # optimizer thread (submit_step), update() binds this scaler to it.
-            target = last_step_target()
-            self.__dict__["_step_snapshot"] = (target, 0 if target is None else target.steps)
-        return kernels.scale_outputs(outputs, self._scale_on)
+        scaled_iterations.opened(self)
+        out = kernels.scale_outputs(outputs, self._scale_on)
+        self._threads.scaled(self._loss_scale)
+        return out
 
     # -------------------------------------------------------------- unscale
     def _unscale_grads_(
@@ -307,11 +262,10 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        # An optimizer that keeps its own unscaled copies of the grads (MixedPrecisionOptimizer:
-        # fp16 model grads -> fp32 master grads) unscales through its hook.
-        hook = getattr(optimizer, "_fp16kit_unscale_grads_", None)
-        if hook is not None:
-            return hook(inv_scale, found_inf, allow_fp16)
+        # An optimizer that keeps master weights (MixedPrecisionOptimizer: fp16 model grads ->
+        # fp32 master grads) unscales into them (fp16kit.core.protocol).
+        if isinstance(optimizer, MasterWeightOptimizer):
+            return optimizer.unscale_grads_(inv_scale, found_inf)
         return kernels.unscale_grads_(
             _optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16
         )
@@ -346,7 +300,7 @@ class GradScaler(torch.amp.GradScaler):
         most once per optimizer per iteration, after all grads are accumulated. No host sync."""
         if not self._enabled:
             return
-        if self._route(self.unscale_, optimizer):
+        if self._threads.route(self._loss_scale, self.unscale_, optimizer):
             return
 
         self._check_scale_growth_tracker("unscale_")
@@ -403,8 +357,8 @@ class GradScaler(torch.amp.GradScaler):
         # The skip decision needs the flag on the host: the one sync of a non-fused step
         # (fused optimizers take found_inf on the device instead; see step()).
         if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
-            if hasattr(optimizer, "_fp16kit_unscale_grads_"):
-                optimizer._fp16kit_skip_decided = True  # it need not read the flags again
+            if isinstance(optimizer, MasterWeightOptimizer):
+                optimizer.skip_decided()  # it need not read the flags again
             retval = optimizer.step(*args, **kwargs)
         return retval
 
@@ -422,7 +376,7 @@ class GradScaler(torch.amp.GradScaler):
                 "Closure use is not currently supported if GradScaler is enabled."
             )
 
-        if self._route(self.step, optimizer, *args, is_step=True, **kwargs):
+        if self._threads.route(self._loss_scale, self.step, optimizer, *args, step=True, **kwargs):
             return None  # ran on the optimizer thread (spec/async.md): the value stays there
 
         self._check_scale_growth_tracker("step")
@@ -434,14 +388,13 @@ class GradScaler(torch.amp.GradScaler):
 
         retval: float | None = None
 
-        async_hook = getattr(optimizer, "_fp16kit_async_step_", None)
-        if async_hook is not None and getattr(optimizer, "async_step", False) and current_optimizer_thread() is None:
+        if isinstance(optimizer, MasterWeightOptimizer) and optimizer.submits_steps():
             # MixedPrecisionOptimizer(async_step=True): it checks the grads on their device,
             # hands them to the optimizer thread and returns this step's flags; update() uses
             # them on the device, so the next scale() sees this step's overflow. No sync.
             self._check_process_group_present()
             unscaled = optimizer_state["stage"] is OptState.UNSCALED
-            optimizer_state["found_inf_per_device"] = async_hook(
+            optimizer_state["found_inf_per_device"] = optimizer.submit_scaled_step(
                 self._scale,
                 unscaled_flags=optimizer_state["found_inf_per_device"] if unscaled else None,
                 reduce=self._reduce_found_inf,
@@ -519,11 +472,19 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError(
                 "scaler.update() must be called from the main thread, once per iteration after "
                 "the step: loss = scaler.scale(loss); loss.backward(); "
-                "opt.submit_step(lambda: scaler.step(opt)); scaler.update()."
+                "opt.submit_step(lambda: scaler.step(opt), scaler=scaler); scaler.update()."
             )
-        binding = self.__dict__.get("_binding") or self._bind_for_update()
+        binding = self._threads.for_update(
+            self._loss_scale,
+            has_checks=any(st["found_inf_per_device"] for st in self._per_optimizer_states.values()),
+        )
         if binding is not None:
-            self._update_bound(binding, new_scale, is_async)
+            if new_scale is not None:
+                self._check_new_scale(new_scale, self._device)
+                binding.set_scale(new_scale)
+            else:
+                binding.update(is_async)
+            scaled_iterations.closed(self)
             return
 
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
@@ -553,26 +514,9 @@ class GradScaler(torch.amp.GradScaler):
         # To prepare for next iteration, clear the data collected from optimizers this iteration.
         # (Before the scale update: with on_min_scale="raise" that update may raise.)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        scaled_iterations.closed(self)
         if new_scale is None:
             self._loss_scale.update(found_inf_combined)
-
-    def _bind_for_update(self) -> ThreadBinding | None:
-        """An update() with no inf checks recorded here, right after steps were submitted to an
-        optimizer thread that has not run them yet: the steps run there (mode 2)."""
-        if self._scale is None or any(
-            st["found_inf_per_device"] for st in self._per_optimizer_states.values()
-        ):
-            return None
-        thread = last_step_target()
-        snapshot = self.__dict__.get("_step_snapshot")
-        if thread is None or thread._closed:
-            return None
-        if snapshot is None:
-            return None
-        seen = snapshot[1] if snapshot[0] is thread else 0
-        if thread.steps <= seen:
-            return None  # no step went to the thread since this iteration's scale()
-        return self._bind(thread)
 
     @staticmethod
     def _check_new_scale(new_scale: float | torch.Tensor, device: str) -> None:
@@ -589,50 +533,6 @@ class GradScaler(torch.amp.GradScaler):
         if new_scale.requires_grad is True:
             raise AssertionError(reason)
 
-    def _update_bound(
-        self, binding: ThreadBinding, new_scale: float | torch.Tensor | None, is_async: bool
-    ) -> None:
-        if new_scale is not None:
-            self._check_new_scale(new_scale, self._device)
-            binding.thread.synchronize()
-            binding.close_open()
-            self._loss_scale.set_scale(new_scale)
-            assert self._loss_scale.scale is not None
-            binding.reset(self._loss_scale.scale)
-            return
-        if not binding.steps_submitted():
-            raise RuntimeError(
-                "scaler.update() was called before this iteration's step. With steps on the "
-                "optimizer thread the order is: loss = scaler.scale(loss); loss.backward(); "
-                "opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad())); scaler.update()."
-            )
-        binding.thread.raise_pending_error()
-        record = binding.close_open()
-        if binding.last_update is not None:
-            binding.publish(binding.last_update)  # the next loss uses iteration k-1's result
-        binding.last_update = binding.thread.submit(self._update_job, binding, record)
-        binding.mark = binding.thread.steps
-        if not is_async:
-            binding.publish(binding.last_update)
-
-    def _update_job(self, binding: ThreadBinding, record: IterationRecord) -> torch.Tensor:
-        """On the optimizer thread, after the iteration's step: the scale update."""
-        binding.pop(record)
-        found_infs = [
-            f for st in record.states.values() for f in st["found_inf_per_device"].values()
-        ]
-        if not found_infs:
-            raise RuntimeError(
-                "No inf checks were recorded prior to update(): this iteration's submitted step "
-                "did not call scaler.step(optimizer) (or scaler.unscale_). Submit "
-                "opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad())) before scaler.update()."
-            )
-        scale = self._loss_scale.scale
-        assert scale is not None
-        found = kernels.combine_found_inf(found_infs, scale.device)
-        self._loss_scale.update(found, used_scale=record.scale)
-        return scale.clone()
-
     # -------------------------------------------------------------- reads and settings
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
@@ -647,47 +547,43 @@ class GradScaler(torch.amp.GradScaler):
             )
         return 1.0
 
+    # With steps on the optimizer thread, from the main thread: ``get_*(up_to_date=True)``
+    # first waits for the queued work (a queued ``set_*`` included); ``set_*`` is queued
+    # behind the pending jobs.
     def get_growth_factor(self, *, up_to_date: bool = False) -> float:
-        r"""Return a Python float containing the scale growth factor. With steps on the optimizer thread, ``up_to_date=True`` first waits
-        for the queued work (a ``set_growth_factor`` queued from the main thread included)."""
-        if up_to_date:
-            self._wait_for_thread()
-        return self._growth_factor
+        r"""Return a Python float containing the scale growth factor."""
+        return self._setting("_growth_factor", up_to_date)
 
     def set_growth_factor(self, new_factor: float) -> None:
-        r"""Set a new scale growth factor. With steps on the optimizer thread, from the main thread the change
-        is queued behind the pending jobs."""
-        if self._queue(self.set_growth_factor, new_factor):
-            return
-        self._growth_factor = new_factor
+        r"""Set a new scale growth factor."""
+        self._set("_growth_factor", new_factor)
 
     def get_backoff_factor(self, *, up_to_date: bool = False) -> float:
-        r"""Return a Python float containing the scale backoff factor. With steps on the optimizer thread, ``up_to_date=True`` first waits
-        for the queued work (a ``set_backoff_factor`` queued from the main thread included)."""
-        if up_to_date:
-            self._wait_for_thread()
-        return self._backoff_factor
+        r"""Return a Python float containing the scale backoff factor."""
+        return self._setting("_backoff_factor", up_to_date)
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        r"""Set a new scale backoff factor. With steps on the optimizer thread, from the main thread the change
-        is queued behind the pending jobs."""
-        if self._queue(self.set_backoff_factor, new_factor):
-            return
-        self._backoff_factor = new_factor
+        r"""Set a new scale backoff factor."""
+        self._set("_backoff_factor", new_factor)
 
     def get_growth_interval(self, *, up_to_date: bool = False) -> int:
-        r"""Return a Python int containing the growth interval. With steps on the optimizer thread, ``up_to_date=True`` first waits
-        for the queued work (a ``set_growth_interval`` queued from the main thread included)."""
-        if up_to_date:
-            self._wait_for_thread()
-        return self._growth_interval
+        r"""Return a Python int containing the growth interval."""
+        return self._setting("_growth_interval", up_to_date)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        r"""Set a new growth interval. With steps on the optimizer thread, from the main thread the change
-        is queued behind the pending jobs."""
-        if self._queue(self.set_growth_interval, new_interval):
-            return
-        self._growth_interval = new_interval
+        r"""Set a new growth interval."""
+        self._set("_growth_interval", new_interval)
+
+    def _setting(self, name: str, up_to_date: bool) -> Any:
+        if up_to_date:
+            self._threads.synchronize()
+        return getattr(self, name)
+
+    def _set(self, name: str, value: Any) -> None:
+        if (binding := self._threads.main()) is not None:
+            binding.queue(setattr, self, name, value)
+        else:
+            setattr(self, name, value)
 
     def _get_growth_tracker(self) -> int:
         if self._enabled:
@@ -733,22 +629,13 @@ class GradScaler(torch.amp.GradScaler):
         steps on the optimizer thread it also waits for the queued jobs: read it to log, not
         every iteration).
         Not part of the state dict (torch's keys only); carried through pickling."""
-        return self._on_update_thread(self._loss_scale.skipped_steps) if self._enabled else 0
+        return self._threads.after(self._loss_scale.skipped_steps) if self._enabled else 0
 
     def consecutive_skipped_steps(self) -> int:
         """Overflowing iterations in a row, up to the last update() (a host sync)."""
-        return self._on_update_thread(self._loss_scale.consecutive_skipped_steps) if self._enabled else 0
+        return self._threads.after(self._loss_scale.consecutive_skipped_steps) if self._enabled else 0
 
     # -------------------------------------------------------------- checkpoints
-    def _extras_are_default(self) -> bool:
-        ls = self._loss_scale
-        return (
-            ls.hysteresis == 1
-            and ls.min_scale is None
-            and ls.max_scale is None
-            and ls.on_min_scale == "ignore"
-        )
-
     def state_dict(self) -> dict[str, Any]:
         r"""Return the state of the scaler as a :class:`dict` of plain data.
 
@@ -759,8 +646,8 @@ class GradScaler(torch.amp.GradScaler):
         disabled. Call it after :meth:`update` to checkpoint the end of an iteration.
         """
         if self._enabled:
-            self._wait_for_thread()
-            bound = self.__dict__.get("_binding") is not None
+            self._threads.synchronize()
+            bound = self._threads.binding is not None
             state = {
                 # bound to an optimizer thread: the thread's (latest) scale, not the lagged one
                 "scale": self._loss_scale.get_scale() if bound else self.get_scale(),
@@ -769,15 +656,7 @@ class GradScaler(torch.amp.GradScaler):
                 "growth_interval": self._growth_interval,
                 "_growth_tracker": self._get_growth_tracker(),
             }
-            if not self._extras_are_default():
-                ls = self._loss_scale
-                state.update(
-                    hysteresis=ls.hysteresis,
-                    _hysteresis_tracker=ls.get_hysteresis_tracker(),
-                    min_scale=ls.min_scale,
-                    max_scale=ls.max_scale,
-                    on_min_scale=ls.on_min_scale,
-                )
+            state.update(_extras_state(self._loss_scale))
             return state
         return {}
 
@@ -794,37 +673,18 @@ class GradScaler(torch.amp.GradScaler):
                 "from a disabled instance of GradScaler."
             )
 
-        self._wait_for_thread()
+        self._threads.synchronize()
         ls = self._loss_scale
-        extras = {
-            "hysteresis": state_dict.get("hysteresis", ls.hysteresis),
-            "min_scale": state_dict.get("min_scale", ls.min_scale),
-            "max_scale": state_dict.get("max_scale", ls.max_scale),
-            "on_min_scale": state_dict.get("on_min_scale", ls.on_min_scale),
-        }
-        # Keys are read in torch's order (same KeyError for the same bad dict); LossScale
-        # validates everything before changing anything.
-        ls_state = {
-            "scale": state_dict["scale"],
-            "growth_factor": state_dict["growth_factor"],
-            "backoff_factor": state_dict["backoff_factor"],
-            "growth_interval": state_dict["growth_interval"],
-            "growth_tracker": state_dict["_growth_tracker"],
-            "hysteresis_tracker": state_dict.get("_hysteresis_tracker", extras["hysteresis"]),
-            "rule": "torch",
-            **extras,
-        }
-        ls.load_state_dict(ls_state)
-        binding = self.__dict__.get("_binding")
+        ls.load_state_dict(_loss_scale_state(state_dict, ls))  # validates before changing
+        binding = self._threads.binding
         if binding is not None and ls.scale is not None:
             binding.reset(ls.scale)
 
     def __getstate__(self) -> dict[str, Any]:
-        self._wait_for_thread()
+        self._threads.synchronize()
         state = self.__dict__.copy()
         # A copy starts unbound, from the optimizer thread's scale (a binding holds a thread).
-        state.pop("_binding", None)
-        state.pop("_step_snapshot", None)
+        state.pop("_thread_side", None)
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
                 raise AssertionError(
@@ -870,6 +730,41 @@ class GradScaler(torch.amp.GradScaler):
             f"growth_factor={ls.growth_factor}, backoff_factor={ls.backoff_factor}, "
             f"growth_interval={ls.growth_interval})"
         )
+
+
+def _extras_state(ls: LossScale) -> dict[str, Any]:
+    """The extras' entries of a scaler's state dict: none when all are at their defaults."""
+    if ls.hysteresis == 1 and ls.min_scale is None and ls.max_scale is None and ls.on_min_scale == "ignore":
+        return {}
+    return {
+        "hysteresis": ls.hysteresis,
+        "_hysteresis_tracker": ls.get_hysteresis_tracker(),
+        "min_scale": ls.min_scale,
+        "max_scale": ls.max_scale,
+        "on_min_scale": ls.on_min_scale,
+    }
+
+
+def _loss_scale_state(state_dict: dict[str, Any], ls: LossScale) -> dict[str, Any]:
+    """A GradScaler state dict (torch's or with extras) as a LossScale state dict. Keys are
+    read in torch's order (the same KeyError for the same bad dict); extras missing from it
+    keep ``ls``'s settings, with the hysteresis tracker full."""
+    extras = {
+        "hysteresis": state_dict.get("hysteresis", ls.hysteresis),
+        "min_scale": state_dict.get("min_scale", ls.min_scale),
+        "max_scale": state_dict.get("max_scale", ls.max_scale),
+        "on_min_scale": state_dict.get("on_min_scale", ls.on_min_scale),
+    }
+    return {
+        "scale": state_dict["scale"],
+        "growth_factor": state_dict["growth_factor"],
+        "backoff_factor": state_dict["backoff_factor"],
+        "growth_interval": state_dict["growth_interval"],
+        "growth_tracker": state_dict["_growth_tracker"],
+        "hysteresis_tracker": state_dict.get("_hysteresis_tracker", extras["hysteresis"]),
+        "rule": "torch",
+        **extras,
+    }
 
 
 def _check_process_group(group: Any) -> Any:

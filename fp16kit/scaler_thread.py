@@ -1,8 +1,11 @@
-"""GradScaler's state when its steps run on the optimizer thread (spec/async.md, mode 2).
+"""A GradScaler whose steps run on the optimizer thread (spec/async.md, mode 2).
 
-Once a scaler is used from an :class:`~fp16kit.core.thread.OptimizerThread` (typically
-``opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()))``), it is *bound* to that
-thread and keeps one record per iteration::
+A :class:`fp16kit.GradScaler` is *bound* to an :class:`~fp16kit.core.thread.OptimizerThread`
+explicitly -- ``opt.submit_step(fn, scaler=scaler)`` or ``scaler.bind(thread)`` -- or lazily
+where that is unambiguous: when it is first used from inside a job on that thread, or when
+``update()`` finds no step of its own recorded and exactly one thread received steps since
+this iteration's ``scale()`` (:func:`~fp16kit.core.thread.threads_with_steps_since`). Bound, it
+keeps one record per iteration in a :class:`ThreadBinding`::
 
     main thread                                  optimizer thread (FIFO)
     -------------------------------------------  -------------------------------------------
@@ -21,21 +24,35 @@ lag), the scale that multiplies a loss is the one its gradients are unscaled wit
 off starts from the scale that overflowed and never backs off one scale twice
 (:meth:`LossScale.update` with ``used_scale``). ``update(is_async=False)`` waits for job k
 and publishes R_k at once: torch's trajectory.
+
+Each side sees its own scale and per-optimizer states (:meth:`ThreadBinding.scale_for_caller`,
+:meth:`ThreadBinding.states_for_caller`): the step being run on the optimizer thread, the next
+forward's on the main thread. The records are shared between the two threads under a lock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from .core.thread import OptimizerThread
+from .core import kernels
+from .core.scale import LossScale
+from .core.thread import OptimizerThread, current_optimizer_thread, step_serial, threads_with_steps_since
 
-__all__ = ["IterationRecord", "ThreadBinding"]
+__all__ = ["IterationRecord", "ScalerThreads", "ThreadBinding"]
+
+_ORDER = (
+    "With steps on the optimizer thread the order is: loss = scaler.scale(loss); "
+    "loss.backward(); opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()), "
+    "scaler=scaler); scaler.update()."
+)
 
 
 @dataclass
@@ -49,16 +66,41 @@ class IterationRecord:
 class ThreadBinding:
     """A bound scaler's thread, forward scale and iteration records (see module docstring)."""
 
-    def __init__(self, thread: OptimizerThread, scale: torch.Tensor, refresh: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        thread: OptimizerThread,
+        loss_scale: LossScale,
+        refresh: Callable[[], Any],
+        *,
+        mark: int | None,
+    ) -> None:
+        assert loss_scale.scale is not None
         self.thread = thread
-        self.forward_scale = scale.detach().clone()
+        self.loss_scale = loss_scale
+        self.forward_scale = loss_scale.scale.detach().clone()
         self.records: deque[IterationRecord] = deque()
         self.open: IterationRecord | None = None  # the record main is filling this iteration
         self.last_update: Future | None = None
-        self.mark: int | None = thread.steps  # steps submitted up to the last update()
+        # Steps enqueued on the thread up to the last update(); None: not known (bound from
+        # inside a job, the first update cannot tell which of the jobs so far were steps).
+        self.mark = mark
         self.lock = threading.Lock()
         self._refresh = refresh
 
+    # ------------------------------------------------------------------ per-side views
+    def on_thread(self) -> bool:
+        return self.thread.on_optimizer_thread()
+
+    def scale_for_caller(self) -> torch.Tensor:
+        """The scale of the step being run on the optimizer thread; the next forward's here."""
+        return self.head().scale if self.on_thread() else self.forward_scale
+
+    def states_for_caller(self) -> Any:
+        """On the optimizer thread, the per-optimizer states of the step being run; None
+        elsewhere (the scaler's own)."""
+        return self.head().states if self.on_thread() else None
+
+    # ------------------------------------------------------------------ records
     def _new_record(self) -> IterationRecord:
         return IterationRecord(self.forward_scale.clone(), defaultdict(self._refresh))
 
@@ -78,30 +120,20 @@ class ThreadBinding:
                 self.records.append(self.open)
             return self.records[0]
 
-    def close_open(self) -> IterationRecord:
+    def _close_open(self) -> IterationRecord:
         rec = self.open_record()
         with self.lock:
             self.open = None
         return rec
 
-    def pop(self, rec: IterationRecord) -> None:
+    def _pop(self, rec: IterationRecord) -> None:
         with self.lock:
             if not self.records or self.records[0] is not rec:
                 raise RuntimeError("internal: GradScaler iteration records out of order")
             self.records.popleft()
 
-    def steps_submitted(self) -> bool:
-        """Main thread: was a step submitted to the thread since the last update()?"""
-        return self.mark is None or self.thread.steps > self.mark
-
-    def publish(self, fut: Future) -> None:
-        """Main thread: wait for an update job and make its scale the forward scale."""
-        new_scale = self.thread.wait(fut)
-        self.thread.wait_stream(fut)
-        self.forward_scale.copy_(new_scale)
-
     def reset(self, scale: torch.Tensor) -> None:
-        """After a load: forget the records and start from ``scale`` on both sides."""
+        """After a load or a new scale: forget the records, start from ``scale`` on both sides."""
         with self.lock:
             self.records.clear()
             self.open = None
@@ -109,6 +141,161 @@ class ThreadBinding:
         self.last_update = None
         self.mark = self.thread.steps
 
+    # ------------------------------------------------------------------ main-thread calls
+    def run_there(self, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any) -> None:
+        """Main thread: run ``fn`` on the optimizer thread, behind the queued work, and wait
+        (raising a pending error first; ``step``: it is an optimizer step)."""
+        self.thread.raise_pending_error()
+        self.thread.wait(self.thread.enqueue(fn, args, kwargs, step=step))
+
+    def queue(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Main thread: queue ``fn`` behind the pending jobs (a setting for later steps)."""
+        self.thread.submit(fn, *args)
+
+    def update(self, is_async: bool) -> None:
+        """Main thread: ``scaler.update()`` (see the module docstring)."""
+        if self.mark is not None and self.thread.steps <= self.mark:
+            raise RuntimeError("scaler.update() was called before this iteration's step. " + _ORDER)
+        self.thread.raise_pending_error()
+        record = self._close_open()
+        if self.last_update is not None:
+            self._publish(self.last_update)  # the next loss uses iteration k-1's result
+        self.last_update = self.thread.enqueue(self._update_job, (record,))
+        self.mark = self.thread.steps
+        if not is_async:
+            self._publish(self.last_update)
+
+    def set_scale(self, new_scale: float | torch.Tensor) -> None:
+        """Main thread: ``update(new_scale)``: after the queued work, on both sides."""
+        self.thread.synchronize()
+        self._close_open()
+        self.loss_scale.set_scale(new_scale)
+        assert self.loss_scale.scale is not None
+        self.reset(self.loss_scale.scale)
+
+    def _publish(self, fut: Future) -> None:
+        """Wait for an update job and make its scale the forward scale."""
+        new_scale = self.thread.wait(fut)
+        self.thread.wait_stream(fut)
+        if new_scale is not None:  # None: its error was delivered already
+            self.forward_scale.copy_(new_scale)
+
+    def _update_job(self, record: IterationRecord) -> torch.Tensor:
+        """On the optimizer thread, after the iteration's step: the scale update."""
+        self._pop(record)
+        found_infs = [f for st in record.states.values() for f in st["found_inf_per_device"].values()]
+        if not found_infs:
+            raise RuntimeError(
+                "No inf checks were recorded prior to update(): this iteration's submitted step "
+                "did not call scaler.step(optimizer) (or scaler.unscale_). " + _ORDER
+            )
+        scale = self.loss_scale.scale
+        assert scale is not None
+        found = kernels.combine_found_inf(found_infs, scale.device)
+        self.loss_scale.update(found, used_scale=record.scale)
+        return scale.clone()
+
+    def wait_idle(self) -> None:
+        """Wait for the queued work without consuming its errors (for reads of counters)."""
+        self.thread.wait_idle()
+
+    def synchronize(self) -> None:
+        if not self.on_thread():
+            self.thread.synchronize()
+
     def __getstate__(self) -> Any:
         raise TypeError("internal: a ThreadBinding is never pickled")
 
+
+class ScalerThreads:
+    """A GradScaler's side of the optimizer threads: its :class:`ThreadBinding` once bound, a
+    binding asked for before the first ``scale()`` (made there), and the step serial at this
+    iteration's ``scale()`` (for the unambiguous lazy binding in ``update()``). A copy or an
+    unpickled scaler starts with a fresh one: unbound."""
+
+    def __init__(self) -> None:
+        self.binding: ThreadBinding | None = None
+        self._pending: tuple[OptimizerThread, int | None] | None = None
+        self._serial: int | None = None
+        self._lock = threading.Lock()
+
+    def bind(self, thread: OptimizerThread, loss_scale: LossScale, *, mark: int | None) -> ThreadBinding | None:
+        """Bind to ``thread`` (see ``GradScaler.bind``); None while there is no scale yet."""
+        with self._lock:
+            binding = self.binding
+            if binding is not None:
+                if binding.thread is not thread:
+                    raise RuntimeError(
+                        f"This GradScaler steps on {binding.thread.name}; it cannot also be used "
+                        f"from {thread.name}. Use one optimizer thread per scaler."
+                    )
+                return binding
+            if loss_scale.scale is None:  # no scale() yet: bind at the first one
+                self._pending = (thread, mark)
+                return None
+            self.binding = ThreadBinding(thread, loss_scale, _refresh_per_optimizer_state, mark=mark)
+            self._pending = None
+            return self.binding
+
+    def for_caller(self, loss_scale: LossScale) -> ThreadBinding | None:
+        """The binding; made when the scaler is first used from inside an optimizer job (it
+        steps there, unambiguously). ``loss_scale`` must be materialized then."""
+        owner = current_optimizer_thread()
+        if owner is not None:
+            return self.bind(owner, loss_scale, mark=None)
+        return self.binding
+
+    def main(self) -> ThreadBinding | None:
+        """The binding, when called on the main thread of a bound scaler."""
+        binding = self.binding
+        return None if binding is None or binding.on_thread() else binding
+
+    def scaled(self, loss_scale: LossScale) -> None:
+        """After ``scale()``: open this iteration's record (bound), or note the step serial."""
+        if current_optimizer_thread() is not None:
+            self.for_caller(loss_scale)
+            return
+        if self._pending is not None:
+            thread, mark = self._pending
+            self.bind(thread, loss_scale, mark=mark)
+        if self.binding is not None:
+            self.binding.open_record()  # this iteration's loss is scaled with the forward scale
+        else:
+            self._serial = step_serial()
+
+    def for_update(self, loss_scale: LossScale, *, has_checks: bool) -> ThreadBinding | None:
+        """``update()`` on the main thread: the binding, or -- with no inf checks recorded here
+        and exactly one thread that received steps since ``scale()`` -- a lazy one to it."""
+        if self.binding is not None or has_checks or self._serial is None or loss_scale.scale is None:
+            return self.binding
+        threads = threads_with_steps_since(self._serial)
+        if len(threads) > 1:
+            raise RuntimeError(
+                f"scaler.update() found no step of this iteration, and steps went to "
+                f"{len(threads)} optimizer threads since scaler.scale(): bind the scaler to the "
+                "one its steps run on, with opt.submit_step(fn, scaler=scaler) or "
+                "scaler.bind(opt.thread)."
+            )
+        return self.bind(threads[0], loss_scale, mark=None) if threads else None
+
+    def route(self, loss_scale: LossScale, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any) -> bool:
+        """Main thread of a bound scaler: run ``fn`` on the optimizer thread and wait; False
+        when not bound or already there (the caller runs it inline)."""
+        binding = self.for_caller(loss_scale) if loss_scale.scale is not None else self.binding
+        if binding is None or binding.on_thread():
+            return False
+        binding.run_there(fn, *args, step=step, **kwargs)
+        return True
+
+    def after(self, read: Callable[[], Any]) -> Any:
+        """``read()`` after the queued work of a bound scaler (its errors stay for update())."""
+        if self.binding is not None:
+            self.binding.wait_idle()
+        return read()
+
+    def synchronize(self) -> None:
+        if self.binding is not None:
+            self.binding.synchronize()
+
+    def __getstate__(self) -> Any:
+        raise TypeError("internal: a scaler's thread side is never pickled (copies start unbound)")

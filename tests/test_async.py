@@ -11,6 +11,7 @@ from torch import nn
 
 import fp16kit
 from fp16kit import GradScaler, MixedPrecisionOptimizer
+from fp16kit.core import kernels
 
 
 def _model(dtype=torch.bfloat16, seed=0):
@@ -183,7 +184,7 @@ def test_mode1_fp32_params_get_masters_too():
     model = _model()
     model[2].float()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
-    assert opt._direct_params() == [] and len(opt.master_params) == 4
+    assert opt._groups.direct_params() == [] and len(opt.master_params) == 4
     with pytest.raises(TypeError, match="float64 param"):
         MixedPrecisionOptimizer(torch.optim.SGD(nn.Linear(2, 2).double().parameters(), lr=0.1), async_step=True)
 
@@ -558,7 +559,7 @@ def test_async_submit_lands_the_previous_step_itself():
         opt.zero_grad()
         _loss(model, x, y).backward()
         flags = opt.async_check_grads(land=False)
-        opt.async_submit(inv, opt._found(flags))
+        opt.async_submit(inv, kernels.combine_found_inf(flags.values(), torch.device("cpu")))
     opt.synchronize()
     for p, m in zip(model.parameters(), opt.master_params):
         assert torch.equal(p, m.detach().to(p.dtype))

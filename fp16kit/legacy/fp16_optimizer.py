@@ -34,12 +34,9 @@ import torch
 
 from ..core import kernels
 from ..core.scale import LossScale
-from ..optimizer import (
-    MixedPrecisionOptimizer,
-    WrappingOptimizer,
-    match_saved_masters,
-    validate_optimizer_groups,
-)
+from ..master_checkpoint import match_saved_masters, validate_optimizer_groups
+from ..optimizer import MixedPrecisionOptimizer
+from ..wrapping import WrappingOptimizer
 from .checkpoint import scaler_state
 from .fp16util import clip_grad_norm
 
@@ -245,7 +242,11 @@ class FP16_Optimizer(WrappingOptimizer):
                     self.maybe_print(f"FP16_Optimizer received {param.type()} with {param.size()}")
 
         super().__init__(init_optimizer)
-        self._mpo = MixedPrecisionOptimizer(init_optimizer, async_step=async_step, master_device=master_device)
+        # apex's construction-time rule: params frozen now are never trained (refused, not
+        # corrupted, if they get a grad later; see fp16kit.master_groups)
+        self._mpo = MixedPrecisionOptimizer(
+            init_optimizer, async_step=async_step, master_device=master_device, unfrozen="refuse"
+        )
         self.fp16_groups = [g.model_params for g in self._mpo.groups]
         self.fp32_from_fp16_groups = [g.masters for g in self._mpo.groups]
         self.fp32_from_fp32_groups = [g.direct for g in self._mpo.groups]
@@ -267,6 +268,8 @@ class FP16_Optimizer(WrappingOptimizer):
         self._master_grads_reset = "keep"
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
+        self._grads_since_step = False  # an update_master_grads() since the last step()
+        self._warned_no_backward = False
 
     @property
     def async_step(self) -> bool:
@@ -343,6 +346,7 @@ class FP16_Optimizer(WrappingOptimizer):
         transfer into the master grads runs in the step's job. (The model keeps its weights
         until ``step()``, as in apex: a second loss may still backpropagate through them.)"""
         scale = self.loss_scaler.scale_tensor()
+        self._grads_since_step = True
         if self.async_step:
             self._prepare_async_step(scale)
             return
@@ -379,12 +383,42 @@ class FP16_Optimizer(WrappingOptimizer):
         at the next call that waits for it."""
         if self.async_step:
             return self._submit_step(closure)
+        if closure is None and not self._grads_since_step:
+            self._warn_no_backward()
+        self._grads_since_step = False
         if self.overflow:
             _log_overflow(self.loss_scaler.loss_scale())
             return None
         if closure is not None:
             return self._step_with_closure(closure)
         return self._mpo.inner_step()
+
+    def _warn_no_backward(self) -> None:
+        if self._warned_no_backward:
+            return
+        self._warned_no_backward = True
+        logger.warning(
+            "FP16_Optimizer.step() was called with no optimizer.backward(loss) since the last "
+            "step, so the fp32 master grads are not this iteration's (a plain loss.backward() "
+            "leaves them untouched) and the step applies old or zero gradients, as apex did. "
+            "Call optimizer.backward(loss) instead of loss.backward(). (Warned once.)"
+        )
+
+    # ------------------------------------------------------------------ fp16kit.GradScaler
+    # The scaler <-> master-weight optimizer protocol (fp16kit.core.protocol), for a
+    # FP16_Optimizer driven by fp16kit.GradScaler instead of its own loss scaler.
+    def unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        self._grads_since_step = True
+        return self._mpo.unscale_grads_(inv_scale, found_inf)
+
+    def skip_decided(self) -> None:
+        self._mpo.skip_decided()
+
+    def submits_steps(self) -> bool:
+        return self._mpo.submits_steps()
+
+    def submit_scaled_step(self, scale: torch.Tensor, *, unscaled_flags: Any, reduce: Any) -> Any:
+        return self._mpo.submit_scaled_step(scale, unscaled_flags=unscaled_flags, reduce=reduce)
 
     def _submit_step(self, closure: Callable[[], Any] | None) -> None:
         if closure is not None:
@@ -478,6 +512,9 @@ class FP16_Optimizer(WrappingOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (apex had no such method): its fp16/bf16 params get fp32 masters,
         as at construction."""
+        if isinstance(param_group, dict) and "params" in param_group:
+            params = param_group["params"]  # a generator is read once: keep the list
+            param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_param_types_of(param_group.get("params", []))
         self._mpo.add_param_group(param_group)
         g = self._mpo.groups[-1]

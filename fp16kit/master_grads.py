@@ -1,0 +1,109 @@
+"""This step's gradients into what a MixedPrecisionOptimizer steps, by the stage of the step.
+
+::
+
+    transfer(inv_scale, found_inf)          # the building block (records nothing)
+        master.grad = float(model.grad) * inv_scale     for the fp16/bf16 params
+        param.grad *= inv_scale                         for the direct (fp32) params
+        one non-finite check over all -> {device: found_inf}
+    read(state, inv_scale, found_inf)       # by a scaler's unscale_, or by step() at scale 1
+        HANDED_OFF: the raw grads are in the masters already: unscale them there
+        otherwise:  transfer(), remembering which model grads were read
+        -> state UNSCALED
+    ensure(state)                           # before a step or clipping
+        UNSCALED but the model grads changed since: an error if a scaler unscaled them
+            (clipping model.parameters() after scaler.unscale_), else read them again
+        HANDED_OFF: check the raw grads at scale 1;  MODEL_GRADS: read them at scale 1
+    closure(state, fn)                      # an LBFGS-style step: each evaluation of fn
+        re-reads the grads at scale 1; non-finite ones raise FloatingPointError (a step
+        cannot be skipped inside the optimizer); from the second evaluation on, the model
+        first gets the masters' current values
+
+``before_write`` runs before the master grads are written: it adopts params unfrozen since
+the last step and, with asynchronous steps, waits for the job that still reads the masters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .core import kernels
+from .core.master import MasterParams
+from .core.protocol import Flags
+from .master_groups import MasterGroups
+from .step_state import Stage, StepState, TransferRecord
+
+__all__ = ["MasterGrads"]
+
+
+class MasterGrads:
+    """Moves a step's grads into the masters (see the module docstring)."""
+
+    def __init__(self, masters: MasterParams, groups: MasterGroups, before_write: Callable[[], None]) -> None:
+        self._masters = masters
+        self._groups = groups
+        self._before_write = before_write
+
+    def transfer(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool = True) -> Flags:
+        self._before_write()
+        return kernels.merge_found_inf(
+            self._masters.grads_to_masters(inv_scale, found_inf, clear_missing=clear_missing),
+            kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),
+        )
+
+    def present(self) -> list[torch.Tensor]:
+        """The master grads that exist."""
+        return [m.grad for m in self._masters.masters if m.grad is not None]
+
+    def read(self, state: StepState, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, by_scaler: bool) -> Flags:
+        if state.stage is Stage.HANDED_OFF:  # submit_step moved the raw grads in already
+            flags = kernels.unscale_(self.present(), inv_scale, found_inf)
+            state.unscaled(flags, by_scaler=by_scaler)
+            return flags
+        flags = self.transfer(inv_scale, found_inf)
+        # Only the fp16/bf16 model grads: fp32 params' grads are the unscaled ones and may be
+        # clipped in place after unscale_.
+        state.unscaled(flags, by_scaler=by_scaler, transfer=TransferRecord(self._masters.model_params))
+        return flags
+
+    def ensure(self, state: StepState) -> None:
+        if state.in_masters and not state.current(self._masters.model_params):
+            if state.by_scaler:
+                raise RuntimeError(
+                    "The model's gradients changed after scaler.unscale_(optimizer). With "
+                    "MixedPrecisionOptimizer the unscaled gradients live on the masters: clip or "
+                    "edit the params in optimizer.param_groups (or call optimizer.clip_grad_norm_), "
+                    "not model.parameters(), and run every backward before unscale_()."
+                )
+            state.reset()  # a new backward since clip_grad_norm_(): read them again
+        device = self._groups.flag_device()
+        if state.stage is Stage.HANDED_OFF:  # raw grads at scale 1: only check them
+            state.unscaled(kernels.check_finite_(self.present(), kernels.new_found_inf(device)), by_scaler=False)
+        elif not state.in_masters:
+            self.read(state, kernels.one(device), kernels.new_found_inf(device), by_scaler=False)
+
+    def closure(self, state: StepState, closure: Callable[[], Any]) -> Callable[[], Any]:
+        first = [True]
+
+        def wrapped() -> Any:
+            # The optimizer may evaluate the closure at several points (LBFGS's line search):
+            # from the second call on, the model must see the masters' current values.
+            if not first[0]:
+                self._masters.masters_to_model()
+            first[0] = False
+            with torch.enable_grad():
+                loss = closure()
+            state.reset()
+            self.ensure(state)
+            combined = state.found_inf(self._groups.flag_device())
+            if combined is not None and combined.item():
+                raise FloatingPointError(
+                    "The closure produced non-finite gradients (inf/NaN) at scale 1; the step "
+                    "cannot be skipped inside the optimizer. Check the loss and the inputs."
+                )
+            return loss
+
+        return wrapped

@@ -1,0 +1,192 @@
+"""Which params of an optimizer's param groups get masters, and which are stepped as they are.
+
+A :class:`MasterGroups` walks a wrapped optimizer's param groups and replaces each trainable
+fp16/bf16 param *in place* in its group by its fp32 master (``all_masters``: every trainable
+param, fp32 ones too -- asynchronous steps and offloaded masters need that, so the optimizer
+thread never writes a tensor the forward pass reads); the optimizer state moves to the master.
+Trainable params that keep no master (fp32, fp64) are ``direct``: unscaled in place and
+stepped as they are.
+
+Params that are frozen (``requires_grad=False``) when their group is adopted stay in the group
+as they are and are *watched*: staged fine-tuning unfreezes them later. :meth:`refresh`, called
+before every step reads the grads, adopts the ones that became trainable, by the rule of the
+face that owns the optimizer::
+
+    late="adopt"  (modern face, torch's rule: whatever has a grad at step time is unscaled and
+                   checked): an fp16/bf16 param gets its master then (so does an fp32 one with
+                   all_masters); other params become direct.
+    late="refuse" (legacy face, apex's construction-time rule): a watched param that has a grad
+                   raises a RuntimeError naming it -- apex stepped it with its scaled fp16
+                   grad; fp16kit refuses rather than corrupt it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .core.master import LOW_PRECISION, MasterParams
+
+__all__ = ["MasterGroup", "MasterGroups", "check_master_dtypes"]
+
+LatePolicy = Literal["adopt", "refuse"]
+
+
+@dataclass
+class MasterGroup:
+    """One param group's params, by role: ``model_params[i]`` is mastered by ``masters[i]``;
+    ``direct`` params are optimized as they are; ``watched`` were frozen when adopted."""
+
+    model_params: list[torch.Tensor] = field(default_factory=list)
+    masters: list[torch.Tensor] = field(default_factory=list)
+    direct: list[torch.Tensor] = field(default_factory=list)
+    watched: list[torch.Tensor] = field(default_factory=list)
+
+
+def check_master_dtypes(params: Any, master_dtype: torch.dtype, *, where: str = "") -> None:
+    """With a master for every trainable param, each must be fp16, bf16 or fp32. Raises
+    TypeError naming the param and the fix; changes nothing."""
+    for i, p in enumerate([params] if isinstance(params, torch.Tensor) else list(params)):
+        if p.requires_grad and p.dtype not in (*LOW_PRECISION, torch.float32):
+            raise TypeError(
+                f"With async_step=True or a master_device, every trainable param gets a "
+                f"{master_dtype} master; got a {p.dtype} param of shape {tuple(p.shape)}"
+                f"{where or ''} (index {i}). Keep it out of this optimizer or convert it to float32."
+            )
+
+
+class MasterGroups:
+    """The masters of an optimizer's param groups (see the module docstring)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: MasterParams,
+        *,
+        all_masters: bool,
+        late: LatePolicy = "adopt",
+    ) -> None:
+        self.optimizer = optimizer
+        self.masters = masters
+        self.all_masters = all_masters
+        self.late = late
+        self.groups: list[MasterGroup] = []
+
+    def __iter__(self) -> Any:
+        return iter(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, i: int) -> MasterGroup:
+        return self.groups[i]
+
+    def _wants_master(self, p: torch.Tensor) -> bool:
+        return p.requires_grad and (
+            p.dtype in LOW_PRECISION or (self.all_masters and p.dtype == torch.float32)
+        )
+
+    def check(self, params: Any) -> None:
+        """Validate params before adopting them (nothing changes on error)."""
+        if self.all_masters:
+            check_master_dtypes(params, self.masters.master_dtype)
+
+    def adopt(self, group: dict[str, Any]) -> MasterGroup:
+        """Master the trainable fp16/bf16 params of ``group`` (a dict of the wrapped optimizer's
+        ``param_groups``), in place."""
+        params = group["params"]
+        info = MasterGroup()
+        chosen = [i for i, p in enumerate(params) if self._wants_master(p)]
+        for i, m in zip(chosen, self.masters.add([params[i] for i in chosen])):
+            info.model_params.append(params[i])
+            info.masters.append(m)
+            self._replace(params, i, m)
+        mastered = {id(m) for m in info.masters}
+        for p in params:
+            if id(p) in mastered:
+                continue
+            (info.direct if p.requires_grad else info.watched).append(p)
+        self.groups.append(info)
+        return info
+
+    def _replace(self, params: list[torch.Tensor], i: int, master: torch.Tensor) -> None:
+        p = params[i]
+        params[i] = master  # in place: LBFGS caches this very list
+        state = self.optimizer.state
+        if p in state:
+            moved = state.pop(p)
+            # Re-cast moved state (e.g. fp16 momentum) to the master's dtype and device, as
+            # torch's load_state_dict casts floating state to its param's dtype.
+            state[master] = {
+                k: v.to(device=master.device, dtype=master.dtype)
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape
+                else v
+                for k, v in moved.items()
+            }
+
+    def direct_params(self) -> list[torch.Tensor]:
+        return [p for g in self.groups for p in g.direct]
+
+    def unfrozen(self) -> bool:
+        """Has a watched param become trainable? (cheap: called before every step)"""
+        return any(p.requires_grad for g in self.groups for p in g.watched)
+
+    def refresh(self, before_change: Callable[[], None]) -> None:
+        """Adopt the watched params that became trainable (see the module docstring).
+        ``before_change`` runs once before the groups change (waits for a step in flight that
+        reads them). Everything is checked before anything changes."""
+        if not self.unfrozen():
+            return
+        found = [
+            (gi, p) for gi, g in enumerate(self.groups) for p in g.watched if p.requires_grad
+        ]
+        if self.late == "refuse":
+            with_grad = [(gi, p) for gi, p in found if p.grad is not None]
+            if with_grad:
+                gi, p = with_grad[0]
+                raise RuntimeError(
+                    f"A param of param group {gi} (shape {tuple(p.shape)}, {p.dtype}) was frozen "
+                    "when FP16_Optimizer was built and has a gradient now. FP16_Optimizer decides "
+                    "at construction which params it trains, as apex did (apex stepped such a "
+                    "param with its scaled gradient). Unfreeze the params before building the "
+                    "FP16_Optimizer, or use fp16kit.MixedPrecisionOptimizer, which adopts "
+                    "params unfrozen later."
+                )
+            return
+        for gi, p in found:
+            if self.all_masters:
+                check_master_dtypes(p, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping")
+        before_change()
+        for gi, p in found:
+            info = self.groups[gi]
+            info.watched = [w for w in info.watched if w is not p]
+            params = self.optimizer.param_groups[gi]["params"]
+            index = next(i for i, q in enumerate(params) if q is p)
+            # Keep each role's list in the group's order: checkpoints pair saved masters with
+            # them by position, whenever the param was unfrozen.
+            if not self._wants_master(p):
+                direct = {id(q) for q in info.direct}
+                info.direct.insert(sum(id(q) in direct for q in params[:index]), p)
+                continue
+            mastered = {id(m) for m in info.masters}
+            at = sum(id(q) in mastered for q in params[:index])
+            (m,) = self.masters.add([p])
+            self._replace(params, index, m)
+            info.model_params.insert(at, p)
+            info.masters.insert(at, m)
+
+    def flag_device(self) -> torch.device:
+        """Where the found-inf flags of the stepped grads live: the first master's device (or
+        direct param's); the CPU for an optimizer with no params."""
+        for p in (*self.masters.masters, *self.direct_params()):
+            return p.device
+        return torch.device("cpu")
+
+    def grad_device(self) -> torch.device:
+        """The device of the model's fp16/bf16 grads (checked there before a hand-off)."""
+        for p in self.masters.model_params:
+            return p.device
+        return self.flag_device()
