@@ -497,13 +497,12 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
 def _as_dtype(value: Any) -> torch.dtype:
     """A dtype, or its name (``"float32"``, ``"torch.float32"``)."""
-    if isinstance(value, torch.dtype):
-        return value
+    found = value
     if isinstance(value, str):
         found = getattr(torch, value[len("torch."):] if value.startswith("torch.") else value, None)
-        if isinstance(found, torch.dtype):
-            return found
+    if isinstance(found, torch.dtype) and found.is_floating_point:
+        return found
     raise TypeError(
-        f"master_dtype must be a torch.dtype such as torch.float32 (or its name, 'float32'), "
+        f"master_dtype must be a floating torch.dtype such as torch.float32 (or its name, 'float32'), "
         f"got {value!r}."
     )

@@ -1,0 +1,170 @@
+"""fp16kit.scaler_thread: binding a GradScaler to the optimizer thread -- explicitly
+(submit_step(fn, scaler=), scaler.bind), lazily only where unambiguous -- and the
+scaler <-> optimizer protocol (fp16kit.core.protocol) as users meet it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import fp16kit.grad_scaler
+import fp16kit.optimizer
+from fp16kit import GradScaler, MixedPrecisionOptimizer, OptimizerThread
+from fp16kit.core import protocol
+from fp16kit.core.protocol import MasterWeightOptimizer
+from fp16kit.legacy import FP16_Optimizer
+
+
+def _net(dtype=torch.float16, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(dtype)
+
+
+def _loss(model, i):
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(8, 4, generator=g)
+    return model(x.to(next(model.parameters()).dtype)).float().pow(2).mean()
+
+
+@pytest.fixture(autouse=True)
+def _own_scaled_iterations(monkeypatch):
+    # The registry is process-wide: a scaler another test left mid-iteration must not count.
+    fresh = protocol.ScaledIterations()
+    monkeypatch.setattr(fp16kit.grad_scaler, "scaled_iterations", fresh)
+    monkeypatch.setattr(fp16kit.optimizer, "scaled_iterations", fresh)
+
+
+@pytest.fixture
+def threads():
+    made = []
+
+    def make():
+        made.append(OptimizerThread())
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.shutdown(wait=True, timeout=10)
+
+
+def _mode2(model, opt, scaler, iters, *, explicit=True, inject=()):
+    for i in range(iters):
+        loss = scaler.scale(_loss(model, i))
+        loss.backward()
+        if i in inject:
+            model[0].weight.grad[0, 0] = float("inf")
+        fn = lambda: (scaler.step(opt), opt.zero_grad())  # noqa: E731
+        opt.submit_step(fn, scaler=scaler) if explicit else opt.submit_step(fn)
+        scaler.update()
+    opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_mode2_with_and_without_scaler_keyword_train_the_same(threads, explicit):
+    runs = []
+    for how in (explicit, True):
+        model = _net()
+        opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", thread=threads())
+        scaler = GradScaler("cpu", init_scale=2.0**10)
+        runs.append((_mode2(model, opt, scaler, 6, explicit=how, inject=(2,)), scaler.get_scale()))
+    (a, sa), (b, sb) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and sa == sb
+
+
+def test_bind_before_the_first_scale_binds_at_it(threads):
+    thread = threads()
+    model = _net()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", thread=thread)
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    scaler.bind(thread)
+    scaler.bind(thread)  # again: nothing changes
+    _mode2(model, opt, scaler, 3, explicit=False)
+    with pytest.raises(RuntimeError, match="cannot also be used"):
+        scaler.bind(threads())
+    with pytest.raises(TypeError, match="OptimizerThread"):
+        scaler.bind("fp16kit-optimizer")
+
+
+def test_lazy_binding_refuses_to_guess_between_two_threads(threads):
+    # One scaler, steps submitted to two threads in one iteration and no scaler=: update()
+    # cannot tell where this scaler's step runs; it says how to bind, rather than guess.
+    models = [_net(seed=s) for s in (0, 1)]
+    opts = [
+        MixedPrecisionOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), master_device="cpu", thread=threads())
+        for m in models
+    ]
+    scaler = GradScaler("cpu")
+    loss = scaler.scale(_loss(models[0], 0) + _loss(models[1], 0))
+    loss.backward()
+    for opt in opts:
+        opt.submit_step(lambda: None)  # (a job that ran scaler.step would bind it there)
+    with pytest.raises(RuntimeError, match="scaler=scaler"):
+        scaler.update()
+    for opt in opts:
+        opt.synchronize()
+
+
+def test_master_weight_optimizers_speak_the_protocol():
+    model = _net()
+    assert isinstance(MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)), MasterWeightOptimizer)
+    legacy = FP16_Optimizer(torch.optim.SGD(_net().parameters(), lr=0.1), verbose=False)
+    assert isinstance(legacy, MasterWeightOptimizer)
+    assert not isinstance(torch.optim.SGD(_net(torch.float32).parameters(), lr=0.1), MasterWeightOptimizer)
+
+
+def test_fp16_optimizer_driven_by_grad_scaler_equals_mixed_precision_optimizer():
+    runs = []
+    for make in (
+        lambda p: MixedPrecisionOptimizer(torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        lambda p: FP16_Optimizer(torch.optim.SGD(p, lr=0.1, momentum=0.9), verbose=False),
+    ):
+        model = _net()
+        opt = make(model.parameters())
+        scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        for i in range(6):
+            opt.zero_grad()
+            scaler.scale(_loss(model, i)).backward()
+            if i == 3:
+                model[2].weight.grad[0, 0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+        runs.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale()))
+    (a, sa), (b, sb) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and sa == sb
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+def test_step_called_directly_after_a_scaled_backward_warns_once(caplog, async_step):
+    model = _net()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=async_step)
+    scaler = GradScaler("cpu")
+    with caplog.at_level(logging.WARNING, logger="fp16kit"):
+        for i in range(3):
+            opt.zero_grad()
+            scaler.scale(_loss(model, i)).backward()
+            opt.step()  # should have been scaler.step(opt)
+    warned = [r for r in caplog.records if "scaler.step(optimizer)" in r.getMessage()]
+    assert len(warned) == 1
+    opt.synchronize()
+
+
+def test_no_warning_through_the_scaler_or_without_one(caplog):
+    model = _net()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = GradScaler("cpu")
+    with caplog.at_level(logging.WARNING, logger="fp16kit"):
+        for i in range(2):
+            opt.zero_grad()
+            scaler.scale(_loss(model, i)).backward()
+            scaler.unscale_(opt)
+            opt.clip_grad_norm_(1.0)
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        _loss(model, 5).backward()
+        opt.step()  # no scaler iteration open: fine
+    assert not [r for r in caplog.records if "scaler.step(optimizer)" in r.getMessage()]
