@@ -429,8 +429,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def synchronize(self) -> None:
         """Wait for the step in flight and copy the final masters into the model (call before
-        evaluating or exporting an asynchronously trained model). A no-op otherwise."""
-        self._async.land()
+        evaluating or exporting an asynchronously trained model). A no-op otherwise, and
+        inside a step job (which cannot wait for itself)."""
+        if not self._async.on_optimizer_thread():
+            self._async.land()
 
     def wait_for_step(self) -> None:
         """Wait for the step in flight (re-raising its error) without landing its masters in
