@@ -13,19 +13,7 @@ import fp16kit
 from fp16kit import GradScaler, MixedPrecisionOptimizer
 from fp16kit.core import kernels
 
-
-def _model(dtype=torch.bfloat16, seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
-
-
-def _data(n, dtype=torch.bfloat16, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(6, 8, generator=g).to(dtype), torch.randn(6, 4, generator=g)) for _ in range(n)]
-
-
-def _loss(model, x, y):
-    return (model(x).float() - y).pow(2).mean()
+from _helpers import amp_iteration, batches, mlp, mse
 
 
 class DelayedReference:
@@ -43,7 +31,7 @@ class DelayedReference:
     def iteration(self, x, y, inject=False):
         for p in self.model.parameters():
             p.grad = None
-        loss = _loss(self.model, x, y)
+        loss = mse(self.model, x, y)
         (loss * torch.tensor(self.scale)).backward()
         if inject:
             next(self.model.parameters()).grad.view(-1)[0] = float("inf")
@@ -68,17 +56,6 @@ class DelayedReference:
         return loss
 
 
-def _amp_iteration(model, opt, scaler, x, y, inject=False):
-    opt.zero_grad()
-    loss = _loss(model, x, y)
-    scaler.scale(loss).backward()
-    if inject:
-        next(model.parameters()).grad.view(-1)[0] = float("inf")
-    assert scaler.step(opt) is None
-    scaler.update()
-    return loss
-
-
 # ------------------------------------------------------------------------------ mode 1
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -92,13 +69,13 @@ def _amp_iteration(model, opt, scaler, x, y, inject=False):
 )
 @pytest.mark.parametrize("flat", [False, True])
 def test_mode1_equals_a_one_step_delayed_reference_bit_for_bit(dtype, opt_cls, kw, flat):
-    model = _model(dtype)
+    model = mlp(dtype)
     ref = DelayedReference(copy.deepcopy(model), opt_cls, 1024.0, 3, **kw)
     opt = MixedPrecisionOptimizer(opt_cls(model.parameters(), **kw), async_step=True, flat=flat)
     scaler = GradScaler("cpu", init_scale=1024.0, growth_interval=3)
-    for i, (x, y) in enumerate(_data(9, dtype)):
+    for i, (x, y) in enumerate(batches(9, dtype)):
         inject = i in (3, 4)
-        a = _amp_iteration(model, opt, scaler, x, y, inject)
+        a = amp_iteration(model, opt, scaler, x, y, inject, deferred=True)
         b = ref.iteration(x, y, inject)
         assert torch.equal(a, b), f"loss at iteration {i}"
         assert scaler.get_scale() == ref.scale, f"scale at iteration {i}: no lag"
@@ -117,10 +94,10 @@ def test_mode1_equals_a_one_step_delayed_reference_bit_for_bit(dtype, opt_cls, k
 
 
 def test_mode1_without_a_scaler_skips_non_finite_on_the_thread():
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
-    x, y = _data(1)[0]
-    _loss(model, x, y).backward()
+    x, y = batches(1, torch.bfloat16)[0]
+    mse(model, x, y).backward()
     model[0].weight.grad[0, 0] = float("nan")
     masters = [m.detach().clone() for m in opt.master_params]
     assert opt.step() is None
@@ -143,13 +120,13 @@ def _landing_threads(opt):
 
 
 def test_mode1_host_landing_runs_on_the_idle_optimizer_thread():
-    model = _model()
+    model = mlp(torch.bfloat16)
     with fp16kit.OptimizerThread() as thread:
         opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True, thread=thread)
         seen = _landing_threads(opt)
-        for x, y in _data(3):
+        for x, y in batches(3, torch.bfloat16):
             opt.zero_grad()
-            _loss(model, x, y).backward()
+            mse(model, x, y).backward()
             opt.step()
         opt.synchronize()
         assert seen[:2] == [thread, thread]  # the steps' landings overlapped the checks
@@ -161,18 +138,18 @@ def test_mode1_host_landing_runs_on_the_idle_optimizer_thread():
 def test_mode1_a_busy_shared_thread_lands_inline_without_waiting_for_other_work():
     import threading
 
-    model = _model()
+    model = mlp(torch.bfloat16)
     with fp16kit.OptimizerThread() as thread:
         opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True, thread=thread)
         seen = _landing_threads(opt)
-        (x, y), (x2, y2) = _data(2)
-        _loss(model, x, y).backward()
+        (x, y), (x2, y2) = batches(2, torch.bfloat16)
+        mse(model, x, y).backward()
         opt.step()
         thread.wait(opt._async.inflight)  # the step is done; now the thread gets busy elsewhere
         release = threading.Event()
         other = thread.submit(release.wait, 30)
         opt.zero_grad()
-        _loss(model, x2, y2).backward()
+        mse(model, x2, y2).backward()
         opt.step()  # must not wait behind the unrelated job
         assert not other.done() and seen == [None]
         release.set()
@@ -181,7 +158,7 @@ def test_mode1_a_busy_shared_thread_lands_inline_without_waiting_for_other_work(
 
 
 def test_mode1_fp32_params_get_masters_too():
-    model = _model()
+    model = mlp(torch.bfloat16)
     model[2].float()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
     assert opt._groups.direct_params() == [] and len(opt.master_params) == 4
@@ -190,10 +167,10 @@ def test_mode1_fp32_params_get_masters_too():
 
 
 def test_mode1_closures_are_refused():
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(torch.optim.LBFGS(model.parameters()), async_step=True)
     with pytest.raises(RuntimeError, match="Closures are not supported with async_step=True"):
-        opt.step(lambda: _loss(model, *_data(1)[0]))
+        opt.step(lambda: mse(model, *batches(1, torch.bfloat16)[0]))
 
 
 class FailingSGD(torch.optim.SGD):
@@ -207,35 +184,35 @@ class FailingSGD(torch.optim.SGD):
 
 
 def test_mode1_an_error_in_a_step_surfaces_at_the_next_call_and_training_goes_on():
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(FailingSGD(model.parameters(), lr=0.1), async_step=True)
     scaler = GradScaler("cpu", init_scale=256.0)
-    data = _data(6)
+    data = batches(6, torch.bfloat16)
     for x, y in data[:3]:
-        _amp_iteration(model, opt, scaler, x, y)
+        amp_iteration(model, opt, scaler, x, y, deferred=True)
     with pytest.raises(RuntimeError, match="inner step failed"):
-        _amp_iteration(model, opt, scaler, *data[3])  # reports job 3's failure; this step did not run
+        amp_iteration(model, opt, scaler, *data[3], deferred=True)  # reports job 3's failure; this step did not run
     for x, y in data[4:]:
-        _amp_iteration(model, opt, scaler, x, y)
+        amp_iteration(model, opt, scaler, x, y, deferred=True)
     opt.synchronize()
     assert opt.optimizer.calls == 5  # jobs 1, 2, 3 (failed), then the steps of data[4:]
 
 
 def test_mode1_state_dict_during_pending_work_resumes_bit_for_bit(tmp_path):
-    data = _data(10)
+    data = batches(10, torch.bfloat16)
 
     def build():
-        model = _model()
+        model = mlp(torch.bfloat16)
         opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), async_step=True)
         return model, opt, GradScaler("cpu", init_scale=512.0, growth_interval=2)
 
     model, opt, scaler = build()
     for x, y in data[:5]:
-        _amp_iteration(model, opt, scaler, x, y)
+        amp_iteration(model, opt, scaler, x, y, deferred=True)
     assert opt._async.inflight is not None  # a step is pending while we save
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}, tmp_path / "c.pt")
     for i, (x, y) in enumerate(data[5:]):
-        _amp_iteration(model, opt, scaler, x, y, inject=(i == 2))
+        amp_iteration(model, opt, scaler, x, y, inject=(i == 2), deferred=True)
     opt.synchronize()
 
     ck = torch.load(tmp_path / "c.pt", weights_only=True)
@@ -244,7 +221,7 @@ def test_mode1_state_dict_during_pending_work_resumes_bit_for_bit(tmp_path):
     opt2.load_state_dict(ck["opt"])
     scaler2.load_state_dict(ck["scaler"])
     for i, (x, y) in enumerate(data[5:]):
-        _amp_iteration(model2, opt2, scaler2, x, y, inject=(i == 2))
+        amp_iteration(model2, opt2, scaler2, x, y, inject=(i == 2), deferred=True)
     opt2.synchronize()
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
@@ -252,12 +229,12 @@ def test_mode1_state_dict_during_pending_work_resumes_bit_for_bit(tmp_path):
 
 
 def test_mode1_unscale_then_clip_then_step():
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
     scaler = GradScaler("cpu", init_scale=256.0)
-    for x, y in _data(3):
+    for x, y in batches(3, torch.bfloat16):
         opt.zero_grad()
-        scaler.scale(_loss(model, x, y)).backward()
+        scaler.scale(mse(model, x, y)).backward()
         scaler.unscale_(opt)  # lands the previous step, unscales into the masters
         opt.clip_grad_norm_(1e-3)
         scaler.step(opt)
@@ -330,15 +307,15 @@ class Mode2Reference(DelayedReference):
 
 @pytest.mark.parametrize("opt_cls, kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 1e-2})], ids=["sgd", "adam"])
 def test_mode2_async_updates_equal_a_hand_written_reference_bit_for_bit(opt_cls, kw):
-    model = _model(torch.float16)
+    model = mlp(torch.float16)
     ref = Mode2Reference(copy.deepcopy(model), opt_cls, 1024.0, 3, **kw)
     opt = MixedPrecisionOptimizer(opt_cls(model.parameters(), **kw))
     scaler = GradScaler("cpu", init_scale=1024.0, growth_interval=3)
-    for i, (x, y) in enumerate(_data(12, torch.float16)):
+    for i, (x, y) in enumerate(batches(12, torch.float16)):
         inject = i in (4, 5, 9)
         assert scaler.get_scale() == ref.forward[i], f"forward scale at iteration {i}"
         opt.zero_grad()
-        loss = _loss(model, x, y)
+        loss = mse(model, x, y)
         scaler.scale(loss).backward()
         if inject:
             next(model.parameters()).grad.view(-1)[0] = float("inf")
@@ -435,24 +412,24 @@ def test_mode2_grad_scaler_per_thread_behaviour():
 
 
 def test_mode2_needs_a_master_for_every_param():
-    model = _model()
+    model = mlp(torch.bfloat16)
     model[2].float()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="master_device"):
         opt.submit_step(lambda: None)
-    async_opt = MixedPrecisionOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), async_step=True)
+    async_opt = MixedPrecisionOptimizer(torch.optim.SGD(mlp(torch.bfloat16).parameters(), lr=0.1), async_step=True)
     with pytest.raises(RuntimeError, match="already steps asynchronously"):
         async_opt.submit_step(lambda: None)
 
 
 def test_mode2_without_a_scaler():
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu")
     ref = copy.deepcopy(model)
     ref_opt = MixedPrecisionOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1), master_device="cpu")
-    x, y = _data(1)[0]
-    _loss(model, x, y).backward()
-    _loss(ref, x, y).backward()
+    x, y = batches(1, torch.bfloat16)[0]
+    mse(model, x, y).backward()
+    mse(ref, x, y).backward()
     opt.submit_step(lambda: (opt.step(), opt.zero_grad()))
     opt.synchronize()
     ref_opt.step()
@@ -492,7 +469,7 @@ def _blocked(thread):
 def test_a_step_uses_the_lr_it_was_submitted_with(mode):
     # The scheduler sets lr=0 for the next step right after this one is submitted; the job,
     # run only afterwards, must still use lr=1 (as a synchronous step would have).
-    model = _model()
+    model = mlp(torch.bfloat16)
     with fp16kit.OptimizerThread() as thread:
         opt = MixedPrecisionOptimizer(
             torch.optim.SGD(model.parameters(), lr=1.0), async_step=mode == "mode1",
@@ -500,8 +477,8 @@ def test_a_step_uses_the_lr_it_was_submitted_with(mode):
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
         before = [m.detach().clone() for m in opt.master_params]
-        x, y = _data(1)[0]
-        _loss(model, x, y).backward()
+        x, y = batches(1, torch.bfloat16)[0]
+        mse(model, x, y).backward()
         release = _blocked(thread)
         if mode == "mode1":
             opt.step()
@@ -523,11 +500,11 @@ def test_what_a_step_writes_into_its_groups_or_itself_reaches_the_optimizer():
                 g["estimate"] = g.get("estimate", 0) + 1
             return super().step(closure)
 
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(Counting(model.parameters(), lr=0.1), async_step=True)
-    for x, y in _data(3):
+    for x, y in batches(3, torch.bfloat16):
         opt.zero_grad()
-        _loss(model, x, y).backward()
+        mse(model, x, y).backward()
         opt.step()
         opt.param_groups[0]["lr"] = 0.05  # the main thread's own write stays
     opt.synchronize()
@@ -536,15 +513,15 @@ def test_what_a_step_writes_into_its_groups_or_itself_reaches_the_optimizer():
 
 
 def test_add_param_group_waits_for_the_step_in_flight():
-    model = _model()
+    model = mlp(torch.bfloat16)
     extra = nn.Linear(3, 3).bfloat16()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
-    x, y = _data(1)[0]
-    _loss(model, x, y).backward()
+    x, y = batches(1, torch.bfloat16)[0]
+    mse(model, x, y).backward()
     opt.step()
     opt.add_param_group({"params": extra.parameters(), "lr": 0.2})
     assert opt._async.inflight is None and len(opt.master_params) == 6
-    _loss(model, x, y).backward()
+    mse(model, x, y).backward()
     extra(torch.ones(1, 3, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
     opt.synchronize()
@@ -552,12 +529,12 @@ def test_add_param_group_waits_for_the_step_in_flight():
 
 def test_async_submit_lands_the_previous_step_itself():
     # The building blocks, as the legacy face uses them: a check without landing, then submit.
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
     inv = torch.ones(())
-    for x, y in _data(3):
+    for x, y in batches(3, torch.bfloat16):
         opt.zero_grad()
-        _loss(model, x, y).backward()
+        mse(model, x, y).backward()
         flags = opt.async_check_grads(land=False)
         opt.async_submit(inv, kernels.combine_found_inf(flags.values(), torch.device("cpu")))
     opt.synchronize()
@@ -565,18 +542,18 @@ def test_async_submit_lands_the_previous_step_itself():
         assert torch.equal(p, m.detach().to(p.dtype))
     with pytest.raises(ValueError, match="missing_grads must be one of"):
         opt.async_submit(inv, torch.zeros(()), missing_grads="drop")
-    sync = MixedPrecisionOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
+    sync = MixedPrecisionOptimizer(torch.optim.SGD(mlp(torch.bfloat16).parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="build the optimizer with async_step=True"):
         sync.async_check_grads()
 
 
 def test_a_submitted_function_may_set_the_lr_of_its_own_step():
     # e.g. a warm-up inside the job: it applies to this step, and stays afterwards.
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), master_device="cpu")
     before = [m.detach().clone() for m in opt.master_params]
-    x, y = _data(1)[0]
-    _loss(model, x, y).backward()
+    x, y = batches(1, torch.bfloat16)[0]
+    mse(model, x, y).backward()
 
     def warm_then_step():
         opt.param_groups[0]["lr"] = 0.0
@@ -589,15 +566,15 @@ def test_a_submitted_function_may_set_the_lr_of_its_own_step():
 
 
 def test_a_tensor_lr_updated_in_place_by_a_scheduler_reaches_only_the_next_step():
-    model = _model()
+    model = mlp(torch.bfloat16)
     with fp16kit.OptimizerThread() as thread:
         opt = MixedPrecisionOptimizer(
             torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2)), async_step=True, thread=thread
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
         before = [m.detach().clone() for m in opt.master_params]
-        x, y = _data(1)[0]
-        _loss(model, x, y).backward()
+        x, y = batches(1, torch.bfloat16)[0]
+        mse(model, x, y).backward()
         release = _blocked(thread)
         opt.step()
         sched.step()  # lr.fill_(0.0) in place
@@ -608,7 +585,7 @@ def test_a_tensor_lr_updated_in_place_by_a_scheduler_reaches_only_the_next_step(
 
 
 def test_a_step_replaced_on_the_optimizer_object_still_runs():
-    model = _model()
+    model = mlp(torch.bfloat16)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     calls = []
     original = inner.step
@@ -619,22 +596,22 @@ def test_a_step_replaced_on_the_optimizer_object_still_runs():
 
     inner.step = counting_step
     opt = MixedPrecisionOptimizer(inner, async_step=True)
-    for x, y in _data(3):
+    for x, y in batches(3, torch.bfloat16):
         opt.zero_grad()
-        _loss(model, x, y).backward()
+        mse(model, x, y).backward()
         opt.step()
     opt.synchronize()
     assert len(calls) == 3
 
 
 def test_a_scheduler_on_the_wrapped_optimizer_sees_the_step_taken(recwarn):
-    model = _model()
+    model = mlp(torch.bfloat16)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(inner, step_size=10)  # tracks the inner optimizer
     opt = MixedPrecisionOptimizer(inner, async_step=True)
-    for x, y in _data(3):
+    for x, y in batches(3, torch.bfloat16):
         opt.zero_grad()
-        _loss(model, x, y).backward()
+        mse(model, x, y).backward()
         opt.step()
         sched.step()  # before the job ran, maybe: no call-order warning
     opt.synchronize()
@@ -660,18 +637,18 @@ def test_skip_counters_of_a_bound_scaler_are_read_where_its_updates_run():
 def test_a_scheduler_stepped_inside_the_job_updates_a_tensor_lr():
     # LR schedulers fill_ a tensor lr in place: inside a job that lands in the snapshot and
     # must reach the live groups.
-    model = _model()
+    model = mlp(torch.bfloat16)
     opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01)), master_device="cpu")
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    for x, y in _data(3):
-        _loss(model, x, y).backward()
+    for x, y in batches(3, torch.bfloat16):
+        mse(model, x, y).backward()
         opt.submit_step(lambda: (opt.step(), sched.step(), opt.zero_grad()))
     opt.synchronize()
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.5**3)
 
 
 def test_a_replaced_step_wrapped_by_a_scheduler_runs_with_the_lr_the_job_sets():
-    model = _model()
+    model = mlp(torch.bfloat16)
     inner = torch.optim.SGD(model.parameters(), lr=1.0)
     calls = []
     original = inner.step
@@ -684,8 +661,8 @@ def test_a_replaced_step_wrapped_by_a_scheduler_runs_with_the_lr_the_job_sets():
     torch.optim.lr_scheduler.StepLR(inner, step_size=10)  # wraps the replacement
     opt = MixedPrecisionOptimizer(inner, master_device="cpu")
     before = [m.detach().clone() for m in opt.master_params]
-    x, y = _data(1)[0]
-    _loss(model, x, y).backward()
+    x, y = batches(1, torch.bfloat16)[0]
+    mse(model, x, y).backward()
 
     def frozen_step():
         opt.param_groups[0]["lr"] = 0.0  # live groups here: the replaced step reads them
@@ -699,17 +676,17 @@ def test_a_replaced_step_wrapped_by_a_scheduler_runs_with_the_lr_the_job_sets():
 
 def test_mode2_resume_from_a_checkpoint_is_bit_for_bit():
     def build():
-        model = _model(torch.float16)
+        model = mlp(torch.float16)
         return model, MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2)), GradScaler("cpu")
 
     def run(model, opt, scaler, data):
         for x, y in data:
             opt.zero_grad()
-            scaler.scale(_loss(model, x, y)).backward()
+            scaler.scale(mse(model, x, y)).backward()
             opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()))
             scaler.update()
 
-    data = _data(6, torch.float16)
+    data = batches(6, torch.float16)
     model, opt, scaler = build()
     run(model, opt, scaler, data[:3])
     saved = copy.deepcopy((model.state_dict(), opt.state_dict(), scaler.state_dict()))

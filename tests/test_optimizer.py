@@ -13,17 +13,9 @@ from torch import nn
 import fp16kit
 from fp16kit import GradScaler, MixedPrecisionOptimizer
 
+from _helpers import amp_iteration, batches, mlp
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _model(dtype=torch.float16, seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
-
-
-def _batches(n, seed=1, dtype=torch.float16):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(6, 8, generator=g).to(dtype), torch.randn(6, 4, generator=g)) for _ in range(n)]
 
 
 class Reference:
@@ -60,17 +52,6 @@ class Reference:
         return loss
 
 
-def _amp_iteration(model, opt, scaler, x, y, inject=False):
-    opt.zero_grad()
-    loss = (model(x).float() - y).pow(2).mean()
-    scaler.scale(loss).backward()
-    if inject:
-        next(model.parameters()).grad.view(-1)[0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    return loss
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "opt_cls, kw",
@@ -84,13 +65,13 @@ def _amp_iteration(model, opt, scaler, x, y, inject=False):
 )
 @pytest.mark.parametrize("flat", [False, True])
 def test_grad_scaler_loop_matches_hand_written_reference(dtype, opt_cls, kw, flat):
-    model = _model(dtype)
+    model = mlp(dtype)
     ref = Reference(copy.deepcopy(model), opt_cls, 1024.0, growth_interval=3, **kw)
     opt = MixedPrecisionOptimizer(opt_cls(model.parameters(), **kw), flat=flat)
     scaler = GradScaler("cpu", init_scale=1024.0, growth_interval=3)
-    for i, (x, y) in enumerate(_batches(8, dtype=dtype)):
+    for i, (x, y) in enumerate(batches(8, dtype=dtype)):
         inject = i in (2, 5)
-        a = _amp_iteration(model, opt, scaler, x, y, inject)
+        a = amp_iteration(model, opt, scaler, x, y, inject)
         b = ref.iteration(x, y, inject)
         assert torch.equal(a, b)
         assert scaler.get_scale() == ref.scale
@@ -102,10 +83,10 @@ def test_grad_scaler_loop_matches_hand_written_reference(dtype, opt_cls, kw, fla
 
 
 def test_without_a_scaler_steps_at_scale_one_and_refuses_non_finite(caplog):
-    model = _model()
+    model = mlp()
     ref = Reference(copy.deepcopy(model), torch.optim.SGD, 1.0, lr=0.1)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    for i, (x, y) in enumerate(_batches(4)):
+    for i, (x, y) in enumerate(batches(4)):
         opt.zero_grad()
         loss = (model(x).float() - y).pow(2).mean()
         loss.backward()
@@ -121,9 +102,9 @@ def test_without_a_scaler_steps_at_scale_one_and_refuses_non_finite(caplog):
 
 
 def test_fused_inner_without_a_scaler_skips_on_the_device():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True))
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
     (model(x).float() - y).pow(2).mean().backward()
     model[2].bias.grad[0] = float("inf")
     before = [p.detach().clone() for p in model.parameters()]
@@ -133,7 +114,7 @@ def test_fused_inner_without_a_scaler_skips_on_the_device():
 
 
 def test_fp32_params_pass_through_and_frozen_params_are_left_alone():
-    model = _model()
+    model = mlp()
     model[2].float()  # the head in fp32
     model[0].bias.requires_grad_(False)  # a frozen fp16 param
     frozen = model[0].bias.detach().clone()
@@ -146,7 +127,7 @@ def test_fp32_params_pass_through_and_frozen_params_are_left_alone():
     assert inner.param_groups[0]["params"][1] is model[0].bias  # frozen stays in its group
     scaler = GradScaler("cpu", init_scale=256.0)
     w2 = model[2].weight.detach().clone()
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
     opt.zero_grad()
     out = model[2](model[1](model[0](x)).float())  # fp16 body, fp32 head
     scaler.scale((out - y).pow(2).mean()).backward()
@@ -157,9 +138,9 @@ def test_fp32_params_pass_through_and_frozen_params_are_left_alone():
 
 
 def test_existing_optimizer_state_moves_to_the_masters_and_is_recast():
-    model = _model()
+    model = mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
     (model(x).float() - y).pow(2).mean().backward()
     inner.step()  # fp16 momentum buffers now exist
     opt = MixedPrecisionOptimizer(inner)
@@ -169,10 +150,10 @@ def test_existing_optimizer_state_moves_to_the_masters_and_is_recast():
 
 
 def test_zero_grad_clears_model_and_master_grads():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    x, y = _batches(1)[0]
-    _amp_iteration(model, opt, GradScaler("cpu"), x, y)
+    x, y = batches(1)[0]
+    amp_iteration(model, opt, GradScaler("cpu"), x, y)
     assert all(m.grad is not None for m in opt.master_params)
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
@@ -180,23 +161,23 @@ def test_zero_grad_clears_model_and_master_grads():
 
 
 def test_lr_scheduler_and_param_groups_reach_the_inner_optimizer():
-    model = _model()
+    model = mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.4)
     opt = MixedPrecisionOptimizer(inner)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     scaler = GradScaler("cpu")
-    for x, y in _batches(2):
-        _amp_iteration(model, opt, scaler, x, y)
+    for x, y in batches(2):
+        amp_iteration(model, opt, scaler, x, y)
         sched.step()
     assert inner.param_groups[0]["lr"] == pytest.approx(0.1)
     assert opt.param_groups is inner.param_groups and opt.state is inner.state
 
 
 def test_clipping_the_unscaled_master_grads():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     scaler = GradScaler("cpu", init_scale=2.0**12)
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
     scaler.scale((model(x).float() - y).pow(2).mean()).backward()
     scaler.unscale_(opt)
     norm = opt.clip_grad_norm_(1e-3)
@@ -207,10 +188,10 @@ def test_clipping_the_unscaled_master_grads():
 
 
 def test_editing_model_grads_after_unscale_names_the_fix():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     scaler = GradScaler("cpu")
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
     scaler.scale((model(x).float() - y).pow(2).mean()).backward()
     scaler.unscale_(opt)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the torch.amp habit
@@ -219,23 +200,23 @@ def test_editing_model_grads_after_unscale_names_the_fix():
 
 
 def test_a_second_bare_step_reuses_the_unscaled_master_grads():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     scaler = GradScaler("cpu", init_scale=2.0**10)
-    x, y = _batches(1)[0]
-    _amp_iteration(model, opt, scaler, x, y)
+    x, y = batches(1)[0]
+    amp_iteration(model, opt, scaler, x, y)
     grads = [m.grad.clone() for m in opt.master_params]
     opt.step()  # as torch: the same (unscaled) grads applied again, not the scaled fp16 ones
     assert all(torch.equal(a, m.grad) for a, m in zip(grads, opt.master_params))
 
 
 def test_lbfgs_closure_matches_reference():
-    model = _model()
+    model = mlp()
     ref_model = copy.deepcopy(model)
     masters = [p.detach().clone().float().requires_grad_() for p in ref_model.parameters()]
     ref_opt = torch.optim.LBFGS(masters, lr=0.5, max_iter=4)
     opt = MixedPrecisionOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4))
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
 
     def closure():
         opt.zero_grad()
@@ -269,9 +250,9 @@ def test_lbfgs_closure_matches_reference():
 
 
 def test_closure_with_non_finite_grads_raises():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.LBFGS(model.parameters(), max_iter=2))
-    x, _ = _batches(1)[0]
+    x, _ = batches(1)[0]
 
     def closure():
         opt.zero_grad()
@@ -285,19 +266,19 @@ def test_closure_with_non_finite_grads_raises():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_state_dict_resume_is_bitwise(tmp_path, fused):
-    data = _batches(8)
+    data = batches(8)
 
     def build():
-        model = _model()
+        model = mlp()
         opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused))
         return model, opt, GradScaler("cpu", init_scale=512.0, growth_interval=2)
 
     model, opt, scaler = build()
     for x, y in data[:4]:
-        _amp_iteration(model, opt, scaler, x, y)
+        amp_iteration(model, opt, scaler, x, y)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}, tmp_path / "c.pt")
     for i, (x, y) in enumerate(data[4:]):
-        _amp_iteration(model, opt, scaler, x, y, inject=(i == 1))
+        amp_iteration(model, opt, scaler, x, y, inject=(i == 1))
 
     ck = torch.load(tmp_path / "c.pt", weights_only=True)
     model2, opt2, scaler2 = build()
@@ -305,7 +286,7 @@ def test_state_dict_resume_is_bitwise(tmp_path, fused):
     opt2.load_state_dict(ck["opt"])
     scaler2.load_state_dict(ck["scaler"])
     for i, (x, y) in enumerate(data[4:]):
-        _amp_iteration(model2, opt2, scaler2, x, y, inject=(i == 1))
+        amp_iteration(model2, opt2, scaler2, x, y, inject=(i == 1))
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
     for m, n in zip(opt.master_params, opt2.master_params):
@@ -314,23 +295,23 @@ def test_state_dict_resume_is_bitwise(tmp_path, fused):
 
 
 def test_masters_survive_the_fp16_round_trip_exactly():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
     scaler = GradScaler("cpu")
-    for x, y in _batches(3):
-        _amp_iteration(model, opt, scaler, x, y)
+    for x, y in batches(3):
+        amp_iteration(model, opt, scaler, x, y)
     sd = opt.state_dict()
     assert any(not torch.equal(m, m.half().float()) for m in sd["masters"][0])  # fp32 detail
-    opt2 = MixedPrecisionOptimizer(torch.optim.SGD(_model().parameters(), lr=1e-3))
+    opt2 = MixedPrecisionOptimizer(torch.optim.SGD(mlp().parameters(), lr=1e-3))
     opt2.load_state_dict(sd)
     assert all(torch.equal(a, b) for a, b in zip(opt.master_params, opt2.master_params))
 
 
 def test_load_state_dict_rejects_mismatch_and_changes_nothing():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    x, y = _batches(1)[0]
-    _amp_iteration(model, opt, GradScaler("cpu"), x, y)
+    x, y = batches(1)[0]
+    amp_iteration(model, opt, GradScaler("cpu"), x, y)
     good = opt.state_dict()
     before = [m.detach().clone() for m in opt.master_params]
     other = MixedPrecisionOptimizer(torch.optim.SGD(nn.Linear(8, 2).half().parameters(), lr=0.1))
@@ -345,16 +326,16 @@ def test_load_state_dict_rejects_mismatch_and_changes_nothing():
 
 
 def test_add_param_group_gets_masters():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1))
     opt.add_param_group({"params": model[2].parameters(), "lr": 0.01})
     assert len(opt.groups) == 2 and len(opt.groups[1].masters) == 2
     assert all(p.dtype == torch.float32 for p in opt.param_groups[1]["params"])
-    _amp_iteration(model, opt, GradScaler("cpu"), *_batches(1)[0])
+    amp_iteration(model, opt, GradScaler("cpu"), *batches(1)[0])
 
 
 def test_construction_errors_and_pickling():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="already a MixedPrecisionOptimizer"):
         MixedPrecisionOptimizer(opt)
@@ -370,12 +351,12 @@ def test_construction_errors_and_pickling():
 
 
 def test_step_hooks_run():
-    model = _model()
+    model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     calls = []
     opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
     opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
-    _amp_iteration(model, opt, GradScaler("cpu"), *_batches(1)[0])
+    amp_iteration(model, opt, GradScaler("cpu"), *batches(1)[0])
     assert calls == ["pre", "post"]
 
 
@@ -383,14 +364,14 @@ def test_step_hooks_run():
 @cuda
 @pytest.mark.parametrize("flat", [False, True])
 def test_cuda_model_with_cpu_masters_matches_on_device_masters(flat):
-    data = [(x.cuda(), y.cuda()) for x, y in _batches(5)]
+    data = [(x.cuda(), y.cuda()) for x, y in batches(5)]
     runs = []
     for master_device in (None, "cpu"):
-        model = _model().cuda()
+        model = mlp().cuda()
         opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), master_device=master_device, flat=flat)
         scaler = GradScaler("cuda", init_scale=1024.0)
         for i, (x, y) in enumerate(data):
-            _amp_iteration(model, opt, scaler, x, y, inject=(i == 2))
+            amp_iteration(model, opt, scaler, x, y, inject=(i == 2))
         runs.append([p.detach().cpu() for p in model.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -400,10 +381,10 @@ def test_cuda_model_with_cpu_masters_matches_on_device_masters(flat):
 def test_fused_inner_with_fp32_params_skips_an_overflow_everywhere(with_scaler):
     # masters and fp32 params both overflow: their flags must combine to exactly 1.0, or the
     # fused kernel applies the step and the weights turn NaN
-    model = _model()
+    model = mlp()
     model[2].float()
     opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True))
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
     out = model[2](model[1](model[0](x)).float())
@@ -423,11 +404,11 @@ def test_fused_inner_with_fp32_params_skips_an_overflow_everywhere(with_scaler):
 
 
 def test_clip_after_unscale_with_fp32_params():
-    model = _model()
+    model = mlp()
     model[2].float()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     scaler = GradScaler("cpu", init_scale=2.0**10)
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
     opt.zero_grad()
     out = model[2](model[1](model[0](x)).float())
     scaler.scale((out - y).pow(2).mean()).backward()
