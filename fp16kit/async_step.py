@@ -39,6 +39,7 @@ and ``fn`` (typically ``scaler.step(opt); opt.zero_grad()``) runs on the thread.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,7 +57,9 @@ from .step_state import StepState
 if TYPE_CHECKING:
     from .optimizer import MixedPrecisionOptimizer
 
-__all__ = ["AsyncSteps", "Handoff", "StepJob", "MISSING_GRADS"]
+__all__ = ["AsyncSteps", "Handoff", "StepJob", "MISSING_GRADS", "log_skipped_step"]
+
+logger = logging.getLogger("fp16kit")
 
 Flags = dict[torch.device, torch.Tensor]
 Reduce = Callable[[Flags], Flags]
@@ -267,16 +270,17 @@ class AsyncSteps:
         step are left (``flags``: the scaler's, reduced over its process group; default: the
         state's). Returns this step's flags (for the scaler's update); reads none."""
         if state.in_masters:
+            on_skip = log_skipped_step if scale is None else None
             flags = state.flags if flags is None else flags
             self._prepare()
             self._masters.zero_grad(model=True, masters=False)
-            self._enqueue(self._step_job, None, self._found(flags), "none", None, None)
+            self._enqueue(self._step_job, None, self._found(flags), "none", on_skip, None)
             return flags
         self._prepare()
         flags = self.check_grads(reduce=reduce)
         found = self._found(flags)
         if scale is None:  # no scaler: the grads as they are
-            self._submit(kernels.one(self._groups.grad_device()), found)
+            self._submit(kernels.one(self._groups.grad_device()), found, on_skip=log_skipped_step)
         else:  # the update after this step changes the scale in place: keep its value
             self._submit(None, found, scale=scale.clone())
         return flags
@@ -417,6 +421,14 @@ class AsyncSteps:
         self._masters.grads_to_masters(None, None, grads=grads, unscale=False)
         state.handed_off()
         return fn()
+
+
+def log_skipped_step() -> None:
+    """A step skipped without a scaler (on the optimizer thread, asynchronously)."""
+    logger.warning(
+        "MixedPrecisionOptimizer: non-finite gradients (inf/NaN); step skipped. "
+        "With fp16 use fp16kit.GradScaler; otherwise look for a diverging loss."
+    )
 
 
 def receive(handoff: Handoff) -> list[torch.Tensor | None]:

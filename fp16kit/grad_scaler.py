@@ -197,11 +197,15 @@ class GradScaler(torch.amp.GradScaler):
         """Run this scaler's steps on ``thread`` (spec/async.md, mode 2): ``scale()`` and
         ``update()`` stay on the main thread, ``step()`` runs in the jobs there, each side
         seeing its own scale (see :mod:`fp16kit.scaler_thread`). ``opt.submit_step(fn,
-        scaler=scaler)`` calls this. Before the first ``scale()`` the binding is made there.
-        Binding to the same thread again does nothing; to another raises RuntimeError."""
+        scaler=scaler)`` calls this, before it hands anything off. Before the first ``scale()``
+        the binding is made there. Binding to the same thread again only checks the call
+        order (a step submitted since the last ``update()`` raises RuntimeError); binding to
+        another thread raises RuntimeError."""
         if not isinstance(thread, OptimizerThread):
             raise TypeError(f"bind() takes an fp16kit.OptimizerThread, got {type(thread).__name__}.")
-        self._threads.bind(thread, self._loss_scale, mark=thread.steps)
+        binding = self._threads.bind(thread, self._loss_scale, mark=thread.steps)
+        if binding is not None:
+            binding.check_step_order()
 
     @property
     def _threads(self) -> ScalerThreads:

@@ -8,6 +8,8 @@
         one non-finite check over all -> {device: found_inf}
     read(state, inv_scale, found_inf)       # by a scaler's unscale_, or by step() at scale 1
         HANDED_OFF: the raw grads are in the masters already: unscale them there
+        UNSCALED at scale 1 from the current model grads (clip_grad_norm_ before
+            scaler.unscale_, as torch allows): unscale them there, clipped as they are
         otherwise:  transfer(), remembering which model grads were read
         -> state UNSCALED
     ensure(state)                           # before a step or clipping
@@ -61,6 +63,15 @@ class MasterGrads:
     def read(self, state: StepState, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, by_scaler: bool) -> Flags:
         if state.stage is Stage.HANDED_OFF:  # submit_step moved the raw grads in already
             flags = kernels.unscale_(self.present(), inv_scale, found_inf)
+            state.unscaled(flags, by_scaler=by_scaler)
+            return flags
+        if state.in_masters and not state.by_scaler and state.current(self._masters.model_params):
+            # Read at scale 1 already (clip_grad_norm_ before scaler.unscale_, as torch allows:
+            # it clipped the scaled grads): unscale what is in the masters, clipped as it is.
+            flags = kernels.merge_found_inf(
+                kernels.unscale_(self.present(), inv_scale, found_inf),
+                kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),
+            )
             state.unscaled(flags, by_scaler=by_scaler)
             return flags
         flags = self.transfer(inv_scale, found_inf)

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from .async_step import AsyncSteps
+from .async_step import AsyncSteps, log_skipped_step
 from .core import kernels
 from .core.master import MasterParams
 from .core.protocol import Flags, scaled_iterations
@@ -245,7 +245,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                     "the backward, then scaler.unscale_(optimizer) and scaler.step(optimizer)."
                 )
             self._grads.ensure(state)  # raises if the model grads changed since
+        elif state.in_masters and state.current(self._masters.model_params):
+            # clip_grad_norm_ read the scaled grads at scale 1 (and clipped them): unscale
+            # them in the masters now, as a scaler's unscale_ would have
+            device = scale.device
+            flags = self._grads.read(state, kernels.inv_scale(scale), kernels.new_found_inf(device), by_scaler=True)
+            unscaled_flags = reduce(flags)
         else:
+            state.reset()  # grads read at scale 1 before a new backward: read them again
             self._refresh()
         return self._submit_async(state, scale=scale, reduce=reduce, flags=unscaled_flags)
 
@@ -321,10 +328,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             if state.stage is Stage.SKIP_DECIDED:
                 return self.inner_step()  # GradScaler read these flags already: no second read
             if combined is not None and combined.item():
-                logger.warning(
-                    "MixedPrecisionOptimizer: non-finite gradients (inf/NaN); step skipped. "
-                    "With fp16 use fp16kit.GradScaler; otherwise look for a diverging loss."
-                )
+                log_skipped_step()
                 return None
             return self.inner_step()
         finally:

@@ -152,14 +152,25 @@ class ThreadBinding:
         """Main thread: queue ``fn`` behind the pending jobs (a setting for later steps)."""
         self.thread.submit(fn, *args)
 
+    def check_step_order(self) -> None:
+        """Main thread, before a step is handed to the thread: refuse a second step with no
+        ``update()`` since the last one (nothing has been handed off yet)."""
+        if self.mark is not None and self.thread.steps > self.mark:
+            raise RuntimeError(
+                "A step was already submitted since the last scaler.update(): call "
+                "scaler.update() once after each submitted step. " + _ORDER
+            )
+
     def update(self, is_async: bool) -> None:
-        """Main thread: ``scaler.update()`` (see the module docstring)."""
+        """Main thread: ``scaler.update()`` (see the module docstring). The waits come before
+        anything changes, so a Ctrl-C in one leaves the records as they were."""
         if self.mark is not None and self.thread.steps <= self.mark:
             raise RuntimeError("scaler.update() was called before this iteration's step. " + _ORDER)
         self.thread.raise_pending_error()
-        record = self._close_open()
         if self.last_update is not None:
             self._publish(self.last_update)  # the next loss uses iteration k-1's result
+            self.last_update = None
+        record = self._close_open()
         self.last_update = self.thread.enqueue(self._update_job, (record,))
         self.mark = self.thread.steps
         if not is_async:

@@ -225,3 +225,92 @@ def test_submit_step_checks_its_callable_before_handing_off(thread):
         opt.submit_step(lambda: None, scaler=torch.amp.GradScaler("cpu"))
     assert all(p.grad is not None for p in model.parameters())
     opt.submit_step(lambda: opt.step()).result()
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+def test_clip_before_unscale_clips_the_scaled_grads_as_torch(async_step):
+    # torch allows clipping before scaler.unscale_: the *scaled* grads are clipped, then
+    # scaler.step divides by the scale. With masters (here: every param, master_device)
+    # the numbers must be torch's: the clip was lost (sync) or the unscale was (async).
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    opt = MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", async_step=async_step
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler, ref_scaler = GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for m, o, s in ((model, opt, scaler), (ref, ref_opt, ref_scaler)):
+        o.zero_grad()
+        s.scale(_loss(m, 0)).backward()
+        if o is opt:
+            o.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        s.step(o)
+        s.update()
+    opt.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+
+
+def test_a_second_submit_step_without_update_is_refused_before_the_hand_off(thread):
+    model = _net(torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", thread=thread)
+    scaler = GradScaler("cpu", init_scale=256.0)
+
+    def fn():
+        scaler.step(opt)
+        opt.zero_grad()
+
+    scaler.scale(_loss(model, 0)).backward()
+    opt.submit_step(fn, scaler=scaler)
+    scaler.scale(_loss(model, 1)).backward()
+    with pytest.raises(RuntimeError, match="call scaler.update"):
+        opt.submit_step(fn, scaler=scaler)  # forgot scaler.update()
+    assert all(p.grad is not None for p in model.parameters())  # iteration 1's grads kept
+    scaler.update()
+    opt.submit_step(fn, scaler=scaler)
+    scaler.update()
+    opt.synchronize()
+
+
+def test_ctrl_c_while_update_waits_leaves_the_scaler_usable(thread, monkeypatch):
+    # Mode 2: a KeyboardInterrupt while scaler.update() waits for the previous update must
+    # leave the iteration records as they were: retrying update() continues exactly as an
+    # uninterrupted run (scales and weights).
+    def run(interrupt):
+        model = _net(torch.float16)
+        t = OptimizerThread()
+        try:
+            opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", thread=t)
+            scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+            real_wait = t.wait
+            for i in range(5):
+                scaler.scale(_loss(model, i)).backward()
+                if i == 2:
+                    model[0].weight.grad[0, 0] = float("inf")
+                opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()), scaler=scaler)
+                if interrupt and i == 3:
+                    calls = []
+
+                    def wait_interrupted(fut):
+                        if not calls:
+                            calls.append(1)
+                            raise KeyboardInterrupt
+                        return real_wait(fut)
+
+                    monkeypatch.setattr(t, "wait", wait_interrupted)
+                    with pytest.raises(KeyboardInterrupt):
+                        scaler.update()
+                    monkeypatch.setattr(t, "wait", real_wait)
+                scaler.update()
+            opt.synchronize()
+            return [p.detach().clone() for p in model.parameters()], scaler.state_dict()
+        finally:
+            t.shutdown()
+
+    (a, sa), (b, sb) = run(True), run(False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and sa == sb
