@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from _helpers import seeded_loss, small_mlp
 from torch import nn
 
 import fp16kit
@@ -15,15 +16,10 @@ from fp16kit.legacy import FP16_Optimizer
 
 
 def _net(dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(dtype)
+    return small_mlp(dtype, seed)
 
 
-def _loss(model, i):
-    g = torch.Generator().manual_seed(100 + i)
-    x = torch.randn(8, 4, generator=g)
-    dtype = next(model.parameters()).dtype
-    return model(x.to(dtype)).float().pow(2).mean()
+_loss = seeded_loss
 
 
 def test_fp32_layer_unfrozen_after_wrapping_matches_torch_amp():

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from _helpers import seeded_loss, small_mlp
 from torch import nn
 
 import fp16kit.grad_scaler
@@ -19,14 +20,10 @@ from fp16kit.legacy import FP16_Optimizer
 
 
 def _net(dtype=torch.float16, seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(dtype)
+    return small_mlp(dtype, seed)
 
 
-def _loss(model, i):
-    g = torch.Generator().manual_seed(100 + i)
-    x = torch.randn(8, 4, generator=g)
-    return model(x.to(next(model.parameters()).dtype)).float().pow(2).mean()
+_loss = seeded_loss
 
 
 @pytest.fixture(autouse=True)

@@ -50,3 +50,18 @@ def amp_iteration(model, opt, scaler, x, y, inject=False, *, deferred=False):
         assert ret is None
     scaler.update()
     return loss
+
+
+def small_mlp(dtype=torch.float32, seed=0):
+    """Linear(4, 6), Tanh, Linear(6, 2) in ``dtype``, initialised from ``seed`` (the models of
+    test_master_groups.py, test_async_step.py and test_scaler_thread.py)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(dtype)
+
+
+def seeded_loss(model, i):
+    """The fp32 mean square of ``model`` on batch ``i`` (8x4, drawn from seed 100 + i, in the
+    model's dtype)."""
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(8, 4, generator=g)
+    return model(x.to(next(model.parameters()).dtype)).float().pow(2).mean()
