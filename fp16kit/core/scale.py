@@ -1,36 +1,40 @@
 """The loss-scale state machine, kept on the device.
 
-One class, :class:`LossScale`, holds a dynamic loss scale and its trackers as 0-dim device
-tensors and updates them with device ops only, so a training loop never waits for the device
-to learn whether a step overflowed. Its rules reproduce three scalers exactly: torch's
-``GradScaler`` (the default), apex's ``fp16_utils.DynamicLossScaler`` and apex's
-``amp.scaler.LossScaler`` (used by apex's FP16_Optimizer from 2019 on).
+:class:`LossScale` holds a dynamic loss scale and its trackers as 0-dim device tensors and
+updates them with device ops only, so a training loop never waits for the device to learn
+whether a step overflowed. Contract::
+
+    ls = LossScale(init_scale, rule="torch" | "apex" | "apex_amp", ...)
+    ls.materialize(device)          # the device state, built once from the host values
+    ls.update(found_inf)            # one step of the rule; device ops only
+    ls.get_scale(), ls.skipped_steps(), ...   # host reads, for logging and checkpoints
+
+The pieces, one module each:
+
+* :mod:`fp16kit.core.scale_rules` -- the rules, one object each, with their pseudo-code:
+  torch's ``GradScaler`` (the default), apex's ``fp16_utils.DynamicLossScaler`` and apex's
+  ``amp.scaler.LossScaler`` (used by apex's FP16_Optimizer from 2019 on), plus hysteresis
+  and min/max bounds, which all three share;
+* :mod:`fp16kit.core.skip_counter` -- the skipped-step counts;
+* :mod:`fp16kit.core.floor` -- the policy for overflows at ``min_scale``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
-from collections import deque
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 
-__all__ = ["LossScale", "Rule", "FloorPolicy", "RULES", "FLOOR_POLICIES"]
+from .floor import FLOOR_POLICIES, FloorPolicy, FloorWatch
+from .floor import LaggedReader as _LaggedReader  # noqa: F401  older pickles name it here
+from .scale_rules import RULES, Rule, ScaleRule, rule_named
+from .skip_counter import SkipCounter
 
-logger = logging.getLogger("fp16kit")
+__all__ = ["LossScale", "ScaleState", "Rule", "FloorPolicy", "RULES", "FLOOR_POLICIES"]
 
-Rule = Literal["torch", "apex", "apex_amp"]
-FloorPolicy = Literal["ignore", "warn", "raise"]
-RULES: tuple[str, ...] = ("torch", "apex", "apex_amp")
-FLOOR_POLICIES: tuple[str, ...] = ("ignore", "warn", "raise")
-
-_STATE_KEYS = (
-    "scale",
-    "growth_tracker",
-    "hysteresis_tracker",
-    "rule",
+_SETTINGS = (
     "growth_factor",
     "backoff_factor",
     "growth_interval",
@@ -39,86 +43,75 @@ _STATE_KEYS = (
     "max_scale",
     "on_min_scale",
 )
+_STATE_KEYS = ("scale", "growth_tracker", "hysteresis_tracker", "rule", *_SETTINGS)
+
+
+@dataclass
+class ScaleState:
+    """Everything a :class:`LossScale` keeps on the device. :meth:`LossScale.materialize`
+    builds it whole from the host values; pickling drops it whole (``ScaleState()``).
+
+    The three tensors are also LossScale attributes that code written for torch's GradScaler
+    assigns one by one, before the first ``scale()`` too, so each may be None or a tensor
+    set from outside, as torch's ``_scale`` and ``_growth_tracker`` may."""
+
+    scale: torch.Tensor | None = None  # dtype
+    growth_tracker: torch.Tensor | None = None  # int32: clean updates counted by the rule
+    hysteresis_tracker: torch.Tensor | None = None  # int32: overflows still tolerated
+    skips: SkipCounter | None = None
+    floor: FloorWatch | None = None
+
+
+class _DeviceField:
+    """A LossScale attribute that reads and writes the field of the same name in its
+    :class:`ScaleState`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> _DeviceField: ...
+
+    @overload
+    def __get__(self, obj: LossScale, objtype: type | None = None) -> torch.Tensor | None: ...
+
+    def __get__(self, obj: LossScale | None, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(obj._device_state, self.name)
+
+    def __set__(self, obj: LossScale, value: torch.Tensor | None) -> None:
+        setattr(obj._device_state, self.name, value)
 
 
 class LossScale:
     """A dynamic loss scale whose state lives on the device and updates without a host sync.
 
-    State (0-dim tensors on one device, created by :meth:`materialize` -- lazily, so a scaler
-    can be built before the device of the loss is known)::
+    State: a :class:`ScaleState` (``scale`` in ``dtype`` -- float32; float64 where
+    Python-float arithmetic must be reproduced bit for bit, as in apex's scalers -- the int32
+    ``growth_tracker`` and ``hysteresis_tracker``, the skip counts and the floor watch),
+    created by :meth:`materialize` -- lazily, so a scaler can be built before the device of
+    the loss is known. Until then, and in a pickle, the host values ``init_scale``,
+    ``init_growth_tracker`` and ``init_hysteresis_tracker`` stand for it.
 
-        scale               dtype (float32; float64 where Python-float arithmetic must be
-                            reproduced bit for bit, as in apex's scalers)
-        growth_tracker      int32  clean updates counted by the rule (see below)
-        hysteresis_tracker  int32  overflows still tolerated before backing off
-        skipped, consecutive int64 updates that saw an overflow, in total / in a row
+    ``update(found_inf)`` applies the rule named by ``rule`` (``found_inf`` != 0 means the
+    step overflowed and was skipped): see :mod:`fp16kit.core.scale_rules` for each rule's
+    pseudo-code, and for hysteresis (``hysteresis = N`` tolerates N - 1 overflows between
+    growths) and the bounds, which all rules share. The settings are read at every update,
+    so assigning e.g. ``growth_factor`` takes effect at the next one.
 
-    ``update(found_inf)`` applies one of three rules (``found_inf`` != 0 means the step
-    overflowed and was skipped). In every rule, with ``hysteresis = H`` (default 1)::
+    Bounds: the initial scale starts inside ``[min_scale, max_scale]`` unless the rule says
+    otherwise (apex's era-1 scaler started where it was told). ``set_scale`` and
+    ``load_state_dict`` set exactly the value given: bounds govern the rule's own moves.
 
-        on overflow:  hysteresis_tracker = max(hysteresis_tracker - 1, 0)
-                      back off only if hysteresis_tracker == 0
-        on growth:    hysteresis_tracker = H
-        floor:        a back-off never goes below min_scale (when given)
-
-    so H = 1 backs off at every overflow; H = N tolerates N - 1 overflows between growths
-    (Megatron-LM's and DeepSpeed's hysteresis).
-
-    ``rule="torch"`` -- torch.amp.GradScaler (``torch._amp_update_scale_``)::
-
-        if overflow:
-            growth_tracker = 0
-            if backing off: scale = max(scale * backoff_factor, min_scale)
-        else:
-            growth_tracker += 1
-            if growth_tracker == growth_interval:
-                growth_tracker = 0
-                new = min(scale * growth_factor, max_scale)
-                if isfinite(new): scale = new          # never grow to inf
-
-    ``rule="apex"`` -- apex.fp16_utils.DynamicLossScaler (``growth_factor`` is apex's
-    ``scale_factor``, ``growth_interval`` its ``scale_window``; growth_tracker equals
-    apex's ``cur_iter - last_overflow_iter - 1``; ``min_scale`` defaults to 1)::
-
-        if overflow:
-            growth_tracker = 0
-            if backing off: scale = max(scale / growth_factor, min_scale)
-        else:
-            growth_tracker += 1                        # not reset on growth: a modulo rule
-            if growth_tracker % growth_interval == 0:
-                scale = min(scale * growth_factor, max_scale)    # no cap by default
-
-    ``rule="apex_amp"`` -- apex.amp.scaler.LossScaler, driven by apex's FP16_Optimizer
-    (``max_scale`` defaults to 2**24 -- ``float("inf")`` for no cap -- and a ``min_scale`` of
-    0 means none, as in apex)::
-
-        if overflow:
-            growth_tracker = 0
-            if backing off: scale = max(scale / growth_factor, min_scale)
-        else:
-            growth_tracker += 1
-        if growth_tracker == growth_interval:          # checked after either branch
-            growth_tracker = 0
-            scale = min(scale * growth_factor, max_scale)
-
-    Products and quotients are taken in float64 and rounded once to ``dtype``, which is what
-    torch's kernel does (float scale times double factor) and what Python floats did in apex.
-
-    Bounds: the initial scale is clamped into ``[min_scale, max_scale]`` (not with the apex
-    rule, whose scaler started where it was told). ``set_scale`` and ``load_state_dict`` set
-    exactly the value given: bounds govern the rule's own moves.
-
-    Floor policy (``on_min_scale``; needs a floor): when a step overflows while the scale is
-    already at ``min_scale`` the scaler cannot adapt any more -- the loss is probably not
-    finite at any scale. ``"warn"`` logs a warning, ``"raise"`` raises ``FloatingPointError``
-    (after the update completes). The check reads a device counter through a pinned host
-    copy and an event, so it never blocks: on CPU it reports in the same ``update()``, on a
-    GPU as soon as the copy has landed (usually by the next ``update()``).
+    Floor policy (``on_min_scale``; needs a floor): see :mod:`fp16kit.core.floor`.
 
     Hot path: with the torch rule, ``hysteresis=1`` and no bounds, ``update`` is torch's own
-    fused ``_amp_update_scale_`` plus three tiny ops for the counters; otherwise a handful of
+    fused ``_amp_update_scale_`` plus one tiny op for the skip count; otherwise a handful of
     0-dim ``torch.where`` ops. No ``.item()``, ``bool()`` or ``float()`` of a tensor.
     """
+
+    scale = _DeviceField()
+    growth_tracker = _DeviceField()
+    hysteresis_tracker = _DeviceField()
 
     def __init__(
         self,
@@ -135,17 +128,12 @@ class LossScale:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        if rule == "apex" and min_scale is None:
-            min_scale = 1.0
-        if rule == "apex_amp":
-            if not min_scale:
-                min_scale = None  # apex tested `if self._min_loss_scale:`, so 0 meant no floor
-            if max_scale is None:
-                max_scale = 2.0**24
+        scale_rule = rule_named(rule)
+        min_scale, max_scale = scale_rule.bounds(min_scale, max_scale)
         if max_scale is not None and max_scale == math.inf:
             max_scale = None  # no cap
         _validate_settings(
-            rule=rule,
+            scale_rule,
             growth_interval=growth_interval,
             hysteresis=hysteresis,
             min_scale=min_scale,
@@ -153,10 +141,8 @@ class LossScale:
             on_min_scale=on_min_scale,
         )
         if dtype not in (torch.float32, torch.float64):
-            raise ValueError(
-                f"LossScale dtype must be torch.float32 or torch.float64, got {dtype}."
-            )
-        self.rule: str = rule
+            raise ValueError(f"LossScale dtype must be torch.float32 or torch.float64, got {dtype}.")
+        self.rule: str = rule  # the name, not the object: checkpoints store it
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
@@ -166,36 +152,12 @@ class LossScale:
         self.on_min_scale: str = on_min_scale
         self.dtype = dtype
 
-        # Host values used until the tensors exist (and after unpickling). The initial scale
-        # starts inside the bounds (apex's amp scaler took min(max_loss_scale, init_scale));
-        # apex's fp16_utils scaler started where it was told.
-        if rule != "apex":
-            if self.max_scale is not None and init_scale > self.max_scale:
-                init_scale = self.max_scale
-            if self.min_scale is not None and init_scale < self.min_scale:
-                init_scale = self.min_scale
-        self.init_scale = init_scale
+        self.init_scale = scale_rule.initial_scale(init_scale, self.min_scale, self.max_scale)
         self.init_growth_tracker = 0
         self.init_hysteresis_tracker = hysteresis
         self._init_skipped = 0
         self._init_consecutive = 0
-
-        self.scale: torch.Tensor | None = None
-        self.growth_tracker: torch.Tensor | None = None
-        self.hysteresis_tracker: torch.Tensor | None = None
-        self._skipped: torch.Tensor | None = None
-        self._consecutive: torch.Tensor | None = None
-        # The found-inf flags of the last updates, counted into _skipped/_consecutive every
-        # _HISTORY updates or when read: one device op per update instead of four.
-        self._history: torch.Tensor | None = None
-        self._slots: list[torch.Tensor] = []
-        self._recorded = 0
-        self._last_slot: torch.Tensor | None = None  # the flag of the last update
-        # update() may run on the optimizer thread while the main thread reads the counters
-        self._count_lock = threading.Lock()
-        self._floor_hits: torch.Tensor | None = None
-        self._floor_reader = _LaggedReader()
-        self._floor_hits_reported = 0
+        self._device_state = ScaleState()
         if device is not None:
             self.materialize(device)
 
@@ -209,24 +171,17 @@ class LossScale:
         return None if self.scale is None else self.scale.device
 
     def materialize(self, device: torch.device | str) -> None:
-        """Create the state tensors on ``device`` from the host values (once)."""
+        """Build the device state on ``device`` from the host values (once: a no-op while a
+        scale exists, also one assigned from outside)."""
         if self.scale is not None:
             return
-        self.scale = torch.full((), self.init_scale, dtype=self.dtype, device=device)
-        self.growth_tracker = torch.full(
-            (), self.init_growth_tracker, dtype=torch.int32, device=device
+        self._device_state = ScaleState(
+            scale=torch.full((), self.init_scale, dtype=self.dtype, device=device),
+            growth_tracker=torch.full((), self.init_growth_tracker, dtype=torch.int32, device=device),
+            hysteresis_tracker=torch.full((), self.init_hysteresis_tracker, dtype=torch.int32, device=device),
+            skips=SkipCounter(device, skipped=self._init_skipped, consecutive=self._init_consecutive),
+            floor=FloorWatch(device),
         )
-        self.hysteresis_tracker = torch.full(
-            (), self.init_hysteresis_tracker, dtype=torch.int32, device=device
-        )
-        self._skipped = torch.full((), self._init_skipped, dtype=torch.int64, device=device)
-        self._consecutive = torch.full(
-            (), self._init_consecutive, dtype=torch.int64, device=device
-        )
-        self._history = torch.zeros(_HISTORY, dtype=torch.float32, device=device)
-        self._slots = list(self._history.unbind(0))
-        self._recorded = 0
-        self._floor_hits = torch.zeros((), dtype=torch.int64, device=device)
 
     def _require(self, what: str) -> torch.Tensor:
         if self.scale is None:
@@ -238,14 +193,8 @@ class LossScale:
 
     # ------------------------------------------------------------------ the rule
     @property
-    def _is_torch_fast_path(self) -> bool:
-        return (
-            self.rule == "torch"
-            and self.hysteresis == 1
-            and self.min_scale is None
-            and self.max_scale is None
-            and self.dtype == torch.float32
-        )
+    def _rule(self) -> ScaleRule:
+        return rule_named(self.rule)
 
     def update(
         self, found_inf: torch.Tensor | bool, *, used_scale: torch.Tensor | None = None
@@ -261,106 +210,31 @@ class LossScale:
 
         so one overflowing scale is never backed off twice. Equal to the current scale, this
         is the plain rule."""
-        scale = self._require("update")
+        device = self._require("update").device
+        state = self._device_state
         if not isinstance(found_inf, torch.Tensor):
-            found_inf = torch.full((), float(bool(found_inf)), device=scale.device)
-        found_inf = found_inf.to(device=scale.device, dtype=torch.float32, non_blocking=True)
+            found_inf = torch.full((), float(bool(found_inf)), device=device)
+        found_inf = found_inf.to(device=device, dtype=torch.float32, non_blocking=True)
         if used_scale is not None:
-            self._update_generic(found_inf != 0, used_scale.to(device=scale.device, dtype=torch.float64))
-        elif self._is_torch_fast_path:
-            torch._amp_update_scale_(
-                scale,
-                self.growth_tracker,
-                found_inf,
-                self.growth_factor,
-                self.backoff_factor,
-                self.growth_interval,
-            )
-        else:
+            self._update_generic(found_inf != 0, used_scale.to(device=device, dtype=torch.float64))
+        elif not self._rule.update_fused(state, found_inf, self):
             self._update_generic(found_inf != 0)
-        with self._count_lock:
-            self._last_slot = self._slots[self._recorded]
-            self._last_slot.copy_(found_inf)
-            self._recorded += 1
-            if self._recorded == _HISTORY:
-                self._count_skips()
-        self._poll_floor()
-
-    def _count_skips(self) -> None:
-        """Fold the recorded flags into the counters (device ops, no sync; under the lock)::
-
-            skipped     += number of overflowing updates
-            consecutive  = overflows after the last clean update, or consecutive + n if none
-        """
-        n = self._recorded
-        if n == 0:
-            return
-        assert self._history is not None and self._skipped is not None and self._consecutive is not None
-        overflow = self._history[:n] != 0
-        self._skipped.add_(overflow.sum())
-        positions = torch.arange(n, device=overflow.device)
-        last_clean = torch.where(overflow, -1, positions).max()
-        self._consecutive.copy_(torch.where(last_clean >= 0, n - 1 - last_clean, self._consecutive + n))
-        self._recorded = 0
+        assert state.skips is not None and state.floor is not None
+        state.skips.record(found_inf)
+        state.floor.report(self.on_min_scale, self.min_scale)
 
     def _update_generic(self, found: torch.Tensor, used: torch.Tensor | None = None) -> None:
-        assert self.scale is not None and self.growth_tracker is not None
-        assert self.hysteresis_tracker is not None
-        s = self.scale.double()
-        hyst = torch.where(found, (self.hysteresis_tracker - 1).clamp_min(0), self.hysteresis_tracker)
-        backoff = found & (hyst == 0)
-
-        base = s if used is None else used
-        backed = base * self.backoff_factor if self.rule == "torch" else base / self.growth_factor
-        if used is not None:
-            backed = torch.minimum(backed, s)
-        if self.min_scale is not None:
-            backed = backed.clamp_min(self.min_scale)
-        after_backoff = torch.where(backoff, backed, s)
-
-        counted = torch.where(found, 0, self.growth_tracker + 1)
-        if self.rule == "torch":
-            grow = ~found & (counted == self.growth_interval)
-        elif self.rule == "apex":
-            grow = ~found & (counted % self.growth_interval == 0)
-        else:  # apex_amp
-            grow = counted == self.growth_interval
-        grown = after_backoff * self.growth_factor
-        if self.max_scale is not None:
-            grown = grown.clamp_max(self.max_scale)
-        apply_growth = grow
-        if self.rule == "torch":  # torch never grows the (float32) scale to inf
-            apply_growth = grow & torch.isfinite(grown.to(self.dtype))
-        new_scale = torch.where(apply_growth, grown, after_backoff)
-        new_tracker = counted if self.rule == "apex" else torch.where(grow, 0, counted)
-        new_hyst = torch.where(grow, self.hysteresis, hyst)
-
+        state = self._device_state
+        step = self._rule.step(state, found, self, used_scale=used)  # reads this update's settings
         if self.on_min_scale != "ignore":
-            assert self.min_scale is not None and self._floor_hits is not None
-            self._floor_hits.add_(backoff & (s <= self.min_scale))
-            self._floor_reader.push(self._floor_hits)
-        self.scale.copy_(new_scale)
-        self.growth_tracker.copy_(new_tracker)
-        self.hysteresis_tracker.copy_(new_hyst)
-
-    # ------------------------------------------------------------------ floor policy
-    def _poll_floor(self) -> None:
-        if self.on_min_scale == "ignore":
-            return
-        hits = self._floor_reader.poll()
-        if hits is None or hits <= self._floor_hits_reported:
-            return
-        new = hits - self._floor_hits_reported
-        self._floor_hits_reported = hits
-        msg = (
-            f"Gradients overflowed {new} more time(s) with the loss scale already at its floor "
-            f"(min_scale={self.min_scale:g}): the loss is probably exploding, not just "
-            "overflowing fp16. Try a lower learning rate, gradient clipping, checking the "
-            "inputs for inf/NaN, or training in bfloat16."
-        )
-        if self.on_min_scale == "raise":
-            raise FloatingPointError(msg)
-        logger.warning(msg)
+            assert self.min_scale is not None and state.floor is not None
+            # before the copy-back: with a float64 scale, scale_before *is* the scale tensor
+            state.floor.count(step.backed_off, step.scale_before, self.min_scale)
+        assert state.scale is not None and state.growth_tracker is not None
+        assert state.hysteresis_tracker is not None
+        state.scale.copy_(step.scale)
+        state.growth_tracker.copy_(step.growth_tracker)
+        state.hysteresis_tracker.copy_(step.hysteresis_tracker)
 
     # ------------------------------------------------------------------ reads and writes
     def snapshot(self) -> torch.Tensor:
@@ -405,23 +279,18 @@ class LossScale:
     def last_found_inf(self) -> torch.Tensor | None:
         """0-dim bool device tensor: did the last :meth:`update` see an overflow? (no sync);
         None before the first update."""
-        return None if self._last_slot is None else self._last_slot != 0
+        skips = self._device_state.skips
+        return None if skips is None else skips.last_found_inf()
 
     def skipped_steps(self) -> int:
         """Updates that saw an overflow since construction (host read)."""
-        if self._skipped is None:
-            return self._init_skipped
-        with self._count_lock:
-            self._count_skips()
-            return int(self._skipped.item())
+        skips = self._device_state.skips
+        return self._init_skipped if skips is None else skips.skipped()
 
     def consecutive_skipped_steps(self) -> int:
         """Overflowing updates in a row, up to the last one (host read)."""
-        if self._consecutive is None:
-            return self._init_consecutive
-        with self._count_lock:
-            self._count_skips()
-            return int(self._consecutive.item())
+        skips = self._device_state.skips
+        return self._init_consecutive if skips is None else skips.consecutive()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -431,60 +300,15 @@ class LossScale:
             "growth_tracker": self.get_growth_tracker(),
             "hysteresis_tracker": self.get_hysteresis_tracker(),
             "rule": self.rule,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "hysteresis": self.hysteresis,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "on_min_scale": self.on_min_scale,
+            **{key: getattr(self, key) for key in _SETTINGS},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output. Everything is checked before anything changes:
         a missing or unknown key or a bad setting raises ``ValueError`` naming it."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(
-                f"LossScale.load_state_dict expects a dict from LossScale.state_dict(), "
-                f"got {type(state_dict).__name__}."
-            )
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        unknown = [k for k in state_dict if k not in _STATE_KEYS]
-        if missing or unknown:
-            raise ValueError(
-                "LossScale state dict does not match: "
-                + (f"missing keys {missing}" if missing else "")
-                + ("; " if missing and unknown else "")
-                + (f"unknown keys {unknown}" if unknown else "")
-                + ". Pass the dict returned by LossScale.state_dict()."
-            )
-        if state_dict["rule"] != self.rule:
-            raise ValueError(
-                f"LossScale state dict was saved with rule={state_dict['rule']!r} but this "
-                f"scale uses rule={self.rule!r}; build LossScale(rule={state_dict['rule']!r}) "
-                "to load it."
-            )
-        _validate_settings(
-            rule=self.rule,
-            growth_interval=state_dict["growth_interval"],
-            hysteresis=state_dict["hysteresis"],
-            min_scale=state_dict["min_scale"],
-            max_scale=state_dict["max_scale"],
-            on_min_scale=state_dict["on_min_scale"],
-        )
-        for key in ("scale", "growth_factor", "backoff_factor"):
-            if not _is_number(state_dict[key]):
-                raise ValueError(f"LossScale state dict: {key} must be a number, got {state_dict[key]!r}.")
-        for key in ("growth_tracker", "hysteresis_tracker", "growth_interval"):
-            if not _is_number(state_dict[key]) or float(state_dict[key]) != int(state_dict[key]):
-                raise ValueError(f"LossScale state dict: {key} must be an integer, got {state_dict[key]!r}.")
-        self.growth_factor = state_dict["growth_factor"]
-        self.backoff_factor = state_dict["backoff_factor"]
-        self.growth_interval = state_dict["growth_interval"]
-        self.hysteresis = state_dict["hysteresis"]
-        self.min_scale = state_dict["min_scale"]
-        self.max_scale = state_dict["max_scale"]
-        self.on_min_scale = state_dict["on_min_scale"]
+        _check_state_dict(state_dict, self.rule)
+        for key in _SETTINGS:
+            setattr(self, key, state_dict[key])
         self.init_scale = state_dict["scale"]
         if self.scale is not None:
             self.scale.fill_(state_dict["scale"])
@@ -492,35 +316,22 @@ class LossScale:
         self.set_hysteresis_tracker(state_dict["hysteresis_tracker"])
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickle host values only; the tensors are re-created lazily on the next materialize()
-        # (torch's GradScaler pickles the same way, and CUDA events cannot be pickled).
+        # Host values only; the device state is re-created on the next materialize() (torch's
+        # GradScaler pickles the same way, and locks and CUDA events cannot be pickled).
         state = self.__dict__.copy()
         state["init_scale"] = self.init_scale if self.scale is None else self.scale.item()
         state["init_growth_tracker"] = self.get_growth_tracker()
         state["init_hysteresis_tracker"] = self.get_hysteresis_tracker()
         state["_init_skipped"] = self.skipped_steps()
         state["_init_consecutive"] = self.consecutive_skipped_steps()
-        for name in (
-            "scale",
-            "growth_tracker",
-            "hysteresis_tracker",
-            "_skipped",
-            "_consecutive",
-            "_history",
-            "_last_slot",
-            "_floor_hits",
-        ):
-            state[name] = None
-        state["_slots"] = []
-        state["_recorded"] = 0
-        state["_count_lock"] = None
-        state["_floor_reader"] = _LaggedReader()
-        state["_floor_hits_reported"] = 0
+        state["_device_state"] = ScaleState()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_device_state" not in state:  # pickled before the device state was one record
+            state = {k: v for k, v in state.items() if k not in _OLD_DEVICE_FIELDS}
+            state["_device_state"] = ScaleState()
         self.__dict__.update(state)
-        self._count_lock = threading.Lock()
 
     def __repr__(self) -> str:
         where = "lazy" if self.scale is None else str(self.scale.device)
@@ -533,29 +344,66 @@ class LossScale:
         )
 
 
-_HISTORY = 64  # updates between two folds of the skip counters (LossScale._count_skips)
+# What a LossScale pickled by fp16kit before ScaleState held in its __dict__ (all None or empty).
+_OLD_DEVICE_FIELDS = (
+    "scale", "growth_tracker", "hysteresis_tracker", "_skipped", "_consecutive", "_history",
+    "_slots", "_recorded", "_last_slot", "_count_lock", "_floor_hits", "_floor_reader",
+    "_floor_hits_reported",
+)
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _check_state_dict(state_dict: Any, rule: str) -> None:
+    if not isinstance(state_dict, dict):
+        raise TypeError(
+            f"LossScale.load_state_dict expects a dict from LossScale.state_dict(), "
+            f"got {type(state_dict).__name__}."
+        )
+    missing = [k for k in _STATE_KEYS if k not in state_dict]
+    unknown = [k for k in state_dict if k not in _STATE_KEYS]
+    if missing or unknown:
+        raise ValueError(
+            "LossScale state dict does not match: "
+            + (f"missing keys {missing}" if missing else "")
+            + ("; " if missing and unknown else "")
+            + (f"unknown keys {unknown}" if unknown else "")
+            + ". Pass the dict returned by LossScale.state_dict()."
+        )
+    if state_dict["rule"] != rule:
+        raise ValueError(
+            f"LossScale state dict was saved with rule={state_dict['rule']!r} but this "
+            f"scale uses rule={rule!r}; build LossScale(rule={state_dict['rule']!r}) "
+            "to load it."
+        )
+    _validate_settings(
+        rule_named(rule),
+        growth_interval=state_dict["growth_interval"],
+        hysteresis=state_dict["hysteresis"],
+        min_scale=state_dict["min_scale"],
+        max_scale=state_dict["max_scale"],
+        on_min_scale=state_dict["on_min_scale"],
+    )
+    for key in ("scale", "growth_factor", "backoff_factor"):
+        if not _is_number(state_dict[key]):
+            raise ValueError(f"LossScale state dict: {key} must be a number, got {state_dict[key]!r}.")
+    for key in ("growth_tracker", "hysteresis_tracker", "growth_interval"):
+        if not _is_number(state_dict[key]) or float(state_dict[key]) != int(state_dict[key]):
+            raise ValueError(f"LossScale state dict: {key} must be an integer, got {state_dict[key]!r}.")
+
+
 def _validate_settings(
+    rule: ScaleRule,
     *,
-    rule: str,
     growth_interval: Any,
     hysteresis: Any,
     min_scale: Any,
     max_scale: Any,
     on_min_scale: Any,
 ) -> None:
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}.")
-    if rule == "apex" and (not isinstance(growth_interval, int) or growth_interval < 1):
-        raise ValueError(
-            f"The apex rule grows the scale every `scale_window` clean steps (a modulo), so "
-            f"scale_window must be an int >= 1, got {growth_interval!r}."
-        )
+    rule.check(growth_interval)
     if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
         raise ValueError(
             f"hysteresis must be an int >= 1 (1 backs off at every overflow), got {hysteresis!r}."
@@ -579,41 +427,3 @@ def _validate_settings(
             f"on_min_scale={on_min_scale!r} needs a floor to watch: also pass min_scale "
             "(the smallest scale you accept, e.g. min_scale=1.0)."
         )
-
-
-class _LaggedReader:
-    """Reads a small device tensor on the host without ever waiting for the device.
-
-    ``push(t)`` starts a copy of ``t`` into host memory: on CUDA pinned, non-blocking and
-    followed by an event; elsewhere a plain copy. ``poll()`` returns the value of the newest
-    copy that has landed, or None if none has. Values are counters, so a newer copy
-    supersedes the older ones still in flight.
-    """
-
-    _MAX_PENDING = 16
-
-    def __init__(self) -> None:
-        self._pending: deque[tuple[torch.Tensor, Any]] = deque()
-
-    def push(self, t: torch.Tensor) -> None:
-        if t.device.type == "cuda":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending.append((host, event))
-        else:
-            self._pending.append((t.to("cpu", copy=True), None))
-        while len(self._pending) > self._MAX_PENDING:
-            self._pending.popleft()
-
-    def poll(self) -> int | None:
-        value: int | None = None
-        while self._pending:
-            host, event = self._pending[0]
-            if event is not None and not event.query():
-                break
-            self._pending.popleft()
-            value = int(host.item())  # a landed host copy: no device sync
-        return value
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import pickle
 import random
@@ -9,7 +10,8 @@ import random
 import pytest
 import torch
 
-from fp16kit.core.scale import LossScale
+from fp16kit.core.scale import LossScale, ScaleState
+from fp16kit.core.scale_rules import ApexAmpRule, ApexRule, TorchRule
 
 INF, OK = True, False
 
@@ -63,7 +65,7 @@ def test_generic_path_matches_fused_torch_op(seed):
     slow = LossScale(fast.init_scale, growth_factor=gf, backoff_factor=bf, growth_interval=gi)
     fast.materialize("cpu")
     slow.materialize("cpu")
-    assert fast._is_torch_fast_path
+    assert TorchRule().fuses(fast)
     seq = [rng.random() < 0.3 for _ in range(200)]
     for o in seq:
         found = torch.tensor(1.0 if o else 0.0)
@@ -363,3 +365,99 @@ def test_skip_counters_are_exact_while_another_thread_updates():
     worker.join()
     assert ls.skipped_steps() == sum(pattern)
     assert ls.consecutive_skipped_steps() == 1  # 999 % 3 == 0
+
+
+# ---------------------------------------------------------------- the device record
+def test_pickling_drops_the_device_record_as_a_unit():
+    ls = LossScale(16.0, hysteresis=2, min_scale=1.0, on_min_scale="warn", device="cpu")
+    run(ls, [INF, OK, INF, INF])
+    state = ls.__getstate__()
+    assert state["_device_state"] == ScaleState()  # every field empty: nothing device-side left
+    assert not any(isinstance(v, torch.Tensor) for v in state.values())
+    assert (state["init_scale"], state["init_growth_tracker"], state["init_hysteresis_tracker"]) == (
+        ls.get_scale(), ls.get_growth_tracker(), ls.get_hysteresis_tracker()
+    )
+    assert (state["_init_skipped"], state["_init_consecutive"]) == (3, 2)
+    assert ls.is_materialized  # pickling did not touch the original
+
+
+def test_copy_shares_no_tensor_and_rebuilds_the_whole_record():
+    ls = LossScale(16.0, device="cpu")
+    run(ls, [INF, OK])
+    dup = copy.copy(ls)
+    assert not dup.is_materialized and dup.last_found_inf() is None
+    assert dup.skipped_steps() == 1 and dup.get_scale() == 8.0
+    dup.materialize("cpu")
+    assert dup.scale is not ls.scale and dup.growth_tracker is not ls.growth_tracker
+    dup.update(True)
+    assert ls.get_scale() == 8.0 and dup.get_scale() == 4.0
+    assert (ls.skipped_steps(), dup.skipped_steps()) == (1, 2)
+
+
+def test_tensor_attributes_can_be_assigned_as_in_torch():
+    # torch's GradScaler code assigns _scale/_growth_tracker (views of these) directly
+    ls = LossScale(8.0)
+    tracker = torch.tensor(5, dtype=torch.int32)
+    ls.growth_tracker = tracker
+    assert ls.growth_tracker is tracker and ls.get_growth_tracker() == 5 and not ls.is_materialized
+    scale = torch.tensor(4.0)
+    ls.scale = scale
+    assert ls.scale is scale and ls.is_materialized and ls.device == torch.device("cpu")
+    ls.materialize("cpu")  # an assigned scale counts: nothing is rebuilt
+    assert ls.scale is scale and ls.growth_tracker is tracker
+
+    ls = LossScale(8.0, device="cpu")
+    mine = torch.tensor(2.0)
+    ls.scale = mine
+    ls.update(False)  # updates the assigned tensor in place
+    assert ls.scale is mine and ls.get_scale() == 2.0 and ls.get_growth_tracker() == 1
+
+
+def test_settings_assigned_after_construction_apply_at_the_next_update():
+    ls = LossScale(8.0, growth_interval=4, device="cpu")
+    ls.growth_interval, ls.growth_factor, ls.backoff_factor = 1, 3.0, 0.25
+    ls.update(False)
+    assert ls.get_scale() == 24.0
+    ls.update(True)
+    assert ls.get_scale() == 6.0
+
+
+def test_each_rule_name_picks_its_rule_object_and_stays_a_string():
+    for name, cls in [("torch", TorchRule), ("apex", ApexRule), ("apex_amp", ApexAmpRule)]:
+        ls = LossScale(rule=name)
+        assert ls.rule == name and type(ls._rule) is cls
+        assert ls.state_dict()["rule"] == name
+
+
+# A LossScale pickled by fp16kit before its device state was one record (commit f9d784f):
+# 16.0, hysteresis=2, min_scale=1.0, on_min_scale="warn", after updates INF, OK, INF, INF.
+_OLD_PICKLE = (
+    b'\x80\x04\x95`\x02\x00\x00\x00\x00\x00\x00\x8c\x12fp16kit.core.scale\x94\x8c\tLossSc'
+    b'ale\x94\x93\x94)\x81\x94}\x94(\x8c\x04rule\x94\x8c\x05torch\x94\x8c\rgrowth_fact'
+    b'or\x94G@\x00\x00\x00\x00\x00\x00\x00\x8c\x0ebackoff_factor\x94G?\xe0\x00\x00\x00\x00\x00\x00\x8c\x0f'
+    b'growth_interval\x94M\xd0\x07\x8c\nhysteresis\x94K\x02\x8c\tmin_'
+    b'scale\x94G?\xf0\x00\x00\x00\x00\x00\x00\x8c\tmax_scale\x94N\x8c\x0con_min_sca'
+    b'le\x94\x8c\x04warn\x94\x8c\x05dtype\x94\x8c\x05torch\x94\x8c\x07float32\x94\x93\x94\x8c\n'
+    b'init_scale\x94G@\x10\x00\x00\x00\x00\x00\x00\x8c\x13init_growth_tracke'
+    b'r\x94K\x00\x8c\x17init_hysteresis_tracker\x94K\x00\x8c\r_init_'
+    b'skipped\x94K\x03\x8c\x11_init_consecutive\x94K\x02\x8c\x05scale\x94'
+    b'N\x8c\x0egrowth_tracker\x94N\x8c\x12hysteresis_tracker\x94'
+    b'N\x8c\x08_skipped\x94N\x8c\x0c_consecutive\x94N\x8c\x08_history\x94'
+    b'N\x8c\x06_slots\x94]\x94\x8c\t_recorded\x94K\x00\x8c\n_last_slot\x94N'
+    b'\x8c\x0b_count_lock\x94N\x8c\x0b_floor_hits\x94N\x8c\r_floor_r'
+    b'eader\x94h\x00\x8c\r_LaggedReader\x94\x93\x94)\x81\x94}\x94\x8c\x08_pendin'
+    b'g\x94\x8c\x0bcollections\x94\x8c\x05deque\x94\x93\x94)R\x94sb\x8c\x14_floor_'
+    b'hits_reported\x94K\x00ub.'
+)
+
+
+def test_unpickles_a_loss_scale_pickled_before_the_record():
+    ls = pickle.loads(_OLD_PICKLE)
+    assert not ls.is_materialized and ls.scale is None and ls.last_found_inf() is None
+    assert (ls.get_scale(), ls.get_hysteresis_tracker(), ls.skipped_steps(), ls.consecutive_skipped_steps()) == (
+        4.0, 0, 3, 2
+    )
+    assert not ({"scale", "_skipped", "_floor_reader", "_count_lock"} & set(vars(ls)))
+    ls.materialize("cpu")
+    ls.update(True)
+    assert (ls.get_scale(), ls.skipped_steps(), ls.consecutive_skipped_steps()) == (2.0, 4, 3)
