@@ -16,6 +16,10 @@
         UNSCALED but the model grads changed since: an error if a scaler unscaled them
             (clipping model.parameters() after scaler.unscale_), else read them again
         HANDED_OFF: check the raw grads at scale 1;  MODEL_GRADS: read them at scale 1
+    for_async_step(state, scale, ...)       # before a step is submitted to the thread
+        the flags of grads already in the masters (scaler.unscale_ ran; or clip_grad_norm_
+        read them at scale 1: with a scale they are unscaled there now), or None: the model
+        grads are handed off to the job
     closure(state, fn)                      # an LBFGS-style step: each evaluation of fn
         re-reads the grads at scale 1; non-finite ones raise FloatingPointError (a step
         cannot be skipped inside the optimizer); from the second evaluation on, the model
@@ -118,3 +122,31 @@ class MasterGrads:
             return loss
 
         return wrapped
+
+    def for_async_step(
+        self,
+        state: StepState,
+        scale: torch.Tensor | None,
+        reduce: Callable[[Flags], Flags] | None,
+        unscaled_flags: Flags | None,
+    ) -> Flags | None:
+        if unscaled_flags is not None:  # the scaler unscaled them: they must still be there
+            if not state.in_masters:
+                raise RuntimeError(
+                    "scaler.unscale_(optimizer) ran this iteration, but the optimizer's gradients "
+                    "were reset since (zero_grad() or load_state_dict()). Call zero_grad() before "
+                    "the backward, then scaler.unscale_(optimizer) and scaler.step(optimizer)."
+                )
+            self.ensure(state)  # raises if the model grads changed since
+            return unscaled_flags
+        if state.in_masters and state.current(self._masters.model_params):
+            if scale is not None and not state.by_scaler:
+                # clip_grad_norm_ read (and clipped) the scaled grads at scale 1: unscale them
+                # there, as the scaler's unscale_ would have
+                flags = self.read(state, kernels.inv_scale(scale), kernels.new_found_inf(scale.device), by_scaler=True)
+                return reduce(flags) if reduce is not None else flags
+            return state.flags
+        if state.in_masters and state.by_scaler:
+            self.ensure(state)  # raises: the model grads changed after scaler.unscale_
+        state.reset()
+        return None

@@ -236,29 +236,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     ) -> Flags:
         """``scaler.step(opt)`` with ``async_step=True``: check the grads on their device,
         submit the step, return its flags (the scaler's update uses them on the device)."""
-        state = self._step
-        if unscaled_flags is not None:
-            if not state.in_masters:
-                raise RuntimeError(
-                    "scaler.unscale_(optimizer) ran this iteration, but the optimizer's gradients "
-                    "were reset since (zero_grad() or load_state_dict()). Call zero_grad() before "
-                    "the backward, then scaler.unscale_(optimizer) and scaler.step(optimizer)."
-                )
-            self._grads.ensure(state)  # raises if the model grads changed since
-        elif state.in_masters and state.current(self._masters.model_params):
-            # clip_grad_norm_ read the scaled grads at scale 1 (and clipped them): unscale
-            # them in the masters now, as a scaler's unscale_ would have
-            device = scale.device
-            flags = self._grads.read(state, kernels.inv_scale(scale), kernels.new_found_inf(device), by_scaler=True)
-            unscaled_flags = reduce(flags)
-        else:
-            state.reset()  # grads read at scale 1 before a new backward: read them again
-            self._refresh()
-        return self._submit_async(state, scale=scale, reduce=reduce, flags=unscaled_flags)
+        return self._submit_async(self._step, scale=scale, reduce=reduce, unscaled_flags=unscaled_flags)
 
     def _submit_async(
-        self, state: StepState, *, scale: torch.Tensor | None, reduce: Any, flags: Flags | None = None
+        self, state: StepState, *, scale: torch.Tensor | None, reduce: Any, unscaled_flags: Flags | None = None
     ) -> Flags:
+        flags = self._grads.for_async_step(state, scale, reduce, unscaled_flags)
+        if flags is None:
+            self._refresh()
         flags = self._async.step(state, scale=scale, reduce=reduce, flags=flags)
         state.reset()
         return flags
@@ -308,10 +293,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                     "optimizer thread, but a closure must re-evaluate the model now. Build the "
                     "MixedPrecisionOptimizer with async_step=False for LBFGS-style optimizers."
                 )
-            if state.in_masters:  # scaler.unscale_(opt) (and clipping) came first
-                self._grads.ensure(state)
-            else:
-                self._refresh()
             self._submit_async(state, scale=None, reduce=None)
             return None
         if closure is not None:
