@@ -47,6 +47,7 @@ both exactly and leaves the model params to ``model.load_state_dict``
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -129,7 +130,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._async = AsyncSteps(self, self._masters, self._groups, thread, refresh=self._refresh)
         self._grads = MasterGrads(self._masters, self._groups, self._before_grads)
         self._step = StepState()  # the main thread's; a step job has its own
-        self._warned_unscaled_step = False
+        self._warned_unscaled_step = threading.Event()  # set once, from either thread
         for group in optimizer.param_groups:
             self._groups.adopt(group)
         if optimizer.state:
@@ -316,9 +317,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             state.stepped()
 
     def _warn_if_scaled(self) -> None:
-        if self._warned_unscaled_step or not scaled_iterations.any_open():
+        if self._warned_unscaled_step.is_set() or not scaled_iterations.any_open():
             return
-        self._warned_unscaled_step = True
+        self._warned_unscaled_step.set()
         logger.warning(
             "MixedPrecisionOptimizer.step() was called directly while a GradScaler has scaled a "
             "loss it has not updated yet: these gradients are probably still multiplied by the "
@@ -337,9 +338,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         into the model (on the optimizer thread the next landing does). ``grad_scale`` /
         ``found_inf`` go to a fused optimizer (which unscales and skips on the device). No
         unscale, no check: the building block of :meth:`step`."""
-        self._async.apply_deferred()
-        inner = self.optimizer
         on_thread = self._async.on_optimizer_thread()
+        if not on_thread:  # (a job's were applied before it was submitted)
+            self._async.apply_deferred()
+        inner = self.optimizer
         groups = self._async.job().groups if on_thread else None
         view = None if groups is None else StepView(inner, groups)
         if view is not None:
