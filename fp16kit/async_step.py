@@ -100,6 +100,7 @@ class AsyncSteps:
         self._masters = masters
         self._groups = groups
         self._thread = thread
+        self._default_thread = thread is None  # follow fp16kit.optimizer_thread() when it is re-made
         # main thread only
         self.inflight: Future | None = None
         self._land_pending = False  # the masters are newer than the model params
@@ -112,8 +113,8 @@ class AsyncSteps:
 
     @property
     def thread(self) -> OptimizerThread:
-        if self._thread is None:
-            self._thread = optimizer_thread()
+        if self._thread is None or (self._default_thread and self._thread.closed and self.inflight is None):
+            self._thread = optimizer_thread()  # the default one, made anew after a shutdown
         return self._thread
 
     @staticmethod
@@ -231,7 +232,9 @@ class AsyncSteps:
         error: callers raised those before handing anything off."""
         if self.inflight is not None:
             raise RuntimeError("internal: a step job is already in flight; call land() first")
-        groups = snapshot(self._opt.optimizer.param_groups) if StepView.applies_to(self._opt.optimizer) else None
+        groups = None
+        if StepView.applies_to(self._opt.optimizer):
+            groups = snapshot(self._opt.optimizer.param_groups, leave_out=self._groups.watched_ids())
         _note_step_taken(self._opt)
         self.inflight = self.thread.enqueue(self._run, (StepJob(groups=groups), job, args), step=step)
         return self.inflight
@@ -241,6 +244,11 @@ class AsyncSteps:
         waiting for it) or another job's on the shared thread -- while nothing has changed."""
         self.wait()
         self.thread.raise_pending_error()
+        if self.thread.closed:
+            raise RuntimeError(
+                f"{self.thread.name}, this optimizer's thread, was shut down: build the "
+                "MixedPrecisionOptimizer with a running OptimizerThread (thread=...)."
+            )
 
     # ------------------------------------------------------------------ mode 1, main thread
     def check_grads(self, *, reduce: Reduce | None = None, land: bool = True) -> Flags:
@@ -262,13 +270,15 @@ class AsyncSteps:
         scale: torch.Tensor | None,
         reduce: Reduce | None,
         flags: Flags | None = None,
+        missing_grads: str = "none",
     ) -> Flags:
         """A mode-1 step from the main thread, by ``step()`` or ``scaler.step(opt)`` (``scale``:
         the scale this iteration's loss was multiplied by; None without a scaler). ``state``
         is the main thread's step state: when the masters already hold this step's unscaled
         grads (``scaler.unscale_(opt)``, ``clip_grad_norm_``), only the skip decision and the
         step are left (``flags``: the scaler's, reduced over its process group; default: the
-        state's). Returns this step's flags (for the scaler's update); reads none."""
+        state's; ``missing_grads``: see :meth:`submit`). Returns this step's flags (for the
+        scaler's update); reads none."""
         if state.in_masters:
             on_skip = log_skipped_step if scale is None else None
             flags = state.flags if flags is None else flags
@@ -280,9 +290,9 @@ class AsyncSteps:
         flags = self.check_grads(reduce=reduce)
         found = self._found(flags)
         if scale is None:  # no scaler: the grads as they are
-            self._submit(kernels.one(self._groups.grad_device()), found, on_skip=log_skipped_step)
+            self._submit(kernels.one(self._groups.grad_device()), found, missing_grads, log_skipped_step)
         else:  # the update after this step changes the scale in place: keep its value
-            self._submit(None, found, scale=scale.clone())
+            self._submit(None, found, missing_grads, scale=scale.clone())
         return flags
 
     def submit(
@@ -331,7 +341,7 @@ class AsyncSteps:
             )
 
     # ------------------------------------------------------------------ mode 2, main thread
-    def submit_step(self, fn: Callable[[], Any], *, scaler: Any) -> Future:
+    def submit_step(self, fn: Callable[[], Any], *, scaler: Any, missing_grads: str = "none") -> Future:
         """Mode 2 (see ``MixedPrecisionOptimizer.submit_step``). Everything is checked, and
         pending errors raised, before anything is handed off."""
         if not callable(fn):
@@ -352,10 +362,10 @@ class AsyncSteps:
             )
         self._prepare()
         if scaler is not None:
-            scaler.bind(self.thread)
+            scaler.bind(self.thread, step_follows=True)
         self.land()
         handoff = self._hand_off()
-        return self._enqueue(self._submitted_job, handoff, fn, step=True)
+        return self._enqueue(self._submitted_job, handoff, fn, missing_grads, step=True)
 
     # ------------------------------------------------------------------ optimizer thread
     def _run(self, job: StepJob, fn: Callable[..., Any], args: tuple) -> Any:
@@ -415,10 +425,12 @@ class AsyncSteps:
             and len({m.device for m in self._masters.masters}) == 1
         )
 
-    def _submitted_job(self, state: StepState, handoff: Handoff, fn: Callable[[], Any]) -> Any:
+    def _submitted_job(self, state: StepState, handoff: Handoff, fn: Callable[[], Any], missing_grads: str) -> Any:
         """Mode 2: the raw grads into the master grads (copied, still scaled), then ``fn``."""
         grads = receive(handoff)
-        self._masters.grads_to_masters(None, None, grads=grads, unscale=False)
+        if missing_grads == "zero":
+            self._masters.zero_grad(False, model=False)
+        self._masters.grads_to_masters(None, None, grads=grads, unscale=False, clear_missing=missing_grads == "none")
         state.handed_off()
         return fn()
 

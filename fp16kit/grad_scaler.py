@@ -193,19 +193,19 @@ class GradScaler(torch.amp.GradScaler):
         self.__dict__["_opt_states"] = value
 
     # -------------------------------------------------------------- the optimizer thread
-    def bind(self, thread: OptimizerThread) -> None:
+    def bind(self, thread: OptimizerThread, *, step_follows: bool = False) -> None:
         """Run this scaler's steps on ``thread`` (spec/async.md, mode 2): ``scale()`` and
         ``update()`` stay on the main thread, ``step()`` runs in the jobs there, each side
         seeing its own scale (see :mod:`fp16kit.scaler_thread`). ``opt.submit_step(fn,
-        scaler=scaler)`` calls this, before it hands anything off. Before the first ``scale()``
-        the binding is made there. Binding to the same thread again only checks the call
-        order (a step submitted since the last ``update()`` raises RuntimeError); binding to
-        another thread raises RuntimeError."""
+        scaler=scaler)`` calls this with ``step_follows=True`` before it hands anything off: a
+        second submitted step with no ``update()`` since the last one raises RuntimeError.
+        Before the first ``scale()`` the binding is made there. Binding to the same thread
+        again does nothing; to another raises RuntimeError."""
         if not isinstance(thread, OptimizerThread):
             raise TypeError(f"bind() takes an fp16kit.OptimizerThread, got {type(thread).__name__}.")
         binding = self._threads.bind(thread, self._loss_scale, mark=thread.steps)
-        if binding is not None:
-            binding.check_step_order()
+        if binding is not None and step_follows:
+            binding.submitting()
 
     @property
     def _threads(self) -> ScalerThreads:
@@ -690,7 +690,8 @@ class GradScaler(torch.amp.GradScaler):
         # A copy starts unbound, from the optimizer thread's scale (a binding holds a thread).
         state.pop("_thread_side", None)
         if self._enabled:
-            if len(self._per_optimizer_states) != 0:
+            binding = self._threads.binding  # bound: a step recorded on the thread counts too
+            if len(self._per_optimizer_states) != 0 or (binding is not None and binding.mid_iteration()):
                 raise AssertionError(
                     "A GradScaler instance may only be pickled at the beginning "
                     "of an iteration, or at the end after scaler.update()."

@@ -23,12 +23,23 @@ __all__ = ["MatchedMasters", "check_state_dict", "match_saved_masters", "validat
 
 STATE_KEYS = ("optimizer", "masters")
 
-# State entries torch's optimizers keep with the shape of their param (others -- Adam's step,
-# Adafactor's factored rows and columns -- have shapes of their own and are not compared).
+# State entries torch's optimizers keep with the shape of their param, or (Adafactor's factored
+# second moments) a shape made from it; others (Adam's step...) are not compared.
 PARAM_SHAPED_STATE = frozenset({
     "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "grad_avg",
-    "acc_delta", "sum", "ax", "prev", "step_size", "exp_inf",
+    "acc_delta", "sum", "ax", "prev", "step_size", "exp_inf", "variance",
 })
+
+
+def _state_shape(name: str, shape: torch.Size) -> tuple[int, ...] | None:
+    if name in PARAM_SHAPED_STATE:
+        return tuple(shape)
+    if name in ("row_var", "col_var") and len(shape) >= 2:  # torch.optim.Adafactor
+        dim = -1 if name == "row_var" else -2
+        factored = list(shape)
+        factored[dim] = 1
+        return tuple(factored)
+    return None
 
 
 def validate_optimizer_groups(saved: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -60,7 +71,8 @@ def validate_optimizer_groups(saved: Any, optimizer: torch.optim.Optimizer) -> N
             if not isinstance(entry, dict):
                 continue
             for name, value in entry.items():
-                if name in PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != param.shape:
+                expected = _state_shape(name, param.shape)
+                if expected is not None and isinstance(value, torch.Tensor) and value.shape != expected:
                     raise ValueError(
                         f"Param group {gi}, param {i}: the checkpoint's optimizer state "
                         f"{name!r} has shape {tuple(value.shape)}, the param has shape "
@@ -118,7 +130,9 @@ def match_saved_masters(
             raise ValueError(
                 f"Param group {gi}: the checkpoint has {len(s)} master tensors, this optimizer has "
                 f"{len(g.masters)} masters ({len(low)} fp16/bf16 params, {len(trainable)} trainable "
-                "params) in that group: it was written for a different model or param groups."
+                "params) in that group: it was written for a different model or param groups -- "
+                "or params were frozen or unfrozen since it was saved (freeze the same params "
+                "before loading)."
             )
         for i, (t, target) in enumerate(targets + later):
             if not isinstance(t, torch.Tensor) or t.shape != target.shape:

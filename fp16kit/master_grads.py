@@ -20,8 +20,9 @@
         the flags of grads already in the masters (scaler.unscale_ ran; or clip_grad_norm_
         read them at scale 1: with a scale they are unscaled there now), or None: the model
         grads are handed off to the job
-    closure(state, fn)                      # an LBFGS-style step: each evaluation of fn
-        re-reads the grads at scale 1; non-finite ones raise FloatingPointError (a step
+    closure(state, fn)                      # an LBFGS-style step: each evaluation of fn that
+        ran a backward re-reads the grads at scale 1 (one that did not -- torch's
+        scaler.step(opt, closure) -- keeps the unscaled ones); non-finite ones raise FloatingPointError (a step
         cannot be skipped inside the optimizer); from the second evaluation on, the model
         first gets the masters' current values
 
@@ -52,9 +53,22 @@ class MasterGrads:
         self._masters = masters
         self._groups = groups
         self._before_write = before_write
+        self.missing = "none"  # main thread only: see zeroed()
 
-    def transfer(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool = True) -> Flags:
+    def zeroed(self, set_to_none: bool) -> None:
+        """``zero_grad(set_to_none)`` on the main thread while the model grads are handed off
+        (asynchronous steps): applied to the masters at the next transfer -- with
+        ``set_to_none=False`` a master whose param gets no grad keeps a zero grad and is
+        stepped (momentum, weight decay), as torch steps a zeroed grad; with True it has none
+        and is skipped."""
+        self.missing = "none" if set_to_none else "zero"
+
+    def transfer(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool | None = None) -> Flags:
         self._before_write()
+        if clear_missing is None:  # as the last zero_grad() said
+            if self.missing == "zero":
+                self._masters.zero_grad(False, model=False)
+            clear_missing = self.missing == "none"
         return kernels.merge_found_inf(
             self._masters.grads_to_masters(inv_scale, found_inf, clear_missing=clear_missing),
             kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),
@@ -111,8 +125,9 @@ class MasterGrads:
             first[0] = False
             with torch.enable_grad():
                 loss = closure()
-            state.reset()
-            self.ensure(state)
+            if not state.current(self._masters.model_params):
+                state.reset()  # the closure ran a backward: its grads, at scale 1
+            self.ensure(state)  # (no backward, e.g. after scaler.unscale_: the masters' stand)
             combined = state.found_inf(self._groups.flag_device())
             if combined is not None and combined.item():
                 raise FloatingPointError(

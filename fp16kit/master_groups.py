@@ -127,6 +127,10 @@ class MasterGroups:
                 for k, v in moved.items()
             }
 
+    def watched_ids(self) -> set[int]:
+        """The ids of the watched (frozen when adopted, not adopted since) params."""
+        return {id(p) for g in self.groups for p in g.watched}
+
     def direct_params(self) -> list[torch.Tensor]:
         return [p for g in self.groups for p in g.direct]
 

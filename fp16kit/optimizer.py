@@ -166,6 +166,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         params = param_group["params"]
         param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         self._groups.check(param_group["params"])
+        known = {id(p) for p in self._masters.model_params} | {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in known for p in param_group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group")
         self.wait_for_step()  # the step in flight reads the groups and the masters
         self.optimizer.add_param_group(param_group)
         self._groups.adopt(self.optimizer.param_groups[-1])
@@ -245,7 +248,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         flags = self._grads.for_async_step(state, scale, reduce, unscaled_flags)
         if flags is None:
             self._refresh()
-        flags = self._async.step(state, scale=scale, reduce=reduce, flags=flags)
+        flags = self._async.step(state, scale=scale, reduce=reduce, flags=flags, missing_grads=self._grads.missing)
         state.reset()
         return flags
 
@@ -260,6 +263,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             self.optimizer.zero_grad(set_to_none)
         else:
             self._masters.zero_grad(set_to_none, masters=False)
+            self._grads.zeroed(set_to_none)
         self._state().reset()
 
     def clip_grad_norm_(
@@ -335,7 +339,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         found_inf: torch.Tensor | None = None,
     ) -> Any:
         """Step the wrapped optimizer on the master grads as they are, then copy the masters
-        into the model (on the optimizer thread the next landing does). ``grad_scale`` /
+        into the model (in a step job of this optimizer, the next landing does; a step run on
+        the thread for a waiting main thread -- a bound scaler's -- copies them there). ``grad_scale`` /
         ``found_inf`` go to a fused optimizer (which unscales and skips on the device). No
         unscale, no check: the building block of :meth:`step`."""
         on_thread = self._async.on_optimizer_thread()
@@ -357,7 +362,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                     delattr(inner, name)
             if view is not None:
                 view.write_back()
-        if not on_thread:
+        if not (on_thread and self._async.running is not None):
             self._masters.masters_to_model()
         return ret
 
@@ -410,7 +415,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         to this optimizer's thread now (``scaler.bind(opt.thread)``), so ``scaler.update()``
         right after this call knows its step runs there. Without it the scaler binds itself
         when that is unambiguous (see :mod:`fp16kit.scaler_thread`)."""
-        fut = self._async.submit_step(fn, scaler=scaler)
+        fut = self._async.submit_step(fn, scaler=scaler, missing_grads=self._grads.missing)
         self._step.reset()
         return fut
 

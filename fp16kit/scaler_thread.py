@@ -84,6 +84,7 @@ class ThreadBinding:
         # Steps enqueued on the thread up to the last update(); None: not known (bound from
         # inside a job, the first update cannot tell which of the jobs so far were steps).
         self.mark = mark
+        self.submitted = False  # a submit_step(fn, scaler=) since the last update() (main only)
         self.lock = threading.Lock()
         self._refresh = refresh
 
@@ -132,6 +133,12 @@ class ThreadBinding:
                 raise RuntimeError("internal: GradScaler iteration records out of order")
             self.records.popleft()
 
+    def mid_iteration(self) -> bool:
+        """Main thread, after waiting for the thread: was a step submitted or recorded that no
+        ``update()`` has consumed yet? (Then the scaler may not be pickled, as torch's.)"""
+        with self.lock:
+            return self.submitted or any(len(r.states) for r in self.records)
+
     def reset(self, scale: torch.Tensor) -> None:
         """After a load or a new scale: forget the records, start from ``scale`` on both sides."""
         with self.lock:
@@ -140,6 +147,7 @@ class ThreadBinding:
         self.forward_scale.copy_(scale)
         self.last_update = None
         self.mark = self.thread.steps
+        self.submitted = False
 
     # ------------------------------------------------------------------ main-thread calls
     def run_there(self, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any) -> None:
@@ -152,14 +160,15 @@ class ThreadBinding:
         """Main thread: queue ``fn`` behind the pending jobs (a setting for later steps)."""
         self.thread.submit(fn, *args)
 
-    def check_step_order(self) -> None:
-        """Main thread, before a step is handed to the thread: refuse a second step with no
-        ``update()`` since the last one (nothing has been handed off yet)."""
-        if self.mark is not None and self.thread.steps > self.mark:
+    def submitting(self) -> None:
+        """Main thread, before ``submit_step(fn, scaler=)`` hands anything off: refuse a
+        second submitted step with no ``update()`` since the last one."""
+        if self.submitted:
             raise RuntimeError(
                 "A step was already submitted since the last scaler.update(): call "
                 "scaler.update() once after each submitted step. " + _ORDER
             )
+        self.submitted = True
 
     def update(self, is_async: bool) -> None:
         """Main thread: ``scaler.update()`` (see the module docstring). The waits come before
@@ -173,6 +182,7 @@ class ThreadBinding:
         record = self._close_open()
         self.last_update = self.thread.enqueue(self._update_job, (record,))
         self.mark = self.thread.steps
+        self.submitted = False
         if not is_async:
             self._publish(self.last_update)
 

@@ -20,6 +20,7 @@ or its ``step`` was replaced on the object) steps its live groups, read when the
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -27,10 +28,21 @@ import torch
 __all__ = ["StepView", "snapshot", "write_back"]
 
 
-def snapshot(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The param groups' values now: the params lists stay shared; tensor values (an lr
-    tensor, which LR schedulers update in place) are copied."""
-    return [{k: v if k == "params" else _frozen(v) for k, v in g.items()} for g in groups]
+def snapshot(groups: list[dict[str, Any]], *, leave_out: Collection[int] = ()) -> list[dict[str, Any]]:
+    """The param groups' values now: tensor values (an lr tensor, which LR schedulers update in
+    place) are copied; the params lists stay shared -- or, when ``leave_out`` names params (by
+    id), are copied without them (params frozen at submit time: unfrozen while the job runs,
+    they belong to the next step)."""
+    return [
+        {k: _params(v, leave_out) if k == "params" else _frozen(v) for k, v in g.items()}
+        for g in groups
+    ]
+
+
+def _params(params: list[torch.Tensor], leave_out: Collection[int]) -> list[torch.Tensor]:
+    if not leave_out:
+        return params
+    return [p for p in params if id(p) not in leave_out]
 
 
 def _frozen(value: Any) -> Any:

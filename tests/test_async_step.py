@@ -311,3 +311,74 @@ def test_ctrl_c_while_update_waits_leaves_the_scaler_usable(thread, monkeypatch)
 
     (a, sa), (b, sb) = run(True), run(False)
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and sa == sb
+
+
+def test_zero_grad_without_none_steps_params_with_no_grad_as_sync():
+    # zero_grad(set_to_none=False): a param that gets no grad this iteration keeps a zero grad
+    # and is stepped (SGD momentum moves it on), as torch and synchronous mode do. Grads that
+    # do not depend on the weights make the delayed update equal the synchronous one.
+    runs = []
+    for async_step in (False, True):
+        a = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        b = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        opt = MixedPrecisionOptimizer(torch.optim.SGD([a, b], lr=0.1, momentum=0.9), async_step=async_step)
+        for i in range(4):
+            opt.zero_grad(set_to_none=False)
+            loss = (a * 2.0).float().sum() + ((b * 3.0).float().sum() if i == 0 else 0.0)
+            loss.backward()
+            opt.step()
+        opt.synchronize()
+        runs.append((a.detach().clone(), b.detach().clone()))
+    (a0, b0), (a1, b1) = runs
+    assert torch.equal(a0, a1) and torch.equal(b0, b1)
+    assert not torch.equal(b0, torch.full((3,), 0.7, dtype=torch.bfloat16))  # momentum moved it on
+
+
+def test_a_shut_down_thread_refuses_before_the_hand_off():
+    model = _net()
+    t = OptimizerThread()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True, thread=t)
+    _loss(model, 0).backward()
+    opt.step()
+    opt.synchronize()
+    t.shutdown()
+    _loss(model, 1).backward()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        opt.step()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_default_thread_made_anew_after_a_shutdown_is_followed():
+    import fp16kit
+
+    model = _net()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    _loss(model, 0).backward()
+    opt.step()
+    opt.synchronize()
+    fp16kit.optimizer_thread().shutdown()
+    _loss(model, 1).backward()
+    opt.step()  # on the new default thread
+    opt.synchronize()
+    assert opt.thread is fp16kit.optimizer_thread() and not opt.thread.closed
+
+
+def test_scaler_step_with_a_positional_closure_matches_torch():
+    # torch refuses only closure= as a keyword; a positional closure reaches optimizer.step,
+    # which must step the grads the scaler unscaled (not re-read the scaled model grads).
+    torch.manual_seed(0)
+    model, ref = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler, ref_scaler = GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    for i in range(3):
+        rets = []
+        for m, o, s in ((model, opt, scaler), (ref, ref_opt, ref_scaler)):
+            o.zero_grad()
+            s.scale(_loss(m, i)).backward()
+            rets.append(s.step(o, lambda: torch.tensor(7.0)))
+            s.update()
+        assert torch.equal(rets[0], rets[1])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

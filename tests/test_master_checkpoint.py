@@ -46,3 +46,9 @@ def test_state_of_other_shapes_is_not_compared():
     # Adafactor's factored rows/columns have shapes of their own: same model, loads fine.
     saved = _trained(3, torch.optim.Adafactor).state_dict()
     _trained(3, torch.optim.Adafactor).load_state_dict(saved)
+
+
+def test_adafactor_factored_state_of_another_model_is_refused():
+    saved = _trained(3, torch.optim.Adafactor).state_dict()
+    with pytest.raises(ValueError, match=r"Param group 0, param 2: .*'row_var'"):
+        _trained(5, torch.optim.Adafactor).load_state_dict(saved)

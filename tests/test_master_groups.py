@@ -169,3 +169,44 @@ def test_frozen_params_stay_watched_not_mastered():
     assert len(opt.master_params) == 2  # nothing unfrozen: nothing adopted
     assert copy.copy(opt.groups[0].watched)[0] is model[2].weight
     assert fp16kit.MixedPrecisionOptimizer is MixedPrecisionOptimizer
+
+
+def test_a_param_unfrozen_while_a_step_runs_is_left_to_the_next_step():
+    # Asynchronously, the job in flight steps what was trainable when it was submitted: a
+    # param unfrozen meanwhile (its grad is the next step's, still scaled) is not touched by
+    # the worker -- the next step adopts it, unscaled through its master.
+    import threading
+
+    gate = threading.Event()
+
+    class GatedSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            assert gate.wait(10)
+            return super().step(closure)
+
+    a = nn.Parameter(torch.ones(4, dtype=torch.half))
+    b = nn.Parameter(torch.ones(4, dtype=torch.half), requires_grad=False)
+    opt = MixedPrecisionOptimizer(GatedSGD([a, b], lr=0.1), async_step=True)
+    scaler = GradScaler("cpu", init_scale=1024.0)
+    x = torch.ones(4, dtype=torch.half)
+    scaler.scale((a * x).float().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    b.requires_grad_(True)
+    opt.zero_grad()
+    scaler.scale(((a + b) * x).float().sum()).backward()  # b's grad: 1024, scaled
+    gate.set()
+    opt.wait_for_step()
+    assert torch.equal(b, torch.ones(4, dtype=torch.half))  # the job left it alone
+    scaler.step(opt)
+    scaler.update()
+    opt.synchronize()
+    assert torch.equal(b, torch.full((4,), 0.9, dtype=torch.half))  # one unscaled step
+
+
+def test_add_param_group_refuses_a_param_already_optimized():
+    model = _net(torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model[0].weight]})
+    assert len(opt.param_groups) == 1 and len(opt.master_params) == 4

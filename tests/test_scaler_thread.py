@@ -165,3 +165,59 @@ def test_no_warning_through_the_scaler_or_without_one(caplog):
         _loss(model, 5).backward()
         opt.step()  # no scaler iteration open: fine
     assert not [r for r in caplog.records if "scaler.step(optimizer)" in r.getMessage()]
+
+
+def test_a_bound_scaler_steps_another_optimizer_on_the_thread_and_lands_it(threads):
+    # scaler.step(opt) from the main thread of a bound scaler runs on the thread; an optimizer
+    # with masters must still update its model (it moved only the masters).
+    thread = threads()
+    runs = []
+    for bound in (True, False):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", thread=thread)
+        scaler = GradScaler("cpu")
+        if bound:
+            scaler.bind(opt.thread)
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+            scaler.step(opt)
+            scaler.update(is_async=False)
+        opt.synchronize()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+    assert not torch.equal(runs[0][0], nn.Linear(3, 1).weight)  # it trained
+
+
+def test_a_routed_step_then_a_submitted_step_is_one_iteration(threads):
+    # One scaler for two optimizers: B stepped through the bound scaler, A submitted. Not "a
+    # step was already submitted" -- that refers to submit_step alone.
+    thread = threads()
+    model_a, model_b = _net(seed=0), _net(seed=1)
+    opt_a = MixedPrecisionOptimizer(torch.optim.SGD(model_a.parameters(), lr=0.1), master_device="cpu", thread=thread)
+    opt_b = MixedPrecisionOptimizer(torch.optim.SGD(model_b.parameters(), lr=0.1), master_device="cpu", thread=thread)
+    scaler = GradScaler("cpu", init_scale=2.0**8)
+    scaler.bind(thread)
+    for i in range(3):
+        opt_b.zero_grad()
+        scaler.scale(_loss(model_a, i) + _loss(model_b, i)).backward()
+        scaler.step(opt_b)
+        opt_a.submit_step(lambda: (scaler.step(opt_a), opt_a.zero_grad()), scaler=scaler)
+        scaler.update()
+    opt_a.synchronize()
+
+
+def test_a_bound_scaler_cannot_be_pickled_mid_iteration(threads):
+    import pickle
+
+    thread = threads()
+    model = _net()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", thread=thread)
+    scaler = GradScaler("cpu")
+    scaler.scale(_loss(model, 0)).backward()
+    opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()), scaler=scaler)
+    with pytest.raises(AssertionError, match="may only be pickled"):
+        pickle.dumps(scaler)
+    scaler.update()
+    assert pickle.loads(pickle.dumps(scaler)).get_scale() == scaler.get_scale()
