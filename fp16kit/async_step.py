@@ -244,6 +244,14 @@ class AsyncSteps:
         waiting for it) or another job's on the shared thread -- while nothing has changed."""
         self.wait()
         self.thread.raise_pending_error()
+        if self._groups.watched_ids() and not StepView.applies_to(self._opt.optimizer):
+            raise RuntimeError(
+                "This optimizer's step() was replaced on the object (or its param_groups is a "
+                "property), so an asynchronous step must step its live param groups -- which hold "
+                "frozen params the worker would step with their scaled grads if they were "
+                "unfrozen while the job runs. Keep frozen params out of the optimizer, wrap step "
+                "in a subclass instead of on the object, or use async_step=False."
+            )
         if self.thread.closed:
             raise RuntimeError(
                 f"{self.thread.name}, this optimizer's thread, was shut down: build the "
@@ -362,7 +370,7 @@ class AsyncSteps:
             )
         self._prepare()
         if scaler is not None:
-            scaler.bind(self.thread, step_follows=True)
+            scaler.bind(self.thread, step_of=self._opt)
         self.land()
         handoff = self._hand_off()
         return self._enqueue(self._submitted_job, handoff, fn, missing_grads, step=True)

@@ -193,19 +193,20 @@ class GradScaler(torch.amp.GradScaler):
         self.__dict__["_opt_states"] = value
 
     # -------------------------------------------------------------- the optimizer thread
-    def bind(self, thread: OptimizerThread, *, step_follows: bool = False) -> None:
+    def bind(self, thread: OptimizerThread, *, step_of: Any = None) -> None:
         """Run this scaler's steps on ``thread`` (spec/async.md, mode 2): ``scale()`` and
         ``update()`` stay on the main thread, ``step()`` runs in the jobs there, each side
         seeing its own scale (see :mod:`fp16kit.scaler_thread`). ``opt.submit_step(fn,
-        scaler=scaler)`` calls this with ``step_follows=True`` before it hands anything off: a
-        second submitted step with no ``update()`` since the last one raises RuntimeError.
+        scaler=scaler)`` calls this with ``step_of=opt`` before it hands anything off: a second
+        submitted step of ``opt`` with no ``update()`` since its last one raises RuntimeError.
         Before the first ``scale()`` the binding is made there. Binding to the same thread
-        again does nothing; to another raises RuntimeError."""
+        again does nothing; to another raises RuntimeError -- unless the bound thread was
+        shut down: then the scaler moves to the new one."""
         if not isinstance(thread, OptimizerThread):
             raise TypeError(f"bind() takes an fp16kit.OptimizerThread, got {type(thread).__name__}.")
         binding = self._threads.bind(thread, self._loss_scale, mark=thread.steps)
-        if binding is not None and step_follows:
-            binding.submitting()
+        if binding is not None and step_of is not None:
+            binding.submitting(step_of)
 
     @property
     def _threads(self) -> ScalerThreads:

@@ -49,15 +49,18 @@ __all__ = ["MasterGrads"]
 class MasterGrads:
     """Moves a step's grads into the masters (see the module docstring)."""
 
-    def __init__(self, masters: MasterParams, groups: MasterGroups, before_write: Callable[[], None]) -> None:
+    def __init__(
+        self, masters: MasterParams, groups: MasterGroups, before_write: Callable[[], None], *, hands_off: bool
+    ) -> None:
         self._masters = masters
         self._groups = groups
         self._before_write = before_write
+        self._hands_off = hands_off  # every step hands the model grads off (async_step)
         self.missing = "none"  # main thread only: see zeroed()
 
     def zeroed(self, set_to_none: bool) -> None:
-        """``zero_grad(set_to_none)`` on the main thread while the model grads are handed off
-        (asynchronous steps): applied to the masters at the next transfer -- with
+        """``zero_grad(set_to_none)`` on the main thread, for model grads that are handed off
+        (asynchronous steps, submit_step): applied to the masters at the next transfer -- with
         ``set_to_none=False`` a master whose param gets no grad keeps a zero grad and is
         stepped (momentum, weight decay), as torch steps a zeroed grad; with True it has none
         and is skipped."""
@@ -66,9 +69,11 @@ class MasterGrads:
     def transfer(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool | None = None) -> Flags:
         self._before_write()
         if clear_missing is None:  # as the last zero_grad() said
-            if self.missing == "zero":
+            # (without hand-offs a zeroed model grad is there to be copied: nothing to do)
+            zero = self._hands_off and self.missing == "zero"
+            if zero:
                 self._masters.zero_grad(False, model=False)
-            clear_missing = self.missing == "none"
+            clear_missing = not zero
         return kernels.merge_found_inf(
             self._masters.grads_to_masters(inv_scale, found_inf, clear_missing=clear_missing),
             kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),

@@ -128,7 +128,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self.async_step = async_step
         self._groups = MasterGroups(optimizer, self._masters, all_masters=all_masters, late=unfrozen)
         self._async = AsyncSteps(self, self._masters, self._groups, thread, refresh=self._refresh)
-        self._grads = MasterGrads(self._masters, self._groups, self._before_grads)
+        self._grads = MasterGrads(self._masters, self._groups, self._before_grads, hands_off=async_step)
         self._step = StepState()  # the main thread's; a step job has its own
         self._warned_unscaled_step = threading.Event()  # set once, from either thread
         for group in optimizer.param_groups:
@@ -164,11 +164,13 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise TypeError("add_param_group expects a dict with a 'params' entry.")
         params = param_group["params"]
-        param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._groups.check(param_group["params"])
+        param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._groups.check(params)
         known = {id(p) for p in self._masters.model_params} | {id(p) for g in self.param_groups for p in g["params"]}
-        if any(id(p) in known for p in param_group["params"]):
+        if any(id(p) in known for p in params):
             raise ValueError("some parameters appear in more than one parameter group")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("The new param group holds a param twice: list each param once.")
         self.wait_for_step()  # the step in flight reads the groups and the masters
         self.optimizer.add_param_group(param_group)
         self._groups.adopt(self.optimizer.param_groups[-1])
@@ -257,13 +259,17 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         """Clear the grads of the model's fp16/bf16 params, their masters and the other params.
         With asynchronous steps each thread clears its own: on the main thread the model's
         grads (the job in flight owns the master grads), on the optimizer thread the masters'."""
-        on_thread = self._async.on_optimizer_thread()
-        if on_thread or not (self.async_step or self._async.inflight is not None):
-            self._masters.zero_grad(set_to_none, model=not on_thread)
-            self.optimizer.zero_grad(set_to_none)
-        else:
+        if self._async.on_optimizer_thread():
+            # the masters' and direct params' only: a watched (frozen-when-wrapped) param's
+            # grad belongs to the main thread's next step
+            kernels.clear_grads_([*self._masters.masters, *self._groups.direct_params()], set_to_none=set_to_none)
+        elif self.async_step or self._async.inflight is not None:
             self._masters.zero_grad(set_to_none, masters=False)
-            self._grads.zeroed(set_to_none)
+        else:
+            self._masters.zero_grad(set_to_none)
+            self.optimizer.zero_grad(set_to_none)
+        if not self._async.on_optimizer_thread():
+            self._grads.zeroed(set_to_none)  # for grads handed off to a job (master_grads)
         self._state().reset()
 
     def clip_grad_norm_(

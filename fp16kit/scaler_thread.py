@@ -84,7 +84,9 @@ class ThreadBinding:
         # Steps enqueued on the thread up to the last update(); None: not known (bound from
         # inside a job, the first update cannot tell which of the jobs so far were steps).
         self.mark = mark
-        self.submitted = False  # a submit_step(fn, scaler=) since the last update() (main only)
+        # ids of the optimizers that submit_step(fn, scaler=) submitted since the last
+        # update() (main thread only)
+        self.submitted: set[int] = set()
         self.lock = threading.Lock()
         self._refresh = refresh
 
@@ -137,7 +139,7 @@ class ThreadBinding:
         """Main thread, after waiting for the thread: was a step submitted or recorded that no
         ``update()`` has consumed yet? (Then the scaler may not be pickled, as torch's.)"""
         with self.lock:
-            return self.submitted or any(len(r.states) for r in self.records)
+            return bool(self.submitted) or any(len(r.states) for r in self.records)
 
     def reset(self, scale: torch.Tensor) -> None:
         """After a load or a new scale: forget the records, start from ``scale`` on both sides."""
@@ -147,7 +149,7 @@ class ThreadBinding:
         self.forward_scale.copy_(scale)
         self.last_update = None
         self.mark = self.thread.steps
-        self.submitted = False
+        self.submitted = set()
 
     # ------------------------------------------------------------------ main-thread calls
     def run_there(self, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any) -> None:
@@ -160,15 +162,15 @@ class ThreadBinding:
         """Main thread: queue ``fn`` behind the pending jobs (a setting for later steps)."""
         self.thread.submit(fn, *args)
 
-    def submitting(self) -> None:
+    def submitting(self, optimizer: Any) -> None:
         """Main thread, before ``submit_step(fn, scaler=)`` hands anything off: refuse a
-        second submitted step with no ``update()`` since the last one."""
-        if self.submitted:
+        second submitted step of ``optimizer`` with no ``update()`` since its last one."""
+        if id(optimizer) in self.submitted:
             raise RuntimeError(
-                "A step was already submitted since the last scaler.update(): call "
-                "scaler.update() once after each submitted step. " + _ORDER
+                "This optimizer already submitted a step since the last scaler.update(): call "
+                "scaler.update() once per iteration, after the steps. " + _ORDER
             )
-        self.submitted = True
+        self.submitted.add(id(optimizer))
 
     def update(self, is_async: bool) -> None:
         """Main thread: ``scaler.update()`` (see the module docstring). The waits come before
@@ -182,7 +184,7 @@ class ThreadBinding:
         record = self._close_open()
         self.last_update = self.thread.enqueue(self._update_job, (record,))
         self.mark = self.thread.steps
-        self.submitted = False
+        self.submitted = set()
         if not is_async:
             self._publish(self.last_update)
 
@@ -244,6 +246,8 @@ class ScalerThreads:
         """Bind to ``thread`` (see ``GradScaler.bind``); None while there is no scale yet."""
         with self._lock:
             binding = self.binding
+            if binding is not None and binding.thread is not thread and binding.thread.closed:
+                binding = self.binding = None  # its thread was shut down (drained): start over
             if binding is not None:
                 if binding.thread is not thread:
                     raise RuntimeError(

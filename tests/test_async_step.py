@@ -382,3 +382,71 @@ def test_scaler_step_with_a_positional_closure_matches_torch():
         assert torch.equal(rets[0], rets[1])
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def test_an_optimizer_stepping_its_live_groups_with_frozen_params_is_refused_async():
+    # step() replaced on the object: the job would step the live groups, where a frozen param
+    # unfrozen meanwhile would be stepped with its scaled grad. Refused, before the hand-off.
+    a = nn.Parameter(torch.ones(4, dtype=torch.half))
+    b = nn.Parameter(torch.ones(4, dtype=torch.half), requires_grad=False)
+    inner = torch.optim.SGD([a, b], lr=0.1)
+    plain_step = inner.step
+    inner.step = lambda closure=None: plain_step(closure)
+    opt = MixedPrecisionOptimizer(inner, async_step=True)
+    a.float().sum().backward()
+    with pytest.raises(RuntimeError, match="replaced on the object"):
+        opt.step()
+    assert a.grad is not None and torch.equal(b, torch.ones(4, dtype=torch.half))
+
+
+def test_mode2_zero_grad_without_none_after_synchronize_steps_params_with_no_grad(thread):
+    # The set_to_none choice of every main-thread zero_grad() reaches the next submitted step
+    # (also with no job in flight): b, with no grad, is stepped with a zero grad, as torch.
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    ra, rb = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt = MixedPrecisionOptimizer(torch.optim.SGD([a, b], lr=0.1, momentum=0.9), master_device="cpu", thread=thread)
+    ref = torch.optim.SGD([ra, rb], lr=0.1, momentum=0.9)
+    for i, set_to_none in enumerate((True, True, False)):
+        opt.zero_grad(set_to_none=set_to_none)
+        ref.zero_grad(set_to_none=set_to_none)
+        ((a + b).sum() if i < 2 else a.sum()).backward()
+        ((ra + rb).sum() if i < 2 else ra.sum()).backward()
+        opt.submit_step(opt.step)
+        ref.step()
+        if i == 1:
+            opt.synchronize()
+    opt.synchronize()
+    assert torch.equal(a, ra) and torch.equal(b, rb)
+
+
+def test_mode2_zero_grad_in_the_job_leaves_the_main_threads_grads(thread):
+    # The job's opt.zero_grad() clears the masters, not a frozen-when-wrapped model param's
+    # grad that the main thread's next backward just made.
+    gate = threading.Event()
+    a = nn.Parameter(torch.ones(4, dtype=torch.half))
+    b = nn.Parameter(torch.ones(4, dtype=torch.half), requires_grad=False)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD([a, b], lr=0.1), master_device="cpu", thread=thread)
+    a.float().sum().backward()
+    fut = opt.submit_step(lambda: (opt.step(), gate.wait(10), opt.zero_grad()))
+    b.requires_grad_(True)
+    (a + b).float().sum().backward()
+    gate.set()
+    fut.result()
+    assert b.grad is not None and a.grad is not None
+
+
+def test_a_bound_scaler_follows_the_default_thread_made_anew():
+    import fp16kit
+
+    model = _net(torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu")
+    scaler = GradScaler("cpu")
+    for i in range(4):
+        scaler.scale(_loss(model, i)).backward()
+        opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()), scaler=scaler)
+        scaler.update()
+        if i == 1:
+            opt.synchronize()
+            fp16kit.optimizer_thread().shutdown()
+    opt.synchronize()
+    assert not opt.thread.closed

@@ -210,3 +210,12 @@ def test_add_param_group_refuses_a_param_already_optimized():
     with pytest.raises(ValueError, match="more than one parameter group"):
         opt.add_param_group({"params": [model[0].weight]})
     assert len(opt.param_groups) == 1 and len(opt.master_params) == 4
+
+
+def test_add_param_group_refuses_a_param_listed_twice():
+    model = _net(torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    extra = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(ValueError, match="twice"):
+        opt.add_param_group({"params": [extra, extra]})
+    assert len(opt.param_groups) == 1

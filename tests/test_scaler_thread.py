@@ -221,3 +221,33 @@ def test_a_bound_scaler_cannot_be_pickled_mid_iteration(threads):
         pickle.dumps(scaler)
     scaler.update()
     assert pickle.loads(pickle.dumps(scaler)).get_scale() == scaler.get_scale()
+
+
+def test_one_scaler_two_submitted_optimizers_per_iteration(threads):
+    # Each optimizer submits its step with scaler=; one update() per iteration. Equals the
+    # same loop where only the first names the scaler (refused before: "a step was already
+    # submitted").
+    runs = []
+    for both in (True, False):
+        thread = threads()
+        models = [_net(seed=0), _net(seed=1)]
+        opts = [
+            MixedPrecisionOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), master_device="cpu", thread=thread)
+            for m in models
+        ]
+        scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        for i in range(4):
+            for o in opts:
+                o.zero_grad()
+            scaler.scale(_loss(models[0], i) + _loss(models[1], i)).backward()
+            if i == 2:
+                models[1][0].weight.grad[0, 0] = float("inf")
+            for k, o in enumerate(opts):
+                fn = lambda o=o: (scaler.step(o), o.zero_grad())  # noqa: E731
+                o.submit_step(fn, scaler=scaler) if both or k == 0 else o.submit_step(fn)
+            scaler.update(is_async=False)
+        for o in opts:
+            o.synchronize()
+        runs.append(([p.detach().clone() for m in models for p in m.parameters()], scaler.get_scale()))
+    (a, sa), (b, sb) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and sa == sb
