@@ -89,10 +89,20 @@ class MasterGroups:
             p.dtype in LOW_PRECISION or (self.all_masters and p.dtype == torch.float32)
         )
 
-    def check(self, params: Any) -> None:
-        """Validate params before adopting them (nothing changes on error)."""
+    def check(self, params: list[torch.Tensor], *, new_group: bool = False) -> None:
+        """Validate params before adopting them (nothing changes on error). ``new_group``:
+        they must not be optimized already, nor listed twice (torch compares against the
+        masters, which are not the params the user holds)."""
         if self.all_masters:
             check_master_dtypes(params, self.masters.master_dtype)
+        if not new_group:
+            return
+        known = {id(p) for p in self.masters.model_params}
+        known.update(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        if any(id(p) in known for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("The new param group holds a param twice: list each param once.")
 
     def adopt(self, group: dict[str, Any]) -> MasterGroup:
         """Master the trainable fp16/bf16 params of ``group`` (a dict of the wrapped optimizer's

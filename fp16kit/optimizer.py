@@ -165,12 +165,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             raise TypeError("add_param_group expects a dict with a 'params' entry.")
         params = param_group["params"]
         param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._groups.check(params)
-        known = {id(p) for p in self._masters.model_params} | {id(p) for g in self.param_groups for p in g["params"]}
-        if any(id(p) in known for p in params):
-            raise ValueError("some parameters appear in more than one parameter group")
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError("The new param group holds a param twice: list each param once.")
+        self._groups.check(params, new_group=True)
         self.wait_for_step()  # the step in flight reads the groups and the masters
         self.optimizer.add_param_group(param_group)
         self._groups.adopt(self.optimizer.param_groups[-1])
