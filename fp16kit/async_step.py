@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .core import kernels
-from .core.master import MasterParams
+from .core.master import SPARSE_GRADS, MasterParams
 from .core.thread import OptimizerThread, current_optimizer_thread, optimizer_thread
 from .master_groups import MasterGroups
 from .step_snapshot import StepView, snapshot, write_back
@@ -262,10 +262,12 @@ class AsyncSteps:
     def check_grads(self, *, reduce: Reduce | None = None, land: bool = True) -> Flags:
         """Check this step's model grads for inf/NaN on their device (``reduce`` may all-reduce
         the flags). With ``land``, land the previous step meanwhile. No host sync."""
+        grads = [p.grad for p in self._masters.model_params if p.grad is not None]
+        if any(g.is_sparse for g in grads):
+            raise TypeError(SPARSE_GRADS)
         if land:
             self.land_begin()
         try:  # the grads, not the params: the landing copy may still be writing those
-            grads = [p.grad for p in self._masters.model_params if p.grad is not None]
             flags = kernels.check_finite_(grads, kernels.new_found_inf(self._groups.grad_device()))
             return reduce(flags) if reduce is not None else flags
         finally:

@@ -450,3 +450,16 @@ def test_a_bound_scaler_follows_the_default_thread_made_anew():
             fp16kit.optimizer_thread().shutdown()
     opt.synchronize()
     assert not opt.thread.closed
+
+
+@pytest.mark.parametrize("kw", [{"async_step": True}, {"master_device": "cpu"}])
+def test_sparse_grads_into_masters_are_refused_with_the_reason(kw):
+    # Every param gets a master with async_step or a master_device: a float32 sparse embedding
+    # cannot be stepped there -- a clear error (not a dispatcher dump), nothing handed off.
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), **kw)
+    scaler = GradScaler("cpu")
+    scaler.scale(emb(torch.tensor([1, 2])).sum()).backward()
+    with pytest.raises(TypeError, match="async_step/master_device"):
+        scaler.step(opt)
+    assert emb.weight.grad is not None

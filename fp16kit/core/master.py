@@ -27,9 +27,17 @@ import torch
 
 from . import kernels
 
-__all__ = ["LOW_PRECISION", "MasterParams", "needs_master"]
+__all__ = ["LOW_PRECISION", "MasterParams", "SPARSE_GRADS", "needs_master"]
 
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+SPARSE_GRADS = (
+    "Sparse gradients cannot be unscaled into dense masters. A param gets a master when it is "
+    "fp16/bf16 -- and every trainable param does with async_step=True or a master_device. Keep "
+    "params with sparse grads (e.g. nn.Embedding(sparse=True)) in float32, in an optimizer "
+    "built without async_step/master_device."
+)
 
 
 def needs_master(param: torch.Tensor) -> bool:
@@ -160,10 +168,7 @@ class MasterParams:
                     m.grad = None
                 continue
             if g.is_sparse:
-                raise TypeError(
-                    "Sparse gradients cannot be unscaled into dense masters; keep params with "
-                    "sparse grads (e.g. nn.Embedding(sparse=True)) in float32."
-                )
+                raise TypeError(SPARSE_GRADS)
             if m.grad is None:
                 m.grad = self._blocks[i][0].grad_view(self._blocks[i][1]) if self.flat else torch.empty_like(m)
             srcs.append(g)
