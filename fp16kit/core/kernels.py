@@ -49,7 +49,9 @@ __all__ = [
     "scale_outputs",
     "unscale_",
     "unscale_grads_",
+    "unscale_add_to_",
     "unscale_to_",
+    "stack_flags",
 ]
 
 TensorOrIterable = Union[torch.Tensor, Iterable[Any]]
@@ -212,6 +214,41 @@ def unscale_to_(
         )
     copy_to_(srcs, dsts)
     return unscale_(dsts, inv_scale, found_inf)
+
+
+def unscale_add_to_(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> dict[torch.device, torch.Tensor]:
+    """``dst += float(src) * inv_scale`` for each pair, flagging non-finite values of the
+    sources: gradient accumulation across backward passes that were scaled differently (apex
+    amp's "unscale with stash": the product is rounded to ``dst``'s dtype, then added, one
+    rounding each, as apex's Python path). Returns ``{device: found_inf}`` keyed by the
+    destinations' devices."""
+    if not srcs and not dsts:
+        return {}
+    with torch.no_grad():
+        tmps = [torch.empty_like(d) for d in dsts]
+        flags = unscale_to_(srcs, tmps, inv_scale, found_inf)
+        groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for t, d in zip(tmps, dsts):
+            key = (d.device, d.dtype)
+            groups.setdefault(key, ([], []))
+            groups[key][0].append(d)
+            groups[key][1].append(t)
+        for d_list, t_list in groups.values():
+            torch._foreach_add_(d_list, t_list)
+    return flags
+
+
+def stack_flags(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Found-inf flags from any devices as one 1-D float32 tensor on ``device`` (so that a
+    caller that must decide on the host reads them all at once)."""
+    if not flags:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return torch.stack([f.to(device=device, dtype=torch.float32, non_blocking=True) for f in flags])
 
 
 def copy_to_(

@@ -7,7 +7,7 @@ the bugs listed in MIGRATION.md. Checkpoints written by apex-era code load throu
 :mod:`fp16kit.core`.
 """
 
-from . import fp16_optimizer, fp16util, loss_scaler
+from . import amp, fp16_optimizer, fp16util, loss_scaler
 from .checkpoint import load_checkpoint
 from .fp16_optimizer import FP16_Optimizer
 from .fp16util import (
@@ -31,6 +31,7 @@ __all__ = [
     "FP16Model",
     "FP16_Optimizer",
     "LossScaler",
+    "amp",
     "clip_grad_norm",
     "convert_module",
     "convert_network",

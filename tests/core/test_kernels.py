@@ -208,3 +208,41 @@ def test_unscale_mixed_devices_flags_per_device():
     out = kernels.unscale_([a, b], torch.tensor(0.5, device="cuda"), kernels.new_found_inf("cuda"))
     assert out[torch.device("cpu")].item() == 1.0
     assert out[torch.device("cuda", 0)].item() == 0.0
+
+
+# ---------------------------------------------------------------------------- amp's accumulation
+@pytest.mark.parametrize("src_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_unscale_add_to_rounds_the_product_then_adds(src_dtype):
+    torch.manual_seed(0)
+    src = (torch.randn(41) * 300).to(src_dtype)
+    dst = torch.randn(41)
+    before = dst.clone()
+    inv = torch.tensor(1.0 / 3.0)
+    found = kernels.new_found_inf("cpu")
+    flags = kernels.unscale_add_to_([src], [dst], inv, found)
+    expected = (src.float() * inv.item()) + before  # two roundings, as apex's Python path
+    assert torch.equal(dst, expected)
+    assert flags[torch.device("cpu")].item() == 0.0
+
+
+def test_unscale_add_to_flags_non_finite_sources_only():
+    src = torch.tensor([1.0, float("inf")], dtype=torch.float16)
+    dst = torch.zeros(2)
+    found = kernels.new_found_inf("cpu")
+    kernels.unscale_add_to_([src], [dst], torch.tensor(0.5), found)
+    assert found.item() == 1.0
+    clean = kernels.new_found_inf("cpu")
+    kernels.unscale_add_to_([torch.ones(2, dtype=torch.float16)], [torch.full((2,), float("nan"))], torch.tensor(0.5), clean)
+    assert clean.item() == 0.0  # the accumulated destination is not checked (apex checked the new grads)
+
+
+def test_unscale_add_to_checks_lengths_and_empty():
+    with pytest.raises(ValueError, match="one destination per source"):
+        kernels.unscale_add_to_([torch.ones(1)], [], torch.tensor(1.0), kernels.new_found_inf("cpu"))
+    assert kernels.unscale_add_to_([], [], torch.tensor(1.0), kernels.new_found_inf("cpu")) == {}
+
+
+def test_stack_flags():
+    flags = [torch.tensor(0.0), torch.tensor(1.0), torch.tensor(0.0)]
+    assert kernels.stack_flags(flags, torch.device("cpu")).tolist() == [0.0, 1.0, 0.0]
+    assert kernels.stack_flags([], torch.device("cpu")).numel() == 0

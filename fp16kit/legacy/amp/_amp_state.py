@@ -1,0 +1,54 @@
+"""apex.amp._amp_state: the process-wide amp state scripts read (``_amp_state.loss_scalers``,
+``opt_properties``, ``verbosity``, ...), and apex's ``maybe_print`` / ``warn_or_err`` (through
+the ``fp16kit`` logger: apex printed)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+__all__ = ["AmpState", "_amp_state", "maybe_print", "warn_or_err", "master_params"]
+
+logger = logging.getLogger("fp16kit")
+
+
+class AmpState:
+    """apex's ``AmpState``: attributes set by ``amp.initialize`` (``opt_properties``,
+    ``loss_scalers``, ``verbosity``, ``min_loss_scale``, ``max_loss_scale``; ``handle`` at O1)."""
+
+    def __init__(self) -> None:
+        self.hard_override = False
+        self.allow_incoming_model_not_fp32 = False
+        self.verbosity = 1
+
+
+_amp_state = AmpState()
+
+
+def _is_rank0() -> bool:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank() == 0
+    return True
+
+
+def maybe_print(msg: str, rank0: bool = False) -> None:
+    """Log ``msg`` at INFO when ``verbosity > 0`` (with ``rank0``, on rank 0 only)."""
+    if _amp_state.verbosity > 0 and (not rank0 or _is_rank0()):
+        logger.info(msg)
+
+
+def warn_or_err(msg: str) -> None:
+    if _amp_state.hard_override:
+        logger.warning("Warning:  " + msg)
+    else:
+        raise RuntimeError(msg)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Any:
+    """Every param of every group of ``optimizer``: the fp32 masters once amp created them (O2),
+    the model params before (frozen ones included). Clip these after ``scale_loss``."""
+    for group in optimizer.param_groups:
+        yield from group["params"]

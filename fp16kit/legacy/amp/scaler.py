@@ -1,0 +1,138 @@
+"""apex.amp.scaler: ``LossScaler``, apex amp's dynamic (or static) loss scale.
+
+The scale lives in a :class:`fp16kit.core.scale.LossScale` (``rule="apex_amp"``, float64 as
+apex's Python float), on the device of the first loss scaled. The rule (spec/amp.md §7), once per
+non-delayed ``scale_loss`` exit::
+
+    if dynamic and this backward's grads held inf/NaN:  scale = max(min_loss_scale, scale / 2)
+                                                        unskipped = 0        (skip the step)
+    else:                                               unskipped += 1
+    if dynamic and unskipped == scale_window:           scale = min(max_loss_scale, 2 * scale)
+                                                        unskipped = 0
+
+``scale_factor`` is ignored (always 2), as in apex. Overflow flags stay on the device: the
+skip is decided when ``optimizer.step()`` runs (one host read per step, not per backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...core import kernels
+from ..fp16_optimizer import AmpLossScaler
+
+__all__ = ["LossScaler"]
+
+
+class LossScaler(AmpLossScaler):
+    """apex's ``apex.amp.scaler.LossScaler`` (see the module docstring). Attributes scripts use:
+    ``loss_scale()``, ``_loss_scale`` (read and write), ``_unskipped``, ``_scale_seq_len``
+    (read and write), ``dynamic``, ``_min_loss_scale``, ``_max_loss_scale``,
+    ``update_scale()``, ``clear_overflow_state()``."""
+
+    warned_unscaling_non_fp32_grad = False
+
+    def __init__(
+        self,
+        loss_scale: float | str,
+        init_scale: float = 2.0**16,
+        scale_factor: float = 2.0,
+        scale_window: int = 2000,
+        min_loss_scale: float | None = None,
+        max_loss_scale: float = 2.0**24,
+    ) -> None:
+        # device=None: the scale is put on the device of the first loss it scales
+        super().__init__(
+            loss_scale, init_scale, 2.0, scale_window, min_loss_scale, max_loss_scale, device=None  # type: ignore[arg-type]
+        )
+        self._flags: list[dict[torch.device, torch.Tensor]] = []  # this backward's found-inf flags
+
+    # ------------------------------------------------------------------ apex's attributes
+    @property  # type: ignore[override]
+    def _unskipped(self) -> int:
+        return self._state.get_growth_tracker() if self.dynamic else self._static_unskipped
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        if self.dynamic:
+            self._state.set_growth_tracker(int(value))
+        else:
+            self._static_unskipped = int(value)
+
+    @property  # type: ignore[override]
+    def _scale_seq_len(self) -> int:
+        return self._state.growth_interval
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: int) -> None:
+        self._state.growth_interval = int(value)
+
+    @property  # type: ignore[override]
+    def _min_loss_scale(self) -> float | None:
+        return self._state.min_scale
+
+    @_min_loss_scale.setter
+    def _min_loss_scale(self, value: float | None) -> None:
+        self._state.min_scale = float(value) if value else None
+
+    @property  # type: ignore[override]
+    def _max_loss_scale(self) -> float | None:
+        return self._state.max_scale
+
+    @_max_loss_scale.setter
+    def _max_loss_scale(self, value: float) -> None:
+        self._state.max_scale = float(value)
+
+    # ------------------------------------------------------------------ one backward
+    def scale_on(self, device: torch.device) -> torch.Tensor:
+        """The scale tensor, materialized on ``device`` the first time."""
+        self._state.materialize(device)
+        return self.scale_tensor()
+
+    def inv_scale(self) -> torch.Tensor:
+        """float32 ``1/scale`` (device op)."""
+        return kernels.inv_scale(self.scale_on(self._device()))
+
+    def new_flag(self) -> torch.Tensor:
+        """A fresh found-inf flag for this backward's unscale; recorded, checked by the update."""
+        flag = kernels.new_found_inf(self._device())
+        self._flags.append({flag.device: flag})
+        return flag
+
+    def record(self, flags: dict[torch.device, torch.Tensor]) -> None:
+        if flags:
+            self._flags.append(flags)
+
+    def _device(self) -> torch.device:
+        d = self._state.device
+        return torch.device("cpu") if d is None else d
+
+    def clear_overflow_state(self) -> None:
+        self._flags = []
+
+    def update_async(self) -> torch.Tensor | None:
+        """One update of the rule on the device (no host read). Returns this backward's
+        found-inf flag (a device tensor) when dynamic, None when static (never skips)."""
+        flags = [f for per in self._flags for f in per.values()]
+        self._flags = []
+        if not self.dynamic:
+            self.update(None)
+            return None
+        self._state.materialize(self._device())
+        found = kernels.combine_found_inf(flags, self._device())
+        self.update(found)
+        return found
+
+    def update_scale(self) -> bool:
+        """apex's ``update_scale()``: apply the rule; return whether the step must be skipped
+        (reads the flag on the host)."""
+        found = self.update_async()
+        return found is not None and bool(found.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict()
+
+    def __repr__(self) -> str:
+        return f"LossScaler(dynamic={self.dynamic}, loss_scale={self.loss_scale()}, unskipped={self._unskipped})"
