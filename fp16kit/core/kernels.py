@@ -52,6 +52,7 @@ __all__ = [
     "unscale_add_to_",
     "unscale_to_",
     "stack_flags",
+    "refresh_stale_masters_",
 ]
 
 TensorOrIterable = Union[torch.Tensor, Iterable[Any]]
@@ -249,6 +250,18 @@ def stack_flags(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     if not flags:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return torch.stack([f.to(device=device, dtype=torch.float32, non_blocking=True) for f in flags])
+
+
+def refresh_stale_masters_(model_params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
+    """Where a master no longer rounds to its model param's value (the model was loaded or
+    edited in place), ``master = float(param)``; masters that still round to the param keep
+    their extra precision (an exact checkpoint restore, the state after a step). Elementwise,
+    on the device."""
+    with torch.no_grad():
+        for p, m in zip(model_params, masters):
+            src = p.detach().to(device=m.device)
+            stale = m.to(p.dtype) != src
+            m.copy_(torch.where(stale, src.to(m.dtype), m))
 
 
 def copy_to_(

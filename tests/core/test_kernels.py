@@ -246,3 +246,12 @@ def test_stack_flags():
     flags = [torch.tensor(0.0), torch.tensor(1.0), torch.tensor(0.0)]
     assert kernels.stack_flags(flags, torch.device("cpu")).tolist() == [0.0, 1.0, 0.0]
     assert kernels.stack_flags([], torch.device("cpu")).numel() == 0
+
+
+def test_refresh_stale_masters_keeps_masters_that_round_to_the_param():
+    master = torch.tensor([1.0001, 2.0, 3.0])
+    param = master.half()
+    param[2] = 7.0  # loaded / edited
+    kernels.refresh_stale_masters_([param], [master])
+    assert master[0].item() == torch.tensor(1.0001).item()  # extra precision kept
+    assert master[2].item() == 7.0

@@ -11,14 +11,16 @@ types come back as their own type.
 from __future__ import annotations
 
 import collections.abc
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...core import kernels
 from ..fp16util import convert_network
 
-__all__ = ["CastHook", "OutputCastHook", "check_models", "check_params", "cast_models", "to_type"]
+__all__ = ["CastHook", "OutputCastHook", "RefreshMastersHook", "check_models", "check_params", "cast_models", "to_type"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -90,6 +92,28 @@ def fp32_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: 
         v = state_dict.get(key)
         if isinstance(v, torch.Tensor) and v.dtype in _HALF:
             state_dict[key] = v.float()
+
+
+class RefreshMastersHook:
+    """``model.load_state_dict`` post hook: masters of the amp optimizers that no longer round
+    to the loaded fp16 weights are rebuilt from them (§12 FIX; apex left them stale). Holds
+    weak references; a copy or pickle of the model is tied to no optimizer."""
+
+    def __init__(self, optimizers: list[Any]) -> None:
+        self._refs = [weakref.ref(o) for o in optimizers]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._refs = []
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        for ref in self._refs:
+            opt = ref()
+            groups = None if opt is None else getattr(getattr(opt, "_amp_stash", None), "master_groups", None)
+            if groups is not None and groups.masters.masters:
+                kernels.refresh_stale_masters_(groups.masters.model_params, groups.masters.masters)
 
 
 def check_models(models: list[Any]) -> None:

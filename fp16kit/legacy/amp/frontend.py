@@ -229,6 +229,9 @@ def initialize(
     for opt in opt_list:
         _process_optimizer.process_optimizer(opt, properties, casts)
     _amp_state.loss_scalers = scalers
+    if properties.master_weights and opt_list:
+        for model in model_list:
+            model.register_load_state_dict_post_hook(_model.RefreshMastersHook(opt_list))
     if casts is not None:
         device_type = next((p.device.type for m in model_list for p in m.parameters()), "cuda")
         if hasattr(casts, "apply_registrations"):
