@@ -23,6 +23,12 @@ class AmpState:
         self.allow_incoming_model_not_fp32 = False
         self.verbosity = 1
 
+    @property
+    def _amp_state(self) -> AmpState:
+        """``apex.amp._amp_state._amp_state`` read as an attribute chain (``amp._amp_state`` is
+        this object, as in apex's package namespace)."""
+        return self
+
 
 _amp_state = AmpState()
 

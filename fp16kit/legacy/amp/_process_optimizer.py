@@ -251,6 +251,10 @@ def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: An
         _clear_master_grads(optimizer)
         return retval
 
+    if getattr(old_step, "_wrapped_by_lr_sched", False):
+        # an LR scheduler built before initialize wrapped step(); ours calls its wrapper (so a
+        # skipped step is seen as no step, and the scheduler warns, as with apex)
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return step
 
 

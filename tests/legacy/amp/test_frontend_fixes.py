@@ -124,3 +124,60 @@ def test_scripts_write_internals():
         assert s.item() == pytest.approx(nn.functional.mse_loss(model(x), y).item() * 2**20, rel=1e-3)
         s.backward()
     assert sc.update_scale() is False
+
+
+def test_apex_era_checkpoint_with_amp_state(tmp_path):
+    import collections
+
+    from fp16kit.legacy import load_checkpoint
+
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    for x, y in batches(2):
+        with amp.scale_loss(nn.functional.mse_loss(model(x), y), opt) as s:
+            s.backward()
+        opt.step()
+    sd = opt.state_dict()
+    del sd["amp_fp32_masters"]  # apex never saved the masters
+    amp_sd = collections.OrderedDict(loss_scaler0={"loss_scale": 1024.0, "unskipped": 17})
+    torch.save({"model": model.state_dict(), "optimizer": sd, "amp": amp_sd}, tmp_path / "apex.pt")
+    ck = load_checkpoint(tmp_path / "apex.pt")
+    model2, opt2 = amp.initialize(tiny_model(), torch.optim.SGD(tiny_model().parameters(), lr=0.1, momentum=0.9),
+                                  opt_level="O2", verbosity=0)
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["optimizer"])
+    amp.load_state_dict(ck["amp"])
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17}}
+    for a, b in zip(model2.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_lr_scheduler_built_before_initialize_and_skips(recwarn):
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = batches(1)[0]
+    with amp.scale_loss(nn.functional.mse_loss(model(x), y), opt) as s:
+        s.backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.05 and isinstance(opt, torch.optim.SGD)
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
+def test_model_halved_before_initialize_is_refused():
+    model = tiny_model().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="you do not need to call .half\\(\\) on your model"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert not hasattr(opt, "_amp_stash")
+
+
+def test_amp_state_paths():
+    from fp16kit.legacy.amp import frontend
+    from fp16kit.legacy.amp._amp_state import _amp_state
+
+    assert amp._amp_state is _amp_state and amp._amp_state._amp_state is _amp_state
+    assert frontend._amp_state is _amp_state
