@@ -2,10 +2,12 @@
 cast (``convert_network`` keeps affine BatchNorm in fp32), the forward casting of inputs and
 outputs, and the state-dict hook that makes ``model.state_dict()`` fp32.
 
-Forward casting is a forward pre-hook and a forward hook made of picklable module-level
-objects (apex replaced ``forward`` with a closure, §13.5): ``copy.deepcopy(model)`` casts for
-the copy, DataParallel replicas run themselves, the model pickles; namedtuples and Mapping
-types come back as their own type.
+Forward casting: the model's class becomes a subclass of its own class (same name, qualname
+and module; ``isinstance`` holds) whose ``forward`` casts around the user's ``forward``. apex
+replaced ``forward`` with a closure (§13.5); here ``model(x)`` and ``model.forward(x)`` both
+cast, ``copy.deepcopy(model)`` and DataParallel replicas run themselves, the model pickles
+(rebuilt from the user's class by name), ``forward.__func__`` exists, and namedtuples and
+Mapping types come back as their own type.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 from ...core import kernels
 from ..fp16util import convert_network
 
-__all__ = ["CastHook", "OutputCastHook", "RefreshMastersHook", "check_models", "check_params", "cast_models", "to_type"]
+__all__ = ["amp_class", "RefreshMastersHook", "check_models", "check_params", "cast_models", "to_type"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -64,24 +66,52 @@ def _rebuild_mapping(x: Any, items: list[tuple[Any, Any]]) -> Any:
     return dict(items)
 
 
-class CastHook:
-    """Forward pre-hook: cast args and kwargs to ``dtype`` (picklable)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return to_type(self.dtype, args), to_type(self.dtype, kwargs)
+_AMP_CLASSES: dict[tuple[type, Any, Any], type] = {}
 
 
-class OutputCastHook:
-    """Forward hook: cast the output to ``dtype`` (picklable)."""
+def amp_class(base: type, in_dtype: torch.dtype | None, out_dtype: torch.dtype) -> type:
+    """The subclass of ``base`` (same name and qualname) whose ``forward`` casts floating inputs
+    to ``in_dtype`` (None: no input cast) and the output to ``out_dtype`` around ``base.forward``.
+    Made once per (base, dtypes)."""
+    key = (base, in_dtype, out_dtype)
+    cls = _AMP_CLASSES.get(key)
+    if cls is None:
+        cls = type(base.__name__, (base,), {
+            "forward": _amp_forward,
+            "__reduce_ex__": _amp_reduce_ex,
+            "_amp_cast_types": (in_dtype, out_dtype),
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+        })
+        _AMP_CLASSES[key] = cls
+    return cls
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        return to_type(self.dtype, output)
+def _amp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    in_dtype, out_dtype = type(self)._amp_cast_types
+    if in_dtype is not None:
+        args, kwargs = to_type(in_dtype, args), to_type(in_dtype, kwargs)
+    return to_type(out_dtype, super(type(self), self).forward(*args, **kwargs))
+
+
+def _amp_reduce_ex(self: nn.Module, protocol: int) -> Any:
+    # pickle and deepcopy rebuild the amp class from the user's class (found by its name)
+    # (the state is applied after the object exists: references back to it are kept)
+    base = type(self).__bases__[0]
+    return (_rebuild, (base, type(self)._amp_cast_types), self.__getstate__())
+
+
+def _rebuild(base: type, cast_types: tuple[Any, Any]) -> nn.Module:
+    cls = amp_class(base, *cast_types)
+    return cls.__new__(cls)
+
+
+def _set_casts(model: nn.Module, in_dtype: torch.dtype | None, out_dtype: torch.dtype) -> None:
+    base = type(model)
+    if "_amp_cast_types" in base.__dict__:
+        base = base.__bases__[0]
+    model.__class__ = amp_class(base, in_dtype, out_dtype)
 
 
 def fp32_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -154,10 +184,9 @@ def cast_models(models: list[nn.Module], properties: Any, cast_model_outputs: to
                 convert_network(model, dtype)
             else:
                 model.to(dtype)
-            model.register_forward_pre_hook(CastHook(dtype), with_kwargs=True)
-            model.register_forward_hook(OutputCastHook(cast_model_outputs or torch.float32))
+            _set_casts(model, dtype, cast_model_outputs or torch.float32)
             for module in model.modules():
                 module.register_state_dict_post_hook(fp32_state_dict_hook)
     elif cast_model_outputs is not None:
         for model in models:
-            model.register_forward_hook(OutputCastHook(cast_model_outputs))
+            _set_casts(model, None, cast_model_outputs)

@@ -198,3 +198,34 @@ def test_amp_package_holds_no_tensor_math():
     for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
         hits = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if pattern.search(line)]
         assert not hits, f"tensor math in legacy/amp/{path.name} at lines {hits}"
+
+
+def test_forward_casting_survives_copies_and_direct_calls():
+    import copy
+    import pickle
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.me = [self]  # a reference back to the model
+
+        def forward(self, x):
+            assert x.dtype == torch.float16
+            return self.lin(x)
+
+    net = amp.initialize(Net(), opt_level="O3", verbosity=0)
+    x = torch.ones(1, 2)
+    assert type(net).__name__ == "Net" and isinstance(net, Net)
+    assert net(x).dtype == torch.float32 and net.forward(x).dtype == torch.float32
+    assert net.forward.__func__ is type(net).forward
+    seq = amp.initialize(nn.Sequential(nn.Linear(2, 2)), opt_level="O2", verbosity=0)
+    back = pickle.loads(pickle.dumps(seq))
+    assert type(back) is type(seq) and back(x).dtype == torch.float32 and back[0].weight.dtype == torch.float16
+    for twin in (copy.deepcopy(net), net._replicate_for_data_parallel()):
+        assert type(twin) is type(net) and twin(x).dtype == torch.float32
+    twin = copy.deepcopy(net)
+    assert twin.me[0] is twin
+    with torch.no_grad():
+        twin.lin.bias.fill_(9)
+    assert not torch.equal(twin(x), net(x))
