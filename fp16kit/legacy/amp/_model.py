@@ -48,22 +48,12 @@ def to_type(dtype: torch.dtype, x: Any) -> Any:
 
 
 def _rebuild_mapping(x: Any, items: list[tuple[Any, Any]]) -> Any:
+    """The same Mapping type built from the walked pairs (OrderedDict, defaultdict-free dict
+    subclasses, HF ModelOutput); a plain dict when the type cannot be built from pairs."""
     try:
         return type(x)(items)
-    except Exception:  # a Mapping type that cannot be built from pairs (e.g. HF ModelOutput)
-        pass
-    try:
-        new = type(x).__new__(type(x))
-        if isinstance(new, dict):
-            dict.update(new, items)
-            new.__dict__.update(getattr(x, "__dict__", {}))
-            for k, v in items:  # dataclass-like outputs mirror keys as attributes
-                if k in new.__dict__:
-                    new.__dict__[k] = v
-            return new
     except Exception:
-        pass
-    return dict(items)
+        return dict(items)
 
 
 _AMP_CLASSES: dict[tuple[type, Any, Any], type] = {}

@@ -205,14 +205,12 @@ def _post_stashed(optimizer: torch.optim.Optimizer, scaler: Any, inv: torch.Tens
 def _take_skip(optimizer: torch.optim.Optimizer) -> tuple[int, Any] | None:
     """The first pending overflow since the last step (one host read), or None."""
     stash = optimizer._amp_stash
-    pending, stash.pending = stash.pending, []
-    if not pending:
+    if not stash.pending:
         return None
-    flags = kernels.stack_flags([f for _, _, f in pending], torch.device("cpu")).tolist()
-    for (loss_id, scaler, _), flag in zip(pending, flags):
-        if flag:
-            return loss_id, scaler
-    return None
+    flags = kernels.stack_flags([f for _, _, f in stash.pending], torch.device("cpu")).tolist()
+    first = next(((loss_id, scaler) for (loss_id, scaler, _), flag in zip(stash.pending, flags) if flag), None)
+    stash.pending = [] if first is None else [(first[0], first[1], kernels.one(torch.device("cpu")))]
+    return first
 
 
 def _clear_master_grads(optimizer: torch.optim.Optimizer) -> None:
@@ -228,7 +226,8 @@ def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: An
         skip = _take_skip(optimizer)
         if skip is not None:
             if closure is not None:
-                raise RuntimeError(CLOSURE_ERROR)
+                raise RuntimeError(CLOSURE_ERROR)  # the skip stays pending, as apex's patch
+            optimizer._amp_stash.pending = []
             loss_id, scaler = skip
             if _amp_state.verbosity >= 1:
                 logger.warning(

@@ -53,7 +53,7 @@ def scale_loss(
         optimizers = [optimizers]
     optimizers = list(optimizers)  # FIX: a tuple is prepared too
     scaler = _amp_state.loss_scalers[loss_id]
-    if not properties.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
+    if not properties.master_weights and scaler.is_static_one():
         try:
             yield loss.float()
         finally:

@@ -48,8 +48,22 @@ class LossScaler(AmpLossScaler):
             loss_scale, init_scale, 2.0, scale_window, min_loss_scale, max_loss_scale, device=None  # type: ignore[arg-type]
         )
         self._flags: list[dict[torch.device, torch.Tensor]] = []  # this backward's found-inf flags
+        self._static_scale = None if self.dynamic else float(loss_scale)  # host copy (never updated)
 
     # ------------------------------------------------------------------ apex's attributes
+    @property  # type: ignore[override]
+    def _loss_scale(self) -> float:
+        return self._state.get_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        self._state.set_scale(float(value))
+        self._static_scale = float(value)
+
+    def is_static_one(self) -> bool:
+        """A static scale of exactly 1.0 (scale_loss's short-circuit), without a device read."""
+        return not self.dynamic and self._static_scale == 1.0
+
     @property  # type: ignore[override]
     def _unskipped(self) -> int:
         return self._state.get_growth_tracker() if self.dynamic else self._static_unskipped

@@ -181,3 +181,37 @@ def test_amp_state_paths():
 
     assert amp._amp_state is _amp_state and amp._amp_state._amp_state is _amp_state
     assert frontend._amp_state is _amp_state
+
+
+def test_skip_survives_a_refused_closure(caplog):
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=1)
+    x, y = batches(1)[0]
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(nn.functional.mse_loss(model(x), y) * float("nan"), opt) as s:
+        s.backward()
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: 0)
+    with caplog.at_level("WARNING", logger="fp16kit"):
+        assert opt.step() is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    opt.step()  # the next step is a real one again
+    assert all(p.grad is None for p in amp.master_params(opt) if p.dtype == torch.float32 and p not in set(model.parameters()))
+
+
+def test_static_scaler_short_circuit_follows_writes():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O3", verbosity=0)
+    x, y = batches(1)[0]
+    loss = nn.functional.mse_loss(model(x), y)
+    with amp.scale_loss(loss, opt) as s:
+        assert torch.equal(s, loss.float())
+    amp._amp_state.loss_scalers[0]._loss_scale = 4.0
+    with amp.scale_loss(nn.functional.mse_loss(model(x), y), opt) as s:
+        assert torch.equal(s, loss.float() * 4)
+        s.backward()
