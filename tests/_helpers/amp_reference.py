@@ -144,3 +144,43 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, x, y, dtype=torch.f
     loss.float().backward()
     opt.step()
     return loss
+
+
+class ApexNoMasters:
+    """apex without master weights (O0/O1/O3 with a dynamic or static scale != 1): every
+    param's grad goes through the stash: ``grad = new * (1/S) + stash``; the optimizer steps
+    the model params; a skip leaves them."""
+
+    def __init__(self, model: nn.Module, make_opt, dtype=torch.float32, **scale_kw):
+        self.model = copy.deepcopy(model).to(dtype)
+        self.dtype = dtype
+        self.params = list(self.model.parameters())
+        self.opt = make_opt(self.params)
+        self.scaler = ApexScale(**scale_kw)
+        self.skip = False
+
+    def forward(self, x):
+        return self.model(x.to(self.dtype)).float()
+
+    def backward(self, loss):
+        stash = {p: p.grad for p in self.params}
+        for p in self.params:
+            p.grad = None
+        (loss.float() * self.scaler.scale).backward()
+        inv, overflow = 1.0 / self.scaler.scale, False
+        with torch.no_grad():
+            for p in self.params:
+                s = stash[p]
+                if p.grad is None:
+                    p.grad = s
+                    continue
+                overflow |= not bool(torch.isfinite(p.grad).all())
+                new = p.grad * inv
+                p.grad = new if s is None else new + s
+        self.skip |= self.scaler.update(overflow)
+
+    def step(self):
+        if self.skip:
+            self.skip = False
+        else:
+            self.opt.step()

@@ -229,3 +229,29 @@ def test_forward_casting_survives_copies_and_direct_calls():
     with torch.no_grad():
         twin.lin.bias.fill_(9)
     assert not torch.equal(twin(x), net(x))
+
+
+@pytest.mark.parametrize("level, dtype", [("O0", torch.float32), ("O3", torch.float16)])
+def test_dynamic_scale_without_masters_accumulates_through_the_stash(level, dtype, caplog):
+    from _helpers.amp_reference import ApexNoMasters
+
+    model = tiny_model()
+    ref = ApexNoMasters(model, lambda ps: torch.optim.SGD(ps, lr=0.01), dtype=dtype, window=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = amp.initialize(model, opt, opt_level=level, loss_scale="dynamic", verbosity=0)
+    amp._amp_state.loss_scalers[0]._scale_seq_len = 2
+    data = batches(12)
+    for i in range(0, 12, 2):  # two backward passes (no zero_grad between), one step
+        for j in (i, i + 1):
+            x, y = data[j]
+            bad = float("inf") if j in (3, 6) else 1.0
+            with amp.scale_loss(nn.functional.mse_loss(model(x), y) * bad, opt) as s:
+                s.backward()
+            ref.backward(nn.functional.mse_loss(ref.forward(x), y) * bad)
+        opt.step()
+        ref.step()
+        opt.zero_grad(set_to_none=True)
+        ref.opt.zero_grad(set_to_none=True)
+        assert amp._amp_state.loss_scalers[0].loss_scale() == ref.scaler.scale
+        for a, b in zip(model.parameters(), ref.model.parameters()):
+            assert a.dtype == dtype and torch.equal(a, b)
