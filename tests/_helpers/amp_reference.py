@@ -42,6 +42,21 @@ def to_fp16_keep_bn(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.
     return model
 
 
+def unscale_with_stash(params, stash, inv: float) -> bool:
+    """apex's post-backward for params without masters: ``grad = new * inv + stash`` (the stash
+    alone without a new grad); returns whether a new grad held inf/NaN."""
+    overflow = False
+    for p in params:
+        s = stash.get(p)
+        if p.grad is None:
+            p.grad = s
+            continue
+        overflow |= not bool(torch.isfinite(p.grad).all())
+        new = p.grad * inv
+        p.grad = new if s is None else new + s
+    return overflow
+
+
 class ApexScale:
     """apex.amp.scaler.LossScaler's rule in Python floats."""
 
@@ -105,14 +120,7 @@ class ApexO2:
                 overflow |= not bool(torch.isfinite(p.grad).all())
                 new = p.grad.float() * inv
                 m.grad = new if m.grad is None else new + m.grad
-            for p in direct:
-                s = stash.get(p)
-                if p.grad is None:
-                    p.grad = s
-                    continue
-                overflow |= not bool(torch.isfinite(p.grad).all())
-                new = p.grad * inv
-                p.grad = new if s is None else new + s
+            overflow |= unscale_with_stash(direct, stash, inv)
         self.skip |= scaler.update(overflow)
 
     def step(self) -> None:
@@ -167,16 +175,8 @@ class ApexNoMasters:
         for p in self.params:
             p.grad = None
         (loss.float() * self.scaler.scale).backward()
-        inv, overflow = 1.0 / self.scaler.scale, False
         with torch.no_grad():
-            for p in self.params:
-                s = stash[p]
-                if p.grad is None:
-                    p.grad = s
-                    continue
-                overflow |= not bool(torch.isfinite(p.grad).all())
-                new = p.grad * inv
-                p.grad = new if s is None else new + s
+            overflow = unscale_with_stash(self.params, stash, 1.0 / self.scaler.scale)
         self.skip |= self.scaler.update(overflow)
 
     def step(self):
