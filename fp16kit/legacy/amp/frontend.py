@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import _model, _process_optimizer
-from ._amp_state import _amp_state, maybe_print, warn_or_err
+from ._amp_state import _amp_state, logger, maybe_print, warn_or_err
 from .scaler import LossScaler
 
 __all__ = ["Properties", "initialize", "state_dict", "load_state_dict", "opt_levels"]
@@ -266,8 +266,8 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     (FIX: apex applied the first entries, then raised)."""
     scalers = getattr(_amp_state, "loss_scalers", [])
     if len(state_dict) != len(scalers):
-        maybe_print("Warning: state_dict contains {} entries, while {} loss_scalers are used".format(
-            len(state_dict), len(scalers)))
+        logger.warning("Warning: state_dict contains {} entries, while {} loss_scalers are used".format(
+            len(state_dict), len(scalers)))  # apex printed both lines whatever the verbosity
     unexpected = [k for k in state_dict if "loss_scaler" not in str(k)]
     if unexpected:
         raise RuntimeError(
@@ -284,7 +284,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
             )
         i = int(m.group(1))
         if i >= len(scalers):
-            maybe_print("Skipping loss_scaler[{}], since num_losses was set to {}".format(i, len(scalers)))
+            logger.warning("Skipping loss_scaler[{}], since num_losses was set to {}".format(i, len(scalers)))
             continue
         if not isinstance(value, dict) or "loss_scale" not in value or "unskipped" not in value:
             raise RuntimeError(

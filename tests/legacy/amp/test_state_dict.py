@@ -130,3 +130,15 @@ def test_mismatched_masters_refused_before_change():
     with pytest.raises(ValueError, match="Param group 0: the checkpoint holds"):
         opt.load_state_dict(sd)
     assert all(torch.equal(a, b) for a, b in zip(amp.master_params(opt), before))
+
+
+def test_load_state_dict_count_mismatch_warns_whatever_the_verbosity(caplog):
+    _setup(num_losses=1)  # verbosity=0
+    with caplog.at_level("WARNING", logger="fp16kit"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+                             "loss_scaler1": {"loss_scale": 4.0, "unskipped": 0}})
+    assert [r.getMessage() for r in caplog.records] == [
+        "Warning: state_dict contains 2 entries, while 1 loss_scalers are used",
+        "Skipping loss_scaler[1], since num_losses was set to 1",
+    ]
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}
