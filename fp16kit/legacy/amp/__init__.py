@@ -20,7 +20,7 @@ from typing import Any
 
 from ._amp_state import _amp_state, master_params
 from .frontend import initialize, load_state_dict, state_dict
-from .handle import scale_loss
+from .handle import init, scale_loss
 from .handle import disable_casts as _disable_casts_fallback
 
 _FROM_CASTS = (
@@ -45,19 +45,9 @@ __all__ = [
 ]
 
 
-
 def disable_casts() -> Any:
     """O1's casts off for the block (exception-safe); a no-op context at other levels."""
     return _disable_casts_fallback()
-
-
-def init(*args: Any, **kwargs: Any) -> Any:
-    """apex's 2018 ``amp.init()`` handle API is not provided."""
-    raise NotImplementedError(
-        "amp.init() (apex's 2018 handle API) is not provided by fp16kit.legacy.amp: use "
-        "model, optimizer = amp.initialize(model, optimizer, opt_level='O1') and "
-        "`with amp.scale_loss(loss, optimizer)`."
-    )
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,7 @@ import torch
 
 from . import _model, _process_optimizer
 from ._amp_state import _amp_state, logger, maybe_print, warn_or_err
+from .handle import AmpHandle
 from .scaler import LossScaler
 
 __all__ = ["Properties", "initialize", "state_dict", "load_state_dict", "opt_levels"]
@@ -169,10 +170,18 @@ def initialize(
     verbosity: int = 1,
     min_loss_scale: float | None = None,
     max_loss_scale: float = 2.0**24,
+    *,
+    on_min_scale: str = "ignore",
 ) -> Any:
     """apex's ``amp.initialize`` (spec/amp.md §2): cast the models for ``opt_level``, give the
     optimizers amp's methods, create ``num_losses`` loss scalers. Returns the same objects in
-    the structure given."""
+    the structure given.
+
+    ``on_min_scale`` (keyword-only, not in apex): what the dynamic scalers do when overflows keep
+    happening with the scale at ``min_loss_scale`` -- ``"ignore"`` (apex: halve and skip
+    forever), ``"warn"`` (log a warning) or ``"raise"`` (``FloatingPointError`` at the
+    ``scale_loss`` exit; that step is still skipped). ``"warn"``/``"raise"`` need
+    ``min_loss_scale``."""
     if not enabled:
         _amp_state.opt_properties = Properties()
         _amp_state.verbosity = verbosity
@@ -208,7 +217,8 @@ def initialize(
         for opt in opt_list:
             _process_optimizer.check_optimizer(opt)
         scalers = [
-            LossScaler(properties.loss_scale, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+            LossScaler(properties.loss_scale, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                       on_min_scale=on_min_scale)
             for _ in range(num_losses)
         ]
         casts = _casts_module() if properties.patch_torch_functions else None
@@ -237,6 +247,7 @@ def initialize(
         if hasattr(casts, "apply_registrations"):
             casts.apply_registrations()  # amp.register_*_function calls queued before initialize
         casts.enable_o1(device_type)
+        _amp_state.handle = AmpHandle(properties.loss_scale, verbose=(verbosity == 2))
         if hasattr(casts, "clear_cache_after_forward"):
             for model in model_list:
                 casts.clear_cache_after_forward(model)

@@ -1,4 +1,5 @@
-"""apex.amp.handle: ``scale_loss`` (spec/amp.md §6) and ``disable_casts``.
+"""apex.amp.handle: ``scale_loss`` (spec/amp.md §6), ``disable_casts``, and the 2018 handle
+API (§11): ``init``, ``AmpHandle`` / ``NoOpHandle`` and the ``wrap_optimizer`` wrapper.
 
 The overflow check and the scale update run on the device at every non-delayed exit; the
 skip is applied (and apex's line logged) when ``optimizer.step()`` runs, which reads the
@@ -8,15 +9,16 @@ flags once. ``delay_overflow_check=True`` still checks (FIX: apex applied overfl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ...core import kernels
-from ._amp_state import _amp_state
+from ._amp_state import _amp_state, logger
+from .scaler import LossScaler
 
-__all__ = ["scale_loss", "disable_casts"]
+__all__ = ["scale_loss", "disable_casts", "init", "AmpHandle", "NoOpHandle", "OptimWrapper"]
 
 _NOT_INITIALIZED = (
     "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
@@ -73,10 +75,11 @@ def scale_loss(
         for opt in optimizers:
             opt._post_amp_backward(scaler)
             opt._amp_stash.params_have_scaled_gradients = False
-        found = scaler.update_async()
-        if found is not None:
+        found = scaler.take_found()
+        if found is not None:  # recorded before the update: a floor policy "raise" still skips
             for opt in optimizers:
                 opt._amp_stash.pending.append((loss_id, scaler, found))
+        scaler.update(found)
     finally:
         _clear_cache(properties)
 
@@ -85,8 +88,249 @@ def disable_casts() -> Any:
     """O1's casts off for the block (exception-safe); a no-op context at other levels (FIX:
     apex raised AttributeError without O1)."""
     properties = getattr(_amp_state, "opt_properties", None)
+    handle = getattr(_amp_state, "handle", None)
+    if handle is not None:  # O1, by initialize or init
+        return handle._disable_casts()
     if properties is not None and properties.patch_torch_functions:
         from . import casts
 
         return casts.disable_casts()
     return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- the 2018 handle API (§11)
+OLD_API_ERROR = (
+    "The old Amp API is no longer supported.  Please move to the new API, documented here:  "
+    "https://nvidia.github.io/apex/amp.html.  Transition guide:  "
+    "https://nvidia.github.io/apex/amp.html#transition-guide-for-old-api-users"
+)
+CLOSURE_ERROR = "The `closure` argument is unsupported by the amp optimizer wrapper."
+
+
+def init(
+    enabled: bool = True,
+    loss_scale: float | str = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+) -> AmpHandle | NoOpHandle:
+    """apex's 2018 ``amp.init()``: switch O1 casting on and return a handle.
+
+    O1 casting is ``torch.autocast(float16)`` entered on the calling thread
+    (:func:`fp16kit.legacy.amp.casts.enable_o1`) for **CUDA if it is available, else the CPU**
+    (apex patched torch process-wide for CUDA tensors). Sets ``_amp_state.handle``; sets no
+    ``opt_properties``, so ``amp.scale_loss`` still asks for ``amp.initialize``. Use
+    ``handle.wrap_optimizer(optimizer)`` and its ``scale_loss(loss)``. ``enabled=False``
+    returns a :class:`NoOpHandle` and casts nothing. ``enable_caching``, ``verbose`` and
+    ``allow_banned`` are accepted for apex's signature: autocast keeps its own cache (cleared
+    at every wrapper ``step()``), and ``F.binary_cross_entropy`` follows autocast (CUDA raises,
+    CPU runs it in fp32; MIGRATION.md)."""
+    if not enabled:
+        return NoOpHandle()
+    from . import casts
+
+    handle = AmpHandle(loss_scale, enable_caching, verbose)
+    casts.apply_registrations()  # amp.register_*_function calls queued before init
+    casts.enable_o1("cuda" if torch.cuda.is_available() else "cpu")
+    _amp_state.handle = handle
+    return handle
+
+
+class AmpHandle:
+    """apex's ``AmpHandle``: ``is_active()``, ``wrap_optimizer()``, ``_disable_casts()``,
+    ``_deactivate()``; ``scale_loss`` raises apex's "old API" error."""
+
+    def __init__(self, loss_scale: float | str = "dynamic", enable_caching: bool = True, verbose: bool = False) -> None:
+        self._loss_scale = loss_scale
+        self._enable_caching = enable_caching
+        self._verbose = verbose
+        self._is_active = True
+
+    def is_active(self) -> bool:
+        return self._is_active
+
+    @property
+    def has_cache(self) -> bool:
+        return self._enable_caching
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        raise RuntimeError(OLD_API_ERROR)
+        yield loss  # pragma: no cover  (a generator, as apex's: raises at `with`)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> OptimWrapper:
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        """Casts off and the handle inactive for the block (exception-safe, unlike apex)."""
+        from . import casts
+
+        was, self._is_active = self._is_active, False
+        try:
+            with casts.disable_casts():
+                yield
+        finally:
+            self._is_active = was
+
+    def _clear_cache(self) -> None:
+        from . import casts
+
+        casts.clear_cache()
+
+    def _deactivate(self) -> None:
+        """Undo ``init`` on this thread (apex removed its patches): autocast back to its state
+        before O1, the handle inactive (its wrappers pass straight through)."""
+        from . import casts
+
+        casts._disable_o1_for_tests()
+        self._is_active = False
+
+
+class NoOpHandle:
+    """apex's ``NoOpHandle`` (``amp.init(enabled=False)``): inactive, so ``scale_loss`` yields the
+    loss as it is and wrapped optimizers step as they are."""
+
+    def is_active(self) -> bool:
+        return False
+
+    has_cache = False
+    verbose = False
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        yield loss
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> OptimWrapper:
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        yield
+
+    def _clear_cache(self) -> None:
+        pass
+
+    def _deactivate(self) -> None:
+        pass
+
+
+class OptimWrapper:
+    """apex's ``handle.wrap_optimizer(optimizer, num_loss)``: one dynamic :class:`LossScaler` per
+    loss (apex amp's rule), used in order, ``num_loss`` losses per step::
+
+        with opt.scale_loss(loss) as scaled:   # loss * S_k, k = the loss's index since the step
+            scaled.backward()
+        # exit: k == 0: every param's grad *= 1/S_0 (grads left from before are unscaled too, as apex)
+        #       k > 0:  grad = new * (1/S_k) + the grad before this loss (kept aside at entry)
+        #       the scaler's overflow check and update (halve on overflow, as amp.scale_loss)
+        opt.step()                             # skipped if any loss since the last step overflowed
+
+    A skipped step logs "Gradient overflow, skipping update" (WARNING, verbosity >= 1) and leaves
+    the grads as they are. Other attributes and methods are the optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, amp_handle: Any, num_loss: int) -> None:
+        self._optimizer = optimizer
+        self._amp_handle = amp_handle
+        self._num_loss = num_loss
+        self._loss_idx = 0
+        self._found: list[torch.Tensor] = []  # one device flag per loss since the last step
+        self._loss_scaler = [LossScaler("dynamic") for _ in range(num_loss)]
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self._optimizer.param_groups for p in group["params"]]
+
+    def _cur_loss_scaler(self) -> LossScaler:
+        if not 0 <= self._loss_idx < self._num_loss:
+            raise RuntimeError(
+                f"scale_loss was used {self._loss_idx + 1} times since the last step(), but the "
+                f"optimizer was wrapped for num_loss={self._num_loss}: pass "
+                f"handle.wrap_optimizer(optimizer, num_loss={self._loss_idx + 1}) (or step() first)."
+            )
+        return self._loss_scaler[self._loss_idx]
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        if not self._amp_handle.is_active():
+            yield loss
+            return
+        scaler = self._cur_loss_scaler()
+        params = self._params()
+        kept: list[torch.Tensor | None] = []
+        if self._loss_idx > 0:  # this loss's grads are unscaled alone, then added to these
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        try:
+            yield kernels.scale_outputs(loss, scaler.scale_on)
+        except BaseException:
+            for p, g in zip(params, kept):
+                p.grad = g
+            raise
+        scaler.clear_overflow_state()
+        inv = scaler.inv_scale()
+        if not kept:
+            scaler.record(kernels.unscale_grads_(params, inv, scaler.new_flag(), allow_fp16=True))
+        else:
+            alone: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
+            dsts: list[torch.Tensor] = []
+            for p, old in zip(params, kept):
+                new = p.grad
+                if new is not None and old is not None:
+                    srcs.append(new)
+                    dsts.append(old)
+                elif new is not None:
+                    alone.append(new)
+                p.grad = old if old is not None else new
+            scaler.record(kernels.unscale_(alone, inv, scaler.new_flag()))
+            scaler.record(kernels.unscale_add_to_(srcs, dsts, inv, scaler.new_flag()))
+        found = scaler.take_found()
+        assert found is not None
+        self._found.append(found)
+        self._loss_idx += 1
+        scaler.update(found)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not self._amp_handle.is_active():
+            return self._optimizer.step(closure=closure)
+        self._loss_idx = 0
+        self._amp_handle._clear_cache()
+        if closure is not None:
+            raise NotImplementedError(CLOSURE_ERROR)
+        found, self._found = self._found, []
+        flags = kernels.stack_flags(found, torch.device("cpu")).tolist()  # one host read per step
+        if any(flags):
+            if _amp_state.verbosity >= 1:
+                logger.warning("Gradient overflow, skipping update")
+            return None
+        from . import casts
+
+        with casts.disable_casts():
+            return self._optimizer.step()
+
+    # the optimizer's own surface
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_optimizer" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return self._optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        return self._optimizer.zero_grad(*args, **kwargs)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        return self._optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return repr(self._optimizer)

@@ -12,6 +12,11 @@ non-delayed ``scale_loss`` exit::
 
 ``scale_factor`` is ignored (always 2), as in apex. Overflow flags stay on the device: the
 skip is decided when ``optimizer.step()`` runs (one host read per step, not per backward).
+
+FIX (opt-in, ``on_min_scale``, keyword-only, default ``"ignore"`` = apex): with a floor
+(``min_loss_scale``), overflows that keep happening at the floor log a warning (``"warn"``) or
+raise ``FloatingPointError`` (``"raise"``) through the core's floor policy
+(:mod:`fp16kit.core.floor`), instead of apex's silent halving-and-skipping forever.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any
 import torch
 
 from ...core import kernels
+from ...core.floor import FLOOR_POLICIES
+from ...core.scale import LossScale
 from ..fp16_optimizer import AmpLossScaler
 
 __all__ = ["LossScaler"]
@@ -42,11 +49,16 @@ class LossScaler(AmpLossScaler):
         scale_window: int = 2000,
         min_loss_scale: float | None = None,
         max_loss_scale: float = 2.0**24,
+        *,
+        on_min_scale: str = "ignore",
     ) -> None:
         # device=None: the scale is put on the device of the first loss it scales
         super().__init__(
             loss_scale, init_scale, 2.0, scale_window, min_loss_scale, max_loss_scale, device=None  # type: ignore[arg-type]
         )
+        if on_min_scale != "ignore":
+            _check_floor_policy(on_min_scale, min_loss_scale)
+            self._state.on_min_scale = on_min_scale  # read by the core at every update
         self._flags: list[dict[torch.device, torch.Tensor]] = []  # this backward's found-inf flags
         self._static_scale = None if self.dynamic else float(loss_scale)  # host copy (never updated)
 
@@ -126,16 +138,19 @@ class LossScaler(AmpLossScaler):
     def clear_overflow_state(self) -> None:
         self._flags = []
 
-    def update_async(self) -> torch.Tensor | None:
-        """One update of the rule on the device (no host read). Returns this backward's
-        found-inf flag (a device tensor) when dynamic, None when static (never skips)."""
+    def take_found(self) -> torch.Tensor | None:
+        """This backward's found-inf flag (a device tensor, no host read) when dynamic, None
+        when static (never skips); the recorded flags are consumed. Pass it to :meth:`update`."""
         flags = [f for per in self._flags for f in per.values()]
         self._flags = []
         if not self.dynamic:
-            self.update(None)
             return None
         self._state.materialize(self._device())
-        found = kernels.combine_found_inf(flags, self._device())
+        return kernels.combine_found_inf(flags, self._device())
+
+    def update_async(self) -> torch.Tensor | None:
+        """:meth:`take_found`, then one update of the rule on the device. Returns the flag."""
+        found = self.take_found()
         self.update(found)
         return found
 
@@ -150,3 +165,15 @@ class LossScaler(AmpLossScaler):
 
     def __repr__(self) -> str:
         return f"LossScaler(dynamic={self.dynamic}, loss_scale={self.loss_scale()}, unskipped={self._unskipped})"
+
+
+def _check_floor_policy(on_min_scale: str, min_loss_scale: float | None) -> None:
+    """The core checks the policy (ValueError naming the choices); a missing floor is named in
+    amp's terms (apex's ``min_loss_scale=0`` meant no floor)."""
+    if on_min_scale in FLOOR_POLICIES and not min_loss_scale:
+        raise ValueError(
+            f"on_min_scale={on_min_scale!r} needs a floor to watch: also pass min_loss_scale > 0 "
+            "(the smallest loss scale you accept, e.g. min_loss_scale=1.0), or leave "
+            "on_min_scale='ignore'."
+        )
+    LossScale(rule="apex_amp", min_scale=min_loss_scale, on_min_scale=on_min_scale)  # type: ignore[arg-type]
