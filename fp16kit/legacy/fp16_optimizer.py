@@ -72,6 +72,7 @@ class AmpLossScaler:
         *,
         device: torch.device | str = "cpu",
         unskipped: int = 0,
+        on_min_scale: str = "ignore",
     ) -> None:
         self.dynamic = loss_scale == "dynamic"
         if max_loss_scale is None:
@@ -87,6 +88,7 @@ class AmpLossScaler:
             growth_interval=scale_window,
             min_scale=min_loss_scale,
             max_scale=max_loss_scale,
+            on_min_scale=on_min_scale,  # type: ignore[arg-type]
             dtype=torch.float64,
             device=device,
         )

@@ -27,7 +27,6 @@ import torch
 
 from ...core import kernels
 from ...core.floor import FLOOR_POLICIES
-from ...core.scale import LossScale
 from ..fp16_optimizer import AmpLossScaler
 
 __all__ = ["LossScaler"]
@@ -52,13 +51,12 @@ class LossScaler(AmpLossScaler):
         *,
         on_min_scale: str = "ignore",
     ) -> None:
+        _check_floor_policy(on_min_scale, min_loss_scale)
         # device=None: the scale is put on the device of the first loss it scales
         super().__init__(
-            loss_scale, init_scale, 2.0, scale_window, min_loss_scale, max_loss_scale, device=None  # type: ignore[arg-type]
+            loss_scale, init_scale, 2.0, scale_window, min_loss_scale, max_loss_scale,
+            device=None, on_min_scale=on_min_scale,  # type: ignore[arg-type]
         )
-        if on_min_scale != "ignore":
-            _check_floor_policy(on_min_scale, min_loss_scale)
-            self._state.on_min_scale = on_min_scale  # read by the core at every update
         self._flags: list[dict[torch.device, torch.Tensor]] = []  # this backward's found-inf flags
         self._static_scale = None if self.dynamic else float(loss_scale)  # host copy (never updated)
 
@@ -168,12 +166,11 @@ class LossScaler(AmpLossScaler):
 
 
 def _check_floor_policy(on_min_scale: str, min_loss_scale: float | None) -> None:
-    """The core checks the policy (ValueError naming the choices); a missing floor is named in
-    amp's terms (apex's ``min_loss_scale=0`` meant no floor)."""
-    if on_min_scale in FLOOR_POLICIES and not min_loss_scale:
+    """A missing floor, named in amp's terms (apex's ``min_loss_scale=0`` meant no floor); the
+    core checks the rest when the scaler is built (ValueError naming the choices)."""
+    if on_min_scale != "ignore" and on_min_scale in FLOOR_POLICIES and not min_loss_scale:
         raise ValueError(
             f"on_min_scale={on_min_scale!r} needs a floor to watch: also pass min_loss_scale > 0 "
             "(the smallest loss scale you accept, e.g. min_loss_scale=1.0), or leave "
             "on_min_scale='ignore'."
         )
-    LossScale(rule="apex_amp", min_scale=min_loss_scale, on_min_scale=on_min_scale)  # type: ignore[arg-type]
