@@ -174,23 +174,39 @@ class MasterGroups:
             if self.all_masters:
                 check_master_dtypes(p, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping")
         before_change()
-        for gi, p in found:
-            info = self.groups[gi]
-            info.watched = [w for w in info.watched if w is not p]
-            params = self.optimizer.param_groups[gi]["params"]
-            index = next(i for i, q in enumerate(params) if q is p)
-            # Keep each role's list in the group's order: checkpoints pair saved masters with
-            # them by position, whenever the param was unfrozen.
-            if not self._wants_master(p):
-                direct = {id(q) for q in info.direct}
-                info.direct.insert(sum(id(q) in direct for q in params[:index]), p)
-                continue
-            mastered = {id(m) for m in info.masters}
-            at = sum(id(q) in mastered for q in params[:index])
-            (m,) = self.masters.add([p])
-            self._replace(params, index, m)
-            info.model_params.insert(at, p)
-            info.masters.insert(at, m)
+        for gi in sorted({gi for gi, _ in found}):
+            self._adopt_unfrozen(gi, [p for g, p in found if g == gi])
+
+    def _adopt_unfrozen(self, gi: int, new: list[torch.Tensor]) -> None:
+        """Adopt ``new`` (watched params of group ``gi`` now trainable) in one pass over the
+        group: their masters made together (one flat block), each role's list rebuilt in the
+        group's order -- checkpoints pair saved masters with them by position, whenever a
+        param was unfrozen. The lists are refilled in place (FP16_Optimizer and amp alias them)."""
+        info = self.groups[gi]
+        new_ids = {id(p) for p in new}
+        info.watched[:] = [w for w in info.watched if id(w) not in new_ids]
+        wanted = [p for p in new if self._wants_master(p)]
+        made = dict(zip((id(p) for p in wanted), self.masters.add(wanted)))
+        paired = {id(m): p for p, m in zip(info.model_params, info.masters)}
+        direct_ids = {id(p) for p in info.direct} | (new_ids - made.keys())
+        params = self.optimizer.param_groups[gi]["params"]
+        model_params: list[torch.Tensor] = []
+        masters: list[torch.Tensor] = []
+        direct: list[torch.Tensor] = []
+        for i, q in enumerate(params):
+            if id(q) in made:
+                m = made[id(q)]
+                self._replace(params, i, m)
+                model_params.append(q)
+                masters.append(m)
+            elif id(q) in paired:
+                model_params.append(paired[id(q)])
+                masters.append(q)
+            elif id(q) in direct_ids:
+                direct.append(q)
+        info.model_params[:] = model_params
+        info.masters[:] = masters
+        info.direct[:] = direct
 
     def flag_device(self) -> torch.device:
         """Where the found-inf flags of the stepped grads live: the first master's device (or

@@ -85,8 +85,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         flat: keep each device's masters in one contiguous buffer (per-param views).
         async_step: run each step on the optimizer thread beside the next forward/backward,
             a one-step delayed update (:mod:`fp16kit.async_step`; every trainable param gets a
-            master). Call :meth:`synchronize` before evaluating or exporting. Each step uses
-            the hyperparameters it was submitted with (:mod:`fp16kit.step_snapshot`).
+            master). ``step()`` hands the model grads to the thread (``p.grad`` is None after
+            it). Call :meth:`synchronize` before evaluating or exporting. Each step uses the
+            hyperparameters it was submitted with (:mod:`fp16kit.step_snapshot`).
         thread: the :class:`~fp16kit.core.thread.OptimizerThread` for asynchronous steps
             (default: the process-wide ``fp16kit.optimizer_thread()``).
         unfrozen: params frozen when wrapped and trainable later: ``"adopt"`` them at the next

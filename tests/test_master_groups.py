@@ -219,3 +219,23 @@ def test_add_param_group_refuses_a_param_listed_twice():
     with pytest.raises(ValueError, match="twice"):
         opt.add_param_group({"params": [extra, extra]})
     assert len(opt.param_groups) == 1
+
+
+def test_params_unfrozen_together_are_adopted_together_in_group_order():
+    # One pass for all of them: with flat=True their masters share one new buffer, and each
+    # role's list follows the group's order, as in an optimizer built after unfreezing (so
+    # checkpoints pair saved masters by position either way).
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(i + 1).half(), requires_grad=i % 2 == 0) for i in range(6)]
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(params, lr=0.1), flat=True)
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.ones_like(p)
+    opt.step()
+    fresh = MixedPrecisionOptimizer(torch.optim.SGD([nn.Parameter(p.detach().clone()) for p in params], lr=0.1))
+    assert [tuple(m.shape) for m in opt.groups[0].masters] == [tuple(m.shape) for m in fresh.groups[0].masters]
+    assert len(opt.groups[0].model_params) == len(params)
+    assert all(a is b for a, b in zip(opt.groups[0].model_params, params))
+    late = [opt.groups[0].masters[i] for i in (1, 3, 5)]
+    assert len({m.untyped_storage().data_ptr() for m in late}) == 1  # one flat block
+    assert opt.groups[0].watched == []
