@@ -20,7 +20,7 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .core import kernels
-from .core.protocol import MasterWeightOptimizer, scaled_iterations
+from .core.protocol import scaled_iterations, speaks_master_protocol
 from .core.scale import FloorPolicy, LossScale
 from .core.thread import OptimizerThread, current_optimizer_thread
 from .scaler_thread import ScalerThreads
@@ -269,7 +269,7 @@ class GradScaler(torch.amp.GradScaler):
     ) -> dict[torch.device, torch.Tensor]:
         # An optimizer that keeps master weights (MixedPrecisionOptimizer: fp16 model grads ->
         # fp32 master grads) unscales into them (fp16kit.core.protocol).
-        if isinstance(optimizer, MasterWeightOptimizer):
+        if speaks_master_protocol(optimizer):
             return optimizer.unscale_grads_(inv_scale, found_inf)
         return kernels.unscale_grads_(
             _optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16
@@ -362,7 +362,7 @@ class GradScaler(torch.amp.GradScaler):
         # The skip decision needs the flag on the host: the one sync of a non-fused step
         # (fused optimizers take found_inf on the device instead; see step()).
         if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
-            if isinstance(optimizer, MasterWeightOptimizer):
+            if speaks_master_protocol(optimizer):
                 optimizer.skip_decided()  # it need not read the flags again
             retval = optimizer.step(*args, **kwargs)
         return retval
@@ -393,7 +393,7 @@ class GradScaler(torch.amp.GradScaler):
 
         retval: float | None = None
 
-        if isinstance(optimizer, MasterWeightOptimizer) and optimizer.submits_steps():
+        if speaks_master_protocol(optimizer) and optimizer.submits_steps():
             # MixedPrecisionOptimizer(async_step=True): it checks the grads on their device,
             # hands them to the optimizer thread and returns this step's flags; update() uses
             # them on the device, so the next scale() sees this step's overflow. No sync.

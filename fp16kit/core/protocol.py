@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["MasterWeightOptimizer", "ScaledIterations", "scaled_iterations"]
+__all__ = ["MasterWeightOptimizer", "ScaledIterations", "scaled_iterations", "speaks_master_protocol"]
 
 Flags = dict[torch.device, torch.Tensor]
 
@@ -74,6 +74,21 @@ class MasterWeightOptimizer(Protocol):
         flag is set; return the flags. ``unscaled_flags``: ``unscale_grads_`` ran already
         (they are its flags). No host sync."""
         ...
+
+
+_SPEAKS: dict[type, bool] = {}
+
+
+def speaks_master_protocol(optimizer: Any) -> bool:
+    """``isinstance(optimizer, MasterWeightOptimizer)``, cached per type: a runtime-checkable
+    Protocol check looks up every method (tens of microseconds), and GradScaler asks several
+    times per step. (The protocol's methods are the class's; an instance that gains them as
+    attributes later is not seen.)"""
+    kind = type(optimizer)
+    speaks = _SPEAKS.get(kind)
+    if speaks is None:
+        speaks = _SPEAKS[kind] = isinstance(optimizer, MasterWeightOptimizer)
+    return speaks
 
 
 class ScaledIterations:
