@@ -35,7 +35,7 @@ from ...core.master import MasterParams
 from ...master_groups import MasterGroups
 from ._amp_state import _amp_state
 
-__all__ = ["AmpOptimizerState", "process_optimizer", "MASTERS_KEY", "AMP_METHODS"]
+__all__ = ["AmpOptimizerState", "process_optimizer", "unscale_into_stash", "MASTERS_KEY", "AMP_METHODS"]
 
 logger = logging.getLogger("fp16kit")
 
@@ -174,31 +174,42 @@ def _post(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
 
 def _post_stashed(optimizer: torch.optim.Optimizer, scaler: Any, inv: torch.Tensor) -> None:
     stash = optimizer._amp_stash
-    alone: list[torch.Tensor] = []
-    srcs: list[torch.Tensor] = []
-    dsts: list[torch.Tensor] = []
-    for p in _stashed_params(optimizer):
-        stashed = stash.grad_stash.get(id(p))
-        if p.grad is None:
-            if stashed is not None:
-                p.grad = stashed
-        elif stashed is None:
-            alone.append(p.grad)
-        else:
-            srcs.append(p.grad)
-            dsts.append(stashed)
-            p.grad = stashed
+    params = _stashed_params(optimizer)
+    new = unscale_into_stash(params, [stash.grad_stash.get(id(p)) for p in params], scaler, inv)
     stash.grad_stash = {}
-    if any(g.dtype != torch.float32 for g in (*alone, *srcs)) and not scaler.__class__.warned_unscaling_non_fp32_grad:
+    if any(g.dtype != torch.float32 for g in new) and not scaler.__class__.warned_unscaling_non_fp32_grad:
         scaler.__class__.warned_unscaling_non_fp32_grad = True
         logger.warning(
             "Warning:  unscaling grads that are not FP32. Unscaling non-fp32 grads may indicate an "
             "error. When using Amp, you don't need to call .half() on your model."
         )
+
+
+def unscale_into_stash(
+    params: list[torch.Tensor], stashed: list[torch.Tensor | None], scaler: Any, inv: torch.Tensor
+) -> list[torch.Tensor]:
+    """After a scaled backward, for each param and its grad from before it (``stashed``):
+    ``grad = new * inv + stashed`` -- ``new * inv`` with no stash, the stash with no new grad
+    (apex's "unscale with stash"). The flags go to ``scaler``; returns the new grads."""
+    alone: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
+    for p, old in zip(params, stashed):
+        grad = p.grad
+        if grad is None:
+            if old is not None:
+                p.grad = old
+        elif old is None:
+            alone.append(grad)
+        else:
+            srcs.append(grad)
+            dsts.append(old)
+            p.grad = old
     if alone:
         scaler.record(kernels.unscale_(alone, inv, scaler.new_flag()))
     if srcs:
         scaler.record(kernels.unscale_add_to_(srcs, dsts, inv, scaler.new_flag()))
+    return [*alone, *srcs]
 
 
 # ---------------------------------------------------------------------- step and friends

@@ -16,6 +16,7 @@ import torch
 
 from ...core import kernels
 from ._amp_state import _amp_state, logger
+from ._process_optimizer import unscale_into_stash
 from .scaler import LossScaler
 
 __all__ = ["scale_loss", "disable_casts", "init", "AmpHandle", "NoOpHandle", "OptimWrapper"]
@@ -277,19 +278,7 @@ class OptimWrapper:
         if not kept:
             scaler.record(kernels.unscale_grads_(params, inv, scaler.new_flag(), allow_fp16=True))
         else:
-            alone: list[torch.Tensor] = []
-            srcs: list[torch.Tensor] = []
-            dsts: list[torch.Tensor] = []
-            for p, old in zip(params, kept):
-                new = p.grad
-                if new is not None and old is not None:
-                    srcs.append(new)
-                    dsts.append(old)
-                elif new is not None:
-                    alone.append(new)
-                p.grad = old if old is not None else new
-            scaler.record(kernels.unscale_(alone, inv, scaler.new_flag()))
-            scaler.record(kernels.unscale_add_to_(srcs, dsts, inv, scaler.new_flag()))
+            unscale_into_stash(params, kept, scaler, inv)
         found = scaler.take_found()
         assert found is not None
         self._found.append(found)
