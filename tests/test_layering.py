@@ -61,7 +61,7 @@ def test_kernels_never_read_tensors_on_the_host():
 
 def test_library_never_prints():
     for path in PKG.rglob("*.py"):
-        if path.name in ("cli.py", "__main__.py"):
+        if path.name == "__main__.py" or path.parent.name == "cli":  # the CLI writes to stdout
             continue
         tree = ast.parse(path.read_text())
         prints = [

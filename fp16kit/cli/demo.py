@@ -1,16 +1,13 @@
-"""The ``fp16kit`` command line (also ``python -m fp16kit``)."""
+"""``fp16kit demo``: argument parsing and the printed report (the training is in :mod:`fp16kit.demo`)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 import time
-from collections.abc import Sequence
 
 import torch
 
-from . import __version__
+from .. import __version__
 
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -22,14 +19,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fp16kit",
-        description="Mixed-precision training for PyTorch: apex.fp16_utils' API and a torch.amp-style face on one core.",
-    )
-    parser.add_argument("--version", action="version", version=f"fp16kit {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def register(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
         help="train a small MLP in fp32 and in mixed precision side by side (CPU)",
@@ -41,11 +31,11 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=40, help="steps per epoch")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--init-scale", type=float, default=2.0**16)
-    return parser
+    demo.set_defaults(func=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoConfig, run_demo
+    from ..demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
         epochs=args.epochs,
@@ -69,17 +59,3 @@ def _run_demo(args: argparse.Namespace) -> int:
     total_skipped = sum(r.skipped for r in result.rows)
     print(f"skipped steps: {total_skipped} of {cfg.epochs * cfg.steps_per_epoch} ({elapsed:.1f} s)")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _run_demo(args)
-    parser.print_help()
-    return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
