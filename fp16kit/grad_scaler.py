@@ -27,6 +27,14 @@ from .scaler_thread import ScalerThreads
 
 __all__ = ["GradScaler", "OptState"]
 
+# torch's text (kept, so code matching it still works), then the fix fp16kit offers
+FP16_GRADS = "Attempting to unscale FP16 gradients."
+FP16_GRADS_HINT = (
+    " fp16kit: an fp16 model trains through fp32 master weights with "
+    "fp16kit.MixedPrecisionOptimizer(optimizer) -- wrap the optimizer in it and pass that to "
+    "scaler.step(); or keep the model in float32 and use torch.autocast."
+)
+
 # torch's own enum and per-optimizer factory: states compare equal to torch's, and code that
 # inspects `scaler._per_optimizer_states` (torch's tests, FSDP's ShardedGradScaler) works.
 OptState = _torch_grad_scaler.OptState
@@ -271,9 +279,14 @@ class GradScaler(torch.amp.GradScaler):
         # fp32 master grads) unscales into them (fp16kit.core.protocol).
         if speaks_master_protocol(optimizer):
             return optimizer.unscale_grads_(inv_scale, found_inf)
-        return kernels.unscale_grads_(
-            _optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16
-        )
+        try:
+            return kernels.unscale_grads_(
+                _optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16
+            )
+        except ValueError as e:  # raised before any grad changed: name the fix
+            if str(e) != FP16_GRADS:
+                raise
+            raise ValueError(f"{FP16_GRADS}{FP16_GRADS_HINT}") from None
 
     def _reduce_found_inf(
         self, found_inf_per_device: dict[torch.device, torch.Tensor]
