@@ -71,7 +71,9 @@ def _entry(module_name: str, name: str, obj: object) -> list[str]:
         return [f"- class `{name}{_signature(obj)}` — {_first_line(obj)}", *_members(obj)]
     if callable(obj):
         return [f"- `{name}{_signature(obj)}` — {_first_line(obj)}"]
-    return [f"- `{name}` = `{obj!r}`"]
+    if isinstance(obj, (str, int, float, bool, tuple, type(None))):
+        return [f"- `{name}` = `{obj!r}`"]
+    return [f"- `{name}`: an instance of `{type(obj).__module__}.{type(obj).__qualname__}`"]
 
 
 def render() -> str:
