@@ -39,11 +39,14 @@ _SETTINGS = (
     "backoff_factor",
     "growth_interval",
     "hysteresis",
+    "consecutive_hysteresis",
     "min_scale",
     "max_scale",
     "on_min_scale",
 )
 _STATE_KEYS = ("scale", "growth_tracker", "hysteresis_tracker", "rule", *_SETTINGS)
+# Keys a state dict saved before they existed may lack, and the value that behaves as it did.
+_STATE_DEFAULTS = {"consecutive_hysteresis": False}
 
 
 @dataclass
@@ -95,7 +98,8 @@ class LossScale:
     ``update(found_inf)`` applies the rule named by ``rule`` (``found_inf`` != 0 means the
     step overflowed and was skipped): see :mod:`fp16kit.core.scale_rules` for each rule's
     pseudo-code, and for hysteresis (``hysteresis = N`` tolerates N - 1 overflows between
-    growths) and the bounds, which all rules share. The settings are read at every update,
+    growths, or in a row with ``consecutive_hysteresis=True``) and the bounds, which all
+    rules share. The settings are read at every update,
     so assigning e.g. ``growth_factor`` takes effect at the next one.
 
     Bounds: the initial scale starts inside ``[min_scale, max_scale]`` unless the rule says
@@ -122,6 +126,7 @@ class LossScale:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
         min_scale: float | None = None,
         max_scale: float | None = None,
         on_min_scale: FloorPolicy = "ignore",
@@ -136,6 +141,7 @@ class LossScale:
             scale_rule,
             growth_interval=growth_interval,
             hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
             on_min_scale=on_min_scale,
@@ -147,6 +153,7 @@ class LossScale:
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
         self.min_scale = None if min_scale is None else float(min_scale)
         self.max_scale = None if max_scale is None else float(max_scale)
         self.on_min_scale: str = on_min_scale
@@ -307,6 +314,7 @@ class LossScale:
         """Restore :meth:`state_dict`'s output. Everything is checked before anything changes:
         a missing or unknown key or a bad setting raises ``ValueError`` naming it."""
         _check_state_dict(state_dict, self.rule)
+        state_dict = {**_STATE_DEFAULTS, **state_dict}
         for key in _SETTINGS:
             setattr(self, key, state_dict[key])
         self.init_scale = state_dict["scale"]
@@ -331,7 +339,7 @@ class LossScale:
         if "_device_state" not in state:  # pickled before the device state was one record
             state = {k: v for k, v in state.items() if k not in _OLD_DEVICE_FIELDS}
             state["_device_state"] = ScaleState()
-        self.__dict__.update(state)
+        self.__dict__.update({**_STATE_DEFAULTS, **state})
 
     def __repr__(self) -> str:
         where = "lazy" if self.scale is None else str(self.scale.device)
@@ -339,7 +347,8 @@ class LossScale:
             f"LossScale(rule={self.rule!r}, init_scale={self.init_scale!r}, "
             f"growth_factor={self.growth_factor}, backoff_factor={self.backoff_factor}, "
             f"growth_interval={self.growth_interval}, hysteresis={self.hysteresis}, "
-            f"min_scale={self.min_scale}, max_scale={self.max_scale}, "
+            + ("consecutive_hysteresis=True, " if self.consecutive_hysteresis else "")
+            + f"min_scale={self.min_scale}, max_scale={self.max_scale}, "
             f"on_min_scale={self.on_min_scale!r}, dtype={self.dtype}, {where})"
         )
 
@@ -362,7 +371,7 @@ def _check_state_dict(state_dict: Any, rule: str) -> None:
             f"LossScale.load_state_dict expects a dict from LossScale.state_dict(), "
             f"got {type(state_dict).__name__}."
         )
-    missing = [k for k in _STATE_KEYS if k not in state_dict]
+    missing = [k for k in _STATE_KEYS if k not in state_dict and k not in _STATE_DEFAULTS]
     unknown = [k for k in state_dict if k not in _STATE_KEYS]
     if missing or unknown:
         raise ValueError(
@@ -382,6 +391,7 @@ def _check_state_dict(state_dict: Any, rule: str) -> None:
         rule_named(rule),
         growth_interval=state_dict["growth_interval"],
         hysteresis=state_dict["hysteresis"],
+        consecutive_hysteresis=state_dict.get("consecutive_hysteresis", False),
         min_scale=state_dict["min_scale"],
         max_scale=state_dict["max_scale"],
         on_min_scale=state_dict["on_min_scale"],
@@ -399,6 +409,7 @@ def _validate_settings(
     *,
     growth_interval: Any,
     hysteresis: Any,
+    consecutive_hysteresis: Any,
     min_scale: Any,
     max_scale: Any,
     on_min_scale: Any,
@@ -407,6 +418,11 @@ def _validate_settings(
     if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
         raise ValueError(
             f"hysteresis must be an int >= 1 (1 backs off at every overflow), got {hysteresis!r}."
+        )
+    if not isinstance(consecutive_hysteresis, bool):
+        raise ValueError(
+            "consecutive_hysteresis must be True (any clean step re-arms the hysteresis) or "
+            f"False (only a growth does), got {consecutive_hysteresis!r}."
         )
     for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
         if value is not None and (

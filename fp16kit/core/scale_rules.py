@@ -50,6 +50,7 @@ class ScaleSettings(Protocol):
     backoff_factor: float
     growth_interval: int
     hysteresis: int
+    consecutive_hysteresis: bool
     min_scale: float | None
     max_scale: float | None
     dtype: torch.dtype
@@ -63,6 +64,7 @@ class FixedSettings:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     hysteresis: int = 1
+    consecutive_hysteresis: bool = False
     min_scale: float | None = None
     max_scale: float | None = None
     dtype: torch.dtype = torch.float32
@@ -100,11 +102,13 @@ class ScaleRule:
         grow = rule.grows(overflow, counted)
         if grow and rule.accepts(new := min(scale * growth_factor, max_scale)):
             scale = new
-        if grow: hysteresis_tracker = H
+        if grow or (consecutive_hysteresis and not overflow):
+            hysteresis_tracker = H                                 # re-armed
         growth_tracker = rule.next_tracker(grow, counted)
 
     so H = 1 backs off at every overflow; H = N tolerates N - 1 overflows between growths
-    (Megatron-LM's and DeepSpeed's hysteresis).
+    (Megatron-LM's and DeepSpeed's hysteresis), or, with ``consecutive_hysteresis``, N - 1
+    overflows in a row (any clean step re-arms it: their ``consecutive_hysteresis=True``).
     """
 
     name: ClassVar[str]
@@ -162,7 +166,8 @@ class ScaleRule:
         if k.max_scale is not None:
             grown = grown.clamp_max(k.max_scale)
         new_scale = torch.where(self.accepts(grow, grown, k), grown, after_backoff)
-        new_hyst = torch.where(grow, k.hysteresis, hyst)
+        rearm = (grow | ~found) if k.consecutive_hysteresis else grow
+        new_hyst = torch.where(rearm, k.hysteresis, hyst)
         return Step(new_scale, self.next_tracker(grow, counted), new_hyst, backoff, s)
 
     # ---------------------------------------------------------------- the hooks
