@@ -1,0 +1,99 @@
+"""The apex-era scripts in examples/apex_era/ (fp16_utils, amp, fused optimizers, apex.parallel,
+Megatron-LM v1) run unmodified under `fp16kit run`, and after `fp16kit migrate` under plain
+python, with the same output."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import fp16kit
+
+ROOT = pathlib.Path(fp16kit.__file__).resolve().parent.parent
+SCRIPTS = ROOT / "examples" / "apex_era"
+
+# script -> (arguments, whether it imports Megatron's `fp16` package)
+CASES = {
+    "word_lm_fp16_utils.py": (["--steps", "30"], False),
+    "dcgan_amp.py": (["--opt_level", "O1", "--niter", "12"], False),
+    "bert_fused_adam.py": (["--fp16", "--num_train_steps", "30"], False),
+    "megatron_v1.py": (["--fp16", "--train-iters", "30"], True),
+    "imagenet_ddp_syncbn.py": (["--steps", "12"], False),
+}
+EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
+    "dcgan_amp.py": [["--opt_level", "O2", "--niter", "12"]],
+    "word_lm_fp16_utils.py": [["--steps", "12", "--static-loss-scale", "128"]],
+    "imagenet_ddp_syncbn.py": [["--steps", "6", "--larc"]],
+}
+
+
+def _python(*args, cwd=None, env_port=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    if env_port:
+        env["MASTER_PORT"] = str(env_port)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd
+    )
+
+
+def _final_loss(stdout: str) -> float:
+    found = re.findall(r"final loss (\S+)", stdout)
+    assert found, stdout
+    return float(found[-1])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_apex_era_script_is_tested():
+    assert {p.name for p in SCRIPTS.glob("*.py")} == set(CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_runs_unmodified_and_after_migrate_with_the_same_output(name, tmp_path):
+    args, megatron = CASES[name]
+    flag = ["--megatron"] if megatron else []
+    unmodified = _python("-m", "fp16kit", "run", *flag, str(SCRIPTS / name), *args, env_port=_free_port())
+    assert unmodified.returncode == 0, unmodified.stderr
+    loss = _final_loss(unmodified.stdout)
+    assert loss == loss and loss < 10  # finite, and trained
+
+    copy = tmp_path / name
+    shutil.copy(SCRIPTS / name, copy)
+    migrated = _python("-m", "fp16kit", "migrate", *flag, str(copy))
+    assert migrated.returncode == 0, migrated.stderr + migrated.stdout
+    tree = ast.parse(copy.read_text())
+    left = [
+        node.lineno for node in ast.walk(tree)
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] in ("apex", "fp16") for a in node.names)
+        or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("apex", "fp16")
+    ]
+    assert not left, f"apex imports left on lines {left}:\n{copy.read_text()}"
+    again = _python("-m", "fp16kit", "migrate", "--check", *flag, str(copy))
+    assert again.returncode == 0, again.stdout  # idempotent: nothing more to change
+
+    after = _python(str(copy), *args, env_port=_free_port())
+    assert after.returncode == 0, after.stderr
+    assert after.stdout == unmodified.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,args", [(n, a) for n, runs in sorted(EXTRA_RUNS.items()) for a in runs])
+def test_other_flags_run_unmodified(name, args):
+    flag = ["--megatron"] if CASES[name][1] else []
+    r = _python("-m", "fp16kit", "run", *flag, str(SCRIPTS / name), *args, env_port=_free_port())
+    assert r.returncode == 0, r.stderr
+    _final_loss(r.stdout)
