@@ -44,9 +44,12 @@ __all__ = [
     "flatten",
     "group_by_device_and_dtype",
     "inv_scale",
+    "l2_norm",
+    "l2_norms",
     "merge_found_inf",
     "new_found_inf",
     "scale_outputs",
+    "scale_to_",
     "unscale_",
     "unscale_grads_",
     "unscale_add_to_",
@@ -459,3 +462,70 @@ def _as_multiplier(scale: Any) -> Any:
     if isinstance(scale, torch.Tensor) and scale.dtype == torch.float64:
         return scale.float()
     return scale
+
+
+def l2_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated in float32 (float64 for float64 tensors), as
+    0-dim tensors on the tensors' devices, in order: one multi-tensor norm per (device, dtype)
+    group. Non-finite values give a non-finite norm."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    index: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        index.setdefault((t.device, t.dtype), []).append(i)
+    with torch.no_grad():
+        for (_, dtype), idx in index.items():
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            norms = torch._foreach_norm([tensors[i].detach() for i in idx], 2, dtype=acc)
+            for i, n in zip(idx, norms):
+                out[i] = n
+    return [n for n in out if n is not None]
+
+
+def l2_norm(tensors: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """``sqrt(sum over tensors of ||t||^2)``: one float32 0-dim tensor on ``device`` (default:
+    the first tensor's; CPU when there are none), 0.0 for no tensors. Non-finite values give a
+    non-finite result (the overflow test of apex's fused-era FP16_Optimizer)."""
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    norms = l2_norms(tensors)
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        squares = torch.stack([n.to(device=device, dtype=torch.float32, non_blocking=True) for n in norms])
+        return squares.square().sum().sqrt()
+
+
+def scale_to_(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    scale: float | torch.Tensor,
+    flag: torch.Tensor,
+) -> None:
+    """``dst = src * scale`` for each pair (``dst`` may be ``src``: in place), setting ``flag``
+    (any dtype and shape, e.g. apex's int32 ``overflow_buf``) to 1 where a source holds inf or
+    NaN; never clearing it. The arithmetic of apex's ``amp_C.multi_tensor_scale``: the product
+    in float32 (float64 for float64 data), rounded once into ``dst``."""
+    if len(srcs) != len(dsts):
+        raise ValueError(
+            f"scale_to_ needs one destination per source; got {len(srcs)} sources "
+            f"and {len(dsts)} destinations."
+        )
+    if not srcs:
+        return
+    with torch.no_grad():
+        s = scale.detach() if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float64)
+        temps: list[torch.Tensor] = []
+        for src in srcs:
+            acc = torch.float64 if src.dtype == torch.float64 else torch.float32
+            temps.append(torch.empty_like(src, dtype=acc))
+        found = new_found_inf(flag.device)
+        per_device = check_finite_([t.detach() for t in srcs], found)
+        copy_to_([t.detach() for t in srcs], temps)
+        groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        for t in temps:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        for (device, dtype), ts in groups.items():
+            torch._foreach_mul_(ts, s.to(device=device, dtype=dtype))
+        copy_to_(temps, [d.detach() for d in dsts])
+        hit = combine_found_inf(per_device.values(), flag.device)
+        flag.copy_(torch.maximum(flag, hit.to(flag.dtype)))

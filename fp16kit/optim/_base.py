@@ -1,0 +1,139 @@
+"""What every optimizer of :mod:`fp16kit.optim` shares: buckets of params, fp32 working copies,
+state kept in the working dtype, apex's ``zero_grad`` and error texts.
+
+Arithmetic contract (apex's fused kernels: fp32 math on fp16/bf16 data)::
+
+    work dtype = float32 for fp16/bf16/fp32 params, float64 for float64 params
+    per bucket of params with a grad, grouped by (device, dtype):
+        p32, g32 = the params and grads in the work dtype (copies for low precision;
+                   fp32 params are updated in place, their grads never written)
+        state tensors live in the work dtype
+        ... the optimizer's rule, with torch._foreach_* ops over the bucket ...
+        low-precision params: p = round_to_param_dtype(p32)      # one rounding per step
+
+Nothing here reads a tensor's value on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..core import kernels
+
+__all__ = ["Bucket", "FusedStyleOptimizer", "buckets", "work_dtype"]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the math runs in: float32 for fp16/bf16/fp32, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Bucket:
+    """Params of one (device, dtype) with their grads, and fp32 working copies of both."""
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.params = params
+        self.grads = grads
+        self.dtype = work_dtype(params[0].dtype)
+        self.low_precision = params[0].dtype != self.dtype
+        self.p32 = [p.detach().to(self.dtype) for p in params] if self.low_precision else [p.detach() for p in params]
+        # Grads are never written: an fp32 grad is used as it is, others converted (a copy).
+        self.g32 = [g.to(self.dtype) for g in grads]
+
+    def write_back(self, outputs: Sequence[torch.Tensor] | None = None) -> None:
+        """Round the working copies into the params (low precision), and into ``outputs``
+        when given (apex's ``output_params``: any dtype, one rounding)."""
+        if self.low_precision:
+            kernels.copy_to_(self.p32, [p.detach() for p in self.params])
+        if outputs is not None:
+            pairs = [(s, o) for s, o in zip(self.p32, outputs) if o is not None and o is not s]
+            kernels.copy_pairs_(pairs)
+
+
+def buckets(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    extra: Sequence[Sequence[Any]] = (),
+) -> list[tuple[Bucket, list[list[Any]]]]:
+    """Group ``params`` and their ``grads`` (and parallel lists ``extra``) by the params'
+    (device, dtype), keeping their order: one :class:`Bucket` per group."""
+    index: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        index.setdefault((p.device, p.dtype), []).append(i)
+    out = []
+    for idx in index.values():
+        bucket = Bucket([params[i] for i in idx], [grads[i] for i in idx])
+        out.append((bucket, [[col[i] for i in idx] for col in extra]))
+    return out
+
+
+class FusedStyleOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` with apex's conventions for its fused optimizers.
+
+    * ``display_name`` appears in the error texts (apex's "Fused<Name> does not support ...").
+    * ``supported_dtypes`` (None: any floating dtype) is checked at each step.
+    * ``zero_grad(set_to_none=None)``: None follows the ``set_grad_none`` given at construction
+      (apex's ``zero_grad()`` took no argument); False zeroes grads in place.
+    """
+
+    display_name = "Optimizer"
+    supported_dtypes: tuple[torch.dtype, ...] | None = None
+    dtype_error = ""
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *, set_grad_none: bool = True) -> None:
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
+        if set_to_none is None:
+            set_to_none = self.set_grad_none
+        params = [p for group in self.param_groups for p in group["params"]]
+        kernels.clear_grads_(params, set_to_none=set_to_none)
+
+    def params_with_grads(
+        self, group: dict[str, Any], grads: Sequence[torch.Tensor | None] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The group's params that have a grad (``grads[i]`` when given, else ``p.grad``), and
+        those grads; sparse grads and unsupported dtypes raise apex's errors."""
+        params, found = [], []
+        for i, p in enumerate(group["params"]):
+            g = p.grad if grads is None or grads[i] is None else grads[i]
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"{self.display_name} does not support sparse gradients, please consider SparseAdam instead"
+                )
+            self.check_dtype(p)
+            params.append(p)
+            found.append(g.detach())
+        return params, found
+
+    def check_dtype(self, p: torch.Tensor) -> None:
+        if not p.is_floating_point():
+            raise RuntimeError(f"{self.display_name} steps floating-point params, got {p.dtype}.")
+        if self.supported_dtypes is not None and p.dtype not in self.supported_dtypes:
+            raise RuntimeError(self.dtype_error or f"{self.display_name} only support fp16 and fp32.")
+
+    def work_state(self, p: torch.Tensor, key: str, *, init: str = "zeros") -> torch.Tensor:
+        """``state[p][key]`` in the work dtype, created as zeros on first use (a state loaded
+        in another dtype -- torch's load_state_dict casts to the param's -- is converted once)."""
+        state = self.state[p]
+        dtype = work_dtype(p.dtype)
+        t = state.get(key)
+        if t is None:
+            t = state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        elif t.dtype != dtype or t.device != p.device:
+            t = state[key] = t.to(device=p.device, dtype=dtype)
+        return t
+
+    @staticmethod
+    def advance_group_step(group: dict[str, Any]) -> int:
+        """apex's group step: one count per param group, advanced at every ``step()`` (also
+        for params without a grad, and groups without any)."""
+        group["step"] = int(group.get("step", 0)) + 1
+        return group["step"]
+

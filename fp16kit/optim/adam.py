@@ -1,0 +1,112 @@
+"""``fp16kit.optim.Adam``: Adam / AdamW with apex's ``FusedAdam`` conventions.
+
+torch's ``AdamW(lr, betas, eps, weight_decay)`` (``adam_w_mode=True``) and ``Adam``
+(``adam_w_mode=False``) compute the same rule in exact arithmetic; this class adds what they
+cannot express, as apex's FusedAdam did:
+
+* ``bias_correction=False`` (BERT's Adam without bias correction);
+* fp32 moments and fp32 math for fp16/bf16 params (torch keeps fp16 moments for fp16 params);
+* one step count per param group, ``param_groups[i]['step']`` (a param that gets its first
+  grad late is bias-corrected with the group's count; torch counts per param).
+
+Rule (per group, every ``step()``; params without a grad are skipped)::
+
+    t = group['step'] += 1 ; bc1 = 1-b1**t ; bc2 = 1-b2**t       (both 1 without bias_correction)
+    if not adam_w_mode: g = g + wd*p
+    m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g*g
+    u = (m/bc1) / (sqrt(v/bc2) + eps)
+    if adam_w_mode: u = u + wd*p
+    p = p - lr*u
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ._base import FusedStyleOptimizer, buckets
+
+__all__ = ["Adam"]
+
+
+class Adam(FusedStyleOptimizer):
+    """Adam(W) with apex FusedAdam's rule (see the module docstring).
+
+    Checkpoint: ``param_groups[i]['step']`` (int) and per-param ``exp_avg``, ``exp_avg_sq``.
+    To load it into torch's Adam(W), copy the group step into each ``state[p]['step']``.
+    """
+
+    display_name = "Adam"
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        *,
+        set_grad_none: bool = True,
+    ) -> None:
+        check_hyper(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay)
+        self.adam_w_mode = adam_w_mode
+        super().__init__(params, defaults, set_grad_none=set_grad_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self.step_group(group)
+        return loss
+
+    def step_group(self, group: dict[str, Any]) -> None:
+        """One step of the rule for one param group (the group's step count advances even
+        when no param has a grad)."""
+        t = self.advance_group_step(group)
+        params, grads = self.params_with_grads(group)
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        bc1, bc2 = (1 - beta1**t, 1 - beta2**t) if group["bias_correction"] else (1.0, 1.0)
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        ms = [self.work_state(p, "exp_avg") for p in params]
+        vs = [self.work_state(p, "exp_avg_sq") for p in params]
+        for b, (m, v) in buckets(params, grads, (ms, vs)):
+            g = b.g32
+            if not self.adam_w_mode and wd != 0:
+                g = torch._foreach_add(g, b.p32, alpha=wd)
+            torch._foreach_mul_(m, beta1)
+            torch._foreach_add_(m, g, alpha=1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+            denom = torch._foreach_div(v, bc2)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            u = torch._foreach_div(m, bc1)
+            torch._foreach_div_(u, denom)
+            if self.adam_w_mode and wd != 0:
+                torch._foreach_add_(u, b.p32, alpha=wd)
+            torch._foreach_add_(b.p32, u, alpha=-lr)
+            b.write_back()
+
+
+def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    # torch's texts, checked before anything is built
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")

@@ -1,0 +1,182 @@
+"""``fp16kit.optim.LegacyAdam``: the 2018-2019 FusedAdam rule (BERT-era fp16 training).
+
+The Adam that apex's fused-era ``FP16_Optimizer`` drove: it takes the *scaled* low-precision
+grads and the norms of each group's grads, unscales and clips inside the update, and writes the
+result into low-precision output params. Rule::
+
+    step(closure=None, grads=None, output_params=None, scale=1., grad_norms=None)
+    per group (grads / output_params: per-group lists, or one flat list = one group):
+        combined = scale
+        if max_grad_norm > 0:                                   # per param group
+            clip = (grad_norm/scale + 1e-6) / max_grad_norm
+            combined = clip*scale if clip > 1 else scale        # on the device, no host read
+        per param with a grad (the supplied one, else p.grad); state['step'] += 1 (per param):
+            g = grad / combined
+            m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g*g          # v never bias-corrected
+            denom = sqrt(v + eps) if eps_inside_sqrt else sqrt(v) + eps
+            step_size = lr*sqrt(1-b2**t)/(1-b1**t) if bias_correction else lr
+            p = p - step_size*(m/denom + weight_decay*p)          # decay times step_size
+            output param given: out = round_to_its_dtype(p)
+
+``bias_correction=False`` is BertAdam's update. Differences from apex: a group with
+``max_grad_norm > 0`` and no supplied norm has its norm computed here (apex raised TypeError);
+output params of any dtype are written (apex wrote fp16 ones only: an fp32 model param
+silently stopped training).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..core import kernels
+from ._base import FusedStyleOptimizer, buckets
+from .adam import check_hyper
+
+__all__ = ["LegacyAdam", "legacy_adam_step", "per_group"]
+
+
+class LegacyAdam(FusedStyleOptimizer):
+    """The 2018-2019 FusedAdam rule (see the module docstring). State per param: ``step``
+    (int), ``exp_avg``, ``exp_avg_sq``; groups carry ``max_grad_norm`` and ``bias_correction``."""
+
+    display_name = "FusedAdam"
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        *,
+        set_grad_none: bool = True,
+    ) -> None:
+        check_hyper(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self.eps_inside_sqrt = eps_inside_sqrt
+        super().__init__(params, defaults, set_grad_none=set_grad_none)
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], Any] | None = None,
+        grads: Any = None,
+        output_params: Any = None,
+        scale: float | torch.Tensor = 1.0,
+        grad_norms: Sequence[Any] | None = None,
+    ) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        legacy_adam_step(self, grads, output_params, scale, grad_norms, eps_inside_sqrt=self.eps_inside_sqrt)
+        return loss
+
+
+def per_group(value: Any, n_groups: int) -> list[Any]:
+    """apex's reading of ``grads`` / ``output_params``: None -> one None per group; a
+    generator or a list whose first item is not a list -> one group; else per-group lists."""
+    if value is None:
+        return [None] * n_groups
+    if isinstance(value, types.GeneratorType):
+        return [list(value)]
+    value = list(value)
+    if value and not isinstance(value[0], (list, tuple)):
+        return [value]
+    return [None if v is None else list(v) for v in value]
+
+
+def legacy_adam_step(
+    opt: FusedStyleOptimizer,
+    grads: Any = None,
+    output_params: Any = None,
+    scale: float | torch.Tensor = 1.0,
+    grad_norms: Sequence[Any] | None = None,
+    *,
+    eps_inside_sqrt: bool = False,
+) -> None:
+    """One step of the rule over ``opt``'s param groups and state (the optimizer's own
+    ``step``, and apex.optimizers.FusedAdam's when driven with the legacy keywords)."""
+    groups = opt.param_groups
+    grads_per = per_group(grads, len(groups))
+    outs_per = per_group(output_params, len(groups))
+    norms = [None] * len(groups) if grad_norms is None else list(grad_norms)
+    for group, g_list, o_list, norm in zip(groups, grads_per, outs_per, norms):
+        _step_group(opt, group, g_list, o_list, scale, norm, eps_inside_sqrt)
+
+
+def _step_group(
+    opt: FusedStyleOptimizer,
+    group: dict[str, Any],
+    grads: list[Any] | None,
+    outputs: list[Any] | None,
+    scale: float | torch.Tensor,
+    grad_norm: Any,
+    eps_inside_sqrt: bool,
+) -> None:
+    n = len(group["params"])
+    # apex zipped params with the supplied lists: the shorter one decides
+    grads = [None] * n if grads is None else (list(grads) + [None] * n)[:n]
+    outputs = [None] * n if outputs is None else (list(outputs) + [None] * n)[:n]
+    keep = [i for i, p in enumerate(group["params"]) if grads[i] is not None or p.grad is not None]
+    if not keep:
+        return
+    params, found = opt.params_with_grads(group, grads)
+    outs = [outputs[i] for i in keep]
+    device = params[0].device
+    combined = _combined_scale(group, found, scale, grad_norm, device)
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    steps = []
+    for p in params:
+        state = opt.state[p]
+        state["step"] = int(state.get("step", 0)) + 1
+        t = state["step"]
+        steps.append(lr * (1 - beta2**t) ** 0.5 / (1 - beta1**t) if group["bias_correction"] else lr)
+    ms = [opt.work_state(p, "exp_avg") for p in params]
+    vs = [opt.work_state(p, "exp_avg_sq") for p in params]
+    for b, (m, v, step_sizes, out) in buckets(params, found, (ms, vs, steps, outs)):
+        g = torch._foreach_div(b.g32, combined.to(device=b.params[0].device, dtype=b.dtype))
+        torch._foreach_mul_(m, beta1)
+        torch._foreach_add_(m, g, alpha=1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+        if eps_inside_sqrt:
+            denom = torch._foreach_add(v, eps)
+            torch._foreach_sqrt_(denom)
+        else:
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_add_(denom, eps)
+        u = torch._foreach_div(m, denom)
+        if wd != 0:
+            torch._foreach_add_(u, b.p32, alpha=wd)
+        torch._foreach_mul_(u, step_sizes)
+        torch._foreach_sub_(b.p32, u)
+        b.write_back(out)
+
+
+def _combined_scale(
+    group: dict[str, Any],
+    grads: Iterable[torch.Tensor],
+    scale: float | torch.Tensor,
+    grad_norm: Any,
+    device: torch.device,
+) -> torch.Tensor:
+    """``scale``, times the clip factor when the group clips: a float64 0-dim device tensor."""
+    s = torch.as_tensor(scale, dtype=torch.float64).to(device)
+    max_norm = group.get("max_grad_norm", 0.0)
+    if max_norm is None or max_norm <= 0:
+        return s
+    if grad_norm is None:
+        grad_norm = kernels.l2_norm(list(grads), device)
+    norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(device).reshape(())
+    clip = (norm / s + 1e-6) / max_norm
+    return torch.where(clip > 1, clip * s, s)

@@ -1,0 +1,146 @@
+"""``fp16kit.optim.SGD``: torch's SGD, plus apex FusedSGD's ``wd_after_momentum`` and fp32 math
+on fp16/bf16 params.
+
+Rule (torch's, with apex's option; ``inv_scale`` is 1 unless a wrapper supplies scaled grads)::
+
+    g = g * inv_scale ;  if maximize: g = -g
+    if wd and not wd_after_momentum: g = g + wd*p
+    if momentum:
+        buf = g if the param has no buffer yet else momentum*buf + (1-dampening)*g
+        g = g + momentum*buf if nesterov else buf
+    if wd and wd_after_momentum: g = g + wd*p        # decay joins the update, not the buffer
+    p = p - lr*g
+
+With fp32/fp64 params and ``wd_after_momentum=False`` the step *is* ``torch.optim.SGD.step``
+(same numbers, same checkpoint). Otherwise fp16kit's own multi-tensor path runs it, in fp32 for
+fp16/bf16 params (``momentum_buffer`` kept in fp32). "No buffer yet" is decided per param
+(torch's rule; apex decided once per kernel launch -- see MIGRATION.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+
+from ..core import kernels
+from ._base import buckets, work_dtype
+
+__all__ = ["SGD", "sgd_group_step"]
+
+
+class SGD(torch.optim.SGD):
+    """``torch.optim.SGD`` with ``wd_after_momentum`` (apex FusedSGD) and fp32 math for
+    low-precision params. ``zero_grad(set_to_none=None)`` follows ``set_grad_none``."""
+
+    display_name = "SGD"
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        *,
+        maximize: bool = False,
+        set_grad_none: bool = False,
+    ) -> None:
+        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        self.wd_after_momentum = wd_after_momentum
+        self.set_grad_none = set_grad_none
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
+        if set_to_none is None:
+            set_to_none = self.set_grad_none
+        kernels.clear_grads_([p for g in self.param_groups for p in g["params"]], set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if not self._needs_own_path():
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            sgd_group_step(self, group, wd_after_momentum=self.wd_after_momentum)
+        return loss
+
+    def _needs_own_path(self) -> bool:
+        if self.wd_after_momentum and any(g["weight_decay"] != 0 for g in self.param_groups):
+            return True
+        return any(
+            p.grad is not None and work_dtype(p.dtype) != p.dtype
+            for g in self.param_groups for p in g["params"]
+        )
+
+
+def sgd_group_step(
+    opt: torch.optim.Optimizer,
+    group: dict[str, Any],
+    *,
+    wd_after_momentum: bool,
+    grads: Sequence[torch.Tensor | None] | None = None,
+    outputs: Sequence[torch.Tensor | None] | None = None,
+    inv_scale: float = 1.0,
+) -> None:
+    """One step of the rule for one group of ``opt`` (state: ``momentum_buffer``). ``grads``
+    replace the params' ``.grad``; ``outputs`` receive the updated params (rounded to their
+    dtype), as apex's contrib FusedSGD's ``output_params``."""
+    n = len(group["params"])
+    grads = [None] * n if grads is None else (list(grads) + [None] * n)[:n]
+    outputs = [None] * n if outputs is None else (list(outputs) + [None] * n)[:n]
+    params, found, outs = [], [], []
+    for p, g, o in zip(group["params"], grads, outputs):
+        g = p.grad if g is None else g
+        if g is None:
+            continue
+        if g.is_sparse:
+            raise RuntimeError(f"{getattr(opt, 'display_name', 'SGD')} does not support sparse gradients.")
+        params.append(p)
+        found.append(g.detach())
+        outs.append(o)
+    if not params:
+        return
+    lr, wd = group["lr"], group["weight_decay"]
+    momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
+    is_new = [opt.state[p].get("momentum_buffer") is None for p in params]
+    bufs = [_buffer(opt, p) for p in params] if momentum != 0 else [None] * len(params)
+    for b, (buf, new, out) in buckets(params, found, (bufs, is_new, outs)):
+        g = torch._foreach_mul(b.g32, -inv_scale if group.get("maximize") else inv_scale)
+        if wd != 0 and not wd_after_momentum:
+            torch._foreach_add_(g, b.p32, alpha=wd)
+        if momentum != 0:
+            old = [x for x, f in zip(buf, new) if not f]
+            if old:
+                torch._foreach_mul_(old, momentum)
+                torch._foreach_add_(old, [x for x, f in zip(g, new) if not f], alpha=1 - dampening)
+            if any(new):
+                kernels.copy_to_([x for x, f in zip(g, new) if f], [x for x, f in zip(buf, new) if f])
+            if nesterov:
+                torch._foreach_add_(g, buf, alpha=momentum)
+            else:
+                g = list(buf)
+        if wd != 0 and wd_after_momentum:
+            g = torch._foreach_add(g, b.p32, alpha=wd)
+        if isinstance(lr, torch.Tensor):
+            torch._foreach_sub_(b.p32, torch._foreach_mul(g, lr))
+        else:
+            torch._foreach_add_(b.p32, g, alpha=-lr)
+        b.write_back(out)
+
+
+def _buffer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    state = opt.state[p]
+    dtype = work_dtype(p.dtype)
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        buf = state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+    elif buf.dtype != dtype:
+        buf = state["momentum_buffer"] = buf.to(dtype)
+    return buf
