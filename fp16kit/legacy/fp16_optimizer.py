@@ -210,6 +210,9 @@ class FP16_Optimizer(WrappingOptimizer):
     (see :meth:`load_state_dict`).
     """
 
+    DYNAMIC_LOSS_ARGS: tuple[str, ...] = _DYNAMIC_ARGS
+    """The keys ``dynamic_loss_args`` accepts (others raise TypeError naming these)."""
+
     MAX_CLOSURE_RETRIES = 32
     """Overflowing closure evaluations tolerated in one step before FloatingPointError (each
     halves the scale; 32 halvings take 2**24 below 1)."""
@@ -231,10 +234,10 @@ class FP16_Optimizer(WrappingOptimizer):
             )
         _check_param_types(init_optimizer)
         if dynamic_loss_args is not None:
-            unknown = sorted(set(dynamic_loss_args) - set(_DYNAMIC_ARGS))
+            unknown = sorted(set(dynamic_loss_args) - set(self.DYNAMIC_LOSS_ARGS))
             if unknown:
                 raise TypeError(
-                    f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(_DYNAMIC_ARGS)}."
+                    f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(self.DYNAMIC_LOSS_ARGS)}."
                 )
         self.verbose = verbose
         for i, group in enumerate(init_optimizer.param_groups):
@@ -257,12 +260,8 @@ class FP16_Optimizer(WrappingOptimizer):
         self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
 
         self._device = self._scale_device()
-        if dynamic_loss_scale:
-            self.dynamic_loss_scale = True
-            self.loss_scaler = AmpLossScaler("dynamic", **(dynamic_loss_args or {}), device=self._device)
-        else:
-            self.dynamic_loss_scale = False
-            self.loss_scaler = AmpLossScaler(static_loss_scale, device=self._device)
+        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        self.loss_scaler = self._new_loss_scaler(static_loss_scale, self.dynamic_loss_scale, dynamic_loss_args)
         self._overflow: bool | torch.Tensor = False
         # async_step: what update_master_grads prepared for step() -- (1/scale, found_inf, the
         # scale after the update) -- and what zero_grad asked of the masters' grads
@@ -272,6 +271,14 @@ class FP16_Optimizer(WrappingOptimizer):
         self.clip_grad_norm = clip_grad_norm
         self._grads_since_step = False  # an update_master_grads() since the last step()
         self._warned_no_backward = False
+
+    def _new_loss_scaler(
+        self, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None
+    ) -> Any:
+        """The scaler this optimizer drives (apex amp's, era 2), on the params' device."""
+        if dynamic_loss_scale:
+            return AmpLossScaler("dynamic", **(dynamic_loss_args or {}), device=self._device)
+        return AmpLossScaler(static_loss_scale, device=self._device)
 
     @property
     def async_step(self) -> bool:
@@ -562,21 +569,26 @@ class FP16_Optimizer(WrappingOptimizer):
                 f"FP16_Optimizer state dict is missing {missing}; pass the dict from "
                 "FP16_Optimizer.state_dict() (or an apex checkpoint's optimizer entry)."
             )
-        scaler = scaler_state(state_dict["loss_scaler"], current=self.loss_scaler.state_dict())
+        new_scaler, dynamic = self._loaded_scaler(state_dict)
         validate_optimizer_groups(state_dict["optimizer_state_dict"], self.optimizer)
         self._mpo.wait_for_step()
         matched = match_saved_masters(state_dict["fp32_from_fp16"], self._mpo.groups, self.optimizer.param_groups)
-        try:
-            new_scaler = AmpLossScaler.from_state(scaler, self._device)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"The saved loss scaler has invalid settings: {e}") from None
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         self.loss_scaler = new_scaler
-        self.dynamic_loss_scale = scaler["dynamic"]
+        self.dynamic_loss_scale = dynamic
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
         self._mpo.restore_masters(matched)
         self._prepared = None
+
+    def _loaded_scaler(self, state_dict: dict[str, Any]) -> tuple[Any, bool]:
+        """The scaler a checkpoint's ``loss_scaler`` entry describes, and whether it is dynamic
+        (changes nothing; ValueError if it cannot be read)."""
+        scaler = scaler_state(state_dict["loss_scaler"], current=self.loss_scaler.state_dict())
+        try:
+            return AmpLossScaler.from_state(scaler, self._device), scaler["dynamic"]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"The saved loss scaler has invalid settings: {e}") from None
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,289 @@
+"""Megatron-LM v1 ``fp16/fp16.py`` (``megatron/fp16/fp16.py``): ``FP16_Module`` and the
+``FP16_Optimizer`` Megatron copied from apex's era-1 ``fp16_utils`` and extended.
+
+Megatron's training loop, which this optimizer reproduces::
+
+    optimizer = FP16_Optimizer(FusedAdam(params, lr), static_loss_scale=None or S,
+                               dynamic_loss_scale=args.loss_scale is None,
+                               dynamic_loss_args={"scale_window": 1000., "min_scale": 1.,
+                                                  "delayed_shift": 2})
+    optimizer.zero_grad()
+    optimizer.backward(loss, update_master_grads=False)   # (loss.float() * scale).backward()
+    <data-parallel all-reduce of the fp16 grads>
+    optimizer.update_master_grads()     # fp16 grads -> fp32 master grads * 1/scale; sets overflow
+    optimizer.clip_master_grads(args.clip_grad)           # -1 on overflow
+    optimizer.step()                    # the scale update, every call; skipped on overflow
+    if not optimizer.overflow: lr_scheduler.step()
+
+It is fp16kit's :class:`~fp16kit.legacy.FP16_Optimizer` (the masters, the one unscale path,
+closures, checkpoints of the masters) driving Megatron's scalers
+(:mod:`fp16kit.legacy.megatron.loss_scaler`), with Megatron's differences:
+``update_master_grads`` sets ``overflow`` but leaves the scale alone; ``step()`` updates the
+scale, every call, and logs "OVERFLOW! Skipping step. Attempted loss scale: {}, reducing to {}"
+(at WARNING with ``verbose=True``, at DEBUG otherwise: Megatron printed it only when verbose);
+``verbose=False`` by default; masters copy the params' ``model_parallel``,
+``tensor_model_parallel``, ``partition_dim`` and ``partition_stride`` attributes;
+``clip_master_grads`` uses Megatron's ``clip_grad_norm`` (a Python float); ``state_dict()``
+stores the scaler's attributes and ``load_state_dict`` replaces the scaler with the saved one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core import kernels
+from ..fp16_module import conversion_helper, fp16_to_fp32, fp32_to_fp16
+from ..fp16_optimizer import FP16_Optimizer as _FP16_Optimizer
+from .fp16util import clip_grad_norm
+from .loss_scaler import DynamicLossScaler, LossScaler, scaler_from_state
+
+__all__ = ["FP16_Module", "FP16_Optimizer", "conversion_helper", "fp16_to_fp32", "fp32_to_fp16"]
+
+logger = logging.getLogger("fp16kit")
+
+MODEL_PARALLEL_ATTRIBUTES = ("model_parallel", "tensor_model_parallel", "partition_dim", "partition_stride")
+"""Attributes Megatron's model-parallel layers set on their params; masters copy them."""
+
+
+class FP16_Module(nn.Module):
+    """Megatron's FP16_Module: ``module.half()`` behind fp32 inputs and outputs (kwargs never
+    cast; integer inputs unchanged). ``state_dict``/``load_state_dict`` are the child's (keys
+    without a ``module.`` prefix), as is ``state_dict_for_save_checkpoint``.
+
+    ``pipeline_first_stage`` / ``pipeline_last_stage`` (keyword only; Megatron asked its
+    ``mpu``): only the first pipeline stage casts its inputs and only the last its outputs."""
+
+    def __init__(self, module: nn.Module, *, pipeline_first_stage: bool = True, pipeline_last_stage: bool = True) -> None:
+        super().__init__()
+        self.add_module("module", module.half())
+        self.pipeline_first_stage = pipeline_first_stage
+        self.pipeline_last_stage = pipeline_last_stage
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.pipeline_first_stage:
+            inputs = fp32_to_fp16(inputs)
+        outputs = self.module(*inputs, **kwargs)
+        return fp16_to_fp32(outputs) if self.pipeline_last_stage else outputs
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The child's ``state_dict_for_save_checkpoint`` (a MegatronModule's), else its
+        ``state_dict``."""
+        child = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        if child is None:
+            return self.state_dict(destination, prefix, keep_vars)
+        return child(destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _megatron_scaler(
+    static_loss_scale: float | None, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None, group: Any
+) -> LossScaler | DynamicLossScaler:
+    if dynamic_loss_scale:
+        return DynamicLossScaler(**(dynamic_loss_args or {}), model_parallel_group=group)
+    if static_loss_scale is None:
+        raise ValueError(
+            "static_loss_scale=None needs dynamic_loss_scale=True (Megatron passes "
+            "dynamic_loss_scale=args.loss_scale is None); or give a number."
+        )
+    return LossScaler(static_loss_scale)
+
+
+class FP16_Optimizer(_FP16_Optimizer):
+    """Megatron-LM v1's FP16_Optimizer. See the module docstring and spec/apex-others.md §2.2.
+
+    Args:
+        init_optimizer: a torch optimizer over the (fp16/bf16/fp32) model params.
+        static_loss_scale: the scale when ``dynamic_loss_scale`` is False.
+        dynamic_loss_scale: use Megatron's :class:`DynamicLossScaler`.
+        dynamic_loss_args: its arguments: any of ``init_scale, scale_factor, scale_window,
+            min_scale, delayed_shift, consecutive_hysteresis``.
+        verbose: log the ingestion lines (INFO) and the overflow lines (WARNING).
+        model_parallel_group: a ``torch.distributed`` group (keyword only): the overflow flag
+            and the clipping norm are reduced over it, as Megatron did over ``mpu``'s group.
+    """
+
+    DYNAMIC_LOSS_ARGS = (
+        "init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis",
+    )
+
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        static_loss_scale: float | None = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: dict[str, Any] | None = None,
+        verbose: bool = False,
+        *,
+        model_parallel_group: Any = None,
+    ) -> None:
+        unknown = sorted(set(dynamic_loss_args or {}) - set(self.DYNAMIC_LOSS_ARGS))
+        if unknown:
+            raise TypeError(
+                f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(self.DYNAMIC_LOSS_ARGS)}."
+            )
+        # settings checked before anything changes (the parent then wraps the optimizer)
+        _megatron_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, model_parallel_group)
+        self._model_parallel_group = model_parallel_group
+        super().__init__(
+            init_optimizer, static_loss_scale, dynamic_loss_scale, dynamic_loss_args, verbose  # type: ignore[arg-type]
+        )
+        self.clip_grad_norm = self._clip_grad_norm
+        self._copy_model_parallel_attributes(self.all_fp16_params, self.all_fp32_from_fp16_params)
+
+    def _new_loss_scaler(
+        self, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None
+    ) -> LossScaler | DynamicLossScaler:
+        return _megatron_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, self._model_parallel_group)
+
+    def _clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2) -> float:
+        return clip_grad_norm(parameters, max_norm, norm_type, model_parallel_group=self._model_parallel_group)
+
+    @staticmethod
+    def _copy_model_parallel_attributes(params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+        for param, master in zip(params, masters):
+            for name in MODEL_PARALLEL_ATTRIBUTES:
+                if hasattr(param, name):
+                    setattr(master, name, getattr(param, name))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As the parent's; the new masters copy the model-parallel attributes too."""
+        before = len(self.all_fp16_params)
+        super().add_param_group(param_group)
+        self._copy_model_parallel_attributes(self.all_fp16_params[before:], self.all_fp32_from_fp16_params[before:])
+
+    # ------------------------------------------------------------------ the scale
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.loss_scaler.cur_scale = value
+
+    def _checks_overflow(self) -> bool:
+        return self.dynamic_loss_scale and isinstance(self.loss_scaler, DynamicLossScaler)
+
+    def _log_overflow(self, message: str) -> None:
+        logger.log(logging.WARNING if self.verbose else logging.DEBUG, message)
+
+    # ------------------------------------------------------------------ the loop
+    def backward(  # type: ignore[override]
+        self,
+        loss: Any,
+        update_master_grads: bool = True,
+        retain_graph: bool = False,
+        output_tensor_grad: Any = None,
+    ) -> None:
+        """``(loss.float() * loss_scale).backward(retain_graph=...)``, then
+        :meth:`update_master_grads` unless told not to. With ``output_tensor_grad`` (a pipeline
+        middle stage): ``torch.autograd.backward(loss, output_tensor_grad)``, unscaled (the
+        later stage scaled those grads already)."""
+        if output_tensor_grad is None and isinstance(loss, torch.Tensor) and loss.is_floating_point():
+            loss = loss.float()  # Megatron's fp32 losses; an fp16 loss times 2**32 would be inf
+        self.loss_scaler.backward(loss, retain_graph=retain_graph, output_tensor_grad=output_tensor_grad)
+        if update_master_grads:
+            self.update_master_grads()
+
+    def update_master_grads(self) -> None:
+        """fp16 model grads -> fp32 master grads * 1/scale (None where the model grad is None),
+        fp32 params' grads * 1/scale in place, one non-finite check (max-reduced over the
+        model-parallel group if given) setting ``overflow``; only a dynamic scaler checks.
+        The scale itself changes in :meth:`step`."""
+        self._grads_since_step = True
+        scale = torch.tensor(float(self.loss_scaler.loss_scale), dtype=torch.float64, device=self._device)
+        flags = self._mpo.grads_to_masters(
+            kernels.inv_scale(scale), kernels.new_found_inf(self._device), clear_missing=True
+        )
+        if not self._checks_overflow():
+            self._overflow = False  # Megatron never checked a static scale
+            return
+        group = self._model_parallel_group
+        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            flags = kernels.all_reduce_found_inf(flags, self._device, group)
+        self._overflow = kernels.combine_found_inf(flags.values(), self._device) != 0
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Update the scale with ``overflow`` (every call); on overflow log Megatron's line and
+        return None; else step the masters (with the closure if given) and copy them into the
+        fp16 params, returning the inner step's value."""
+        if closure is None and not self._grads_since_step:
+            self._warn_no_backward()
+        self._grads_since_step = False
+        attempted = self.loss_scaler.loss_scale
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self._log_overflow(
+                "OVERFLOW! Skipping step. Attempted loss scale: {}, reducing to {}".format(
+                    attempted, self.loss_scaler.loss_scale
+                )
+            )
+            return None
+        if closure is not None:
+            return self._step_with_closure(closure)
+        return self._mpo.inner_step()
+
+    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        def wrapped_closure() -> Any:
+            if self.first_closure_call_this_step:
+                self.first_closure_call_this_step = False
+            else:
+                self._mpo.masters_to_model()  # LBFGS re-evaluates where it moved the masters
+            temp_loss = closure()
+            retries = 0
+            while self.overflow:
+                retries += 1
+                if retries > self.MAX_CLOSURE_RETRIES:
+                    raise FloatingPointError(
+                        f"The closure's backward overflowed {self.MAX_CLOSURE_RETRIES} times in a "
+                        f"row (loss scale now {self.loss_scale}): the loss is not finite at any "
+                        "scale. Check the loss and the inputs for inf/NaN."
+                    )
+                attempted = self.loss_scaler.loss_scale
+                self.loss_scaler.update_scale(self.overflow)
+                self._log_overflow(
+                    "OVERFLOW within closure! Skipping step. Attempted loss scale: {}, reducing to {}".format(
+                        attempted, self.loss_scaler.loss_scale
+                    )
+                )
+                temp_loss = closure()
+            return temp_loss
+
+        try:
+            return self._mpo.inner_step(wrapped_closure)
+        finally:
+            self.first_closure_call_this_step = True
+            self._grads_since_step = False
+
+    # ------------------------------------------------------------------ checkpoints
+    def _loaded_scaler(self, state_dict: dict[str, Any]) -> tuple[Any, bool]:
+        """Megatron replaces its scaler with the saved one: its settings beat the
+        constructor's. Accepts this class's plain form and what ``load_checkpoint`` makes of a
+        pickled Megatron (or apex era-1) scaler."""
+        try:
+            scaler = scaler_from_state(state_dict["loss_scaler"], model_parallel_group=self._model_parallel_group)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"Cannot read the saved loss scaler ({e}). Expected the dict of "
+                "fp16kit.legacy.megatron.FP16_Optimizer.state_dict() or a Megatron scaler as "
+                "fp16kit.legacy.load_checkpoint reads it from an old file."
+            ) from None
+        dynamic = state_dict["dynamic_loss_scale"]
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"The saved dynamic_loss_scale must be True or False, got {dynamic!r}.")
+        return scaler, dynamic
+
+    def __repr__(self) -> str:
+        return (
+            f"megatron.FP16_Optimizer(dynamic_loss_scale={self.dynamic_loss_scale}, "
+            f"loss_scaler={self.loss_scaler!r}, optimizer={self.optimizer!r})"
+        )
