@@ -23,7 +23,7 @@ import torch
 
 from ..core import kernels
 
-__all__ = ["Bucket", "FusedStyleOptimizer", "buckets", "work_dtype"]
+__all__ = ["Bucket", "FusedStyleOptimizer", "buckets", "keep_state_precision", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -130,6 +130,10 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
             t = state[key] = t.to(device=p.device, dtype=dtype)
         return t
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        keep_state_precision(self, state_dict)
+
     @staticmethod
     def advance_group_step(group: dict[str, Any]) -> int:
         """apex's group step: one count per param group, advanced at every ``step()`` (also
@@ -137,3 +141,15 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
         group["step"] = int(group.get("step", 0)) + 1
         return group["step"]
 
+
+
+def keep_state_precision(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """After ``torch.optim.Optimizer.load_state_dict`` (which casts floating-point state to
+    each param's dtype: fp16 moments for fp16 params), put back the saved values in the work
+    dtype, so that a save/load round trip is exact."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for pid, p in zip(saved_ids, params):
+        for key, value in state_dict["state"].get(pid, {}).items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                opt.state[p][key] = value.to(device=p.device, dtype=work_dtype(p.dtype), copy=True)

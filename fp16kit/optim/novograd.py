@@ -65,14 +65,30 @@ class NovoGrad(FusedStyleOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            t = self.advance_group_step(group)
-            params, grads = self.params_with_grads(group)
+        found = [self.params_with_grads(group) for group in self.param_groups]
+        for group, (params, _) in zip(self.param_groups, found):  # all checks before any change
             if group["norm_type"] not in (0, 2):
                 raise RuntimeError(f"{self.display_name} only support l2/inf norm now.")
+            self._check_norm_layout(group, params)
+        for group, (params, grads) in zip(self.param_groups, found):
+            t = self.advance_group_step(group)
             if params:
                 self._step_group(group, params, grads, t)
         return loss
+
+    def _check_norm_layout(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        if "exp_avg_sq" not in group or not params:
+            return
+        low, full = _split(params)
+        saved = group["exp_avg_sq"]
+        if len(low) != saved[0].numel() or len(full) != saved[1].numel():
+            raise RuntimeError(
+                f"{self.display_name} keeps one norm per param that had a grad at its first step "
+                f"({saved[0].numel()} fp16/bf16 and {saved[1].numel()} fp32 in this group); at this "
+                f"step {len(low)} and {len(full)} params have grads. Give every param of the group a "
+                "grad at each step (e.g. zeros), or put late params in their own param group before "
+                "the first step."
+            )
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], t: int) -> None:
         beta1, beta2 = group["betas"]
@@ -111,22 +127,13 @@ class NovoGrad(FusedStyleOptimizer):
     def _group_norms(self, group: dict[str, Any], params: list[torch.Tensor], norms: list[torch.Tensor]) -> torch.Tensor:
         """The blended norms v of ``params`` in param order (one float32 tensor): created at the
         first step (zeros, or the first norms), then read from apex's two-tensor layout."""
-        low, full = _split(params)
+        device = norms[0].device
         if "exp_avg_sq" not in group:
-            device = norms[0].device
             if group["init_zero"]:
                 return torch.zeros(len(params), dtype=torch.float32, device=device)
-            return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+            return torch.stack([n.to(dtype=torch.float32) for n in norms])
+        low, full = _split(params)
         saved = group["exp_avg_sq"]
-        if len(low) != saved[0].numel() or len(full) != saved[1].numel():
-            raise RuntimeError(
-                f"{self.display_name} keeps one norm per param that had a grad at its first step "
-                f"({saved[0].numel()} fp16/bf16 and {saved[1].numel()} fp32 in this group); this step "
-                f"{len(low)} and {len(full)} params have grads. Give every param of the group a grad "
-                "at each step (e.g. zeros), or put late params in their own param group before the "
-                "first step."
-            )
-        device = norms[0].device
         v = torch.empty(len(params), dtype=torch.float32, device=device)
         for idx, t in ((low, saved[0]), (full, saved[1])):
             if idx:

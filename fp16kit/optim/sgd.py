@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import buckets, work_dtype
+from ._base import buckets, keep_state_precision, work_dtype
 
 __all__ = ["SGD", "sgd_group_step"]
 
@@ -58,6 +58,10 @@ class SGD(torch.optim.SGD):
         if set_to_none is None:
             set_to_none = self.set_grad_none
         kernels.clear_grads_([p for g in self.param_groups for p in g["params"]], set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        keep_state_precision(self, state_dict)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

@@ -1,0 +1,115 @@
+"""LARC: layer-wise adaptive rate control around any optimizer (You et al. 2017; apex.parallel.LARC,
+spec apex-others.md §4.4).
+
+    step():
+        for each group:
+            wd = group.get("weight_decay", 0); group["weight_decay"] = 0   # LARC applies it
+            for each param p with a grad g:
+                pn, gn = ||p||, ||g||
+                if pn != 0 and gn != 0:
+                    a = trust_coefficient * pn / (gn + pn * wd + eps)
+                    if clip: a = min(a / group["lr"], 1)   # lr * a == min(local lr, lr)
+                    g = (g + wd * p) * a                    # else: g as it was, no decay
+        inner.step(); every group's weight_decay restored (also if the step raised)
+
+Each value is computed with the same torch ops as apex's, in the param's dtype, so the numbers
+are apex's bit for bit; the ``pn != 0 and gn != 0`` test and the clip run on the device
+(``torch.where``/``clamp``), so a step never waits for the device.
+
+LARC is a wrapper, not a ``torch.optim.Optimizer``: it proxies ``param_groups``, ``state``,
+``state_dict``, ``load_state_dict``, ``zero_grad`` and ``add_param_group`` to the optimizer it
+wraps (``larc.optim``); build learning-rate schedulers on ``larc.optim``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["LARC"]
+
+
+class LARC:
+    """``LARC(optimizer, trust_coefficient=0.02, clip=True, eps=1e-8)``: see the module docstring."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True,
+                 eps: float = 1e-8) -> None:
+        if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+            raise TypeError(
+                f"LARC wraps an optimizer (an object with param_groups and step()), got "
+                f"{type(optimizer).__name__}; pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
+            )
+        self.optim = optimizer
+        self.trust_coefficient = trust_coefficient
+        self.eps = eps
+        self.clip = clip
+
+    def __repr__(self) -> str:
+        return repr(self.optim)
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optim.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    @torch.no_grad()
+    def _scale_grads(self) -> list[Any]:
+        weight_decays = []
+        for group in self.optim.param_groups:
+            wd = group.get("weight_decay", 0)
+            weight_decays.append(wd)
+            group["weight_decay"] = 0
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.grad.copy_(self._larc_grad(p, p.grad, wd, group["lr"]))
+        return weight_decays
+
+    def _larc_grad(self, p: torch.Tensor, g: torch.Tensor, wd: float, lr: float) -> torch.Tensor:
+        param_norm = torch.norm(p)
+        grad_norm = torch.norm(g)
+        adaptive_lr = self.trust_coefficient * param_norm / (grad_norm + param_norm * wd + self.eps)
+        if self.clip:
+            adaptive_lr = torch.clamp(adaptive_lr / lr, max=1)
+        scaled = (g + wd * p) * adaptive_lr
+        return torch.where((param_norm != 0) & (grad_norm != 0), scaled, g)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Rescale every grad (module docstring), then step the wrapped optimizer. A
+        ``closure`` (not in apex) is evaluated first, with grad enabled, and its loss returned."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        weight_decays = self._scale_grads()
+        try:
+            self.optim.step()
+        finally:
+            for group, wd in zip(self.optim.param_groups, weight_decays):
+                group["weight_decay"] = wd
+        return loss
