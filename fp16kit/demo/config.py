@@ -1,0 +1,82 @@
+"""What one ``fp16kit demo`` run trains: :class:`DemoConfig`, checked before anything runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DemoConfig", "RECIPE_NAMES", "DTYPES", "cuda_missing_message"]
+
+RECIPE_NAMES = ("fp32", "fp16-optimizer", "amp-o2", "autocast", "master-weights", "async")
+"""The recipes, in the order they train and print (see :mod:`fp16kit.demo.recipes`)."""
+
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """One demo run. Every recipe trains a copy of the same initial model on the same batches.
+
+    ``growth_interval`` is the number of clean steps after which every dynamic loss scale
+    doubles (torch's ``growth_interval``, apex's ``scale_window``; both default to 2000). The
+    demo's default of 100 lets the scale move within a one-minute run. ``trace`` records the
+    loss scale after every step (one host read per step; for ``--plot``)."""
+
+    epochs: int = 10
+    steps_per_epoch: int = 80
+    batch_size: int = 128
+    hidden: int = 256
+    eval_size: int = 2048
+    dtype: torch.dtype = torch.float16
+    device: str = "cpu"
+    lr: float = 3e-3
+    seed: int = 0
+    init_scale: float = 2.0**16
+    growth_interval: int = 100
+    recipes: tuple[str, ...] = RECIPE_NAMES
+    trace: bool = False
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` (naming the fix) for a config that cannot run."""
+        for name in ("epochs", "steps_per_epoch", "batch_size", "hidden", "eval_size", "growth_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DemoConfig.{name} must be an int >= 1, got {value!r}.")
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"demo dtype must be torch.float16 or torch.bfloat16, got {self.dtype} "
+                "(the fp32 recipe is always there to compare with)."
+            )
+        if not self.init_scale > 0:
+            raise ValueError(f"DemoConfig.init_scale must be > 0, got {self.init_scale!r}.")
+        if not self.recipes:
+            raise ValueError(f"DemoConfig.recipes is empty; choose from {list(RECIPE_NAMES)}.")
+        unknown = [r for r in self.recipes if r not in RECIPE_NAMES]
+        if unknown:
+            raise ValueError(f"unknown demo recipe(s) {unknown}; choose from {list(RECIPE_NAMES)}.")
+        if len(set(self.recipes)) != len(self.recipes):
+            raise ValueError(f"DemoConfig.recipes names a recipe twice: {list(self.recipes)}.")
+        device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"demo device must be 'cpu' or 'cuda', got {self.device!r}.")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(cuda_missing_message())
+
+    @property
+    def total_steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+
+def cuda_missing_message() -> str:
+    """Why ``device="cuda"`` cannot run here, and what to do instead."""
+    if torch.version.cuda is None:
+        why = f"this PyTorch ({torch.__version__}) is a CPU-only build"
+        fix = "install a CUDA build of PyTorch (https://pytorch.org/get-started/locally/)"
+    else:
+        why = f"this PyTorch (CUDA {torch.version.cuda}) finds no usable GPU"
+        fix = "check the driver and CUDA_VISIBLE_DEVICES"
+    return f"CUDA is not available: {why}. Run on the CPU (the default, --device cpu), or {fix}."

@@ -1,0 +1,228 @@
+"""The demo's training recipes: one function each, written the way README.md and MIGRATION.md
+tell users to write them (each ``step`` below is a training loop's body, as documentation).
+
+=================  ======  ==================================================================
+recipe             face    what it runs
+=================  ======  ==================================================================
+fp32               torch   ``torch.optim.AdamW``, float32 throughout: the reference
+fp16-optimizer     legacy  ``FP16_Optimizer`` on ``network_to_half(model)``, dynamic loss
+                           scale, ``optimizer.backward(loss)`` (apex.fp16_utils, migrated)
+amp-o2             legacy  ``amp.initialize(model, optimizer, opt_level="O2")`` and
+                           ``with amp.scale_loss(loss, optimizer)`` (apex.amp, migrated)
+autocast           modern  fp32 model under ``torch.autocast`` + ``fp16kit.GradScaler``
+master-weights     modern  fp16 model + ``fp16kit.MixedPrecisionOptimizer`` (fp32 masters) +
+                           ``fp16kit.GradScaler``
+async              modern  the same with ``MixedPrecisionOptimizer(async_step=True)``: each
+                           step runs on the optimizer thread beside the next forward/backward
+=================  ======  ==================================================================
+
+Every recipe function takes a fresh fp32 copy of the demo model and the config, and returns a
+:class:`Recipe`: ``step(x, y)`` trains on one batch and returns the loss (a detached tensor,
+no host read), ``predict(x)`` gives fp32 logits for evaluation, ``loss_scale()`` and
+``skipped_steps()`` read the scaler the way users of that API read it (host reads, between
+epochs), ``synchronize()`` lands any step still in flight. AdamW with the config's ``lr``
+everywhere; the dynamic scales start at ``cfg.init_scale`` and may double after
+``cfg.growth_interval`` clean steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import fp16kit
+from fp16kit.legacy import FP16_Optimizer, amp, convert_network, network_to_half
+
+from .config import DemoConfig
+from .data import loss_fn
+
+__all__ = ["Recipe", "RecipeInfo", "RECIPES", "build", "label"]
+
+
+def _nothing() -> None:
+    return None
+
+
+def _no_skips() -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One recipe's training loop, ready to run (see the module docstring)."""
+
+    model: nn.Module
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    predict: Callable[[torch.Tensor], torch.Tensor]
+    loss_scale: Callable[[], float] | None = None
+    skipped_steps: Callable[[], int] = _no_skips
+    synchronize: Callable[[], None] = _nothing
+
+
+def fp32(model: nn.Module, cfg: DemoConfig) -> Recipe:
+    """The reference: float32 weights, activations and grads."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return Recipe(model, step, predict=model)
+
+
+def fp16_optimizer(model: nn.Module, cfg: DemoConfig) -> Recipe:
+    """apex.fp16_utils, migrated by changing the import (MIGRATION.md §1): a half model, fp32
+    masters inside FP16_Optimizer, apex's dynamic loss scale, ``optimizer.backward(loss)``."""
+    if cfg.dtype == torch.float16:
+        model = network_to_half(model)  # casts the inputs too
+        forward = model
+    else:  # bf16: apex had no bf16; fp16kit's FP16_Optimizer takes bf16 params
+        model = convert_network(model, cfg.dtype)
+        forward = _casting_inputs(model, cfg.dtype)
+    optimizer = FP16_Optimizer(
+        torch.optim.AdamW(model.parameters(), lr=cfg.lr),
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": cfg.init_scale, "scale_window": cfg.growth_interval},
+        verbose=False,
+    )
+    skipped = 0
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal skipped
+        optimizer.zero_grad()
+        loss = loss_fn(forward(x), y)
+        optimizer.backward(loss)   # (loss * scale).backward(); fp16 grads -> fp32 master grads / scale
+        optimizer.step()           # skipped on overflow; masters -> model
+        skipped += optimizer.overflow  # how apex scripts counted skips
+        return loss.detach()
+
+    return Recipe(
+        model, step, predict=forward,
+        loss_scale=lambda: optimizer.loss_scale, skipped_steps=lambda: skipped,
+    )
+
+
+def amp_o2(model: nn.Module, cfg: DemoConfig) -> Recipe:
+    """apex.amp, migrated by changing the import (MIGRATION.md §5): ``initialize`` takes the
+    fp32 model and optimizer, casts the model, keeps fp32 masters in the optimizer."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    if cfg.dtype == torch.float16:
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    else:
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", cast_model_type=cfg.dtype)
+    # amp.initialize has no init_scale or scale_window; apex scripts set its scaler's fields
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._loss_scale = cfg.init_scale
+    scaler._scale_seq_len = cfg.growth_interval
+    skipped = 0
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal skipped
+        scale_before = scaler.loss_scale()
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)  # O2: the model casts x to fp16, its output to fp32
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()  # skipped after an overflow
+        # amp's rule: an overflow halves the scale (no floor by default), nothing else lowers it
+        skipped += scaler.loss_scale() < scale_before
+        return loss.detach()
+
+    return Recipe(model, step, predict=model, loss_scale=scaler.loss_scale, skipped_steps=lambda: skipped)
+
+
+def autocast(model: nn.Module, cfg: DemoConfig) -> Recipe:
+    """torch.amp's recipe with fp16kit's drop-in scaler (README, "Use"): fp32 weights,
+    low-precision compute inside ``torch.autocast``."""
+    device = torch.device(cfg.device).type
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    scaler = fp16kit.GradScaler(device, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device, dtype=cfg.dtype):
+            return model(x)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = loss_fn(forward(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # skipped if any grad is inf/NaN
+        scaler.update()
+        return loss.detach()
+
+    return Recipe(model, step, predict=forward, loss_scale=scaler.get_scale, skipped_steps=scaler.skipped_steps)
+
+
+def master_weights(model: nn.Module, cfg: DemoConfig, *, async_step: bool = False) -> Recipe:
+    """An fp16 (or bf16) model with fp32 master weights, the torch.amp way (README): the
+    scaler unscales the model's fp16 grads straight into the masters."""
+    device = torch.device(cfg.device).type
+    model = model.to(cfg.dtype)
+    optimizer = fp16kit.MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=cfg.lr), async_step=async_step
+    )
+    scaler = fp16kit.GradScaler(device, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval)
+    forward = _casting_inputs(model, cfg.dtype)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = loss_fn(forward(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # step the masters, copy them into the model (async: hand it off)
+        scaler.update()
+        return loss.detach()
+
+    return Recipe(
+        model, step, predict=forward, loss_scale=scaler.get_scale, skipped_steps=scaler.skipped_steps,
+        synchronize=optimizer.synchronize,  # before evaluating
+    )
+
+
+def async_steps(model: nn.Module, cfg: DemoConfig) -> Recipe:
+    """:func:`master_weights` with ``async_step=True``: the same loop; each step runs on the
+    optimizer thread beside the next forward/backward (a one-step delayed update)."""
+    return master_weights(model, cfg, async_step=True)
+
+
+def _casting_inputs(model: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return model(x.to(dtype))
+
+    return forward
+
+
+@dataclass(frozen=True)
+class RecipeInfo:
+    name: str
+    face: str  # "torch", "legacy" or "modern"
+    label: str  # what it runs, in a few words
+    build: Callable[[nn.Module, DemoConfig], Recipe]
+
+
+RECIPES: dict[str, RecipeInfo] = {
+    info.name: info
+    for info in (
+        RecipeInfo("fp32", "torch", "torch.optim.AdamW, float32 throughout", fp32),
+        RecipeInfo("fp16-optimizer", "legacy", "fp16kit.legacy.FP16_Optimizer (apex.fp16_utils)", fp16_optimizer),
+        RecipeInfo("amp-o2", "legacy", 'fp16kit.legacy.amp, opt_level="O2" (apex.amp)', amp_o2),
+        RecipeInfo("autocast", "modern", "torch.autocast + fp16kit.GradScaler, fp32 model", autocast),
+        RecipeInfo("master-weights", "modern", "{dtype} model + MixedPrecisionOptimizer + GradScaler", master_weights),
+        RecipeInfo("async", "modern", "the same, MixedPrecisionOptimizer(async_step=True)", async_steps),
+    )
+}
+
+
+def build(name: str, model: nn.Module, cfg: DemoConfig) -> Recipe:
+    """The recipe ``name`` (a key of :data:`RECIPES`) on ``model``."""
+    return RECIPES[name].build(model, cfg)
+
+
+def label(name: str, cfg: DemoConfig) -> str:
+    """What recipe ``name`` runs, in a few words (for headers and legends)."""
+    return RECIPES[name].label.format(dtype=str(cfg.dtype).replace("torch.", ""))
