@@ -1,0 +1,64 @@
+"""``fp16kit run``: run an unmodified apex-era script with ``import apex`` resolving to fp16kit.legacy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DESCRIPTION = """\
+Run SCRIPT (or -m MODULE) exactly as `python SCRIPT ARGS` would -- same sys.argv, __name__ ==
+"__main__", sys.path[0], exit code and traceback -- with an import hook that makes `import apex`
+and every apex module fp16kit covers (apex.amp, apex.fp16_utils, apex.optimizers, apex.parallel,
+apex.normalization, apex.contrib.optimizers, apex.multi_tensor_apply) resolve to fp16kit.legacy.
+An apex module fp16kit does not cover raises ImportError naming the closest replacement.
+Everything after SCRIPT (or MODULE) goes to the script untouched.
+
+Under torchrun: torchrun --no-python fp16kit run train.py ARGS
+In code, the same hook: fp16kit.legacy.install_apex_alias()"""
+
+_EPILOG = """\
+exit status: the script's (0, its sys.exit code, 1 after an uncaught exception, 130 after Ctrl-C);
+2 when SCRIPT cannot be opened or a real `apex` package is in the way (see --shadow),
+1 when MODULE cannot be found."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser(
+        "run",
+        help="run an unmodified apex script with `import apex` mapped onto fp16kit.legacy",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        usage="fp16kit run [-h] [--megatron] [--shadow] (SCRIPT | -m MODULE) [ARGS ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "--megatron", action="store_true",
+        help="also map Megatron-LM v1's `fp16` and `megatron.fp16` packages to fp16kit.legacy.megatron",
+    )
+    run.add_argument(
+        "--shadow", action="store_true",
+        help="install the hook even if a real `apex` (or `fp16`) package is importable, hiding it",
+    )
+    # a flag, not an option with a value: `-m MOD --lr 3` must hand `--lr 3` to MOD, as python does
+    run.add_argument("-m", dest="as_module", action="store_true", help="run library module MODULE as a script")
+    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT | MODULE [ARGS ...]",
+                     help="the script (or, with -m, the module) and its arguments")
+    run.set_defaults(func=_run, run_parser=run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..migrate.runner import RunError, run_module, run_script
+
+    target = list(args.target)
+    if target[:1] == ["--"]:
+        target = target[1:]
+    if not target:
+        args.run_parser.error("the following arguments are required: SCRIPT (or -m MODULE)")
+    name, script_args = target[0], target[1:]
+    try:
+        if args.as_module:
+            return run_module(name, script_args, megatron=args.megatron, shadow=args.shadow)
+        return run_script(name, script_args, megatron=args.megatron, shadow=args.shadow)
+    except RunError as e:
+        print(f"fp16kit run: {e}", file=sys.stderr)
+        return e.exit_code

@@ -1,0 +1,258 @@
+"""An opt-in import hook: ``import apex`` (and every apex module fp16kit covers) resolves to
+fp16kit.legacy, for running apex-era code unmodified.
+
+Contract::
+
+    install_apex_alias(megatron=False, shadow=False):
+        refuse (RuntimeError, nothing changed) if a real `apex` is imported or importable
+            (or `fp16` with megatron=True), unless shadow=True
+        put one finder first on sys.meta_path; it claims every name under `apex`
+        (with megatron: `fp16`, `megatron.fp16`, and `megatron` itself when no real Megatron exists)
+    import apex.X.Y:
+        apex_map says apex.X.Y is module T  -> sys.modules["apex.X.Y"] is sys.modules[T]
+                                               (the same object: isinstance, pickling, state stay one)
+        `apex` itself                       -> a synthetic package whose attributes are the covered
+                                               submodules, imported on first access
+        anything else under apex            -> ImportError naming fp16kit and the closest replacement
+    uninstall_apex_alias():
+        remove the finder and every sys.modules entry it made; restore what shadow=True hid
+
+fp16kit never ships or installs a package named ``apex`` (PyPI's ``apex`` is an unrelated project).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import threading
+import types
+from typing import Any
+
+from . import apex_map
+
+__all__ = ["install_apex_alias", "uninstall_apex_alias", "apex_alias_installed"]
+
+logger = logging.getLogger("fp16kit")
+
+_LOCK = threading.RLock()
+_MISSING = object()
+
+
+def _alias_error(fullname: str, megatron: bool) -> ImportError:
+    # plain ImportError, not ModuleNotFoundError: `from apex import RNN` would swallow the latter
+    # (importlib ignores a missing submodule named in a fromlist) and lose the hint
+    hint = apex_map.hint_for(fullname, megatron=megatron)
+    return ImportError(f"No module named {fullname!r} under fp16kit's apex alias: {hint}", name=fullname)
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Hands back an existing fp16kit module (or the synthetic root) for an apex name."""
+
+    def __init__(self, finder: _ApexAliasFinder, fullname: str, target: str | None) -> None:
+        self._finder = finder
+        self._fullname = fullname
+        self._target = target  # None: the synthetic root package
+        self._saved_spec: Any = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        if self._target is None:
+            return self._finder.synthetic_root(spec.name)
+        module = sys.modules.get(self._target) or importlib.import_module(self._target)
+        # the import system sets module.__spec__ to ours right after this; exec_module puts it back
+        self._saved_spec = module.__spec__
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if self._target is not None:
+            module.__spec__ = self._saved_spec
+        self._finder.loaded(self._fullname, module)
+
+    # runpy (`fp16kit run -m apex.parallel.multiproc`) asks the loader for the code
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        if self._target is None:
+            return None
+        spec = importlib.util.find_spec(self._target)
+        return spec.loader.get_code(self._target) if spec and spec.loader else None  # type: ignore[attr-defined]
+
+    def is_package(self, fullname: str) -> bool:
+        if self._target is None:
+            return True
+        spec = importlib.util.find_spec(self._target)
+        return bool(spec and spec.submodule_search_locations is not None)
+
+
+class _ApexAliasFinder(importlib.abc.MetaPathFinder):
+    """The finder install_apex_alias() puts first on sys.meta_path."""
+
+    def __init__(self, *, megatron: bool, shadow: bool, synthetic_megatron: bool) -> None:
+        self.megatron = megatron
+        self.shadow = shadow
+        self.synthetic_megatron = synthetic_megatron
+        self.table = apex_map.module_map(megatron=megatron)
+        self.created: dict[str, types.ModuleType] = {}  # sys.modules entries this finder made
+        self.parent_attrs: list[tuple[types.ModuleType, str, Any]] = []  # attributes set on foreign parents
+        self.hidden: dict[str, types.ModuleType] = {}  # real modules hidden by shadow=True
+
+    def claims(self, fullname: str) -> bool:
+        root = fullname.partition(".")[0]
+        if root == "apex":
+            return True
+        if not self.megatron:
+            return False
+        if root == "fp16" or fullname == "megatron.fp16" or fullname.startswith("megatron.fp16."):
+            return True
+        return root == "megatron" and self.synthetic_megatron
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if not self.claims(fullname):
+            return None
+        if fullname in apex_map.SYNTHETIC_ROOTS or (fullname == "megatron" and self.synthetic_megatron):
+            loader = _AliasLoader(self, fullname, None)
+            return importlib.machinery.ModuleSpec(fullname, loader, is_package=True)
+        if fullname.startswith("megatron.") and not fullname.startswith("megatron.fp16") and self.synthetic_megatron:
+            raise ImportError(
+                f"No module named {fullname!r}: fp16kit's alias provides only megatron.fp16 (Megatron-LM v1's fp16 "
+                "package, as fp16kit.legacy.megatron); the rest of Megatron-LM is not part of fp16kit",
+                name=fullname,
+            )
+        if fullname not in self.table:
+            raise _alias_error(fullname, self.megatron)
+        target_name = self.table[fullname]
+        try:
+            module = importlib.import_module(target_name)
+        except ImportError as e:
+            raise ImportError(
+                f"{fullname!r} is {target_name!r} under fp16kit's apex alias, which failed to import: {e}", name=fullname
+            ) from e
+        loader = _AliasLoader(self, fullname, target_name)
+        # a spec for a package would give a plain fp16kit module a __path__ (the import system sets it)
+        return importlib.machinery.ModuleSpec(fullname, loader, is_package=hasattr(module, "__path__"))
+
+    def synthetic_root(self, name: str) -> types.ModuleType:
+        module = types.ModuleType(name, f"fp16kit's stand-in for {name!r}: its covered submodules are fp16kit.legacy's.")
+        module.__path__ = []  # a package, so `import apex.amp` looks for apex.amp
+        children = sorted(k.rpartition(".")[2] for k in self.table if k.rpartition(".")[0] == name)
+        module.__all__ = children  # `from apex import *` imports the covered submodules, as apex's did
+        megatron = self.megatron
+
+        def __getattr__(attr: str) -> Any:
+            full = f"{name}.{attr}"
+            if attr.startswith("__") or full not in self.table:
+                raise AttributeError(f"module {name!r} has no attribute {attr!r} ({apex_map.hint_for(full, megatron=megatron)})")
+            return importlib.import_module(full)
+
+        module.__getattr__ = __getattr__  # type: ignore[attr-defined]
+        return module
+
+    def loaded(self, fullname: str, module: types.ModuleType) -> None:
+        self.created[fullname] = module
+        parent, _, child = fullname.rpartition(".")
+        parent_module = sys.modules.get(parent) if parent else None
+        if parent_module is not None and parent not in self.created:
+            # the import system will set megatron.fp16 on a real megatron package: undo it at uninstall
+            self.parent_attrs.append((parent_module, child, getattr(parent_module, child, _MISSING)))
+        # Register the already-imported children under their apex names now: otherwise a later
+        # `import apex.amp._amp_state` would make the import system set the parent attribute
+        # `_amp_state` to the module, clobbering the object of that name fp16kit.legacy.amp exports
+        # (apex itself had them in sys.modules from its __init__, so it never did that either).
+        for name in sorted(self.table, key=lambda n: n.count(".")):
+            if name.startswith(fullname + ".") and name not in sys.modules:
+                target = sys.modules.get(self.table[name])
+                if target is not None and name.rpartition(".")[0] in sys.modules:
+                    sys.modules[name] = target
+                    self.created[name] = target
+
+
+_installed: _ApexAliasFinder | None = None
+
+
+def apex_alias_installed() -> bool:
+    """Whether install_apex_alias() is in effect."""
+    return _installed is not None
+
+
+def _real_module(name: str) -> str | None:
+    """Where a real (non-namespace) package ``name`` would be imported from, or None."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin in (None, "namespace") or spec.loader is None:
+        return None  # e.g. a cloned apex repository's top directory: a namespace package, not apex
+    return spec.origin
+
+
+def _check_no_real(names: tuple[str, ...], shadow: bool) -> None:
+    for name in names:
+        imported = sys.modules.get(name)
+        where = getattr(imported, "__file__", None) or repr(imported) if imported is not None else _real_module(name)
+        if where is None or shadow:
+            continue
+        state = "is already imported" if imported is not None else "is importable"
+        fix = (
+            "If it is NVIDIA apex, you do not need the alias. If it is PyPI's unrelated 'apex' package "
+            "(installed by mistake), remove it: pip uninstall apex."
+            if name == "apex"
+            else "If it is Megatron-LM v1's own fp16 package, run it as it is, or migrate to fp16kit.legacy.megatron."
+        )
+        raise RuntimeError(
+            f"install_apex_alias(): a real module named {name!r} {state} ({where}), so fp16kit's alias would "
+            f"hide it. {fix} To hide it anyway: install_apex_alias(shadow=True) or `fp16kit run --shadow`."
+        )
+
+
+def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
+    """Make ``import apex`` and its covered submodules resolve to fp16kit.legacy.
+
+    ``megatron=True`` also maps Megatron-LM v1's ``fp16`` / ``megatron.fp16`` package to
+    fp16kit.legacy.megatron. Raises RuntimeError (and changes nothing) if a real ``apex`` (or
+    ``fp16``) is imported or importable, unless ``shadow=True``. Calling it again with the same
+    arguments does nothing; with others, call uninstall_apex_alias() first.
+    """
+    global _installed
+    with _LOCK:
+        if _installed is not None:
+            if (_installed.megatron, _installed.shadow) == (megatron, shadow):
+                return
+            raise RuntimeError(
+                f"the apex alias is already installed (megatron={_installed.megatron}, shadow={_installed.shadow}); "
+                "call uninstall_apex_alias() before installing it with other arguments"
+            )
+        roots = ("apex", "fp16") if megatron else ("apex",)
+        _check_no_real(roots, shadow)
+        synthetic_megatron = megatron and "megatron" not in sys.modules and _real_module("megatron") is None
+        finder = _ApexAliasFinder(megatron=megatron, shadow=shadow, synthetic_megatron=synthetic_megatron)
+        for name in list(sys.modules):  # shadow=True: hide what is imported, give it back at uninstall
+            if finder.claims(name):
+                finder.hidden[name] = sys.modules.pop(name)
+        sys.meta_path.insert(0, finder)
+        importlib.invalidate_caches()
+        _installed = finder
+        logger.debug("apex alias installed (megatron=%s, shadow=%s)", megatron, shadow)
+
+
+def uninstall_apex_alias() -> None:
+    """Undo install_apex_alias(): the finder and every ``apex`` entry it put in sys.modules go;
+    fp16kit's own modules stay imported; modules hidden by ``shadow=True`` come back."""
+    global _installed
+    with _LOCK:
+        finder = _installed
+        if finder is None:
+            return
+        while finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        for name, module in finder.created.items():
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
+        for parent, attr, old in reversed(finder.parent_attrs):
+            if old is _MISSING:
+                parent.__dict__.pop(attr, None)
+            else:
+                setattr(parent, attr, old)
+        sys.modules.update(finder.hidden)
+        _installed = None
+        logger.debug("apex alias uninstalled")

@@ -1,0 +1,167 @@
+"""``fp16kit run``: run an unmodified apex-era script (or ``-m`` module) as ``python SCRIPT ARGS``
+would, with :func:`~fp16kit.migrate.alias.install_apex_alias` in effect.
+
+Contract (what the script sees, and what the caller gets back)::
+
+    sys.argv      = [SCRIPT, *ARGS]           (-m: [the module's file, *ARGS], as runpy sets it)
+    sys.path[0]   = the script's directory    (-m: the current directory); unchanged under python -P
+    __name__      = "__main__"; __file__ = SCRIPT; the code runs as sys.modules["__main__"]
+    spawned children (multiprocessing / torch.multiprocessing "spawn", "forkserver") install the alias
+        before they re-import the main script, so `import apex` works there too
+    returns the exit code:
+        normal end 0; SystemExit(None) 0, SystemExit(int n) n, SystemExit(other) str(other) on
+        stderr and 1; an uncaught exception: sys.excepthook with the script's own frames only
+        (no fp16kit / runpy frames) and 1; KeyboardInterrupt: its traceback and 130
+    afterwards sys.argv, sys.path[0], the __main__ module and the alias are as they were
+
+A script that cannot be started (missing file, no such module, a real ``apex`` in the way) raises
+:class:`RunError` before anything runs; the command line prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import runpy
+import sys
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+from . import alias
+
+__all__ = ["RunError", "run_script", "run_module"]
+
+_HERE = os.path.normcase(os.path.abspath(__file__))
+_RUNPY = os.path.normcase(os.path.abspath(runpy.__file__))
+
+
+class RunError(Exception):
+    """The script could not be started; ``exit_code`` is what python itself would exit with."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def run_script(path: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False) -> int:
+    """``python PATH ARGS`` with the apex alias installed; returns the exit code."""
+    if not os.path.exists(path):
+        raise RunError(f"can't open file {os.path.abspath(path)!r}: [Errno 2] No such file or directory", 2)
+    if os.path.isdir(path) or not os.path.isfile(path):
+        entry = path  # a directory or zip file with __main__.py: python puts it first on sys.path
+    else:
+        entry = os.path.dirname(os.path.realpath(path))
+    with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow):
+        return _call(lambda: runpy.run_path(path, run_name="__main__"))
+
+
+def run_module(name: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False) -> int:
+    """``python -m NAME ARGS`` with the apex alias installed; returns the exit code."""
+    if not name or name.startswith("."):
+        raise RunError(f"Relative module names not supported: {name!r}", 1)
+    with _script_environment([name, *args], os.getcwd(), megatron=megatron, shadow=shadow):
+        try:
+            found = importlib.util.find_spec(name)
+        except ImportError as e:  # a parent package missing, or an uncovered apex name
+            raise RunError(f"Error while finding module specification for {name!r} ({type(e).__name__}: {e})", 1) from None
+        if found is None:
+            raise RunError(f"No module named {name}", 1)
+        return _call(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True))
+
+
+@contextlib.contextmanager
+def _script_environment(argv: list[str], entry: str, *, megatron: bool, shadow: bool) -> Iterator[None]:
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = argv
+    if not sys.flags.safe_path:
+        if sys.path:
+            sys.path[0] = entry
+        else:
+            sys.path.insert(0, entry)
+    try:
+        # after sys.path[0] is the script's: a vendored apex/ beside the script counts as a real apex
+        alias.install_apex_alias(megatron=megatron, shadow=shadow)
+    except RuntimeError as e:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        raise RunError(str(e), 2) from None
+    try:
+        with _alias_in_spawned_children(megatron, shadow):
+            yield
+    finally:
+        alias.uninstall_apex_alias()
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+
+
+def _install_in_child(megatron: bool, shadow: bool) -> None:
+    """Unpickled by a spawned child before it re-imports the parent's __main__ (see below)."""
+    alias.install_apex_alias(megatron=megatron, shadow=shadow)
+
+
+class _AliasForChild:
+    def __init__(self, megatron: bool, shadow: bool) -> None:
+        self.args = (megatron, shadow)
+
+    def __reduce__(self) -> tuple[Any, tuple[bool, bool]]:
+        return (_install_in_child, self.args)
+
+
+@contextlib.contextmanager
+def _alias_in_spawned_children(megatron: bool, shadow: bool) -> Iterator[None]:
+    # A "spawn"/"forkserver" child unpickles multiprocessing's preparation data, then runs the
+    # parent's main script again (as __mp_main__), whose `import apex` needs the alias: an extra
+    # entry in that data installs it while it is unpickled (prepare() ignores keys it does not know).
+    from multiprocessing import spawn
+
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name: str) -> dict:
+        data = original(name)
+        data["fp16kit_apex_alias"] = _AliasForChild(megatron, shadow)
+        return data
+
+    spawn.get_preparation_data = get_preparation_data
+    try:
+        yield
+    finally:
+        spawn.get_preparation_data = original
+
+
+def _strip_launcher_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the leading runner/runpy frames, so the traceback starts in the script as python's does."""
+    while tb is not None and os.path.normcase(os.path.abspath(tb.tb_frame.f_code.co_filename)) in (_HERE, _RUNPY):
+        tb = tb.tb_next
+    return tb
+
+
+def _call(run: Any) -> int:
+    try:
+        run()
+    except SystemExit as e:
+        return _system_exit_code(e.code)
+    except KeyboardInterrupt as e:
+        _report(e)
+        return 130
+    except BaseException as e:  # noqa: B036 -- the interpreter's top level: report anything, as python does
+        _report(e)
+        return 1
+    return 0
+
+
+def _system_exit_code(code: Any) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    # python writes a non-integer exit code to stderr and exits with 1
+    sys.stderr.write(f"{code}\n")
+    sys.stderr.flush()
+    return 1
+
+
+def _report(e: BaseException) -> None:
+    tb = _strip_launcher_frames(e.__traceback__)
+    e.__traceback__ = tb
+    sys.excepthook(type(e), e, tb)
