@@ -1,0 +1,57 @@
+"""Collectives over lists of tensors, one flat buffer per (device, dtype) group: apex's
+``flat_dist_call`` (apex.parallel.distributed), which ``apex.parallel.Reducer`` used.
+
+    for each (device, dtype) group of tensors, in first-seen order:
+        flat = cat(flattened tensors)
+        broadcast_coalesced:        broadcast(flat, src)
+        all_reduce_mean_coalesced:  all_reduce_sum(flat); flat /= world_size
+        copy each slice of flat back into its tensor
+
+Dividing after the sum (not before) is apex's order. Every rank must pass tensors of the
+same dtypes and sizes in the same order, as with any collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["all_reduce_mean_coalesced", "broadcast_coalesced"]
+
+
+def _groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def _each_flat(tensors, collective) -> None:
+    for bucket in _groups(tensors):
+        flat = _flatten_dense_tensors(bucket)
+        collective(flat)
+        with torch.no_grad():
+            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                t.copy_(synced)
+
+
+@torch.no_grad()
+def broadcast_coalesced(tensors: Iterable[torch.Tensor], src: int = 0,
+                        group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values (in place)."""
+    _each_flat(tensors, lambda flat: dist.broadcast(flat, src, group=group))
+
+
+@torch.no_grad()
+def all_reduce_mean_coalesced(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Replace ``tensors`` on every rank by their mean over the ranks: sum, then ÷ world size."""
+    world = dist.get_world_size(group)
+
+    def reduce(flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, group=group)
+        flat /= world
+
+    _each_flat(tensors, reduce)
