@@ -182,7 +182,7 @@ def run_both(model, extra, opt, sched, ref, dtype, iters, clip, start=0):
 
 
 CASES = [
-    {"scale_window": 3.0, "min_scale": 1.0, "delayed_shift": 2},  # Megatron's arguments
+    {"scale_window": 3.0, "min_scale": 1.0, "delayed_shift": 2, "init_scale": 2**18},  # Megatron's arguments (but init)
     {"scale_window": 4, "min_scale": 2, "delayed_shift": 3, "consecutive_hysteresis": True, "init_scale": 2**20},
     {"scale_window": 2, "init_scale": 2**24},
 ]
