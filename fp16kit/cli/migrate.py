@@ -1,0 +1,86 @@
+"""``fp16kit migrate``: rewrite apex imports to fp16kit.legacy in place (or show / check what would change)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DESCRIPTION = """\
+Rewrite every import of an apex module that fp16kit covers -- `import apex`, `import apex.amp as
+amp`, `from apex import amp`, `from apex.fp16_utils import FP16_Optimizer as Opt`, `from
+apex.optimizers import FusedAdam`, star imports, submodules, and dotted uses such as
+`apex.parallel.DistributedDataParallel(...)` -- to fp16kit.legacy, in place. Every other byte of
+the file stays as it was (comments, layout, line endings, encoding); running it twice changes
+nothing the second time. Folders are walked for Python files (hidden folders, virtual
+environments and site-packages are skipped). What cannot be migrated (apex modules fp16kit does
+not cover, importlib.import_module("apex..."), strings naming apex paths) is left as it is and
+listed as FILE:LINE: message, with the closest replacement."""
+
+_EPILOG = """\
+exit status:
+  0  done (with --check: nothing would change)
+  1  --check: some file would change
+  2  bad arguments, a PATH that does not exist, or libcst missing
+  3  some file could not be read or parsed (the others were processed)"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    migrate = sub.add_parser(
+        "migrate",
+        help="rewrite apex imports to fp16kit.legacy in place (--diff shows, --check for CI)",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    migrate.add_argument("paths", nargs="+", metavar="PATH", help="Python files or folders to migrate")
+    migrate.add_argument("--diff", action="store_true", help="print a unified diff; write nothing")
+    migrate.add_argument("--check", action="store_true", help="write nothing; exit 1 if any file would change")
+    migrate.add_argument(
+        "--megatron", action="store_true",
+        help="also rewrite Megatron-LM v1's `fp16` / `megatron.fp16` package to fp16kit.legacy.megatron",
+    )
+    migrate.set_defaults(func=_migrate)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    try:
+        from ..migrate.files import iter_python_files, migrate_file
+    except ModuleNotFoundError as e:
+        if e.name != "libcst":
+            raise
+        print('fp16kit migrate needs libcst: pip install "fp16kit[migrate]"', file=sys.stderr)
+        return 2
+    try:
+        files = list(iter_python_files(args.paths))
+    except FileNotFoundError as e:
+        print(f"fp16kit migrate: {e}", file=sys.stderr)
+        return 2
+    write = not (args.diff or args.check)
+    changed = imports = uses = left = failed = 0
+    for path in files:
+        outcome = migrate_file(path, megatron=args.megatron, write=write, diff=args.diff)
+        if outcome.error is not None:
+            failed += 1
+            print(f"{path}:{outcome.error_line}: {outcome.error}; file skipped", file=sys.stderr)
+            continue
+        if outcome.diff:
+            sys.stdout.write(outcome.diff)
+        changed += outcome.changed
+        imports += outcome.imports_rewritten
+        uses += outcome.uses_rewritten
+        for problem in outcome.unmigratable:
+            left += 1
+            print(f"{path}:{problem.line}: {problem.message}")
+    verb = "rewritten" if write else "would be rewritten"
+    summary = (
+        f"{changed} of {len(files)} Python file{'s' * (len(files) != 1)} {verb} "
+        f"({imports} import{'s' * (imports != 1)}, {uses} dotted use{'s' * (uses != 1)})"
+    )
+    if left:
+        summary += f"; {left} use{'s' * (left != 1)} of apex left for you (listed above)"
+    if failed:
+        summary += f"; {failed} file{'s' * (failed != 1)} could not be parsed or read"
+    print(summary, file=sys.stderr if args.diff else sys.stdout)
+    if failed:
+        return 3
+    return 1 if args.check and changed else 0

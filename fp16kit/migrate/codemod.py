@@ -1,0 +1,337 @@
+"""``fp16kit migrate``'s rewriter: apex imports -> fp16kit.legacy on a concrete syntax tree (libcst),
+so every byte outside the rewritten names stays as it was (comments, layout, CRLF, encoding, BOM).
+
+Algorithm (one pass over the tree; the table is :mod:`fp16kit.migrate.apex_map`)::
+
+    roots = names bound by a covered `import apex[.x]` / `import fp16[.x]` (no `as`)
+    import A.B [as N]            A.B a mapped module        -> import T [as N]
+    from M import n [as N], ...  M.n a mapped module        -> from parent(T) import last(T) [as N or n]
+                                 M mapped, n an attribute   -> from T(M) import n [as N]
+                                 names going to different modules: one statement per module, in order
+    from M import *              M mapped (not `apex`)      -> from T(M) import *
+    root.x.y (a dotted use)      longest mapped prefix P    -> T(P).rest
+    anything else under apex (uncovered modules and names, `from apex import *`, the bare name `apex`
+    after its import was rewritten, strings naming apex paths, importlib.import_module("apex...")):
+        left as it is, and reported with its line and the closest replacement
+
+A second run changes nothing: every rewritten name is under fp16kit, which the table never maps.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Union
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+
+from . import apex_map
+
+__all__ = ["MigrationError", "MigrationResult", "Unmigratable", "migrate_source"]
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+_DYNAMIC_IMPORTS = frozenset({"importlib.import_module", "import_module", "__import__", "importlib.__import__"})
+NameNode = Union[cst.Name, cst.Attribute]
+
+
+@dataclass(frozen=True)
+class Unmigratable:
+    """A use of apex the rewriter left alone: where, and what to do instead."""
+
+    line: int
+    message: str
+
+
+@dataclass
+class MigrationResult:
+    """The rewritten source (same type as the input) and what was done."""
+
+    code: bytes | str
+    changed: bool
+    imports_rewritten: int = 0
+    uses_rewritten: int = 0
+    unmigratable: list[Unmigratable] = field(default_factory=list)
+    encoding: str = "utf-8"  # the source's (bytes in)
+
+
+class MigrationError(ValueError):
+    """The source could not be parsed (``line`` is 1-based)."""
+
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+        self.message = message
+
+
+def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationResult:
+    """Rewrite the apex imports in one module's source. Bytes in, bytes out (the encoding, from a
+    BOM or a coding declaration, is kept); str in, str out. Raises MigrationError if it does not parse."""
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as e:
+        hint = " (Python 2 code? port it to Python 3 first)" if re.search(r"^\s*print\s+[^\s(=]", _text(source), re.M) else ""
+        raise MigrationError(e.editor_line, f"cannot parse: invalid syntax at column {e.editor_column}{hint}") from None
+    rewriter = _ApexRewriter(megatron=megatron)
+    new_module = MetadataWrapper(module).visit(rewriter)
+    code: bytes | str = new_module.bytes if isinstance(source, bytes) else new_module.code
+    problems = sorted(set(rewriter.problems), key=lambda p: p.line)
+    return MigrationResult(code, code != source, rewriter.imports, rewriter.uses, problems, module.encoding)
+
+
+def _text(source: bytes | str) -> str:
+    return source.decode("latin-1") if isinstance(source, bytes) else source
+
+
+def _dotted(node: cst.CSTNode) -> str | None:
+    """``a.b.c`` for a pure Name/Attribute chain, else None."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr.value}"
+    return None
+
+
+def _name_node(dotted: str) -> NameNode:
+    first, *rest = dotted.split(".")
+    node: NameNode = cst.Name(first)
+    for part in rest:
+        node = cst.Attribute(value=node, attr=cst.Name(part))
+    return node
+
+
+class _ApexRewriter(cst.CSTTransformer):
+    METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
+
+    def __init__(self, *, megatron: bool) -> None:
+        super().__init__()
+        self.megatron = megatron
+        self.table = apex_map.module_map(megatron=megatron)
+        self.roots: set[str] = set()
+        self.imports = 0
+        self.uses = 0
+        self.problems: list[Unmigratable] = []
+        self._replacements: dict[int, cst.BaseExpression] = {}
+        self._reported: set[int] = set()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _report(self, node: cst.CSTNode, message: str) -> None:
+        self.problems.append(Unmigratable(self.get_metadata(PositionProvider, node).start.line, message))
+
+    def _resolve(self, path: str) -> apex_map.Resolution | None:
+        return apex_map.resolve(path, megatron=self.megatron)
+
+    def _explain(self, res: apex_map.Resolution) -> str:
+        if res.hint is not None:
+            return res.hint
+        return f"{res.path} is not a module fp16kit maps ({res.prefix} is {res.target})"
+
+    # -- the module: which names a rewritten `import apex...` binds ----------------------------
+    def visit_Module(self, node: cst.Module) -> bool:
+        rewriter = self
+
+        class _Roots(cst.CSTVisitor):
+            def visit_Import(self, imp: cst.Import) -> bool:
+                for alias in imp.names:
+                    dotted = _dotted(alias.name)
+                    res = rewriter._resolve(dotted) if dotted else None
+                    if alias.asname is None and res is not None and res.covered and not res.rest:
+                        rewriter.roots.add(dotted.partition(".")[0])
+                return False
+
+        node.visit(_Roots())
+        return True
+
+    # -- import A.B [as N] ---------------------------------------------------------------------
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False  # its names are handled here, not as dotted uses
+
+    def leave_Import(self, original_node: cst.Import, updated_node: cst.Import) -> cst.Import:
+        names, changed = [], False
+        for alias in updated_node.names:
+            dotted = _dotted(alias.name)
+            res = self._resolve(dotted) if dotted else None
+            if res is not None and res.covered and not res.rest:
+                names.append(alias.with_changes(name=_name_node(res.target)))
+                changed = True
+            else:
+                if res is not None:
+                    self._report(original_node, f"import {dotted}: {self._explain(res)}")
+                names.append(alias)
+        if not changed:
+            return updated_node
+        self.imports += 1
+        return updated_node.with_changes(names=names)
+
+    # -- from M import ... ---------------------------------------------------------------------
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def leave_ImportFrom(
+        self, original_node: cst.ImportFrom, updated_node: cst.ImportFrom
+    ) -> cst.ImportFrom | cst.FlattenSentinel[cst.ImportFrom]:
+        if updated_node.relative or updated_node.module is None:
+            return updated_node
+        module = _dotted(updated_node.module)
+        if module is None:
+            return updated_node
+        if isinstance(updated_node.names, cst.ImportStar):
+            return self._star(original_node, updated_node, module)
+        groups: dict[str | None, list[cst.ImportAlias]] = {}  # target module (None: stays) -> names, in order
+        for alias in updated_node.names:
+            key, new_alias = self._from_alias(original_node, module, alias)
+            groups.setdefault(key, []).append(new_alias)
+        if list(groups) == [None]:
+            return updated_node
+        self.imports += 1
+        last_alias = updated_node.names[-1]
+        statements = []
+        for key, aliases in groups.items():
+            statement = updated_node.with_changes(module=updated_node.module if key is None else _name_node(key))
+            if aliases[-1] is not last_alias:
+                aliases[-1], statement = self._close_group(updated_node, aliases[-1], statement)
+            statements.append(statement.with_changes(names=aliases))
+        return statements[0] if len(statements) == 1 else cst.FlattenSentinel(statements)
+
+    @staticmethod
+    def _close_group(
+        node: cst.ImportFrom, alias: cst.ImportAlias, statement: cst.ImportFrom
+    ) -> tuple[cst.ImportAlias, cst.ImportFrom]:
+        """End a split-off group at ``alias`` as the original statement ended (its comment kept)."""
+        comma = alias.comma
+        if not isinstance(comma, cst.Comma) or not isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace) \
+                or node.rpar is None:
+            return alias.with_changes(comma=cst.MaybeSentinel.DEFAULT), statement
+        # one name per line in (): keep the comma and its comment, indent `)` as the original did
+        last = node.names[-1].comma
+        if isinstance(last, cst.Comma) and isinstance(last.whitespace_after, cst.ParenthesizedWhitespace):
+            closing = last.whitespace_after.last_line
+        elif isinstance(node.rpar.whitespace_before, cst.ParenthesizedWhitespace):
+            closing = node.rpar.whitespace_before.last_line
+        else:
+            closing = cst.SimpleWhitespace("")
+        alias = alias.with_changes(comma=comma.with_changes(whitespace_after=comma.whitespace_after.with_changes(last_line=closing)))
+        return alias, statement.with_changes(rpar=node.rpar.with_changes(whitespace_before=cst.SimpleWhitespace("")))
+
+    def _from_alias(self, node: cst.ImportFrom, module: str, alias: cst.ImportAlias) -> tuple[str | None, cst.ImportAlias]:
+        """Where one imported name goes: (fp16kit module to import it from, the new alias), or
+        (None, the alias unchanged) when it stays."""
+        name = _dotted(alias.name) or ""
+        full = f"{module}.{name}"
+        res = self._resolve(full)
+        if res is None:
+            return None, alias  # not ours (e.g. `from megatron import mpu`)
+        if res.covered and not res.rest:  # a submodule: from parent(T) import last(T) as <the old name>
+            parent, _, last = res.target.rpartition(".")
+            asname = alias.asname
+            if asname is None and last != name:
+                asname = cst.AsName(name=cst.Name(name))
+            return parent, alias.with_changes(name=cst.Name(last), asname=asname)
+        if res.covered and res.rest == f".{name}":  # an attribute of a mapped module
+            return res.target, alias
+        self._report(node, f"from {module} import {name}: {self._explain(res)}")
+        return None, alias
+
+    def _star(self, original: cst.ImportFrom, updated: cst.ImportFrom, module: str) -> cst.ImportFrom:
+        res = self._resolve(module)
+        if res is None:
+            return updated
+        if res.covered and not res.rest and module not in apex_map.CLOSED:
+            self.imports += 1
+            return updated.with_changes(module=_name_node(res.target))
+        if module in apex_map.CLOSED:
+            subs = sorted(k.rpartition(".")[2] for k in self.table if k.rpartition(".")[0] == module)
+            message = f"from {module} import *: import what you use by name, e.g. from {res.target} import {', '.join(subs)}"
+        else:
+            message = f"from {module} import *: {self._explain(res)}"
+        self._report(original, message)
+        return updated
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine | cst.FlattenSentinel[cst.SimpleStatementLine]:
+        # a `from` import split in several: one line each (the comment stays on the last one)
+        if len(original_node.body) != 1 or len(updated_node.body) == 1:
+            return updated_node
+        last = len(updated_node.body) - 1
+        return cst.FlattenSentinel([
+            updated_node.with_changes(
+                body=[stmt.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)],
+                leading_lines=updated_node.leading_lines if i == 0 else [],
+                trailing_whitespace=updated_node.trailing_whitespace if i == last else cst.TrailingWhitespace(),
+            )
+            for i, stmt in enumerate(updated_node.body)
+        ])
+
+    # -- dotted uses: apex.amp.initialize(...) after `import apex` -----------------------------
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        dotted = _dotted(node)
+        if dotted is None:
+            return True  # e.g. f(x).y: the chain inside is visited on its own
+        if dotted.partition(".")[0] not in self.roots:
+            return False
+        res = self._resolve(dotted)
+        if res is None:
+            return False
+        if not res.covered:
+            self._report(node, f"{dotted}: {self._explain(res)}")
+            return False
+        chain: list[cst.BaseExpression] = [node]
+        while isinstance(chain[-1], cst.Attribute):
+            chain.append(chain[-1].value)  # type: ignore[attr-defined]
+        prefix_node = chain[len(chain) - (res.prefix.count(".") + 1)]
+        self._replacements[id(node)] = node.deep_replace(prefix_node, _name_node(res.target))
+        return False
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
+        new = self._replacements.pop(id(original_node), None)
+        if new is None:
+            return updated_node
+        self.uses += 1
+        return new
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if node.value not in self.roots:
+            return
+        parent = self.get_metadata(ParentNodeProvider, node)
+        if isinstance(parent, cst.Attribute) and parent.attr is node:
+            return
+        if isinstance(parent, cst.Arg) and parent.keyword is node:
+            return
+        if isinstance(parent, (cst.Param, cst.FunctionDef, cst.ClassDef)):
+            return
+        self._report(
+            node,
+            f"the name {node.value!r} is used on its own, but `import {node.value}` now binds fp16kit: "
+            "rewrite this use by hand (e.g. `except ImportError: apex = None` / `if apex:` checks)",
+        )
+
+    # -- what stays dynamic: strings and importlib ---------------------------------------------
+    def visit_Call(self, node: cst.Call) -> None:
+        if _dotted(node.func) not in _DYNAMIC_IMPORTS or not node.args:
+            return
+        arg = node.args[0].value
+        if not isinstance(arg, cst.SimpleString):
+            return
+        value = arg.evaluated_value
+        res = self._resolve(value) if isinstance(value, str) else None
+        if res is None:
+            return
+        self._reported.add(id(arg))
+        new = f"use {res.new_path!r}" if res.covered else self._explain(res)
+        self._report(node, f"dynamic import of {value!r} is not rewritten: {new}")
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        if id(node) in self._reported:
+            return
+        value = node.evaluated_value
+        if not isinstance(value, str) or not _DOTTED.fullmatch(value):
+            return
+        res = self._resolve(value)
+        if res is None:
+            return
+        new = f"fp16kit's is {res.new_path!r}" if res.covered else self._explain(res)
+        self._report(node, f"the string {value!r} names an apex path and is not rewritten (a dynamic import or a "
+                           f"pickled class path?): {new}")
+

@@ -1,0 +1,138 @@
+"""Which files ``fp16kit migrate`` rewrites, and rewriting one (the printing is the command line's).
+
+    for PATH given:  a file   -> it, when it is Python (*.py, *.pyw, *.pyi, or a `#!...python` script)
+                     a folder -> every Python file below it, skipping hidden folders, virtual
+                                 environments (a pyvenv.cfg inside), site-packages, __pycache__,
+                                 node_modules; symlinked folders are not followed
+    each file once (by its real path), in sorted order
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from .codemod import MigrationError, MigrationResult, Unmigratable, migrate_source
+
+__all__ = ["FileOutcome", "iter_python_files", "migrate_file", "is_python_file"]
+
+_SUFFIXES = (".py", ".pyw", ".pyi")
+_SKIP_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages", "node_modules"})
+_SHEBANG = re.compile(rb"#![^\n]*python")
+
+
+@dataclass
+class FileOutcome:
+    """What migrating one file did (``error`` set: nothing was written)."""
+
+    path: str
+    changed: bool = False
+    written: bool = False
+    imports_rewritten: int = 0
+    uses_rewritten: int = 0
+    unmigratable: list[Unmigratable] = field(default_factory=list)
+    diff: str = ""
+    error: str | None = None
+    error_line: int = 0
+
+
+def is_python_file(path: str) -> bool:
+    """A *.py / *.pyw / *.pyi file, or an extensionless script whose first line names python."""
+    if path.endswith(_SUFFIXES):
+        return True
+    if os.path.splitext(path)[1]:
+        return False
+    try:
+        with open(path, "rb") as f:
+            return bool(_SHEBANG.match(f.readline(200)))
+    except OSError:
+        return False
+
+
+def _is_venv(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "pyvenv.cfg"))
+
+
+def iter_python_files(paths: Iterable[str]) -> Iterator[str]:
+    """The Python files under ``paths`` (see the module docstring); FileNotFoundError for a missing path."""
+    seen: set[str] = set()
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no such file or directory: {path}")
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, files in os.walk(path):
+                dirs[:] = sorted(
+                    d for d in dirs
+                    if not d.startswith(".") and d not in _SKIP_DIRS and not _is_venv(os.path.join(root, d))
+                )
+                found.extend(os.path.join(root, f) for f in files if not f.startswith("."))
+            candidates = sorted(f for f in found if is_python_file(f))
+        else:
+            candidates = [path] if is_python_file(path) else []
+        for candidate in candidates:
+            real = os.path.realpath(candidate)
+            if real not in seen:
+                seen.add(real)
+                yield candidate
+
+
+def _decode(data: bytes, encoding: str) -> str:
+    return data.decode(encoding, errors="replace")
+
+
+def _unified_diff(path: str, old: bytes, new: bytes, encoding: str) -> str:
+    lines = difflib.unified_diff(
+        _decode(old, encoding).splitlines(keepends=True),
+        _decode(new, encoding).splitlines(keepends=True),
+        fromfile=f"a/{path}",
+        tofile=f"b/{path}",
+    )
+    return "".join(line if line.endswith(("\n", "\r")) else line + "\n\\ No newline at end of file\n" for line in lines)
+
+
+def _write_in_place(path: str, data: bytes) -> None:
+    # a temporary file beside the real one, then rename: an interrupted run never leaves half a file
+    real = os.path.realpath(path)
+    mode = stat.S_IMODE(os.stat(real).st_mode)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(real), prefix=".fp16kit-migrate-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, real)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def migrate_file(path: str, *, megatron: bool = False, write: bool = True, diff: bool = False) -> FileOutcome:
+    """Rewrite one file's apex imports; writes only if ``write`` and something changed."""
+    outcome = FileOutcome(path)
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as e:
+        outcome.error = f"cannot read: {e.strerror or e}"
+        return outcome
+    try:
+        result: MigrationResult = migrate_source(source, megatron=megatron)
+    except MigrationError as e:
+        outcome.error, outcome.error_line = e.message, e.line
+        return outcome
+    outcome.changed = result.changed
+    outcome.imports_rewritten = result.imports_rewritten
+    outcome.uses_rewritten = result.uses_rewritten
+    outcome.unmigratable = result.unmigratable
+    if result.changed and diff:
+        outcome.diff = _unified_diff(path, source, result.code, result.encoding)  # type: ignore[arg-type]
+    if result.changed and write:
+        _write_in_place(path, result.code)  # type: ignore[arg-type]
+        outcome.written = True
+    return outcome
