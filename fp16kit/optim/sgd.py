@@ -91,11 +91,12 @@ def sgd_group_step(
     wd_after_momentum: bool,
     grads: Sequence[torch.Tensor | None] | None = None,
     outputs: Sequence[torch.Tensor | None] | None = None,
-    inv_scale: float = 1.0,
+    scale: float | torch.Tensor = 1.0,
 ) -> None:
     """One step of the rule for one group of ``opt`` (state: ``momentum_buffer``). ``grads``
     replace the params' ``.grad``; ``outputs`` receive the updated params (rounded to their
-    dtype), as apex's contrib FusedSGD's ``output_params``."""
+    dtype), as apex's contrib FusedSGD's ``output_params``; ``scale``: the grads are scaled by it
+    (they are multiplied by ``1/scale``, the reciprocal taken in float64)."""
     n = len(group["params"])
     grads = [None] * n if grads is None else (list(grads) + [None] * n)[:n]
     outputs = [None] * n if outputs is None else (list(outputs) + [None] * n)[:n]
@@ -111,12 +112,16 @@ def sgd_group_step(
         outs.append(o)
     if not params:
         return
+    inv_scale: float | torch.Tensor = (
+        kernels.inv_scale(scale.detach()) if isinstance(scale, torch.Tensor) else 1.0 / scale
+    )
     lr, wd = group["lr"], group["weight_decay"]
     momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
     is_new = [opt.state[p].get("momentum_buffer") is None for p in params]
     bufs = [_buffer(opt, p) for p in params] if momentum != 0 else [None] * len(params)
     for b, (buf, new, out) in buckets(params, found, (bufs, is_new, outs)):
-        g = torch._foreach_mul(b.g32, -inv_scale if group.get("maximize") else inv_scale)
+        factor = inv_scale if not isinstance(inv_scale, torch.Tensor) else inv_scale.to(b.params[0].device, b.dtype)
+        g = torch._foreach_mul(b.g32, -factor if group.get("maximize") else factor)
         if wd != 0 and not wd_after_momentum:
             torch._foreach_add_(g, b.p32, alpha=wd)
         if momentum != 0:

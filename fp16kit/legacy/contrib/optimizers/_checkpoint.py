@@ -1,0 +1,110 @@
+"""Checkpoints of the fused-era FP16_Optimizer (spec/apex-others.md §1.5): checks, and the two
+master layouts apex wrote.
+
+* per-param (2019-12+): ``fp32_groups`` = one list of fp32 tensors per group; the inner
+  optimizer's state has one entry per param.
+* flat (2018-12 to 2019-12): ``fp32_groups_flat`` = one 1-D fp32 tensor per group; the inner
+  optimizer stepped that one tensor, so its state (``exp_avg``, ...) is flat too. Both are split
+  by the sizes of the current params, in group order.
+
+Every check runs before anything is changed; a mismatch names the group and the param.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ....core import kernels
+
+__all__ = ["check_state_dict", "masters_from_state", "optimizer_state_from"]
+
+_REQUIRED = ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict")
+
+
+def check_state_dict(sd: Any, fp16_groups: list[list[torch.Tensor]]) -> None:
+    """Raise ``TypeError``/``ValueError`` naming what does not match these param groups."""
+    if not isinstance(sd, dict):
+        raise TypeError(f"FP16_Optimizer.load_state_dict expects the dict from state_dict(), got {type(sd).__name__}.")
+    missing = [k for k in _REQUIRED if k not in sd]
+    if missing:
+        raise ValueError(f"FP16_Optimizer state dict lacks {missing}; pass the dict FP16_Optimizer.state_dict() saved.")
+    if "fp32_groups" not in sd and "fp32_groups_flat" not in sd:
+        raise ValueError(
+            "FP16_Optimizer state dict holds no masters ('fp32_groups' or 'fp32_groups_flat'); "
+            "a checkpoint saved by apex between 2019-12 and 2020-02 has none (its state_dict() "
+            "failed): re-create the optimizer and load the model weights only."
+        )
+    masters = sd["fp32_groups"] if "fp32_groups" in sd else sd["fp32_groups_flat"]
+    if len(masters) != len(fp16_groups):
+        raise ValueError(
+            f"The checkpoint has masters for {len(masters)} param groups; this optimizer has "
+            f"{len(fp16_groups)}. Build the optimizer with the param groups it was saved with."
+        )
+    saved_groups = sd["optimizer_state_dict"].get("param_groups", [])
+    if len(saved_groups) != len(fp16_groups):
+        raise ValueError(
+            f"The checkpoint's optimizer_state_dict has {len(saved_groups)} param groups; this "
+            f"optimizer has {len(fp16_groups)}."
+        )
+    for i, (saved, params) in enumerate(zip(masters, fp16_groups)):
+        if "fp32_groups" in sd:
+            if len(saved) != len(params):
+                raise ValueError(
+                    f"Group {i} of the checkpoint has {len(saved)} masters; this optimizer's group "
+                    f"{i} has {len(params)} params."
+                )
+            for j, (m, p) in enumerate(zip(saved, params)):
+                if m.numel() != p.numel():
+                    raise ValueError(
+                        f"Group {i}, param {j}: the saved master has shape {tuple(m.shape)}, the "
+                        f"param {tuple(p.shape)}."
+                    )
+        else:
+            want = sum(p.numel() for p in params)
+            if saved.numel() != want:
+                raise ValueError(
+                    f"Group {i}: the saved flat master has {saved.numel()} elements; this "
+                    f"optimizer's group {i} params have {want} in all."
+                )
+
+
+def masters_from_state(sd: dict[str, Any], fp32_groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(saved, master)`` pairs to copy, for either layout (a flat master is split by size)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, masters in enumerate(fp32_groups):
+        if "fp32_groups" in sd:
+            saved = [m.reshape(t.shape) for m, t in zip(sd["fp32_groups"][i], masters)]
+        else:
+            saved = kernels.flat_views(sd["fp32_groups_flat"][i].reshape(-1), masters)
+        pairs.extend(zip(saved, masters))
+    return pairs
+
+
+def optimizer_state_from(sd: dict[str, Any], fp16_groups: list[list[torch.Tensor]]) -> dict[str, Any]:
+    """The inner optimizer's state dict in the per-param layout: as saved, or (flat layout)
+    each group's one flat state split into one state per current param."""
+    osd = sd["optimizer_state_dict"]
+    flat = "fp32_groups_flat" in sd and any(
+        len(g["params"]) == 1 and len(params) != 1 for g, params in zip(osd["param_groups"], fp16_groups)
+    )
+    if not flat:
+        return osd
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    next_id = 0
+    for g, params in zip(osd["param_groups"], fp16_groups):
+        flat_state = osd["state"].get(g["params"][0], {}) if g["params"] else {}
+        ids = list(range(next_id, next_id + len(params)))
+        next_id += len(params)
+        groups.append({**g, "params": ids})
+        total = sum(p.numel() for p in params)
+        for key, value in flat_state.items():
+            if isinstance(value, torch.Tensor) and value.numel() == total and value.dim() == 1:
+                parts = [v.clone() for v in kernels.flat_views(value, params)]
+            else:
+                parts = [value] * len(params)
+            for pid, part in zip(ids, parts):
+                state.setdefault(pid, {})[key] = part
+    return {"state": state, "param_groups": groups}

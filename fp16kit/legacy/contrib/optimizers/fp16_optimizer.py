@@ -1,0 +1,215 @@
+"""apex.contrib.optimizers.fp16_optimizer (and apex.optimizers.fp16_optimizer): the fused-era
+``FP16_Optimizer`` that BERT-era scripts (HF pytorch-pretrained-BERT, NVIDIA BERT, SpanBERT,
+OpenNMT-py ``-optim fusedadam``) wrap around the legacy ``FusedAdam``::
+
+    optimizer = FusedAdam(groups, lr, bias_correction=False, max_grad_norm=1.0)
+    optimizer = FP16_Optimizer(optimizer, dynamic_loss_scale=True)   # or static_loss_scale=S
+    optimizer.backward(loss)      # (loss.float() * cur_scale).backward()
+    optimizer.step()              # per-group norms of the scaled fp16 grads; overflow -> skip;
+                                  # else the inner step unscales, clips per group, updates the
+                                  # fp32 masters and writes the fp16 params
+    optimizer.zero_grad()         # model grads to None
+
+Scale rule, once per ``step()`` (apex's era-1 modulo rule = ``LossScale(rule="apex")`` with
+scale_window 1000, factor 2, floor 1, no cap, kept on the device)::
+
+    if dynamic:
+        if skip: log "\\nGrad overflow on iteration", cur_iter; "Using dynamic loss scale of", cur_scale
+                 cur_scale = max(cur_scale / scale_factor, 1); last_overflow_iter = cur_iter
+        elif (cur_iter - last_overflow_iter) % scale_window == 0: cur_scale *= scale_factor
+    elif skip: log "\\nGrad overflow on iteration", cur_iter; "Using static loss scale of", cur_scale
+    cur_iter += 1
+
+Overflow is decided from the norms (one host read of one flag per step, as apex's ``float``
+of the norm). Masters: one fp32 clone per param (apex's 2019-12+ layout); checkpoints of the
+flat layout (``fp32_groups_flat``) load too. Differences from apex (MIGRATION.md): fp32 and
+bf16 model params train (apex never copied an fp32 master back); params without a grad are
+skipped (apex crashed); messages go to the ``fp16kit`` logger; ``load_state_dict`` checks the
+structure first and refuses mismatches instead of truncating.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ....core import kernels
+from ....core.master import MasterParams
+from ....core.scale import LossScale
+from ....wrapping import WrappingOptimizer
+from ._checkpoint import check_state_dict, masters_from_state, optimizer_state_from
+
+__all__ = ["FP16_Optimizer"]
+
+logger = logging.getLogger("fp16kit")
+
+
+class FP16_Optimizer(WrappingOptimizer):
+    """The fused-era FP16_Optimizer (see the module docstring and spec/apex-others.md §1).
+
+    Args:
+        init_optimizer: ``fp16kit.legacy.optimizers.FusedAdam``, or the contrib ``FusedAdam`` /
+            ``FusedSGD``: an optimizer with ``step_with_grads(grads, output_params, scale,
+            grad_norms)``, built on the model's params.
+        static_loss_scale: the scale when not dynamic.
+        dynamic_loss_scale: apex's era-1 dynamic rule (start 2**16, window 1000).
+        dynamic_loss_args: must be None (apex: ``SystemError``).
+        verbose: log the dynamic-scale overflow lines (static ones are always logged, as apex).
+    """
+
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: Any = None,
+        verbose: bool = True,
+    ) -> None:
+        if dynamic_loss_args is not None:
+            raise SystemError("Do not support dynamic loss scale args for now.")
+        if not callable(getattr(init_optimizer, "step_with_grads", None)):
+            raise TypeError(
+                "The fused-era FP16_Optimizer drives fp16kit.legacy.optimizers.FusedAdam or "
+                "fp16kit.legacy.contrib.optimizers.FusedAdam / FusedSGD (they take the scaled fp16 "
+                f"grads); got {type(init_optimizer).__name__}. For another optimizer use "
+                "fp16kit.legacy.FP16_Optimizer (apex.fp16_utils) or fp16kit.MixedPrecisionOptimizer."
+            )
+        for i, group in enumerate(init_optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                if not p.is_floating_point():
+                    raise TypeError(f"FP16_Optimizer: param {j} of group {i} is {p.dtype}, not floating point.")
+        super().__init__(init_optimizer)
+        self.verbose = verbose
+        self.fp16_groups: list[list[torch.Tensor]] = [list(g["params"]) for g in init_optimizer.param_groups]
+        self._masters = [MasterParams(params) for params in self.fp16_groups]
+        self.fp32_groups: list[list[torch.Tensor]] = [m.masters for m in self._masters]
+        for group, masters in zip(init_optimizer.param_groups, self.fp32_groups):
+            group["params"] = masters
+        self.cur_iter = 0
+        self.overflow = False
+        self._device = next((p.device for g in self.fp16_groups for p in g), torch.device("cpu"))
+        self._set_mode(dynamic_loss_scale, 2.0**16 if dynamic_loss_scale else static_loss_scale)
+
+    def _set_mode(self, dynamic: bool, scale: float) -> None:
+        self.dynamic_loss_scale = dynamic
+        self._static_scale = float(scale)
+        self._scale: LossScale | None = None
+        if dynamic:
+            self._scale = LossScale(scale, rule="apex", growth_factor=2.0, growth_interval=1000,
+                                    dtype=torch.float64, device=self._device)
+
+    # ------------------------------------------------------------------ apex's attributes
+    @property
+    def cur_scale(self) -> float:
+        return self._scale.get_scale() if self._scale is not None else self._static_scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        if self._scale is not None:
+            self._scale.set_scale(float(value))
+        else:
+            self._static_scale = float(value)
+
+    @property
+    def loss_scale(self) -> float:
+        """Read-only alias of ``cur_scale`` (the name apex.fp16_utils used)."""
+        return self.cur_scale
+
+    def _dynamic(self, name: str) -> LossScale:
+        if self._scale is None:
+            raise AttributeError(f"'FP16_Optimizer' has no attribute '{name}' with a static loss scale")
+        return self._scale
+
+    @property
+    def last_overflow_iter(self) -> int:
+        # the apex rule's growth tracker counts the clean steps since the last overflow
+        return self.cur_iter - 1 - self._dynamic("last_overflow_iter").get_growth_tracker()
+
+    @last_overflow_iter.setter
+    def last_overflow_iter(self, value: int) -> None:
+        self._dynamic("last_overflow_iter").set_growth_tracker(self.cur_iter - 1 - int(value))
+
+    @property
+    def scale_factor(self) -> float:
+        return self._dynamic("scale_factor").growth_factor
+
+    @scale_factor.setter
+    def scale_factor(self, value: float) -> None:
+        self._dynamic("scale_factor").growth_factor = value
+
+    @property
+    def scale_window(self) -> int:
+        return self._dynamic("scale_window").growth_interval
+
+    @scale_window.setter
+    def scale_window(self, value: int) -> None:
+        self._dynamic("scale_window").growth_interval = int(value)
+
+    # ------------------------------------------------------------------ the loop
+    def zero_grad(self, set_grads_to_None: bool = True) -> None:  # type: ignore[override]
+        """Clear the fp16 model grads (to None by default, unlike apex.fp16_utils)."""
+        kernels.clear_grads_([p for g in self.fp16_groups for p in g], set_to_none=set_grads_to_None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``(loss.float() * cur_scale).backward()``."""
+        if self._scale is not None:
+            scaled = kernels.scale_outputs(loss.float(), lambda device: self._scale.scale)  # type: ignore[union-attr]
+        else:
+            scaled = kernels.scale_outputs(loss.float(), lambda device: self._static_scale)
+        scaled.backward()  # type: ignore[union-attr]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """One step (the closure is ignored, as apex); returns None. See the module docstring."""
+        grads = [[p.grad for p in group] for group in self.fp16_groups]
+        norms = [kernels.l2_norm([g for g in gs if g is not None], self._device) for gs in grads]
+        found = kernels.combine_found_inf(
+            kernels.check_finite_(norms, kernels.new_found_inf(self._device)).values(), self._device
+        )
+        self.overflow = bool(found.item())  # the one host read per step: skip or step
+        if not self.overflow:
+            scale = self._scale.snapshot() if self._scale is not None else self._static_scale
+            self.optimizer.step_with_grads(  # type: ignore[attr-defined]
+                grads=grads, output_params=self.fp16_groups, scale=scale, grad_norms=norms
+            )
+        self._update_scale(self.overflow, found)
+
+    def _update_scale(self, skip: bool, found: torch.Tensor) -> None:
+        if skip and (self.verbose or self._scale is None):
+            kind = "dynamic" if self._scale is not None else "static"
+            logger.warning("\nGrad overflow on iteration %s", self.cur_iter)
+            logger.warning("Using %s loss scale of %s", kind, self.cur_scale)
+        if self._scale is not None:
+            self._scale.update(found)
+        self.cur_iter += 1
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        sd: dict[str, Any] = {
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "cur_scale": self.cur_scale,
+            "cur_iter": self.cur_iter,
+        }
+        if self._scale is not None:
+            sd["last_overflow_iter"] = self.last_overflow_iter
+            sd["scale_factor"] = self.scale_factor
+            sd["scale_window"] = self.scale_window
+        sd["optimizer_state_dict"] = self.optimizer.state_dict()
+        sd["fp32_groups"] = [[m.detach() for m in group] for group in self.fp32_groups]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore :meth:`state_dict` (or apex's, flat or per-param masters). Everything is
+        checked before anything changes; masters are copied, model params left alone (apex)."""
+        check_state_dict(state_dict, self.fp16_groups)
+        pairs = masters_from_state(state_dict, self.fp32_groups)
+        self.optimizer.load_state_dict(optimizer_state_from(state_dict, self.fp16_groups))
+        kernels.copy_pairs_(pairs)
+        self._set_mode(bool(state_dict["dynamic_loss_scale"]), float(state_dict["cur_scale"]))
+        self.cur_iter = int(state_dict["cur_iter"])
+        if self._scale is not None:
+            self.scale_factor = state_dict.get("scale_factor", 2.0)
+            self.scale_window = state_dict.get("scale_window", 1000)
+            self.last_overflow_iter = state_dict.get("last_overflow_iter", -1)
