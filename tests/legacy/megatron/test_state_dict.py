@@ -1,0 +1,111 @@
+"""Megatron FP16_Optimizer checkpoints: plain data through torch.save/torch.load(weights_only=True),
+an exact resume, the saved scaler beating the constructor's settings, and the dicts
+fp16kit.legacy.load_checkpoint makes of scalers pickled by Megatron-era code."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from fp16kit.legacy.megatron import DynamicLossScaler, FP16_Module, FP16_Optimizer, LossScaler
+
+MEGATRON_ARGS = {"scale_window": 3.0, "min_scale": 1.0, "delayed_shift": 2, "init_scale": 2**18}
+
+
+def build(**kwargs):
+    torch.manual_seed(0)
+    model = FP16_Module(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)))
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = FP16_Optimizer(inner, **kwargs)
+    return model, opt
+
+
+def train(model, opt, iters, start=0):
+    for i in range(start, start + iters):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)
+        if i % 5 == 4:
+            x[1, 2] = float("inf")
+        opt.zero_grad()
+        opt.backward(((model(x) - y) ** 2).mean(), update_master_grads=False)
+        opt.update_master_grads()
+        opt.clip_master_grads(1.0)
+        opt.step()
+
+
+def roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_resume_is_exact_and_the_saved_scaler_wins():
+    model, opt = build(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS)
+    train(model, opt, 9)
+    saved = roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert set(saved["optimizer"]) == {"loss_scaler", "dynamic_loss_scale", "overflow",
+                                       "first_closure_call_this_step", "optimizer_state_dict", "fp32_from_fp16"}
+    assert saved["optimizer"]["loss_scaler"] == opt.loss_scaler.state_dict()
+
+    model2, opt2 = build(static_loss_scale=4.0)  # other settings: the checkpoint's win
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optimizer"])
+    assert isinstance(opt2.loss_scaler, DynamicLossScaler) and opt2.dynamic_loss_scale is True
+    assert opt2.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+    train(model, opt, 8, start=9)
+    train(model2, opt2, 8, start=9)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    for m, n in zip(opt.fp32_from_fp16_groups[0], opt2.fp32_from_fp16_groups[0]):
+        assert torch.equal(m, n)
+    assert opt2.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+
+
+@pytest.mark.parametrize("path", ["megatron.fp16.loss_scaler.DynamicLossScaler", "fp16.loss_scaler.DynamicLossScaler"])
+def test_loads_a_pickled_megatron_scaler_as_load_checkpoint_gives_it(path):
+    model, opt = build(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS)
+    train(model, opt, 3)
+    sd = opt.state_dict()
+    # a 2019 object: no min_scale / delayed_shift / cur_hysteresis / consecutive_hysteresis
+    sd["loss_scaler"] = {"__apex_class__": path, "cur_scale": 2048.0, "cur_iter": 40, "last_overflow_iter": 38,
+                         "scale_factor": 2.0, "scale_window": 1000}
+    _, fresh = build(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS)
+    fresh.load_state_dict(sd)
+    s = fresh.loss_scaler
+    assert (s.cur_scale, s.cur_iter, s.last_overflow_iter, s.scale_window) == (2048.0, 40, 38, 1000)
+    assert (s.min_scale, s.delayed_shift, s.cur_hysteresis, s.consecutive_hysteresis) == (1, 1, 1, True)
+    assert fresh.loss_scale == 2048.0
+
+
+def test_loads_a_static_megatron_scaler():
+    _, opt = build(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS)
+    sd = opt.state_dict()
+    sd["loss_scaler"] = {"__apex_class__": "megatron.fp16.loss_scaler.LossScaler", "cur_scale": 512}
+    sd["dynamic_loss_scale"] = False
+    opt.load_state_dict(sd)
+    assert type(opt.loss_scaler) is LossScaler and opt.loss_scale == 512 and not opt.dynamic_loss_scale
+    assert roundtrip(opt.state_dict())["loss_scaler"] == {"cur_scale": 512}
+
+
+def test_bad_checkpoints_change_nothing():
+    model, opt = build(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS)
+    train(model, opt, 4)
+    good = opt.state_dict()
+    before = (opt.loss_scaler.state_dict(), [m.clone() for m in opt.fp32_from_fp16_groups[0]])
+    amp_form = {**good, "loss_scaler": {"__apex_class__": "apex.amp.scaler.LossScaler", "_loss_scale": 2.0}}
+    with pytest.raises(ValueError, match="Cannot read the saved loss scaler"):
+        opt.load_state_dict(amp_form)
+    bad_attr = {**good, "loss_scaler": {**good["loss_scaler"], "delayed_shift": 0}}
+    with pytest.raises(ValueError, match="delayed_shift must be an int >= 1"):
+        opt.load_state_dict(bad_attr)
+    short = {**good, "fp32_from_fp16": [good["fp32_from_fp16"][0][:-1]]}
+    with pytest.raises(ValueError):
+        opt.load_state_dict(short)
+    with pytest.raises(ValueError, match="missing"):
+        opt.load_state_dict({k: v for k, v in good.items() if k != "overflow"})
+    assert opt.loss_scaler.state_dict() == before[0]
+    assert all(torch.equal(m, b) for m, b in zip(opt.fp32_from_fp16_groups[0], before[1]))
