@@ -150,7 +150,9 @@ class SyncBatchNorm(_BatchNorm):
         invstd = torch.rsqrt(var.float() + self.eps)
         out = (x - mean.float().view(shape)) * invstd.view(shape)
         if self.weight is not None:
-            out = out * self.weight.float().view(shape) + self.bias.float().view(shape)
+            out = out * self.weight.float().view(shape)
+        if self.bias is not None:
+            out = out + self.bias.float().view(shape)
         return out.to(input.dtype)
 
     @torch.no_grad()
