@@ -16,9 +16,9 @@ last bit, which is why this hook replaces torch's even with the default argument
     ddp.register_comm_hook(ApexAllreduceState(group), apex_allreduce_hook)
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ __all__ = ["ApexAllreduceState", "apex_allreduce_hook"]
 class ApexAllreduceState:
     """What :func:`apex_allreduce_hook` needs: the group and apex's three arguments."""
 
-    process_group: dist.ProcessGroup | None = None
+    process_group: Optional[dist.ProcessGroup] = None
     gradient_average: bool = True
     gradient_predivide_factor: float = 1.0
     allreduce_always_fp32: bool = False

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ __all__ = [
     "rms_norm",
 ]
 
-_Shape = int | Sequence[int] | torch.Size
+_Shape = Union[int, Sequence[int], torch.Size]
 _LOW = (torch.float16, torch.bfloat16)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ __all__ = [
 
 logger = logging.getLogger("fp16kit")
 _logged: set[str] = set()
-_Shape = int | Sequence[int] | torch.Size
+_Shape = Union[int, Sequence[int], torch.Size]
 
 
 def _memory_efficient(cls: str, flag: bool) -> None:

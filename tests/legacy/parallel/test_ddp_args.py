@@ -1,0 +1,140 @@
+"""apex.parallel.DistributedDataParallel's arguments on torch's DDP, in one process (spec §4.1);
+the arithmetic with two ranks is in test_two_ranks.py."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fp16kit.legacy import parallel
+from fp16kit.legacy.parallel import DistributedDataParallel, ReduceOp, Reducer, SyncBatchNorm
+from fp16kit.legacy.parallel import distributed as ddp_module
+from fp16kit.legacy.parallel import multiproc
+
+
+@pytest.fixture
+def world(tmp_path):
+    """A one-rank gloo default group."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"shared_param": True},
+     r"^shared_param is no longer supported as an option\.  It was misleadingly named from the start\.  It turns "
+     r"out overlapping communication with computation should work fine with shared parameters\.  If you still "
+     r"wish to delay communication to the end of the backward pass, use delay_allreduce=True\|False instead\.$"),
+    ({"delay_allreduce": True, "allreduce_trigger_params": []},
+     r"^Setting allreduce_trigger_params is only valid if delay_allreduce=False\.$"),
+    ({"delay_allreduce": True, "num_allreduce_streams": 2},
+     r"^self\.allreduce_different_streams may only be used if delay_allreduce=False\.$"),
+    ({"gradient_predivide_factor": 0}, "gradient_predivide_factor must be a number > 0"),
+])
+def test_apex_value_errors_before_anything_is_built(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DistributedDataParallel(_model(), **kwargs)
+
+
+def test_needs_a_process_group_and_says_how():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedDataParallel(_model())
+
+
+def test_is_torch_ddp_with_apex_mapping(world, caplog):
+    for key in ("delay_allreduce", "retain_allreduce_buffers", "message_size", "num_allreduce_streams"):
+        ddp_module._logged.discard(key)
+    model = _model()
+    with caplog.at_level(logging.INFO, logger="fp16kit"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation warning, no FutureWarning from torch
+        ddp = DistributedDataParallel(model, delay_allreduce=True, retain_allreduce_buffers=True,
+                                      message_size=1000, gradient_average_split_factor=3, prof=True)
+        DistributedDataParallel(_model(), delay_allreduce=True, num_allreduce_streams=1)
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and ddp.module is model
+    assert ddp.find_unused_parameters and ddp.gradient_as_bucket_view and ddp.device_ids is None
+    assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+    for key in ("delay_allreduce", "retain_allreduce_buffers", "message_size"):
+        assert caplog.text.count(f"DistributedDataParallel({key})") == 1, caplog.text
+    assert "num_allreduce_streams" not in caplog.text and "prof" not in caplog.text
+    assert all(k.startswith("module.") for k in ddp.state_dict())
+
+
+def test_disable_allreduce_is_no_sync(world):
+    ddp = DistributedDataParallel(_model())
+    ddp.disable_allreduce()
+    assert ddp.require_backward_grad_sync is False
+    ddp(torch.randn(5, 4)).sum().backward()
+    ddp.enable_allreduce()
+    assert ddp.require_backward_grad_sync is True
+    ddp(torch.randn(5, 4)).sum().backward()
+
+
+def test_one_rank_gradients_are_local_gradients_after_apex_scaling(world):
+    model = _model()
+    ref = _model()
+    ddp = DistributedDataParallel(model, gradient_predivide_factor=3.0)
+    x = torch.randn(6, 4)
+    ddp(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad.mul(1.0 / 3.0).mul(3.0 / 1))
+
+
+def test_reducer_in_one_rank(world):
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    Reducer(model).reduce()
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+    tensors = {"a": [torch.full((2,), 3.0), None], "b": (torch.ones(3, dtype=torch.float16),)}
+    reducer = Reducer(tensors)
+    assert len(reducer.grads) == 2
+    reducer.reduce()
+
+
+def test_names_and_groups(world):
+    assert ReduceOp is dist.ReduceOp
+    assert parallel.LARC.LARC.__name__ == "LARC"
+    assert parallel.create_syncbn_process_group(0) is None
+    assert parallel.create_syncbn_process_group(1) is not None
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        parallel.create_syncbn_process_group(2)
+    from fp16kit.legacy.parallel import optimized_sync_batchnorm, sync_batchnorm
+    assert sync_batchnorm.SyncBatchNorm is optimized_sync_batchnorm.SyncBatchNorm is SyncBatchNorm
+
+
+def test_convert_syncbn_model_reuses_parameters_fix():
+    model = _model()
+    weight = model[1].weight
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.eval()
+    model = parallel.convert_syncbn_model(model, channel_last=True)
+    assert isinstance(model[1], SyncBatchNorm) and model[1].channel_last and not model[1].training
+    assert model[1].weight is weight  # apex made new Parameters that `opt` no longer saw
+    model[1].weight.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(model[1].weight, torch.zeros(3))
+
+
+def test_multiproc_points_to_torchrun():
+    with pytest.raises(RuntimeError, match="torchrun --nproc_per_node"):
+        multiproc.main()
+    done = subprocess.run([sys.executable, "-m", "fp16kit.legacy.parallel.multiproc", "train.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "torchrun" in done.stderr
