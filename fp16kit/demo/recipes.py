@@ -117,8 +117,9 @@ def amp_o2(model: nn.Module, cfg: DemoConfig) -> Recipe:
     else:
         model, optimizer = amp.initialize(model, optimizer, opt_level="O2", cast_model_type=cfg.dtype)
     # amp.initialize has no init_scale or scale_window; apex scripts set its scaler's fields
+    # (capped at max_loss_scale, 2**24, as apex's LossScaler(init_scale=...) and FP16_Optimizer do)
     scaler = amp._amp_state.loss_scalers[0]
-    scaler._loss_scale = cfg.init_scale
+    scaler._loss_scale = min(cfg.init_scale, scaler._max_loss_scale)
     scaler._scale_seq_len = cfg.growth_interval
     skipped = 0
 
