@@ -23,7 +23,7 @@ import torch
 
 from ..core import kernels
 
-__all__ = ["Bucket", "FusedStyleOptimizer", "buckets", "keep_state_precision", "work_dtype"]
+__all__ = ["Bucket", "FusedStyleOptimizer", "buckets", "keep_state_precision", "with_settings", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -134,6 +134,9 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         keep_state_precision(self, state_dict)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return with_settings(self, super().__getstate__())
+
     @staticmethod
     def advance_group_step(group: dict[str, Any]) -> int:
         """apex's group step: one count per param group, advanced at every ``step()`` (also
@@ -153,3 +156,11 @@ def keep_state_precision(opt: torch.optim.Optimizer, state_dict: dict[str, Any])
         for key, value in state_dict["state"].get(pid, {}).items():
             if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
                 opt.state[p][key] = value.to(device=p.device, dtype=work_dtype(p.dtype), copy=True)
+
+
+def with_settings(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """torch's ``Optimizer.__getstate__`` keeps only defaults, state and param groups; add the
+    optimizer-wide settings these classes keep as public attributes (``adam_w_mode``,
+    ``set_grad_none``, ...) so that pickling and ``copy.deepcopy`` keep them."""
+    extra = {k: v for k, v in vars(opt).items() if not k.startswith("_") and k not in state}
+    return {**state, **extra}

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import buckets, keep_state_precision, work_dtype
+from ._base import buckets, keep_state_precision, with_settings, work_dtype
 
 __all__ = ["SGD", "sgd_group_step"]
 
@@ -62,6 +62,9 @@ class SGD(torch.optim.SGD):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         keep_state_precision(self, state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return with_settings(self, super().__getstate__())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

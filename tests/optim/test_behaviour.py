@@ -273,3 +273,14 @@ def test_inside_mixed_precision_optimizer_with_an_fp16_model(cls, kw):
         for m_opt, m in zip((p for grp in opt.param_groups for p in grp["params"]), masters_ref):
             assert m_opt.dtype == torch.float32
             assert torch.equal(m_opt.detach(), m.detach())
+
+
+def test_deepcopy_keeps_the_optimizer_wide_settings():
+    import copy
+
+    p = [torch.zeros(2, requires_grad=True)]
+    lamb = copy.deepcopy(LAMB(p, use_nvlamb=True, adam_w_mode=False, set_grad_none=False))
+    assert (lamb.use_nvlamb, lamb.adam_w_mode, lamb.set_grad_none) == (True, False, False)
+    assert copy.deepcopy(SGD(p, wd_after_momentum=True)).wd_after_momentum
+    assert copy.deepcopy(NovoGrad(p, reg_inside_moment=True)).moment_mode == 0
+    assert copy.deepcopy(Adagrad(p, adagrad_w_mode=True)).adagrad_w_mode

@@ -156,6 +156,7 @@ class FP16_Optimizer(WrappingOptimizer):
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss.float() * cur_scale).backward()``."""
         if self._scale is not None:
+            self._scale.materialize(self._device)  # no-op unless unpickled
             scaled = kernels.scale_outputs(loss.float(), lambda device: self._scale.scale)  # type: ignore[union-attr]
         else:
             scaled = kernels.scale_outputs(loss.float(), lambda device: self._static_scale)
@@ -169,6 +170,8 @@ class FP16_Optimizer(WrappingOptimizer):
             kernels.check_finite_(norms, kernels.new_found_inf(self._device)).values(), self._device
         )
         self.overflow = bool(found.item())  # the one host read per step: skip or step
+        if self._scale is not None:
+            self._scale.materialize(self._device)  # no-op unless unpickled
         if not self.overflow:
             scale = self._scale.snapshot() if self._scale is not None else self._static_scale
             self.optimizer.step_with_grads(  # type: ignore[attr-defined]
@@ -185,7 +188,14 @@ class FP16_Optimizer(WrappingOptimizer):
             self._scale.update(found)
         self.cur_iter += 1
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ pickling, checkpoints
+    def __getstate__(self) -> dict[str, Any]:
+        # apex's wrapper was a plain object: pickling (and deepcopy) keep all of it
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         sd: dict[str, Any] = {
             "dynamic_loss_scale": self.dynamic_loss_scale,

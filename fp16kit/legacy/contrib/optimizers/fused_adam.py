@@ -41,7 +41,7 @@ class FusedAdam(LegacyAdam):
                          eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
                          max_grad_norm=max_grad_norm)
         self.use_mt = use_mt
-        self._amp_scale_adjustment = amp_scale_adjustment
+        self.amp_scale_adjustment = amp_scale_adjustment
 
     def step_with_grads(
         self,
