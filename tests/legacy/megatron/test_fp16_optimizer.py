@@ -116,11 +116,11 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def build(dtype, dynamic_args, static=None):
+def build(dtype, dynamic_args, static=None, device="cpu"):
     torch.manual_seed(0)
-    net = Net()
+    net = Net().to(device)
     model = FP16_Module(net) if dtype == torch.float16 else net.to(dtype)
-    extra = nn.Parameter(torch.linspace(0.5, 1.5, 3))  # an fp32 param beside the fp16 model
+    extra = nn.Parameter(torch.linspace(0.5, 1.5, 3, device=device))  # an fp32 param beside the fp16 model
     ref_model, ref_extra = copy.deepcopy(model), nn.Parameter(extra.detach().clone())
     inner = torch.optim.SGD([{"params": list(model.parameters()) + [extra]}], lr=LR, momentum=0.9)
     if static is None:
@@ -133,10 +133,10 @@ def build(dtype, dynamic_args, static=None):
     return model, extra, opt, sched, ref
 
 
-def loss_fn_for(i, dtype):
+def loss_fn_for(i, dtype, device="cpu"):
     g = torch.Generator().manual_seed(1000 + i)
-    x = torch.randn(5, 6, generator=g)
-    y = torch.randn(5, 3, generator=g)
+    x = torch.randn(5, 6, generator=g).to(device)
+    y = torch.randn(5, 3, generator=g).to(device)
     if i in (6, 11, 12):
         x[0, 0] = INF  # a bad batch: non-finite grads at any scale
 
@@ -168,10 +168,10 @@ def assert_same(model, extra, opt, ref):
     assert opt.param_groups[0]["lr"] == ref.opt.param_groups[0]["lr"]
 
 
-def run_both(model, extra, opt, sched, ref, dtype, iters, clip, start=0):
+def run_both(model, extra, opt, sched, ref, dtype, iters, clip, start=0, device="cpu"):
     overflows = []
     for i in range(start, start + iters):
-        loss_fn = loss_fn_for(i, dtype)
+        loss_fn = loss_fn_for(i, dtype, device)
         ours = megatron_iteration(model, extra, opt, sched, loss_fn, clip)
         theirs = ref.iteration(loss_fn, clip)
         assert opt.overflow == ref.overflow, i
@@ -201,6 +201,16 @@ def test_megatron_training_sequence_matches_the_reference(dtype, args, clip):
     model, extra, opt, sched, ref = build(dtype, args)
     overflows = run_both(model, extra, opt, sched, ref, dtype, 14, clip)
     assert any(overflows) and not all(overflows)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+def test_megatron_training_sequence_on_cuda(dtype):
+    model, extra, opt, sched, ref = build(dtype, CASES[0], device="cuda")
+    overflows = run_both(model, extra, opt, sched, ref, dtype, 14, 0.5, device="cuda")
+    assert any(overflows) and not all(overflows)
+    assert opt.fp32_from_fp16_groups[0][0].is_cuda
 
 
 def test_static_scale_never_checks():
