@@ -45,7 +45,9 @@ __all__ = [
     "group_by_device_and_dtype",
     "inv_scale",
     "l2_norm",
+    "l2_norm_and_flag_",
     "l2_norms",
+    "raise_flag_",
     "merge_found_inf",
     "new_found_inf",
     "scale_outputs",
@@ -527,5 +529,30 @@ def scale_to_(
         for (device, dtype), ts in groups.items():
             torch._foreach_mul_(ts, s.to(device=device, dtype=dtype))
         copy_to_(temps, [d.detach() for d in dsts])
-        hit = combine_found_inf(per_device.values(), flag.device)
+        raise_flag_(flag, per_device)
+
+
+def raise_flag_(flag: torch.Tensor, found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
+    """Set ``flag`` (any dtype and shape; e.g. apex's int32 ``overflow_buf``) to 1 where any of
+    the found-inf flags is set; never clear it. A device op, no host read."""
+    if not found_inf_per_device:
+        return
+    with torch.no_grad():
+        hit = combine_found_inf(found_inf_per_device.values(), flag.device)
         flag.copy_(torch.maximum(flag, hit.to(flag.dtype)))
+
+
+def l2_norm_and_flag_(
+    tensors: Sequence[torch.Tensor], flag: torch.Tensor, *, per_tensor: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apex's ``amp_C.multi_tensor_l2norm``: ``(total, per_tensor_norms)`` -- the total L2 norm
+    as a 1-element float32 tensor on ``flag``'s device, and the norm of each tensor as a 1-D
+    float32 tensor (empty unless ``per_tensor``) -- setting ``flag`` when the total is not
+    finite. Accumulation in float32 (apex: per chunk; the last bits may differ)."""
+    device = flag.device
+    norms = [n.to(device=device, dtype=torch.float32, non_blocking=True) for n in l2_norms(tensors)]
+    with torch.no_grad():
+        per = torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float32, device=device)
+        total = per.square().sum().sqrt().reshape(1)
+        raise_flag_(flag, check_finite_([total.clone()], new_found_inf(device)))
+    return total, (per if per_tensor else torch.zeros(0, dtype=torch.float32, device=device))

@@ -255,3 +255,36 @@ def test_refresh_stale_masters_keeps_masters_that_round_to_the_param():
     kernels.refresh_stale_masters_([param], [master])
     assert master[0].item() == torch.tensor(1.0001).item()  # extra precision kept
     assert master[2].item() == 7.0
+
+
+# ---------------------------------------------------------------- norms and apex's scale op
+def test_l2_norms_per_tensor_in_fp32_and_l2_norm_total():
+    ts = [torch.tensor([3.0, 4.0]), torch.tensor([300.0, 400.0], dtype=torch.float16), torch.zeros(0)]
+    norms = kernels.l2_norms(ts)
+    assert [n.dtype for n in norms] == [torch.float32] * 3
+    assert [n.item() for n in norms] == [5.0, 500.0, 0.0]  # fp16 squares would overflow
+    total = kernels.l2_norm(ts)
+    assert total.shape == () and abs(total.item() - (25.0 + 250000.0) ** 0.5) < 1e-3
+    assert kernels.l2_norm([]).item() == 0.0
+    assert torch.isinf(kernels.l2_norm([torch.tensor([float("inf")])]))
+
+
+def test_scale_to_rounds_once_and_raises_any_flag_dtype():
+    src = [torch.tensor([1.0, 3.0], dtype=torch.float16)]
+    dst = [torch.empty(2)]
+    flag = torch.zeros(1, dtype=torch.int32)
+    kernels.scale_to_(src, dst, 0.1, flag)
+    assert torch.equal(dst[0], src[0].float() * torch.tensor(0.1, dtype=torch.float32))
+    assert flag.item() == 0
+    kernels.scale_to_([torch.tensor([float("-inf")])], [torch.empty(1)], 2.0, flag)
+    assert flag.item() == 1
+    kernels.scale_to_([torch.ones(1)], [torch.empty(1)], 2.0, flag)
+    assert flag.item() == 1  # never cleared
+
+
+def test_l2_norm_and_flag_matches_apex_shapes():
+    flag = torch.zeros(1)
+    total, per = kernels.l2_norm_and_flag_([torch.tensor([6.0, 8.0])], flag, per_tensor=True)
+    assert total.tolist() == [10.0] and per.tolist() == [10.0] and flag.item() == 0.0
+    total, per = kernels.l2_norm_and_flag_([torch.tensor([float("nan")])], flag)
+    assert per.numel() == 0 and flag.item() == 1.0

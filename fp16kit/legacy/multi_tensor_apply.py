@@ -1,0 +1,70 @@
+"""apex.multi_tensor_apply (and the two ``amp_C`` ops scripts call through it) without apex's
+CUDA extension: pure-torch stand-ins on fp16kit's core kernels, CPU and CUDA.
+
+    from fp16kit.legacy.multi_tensor_apply import multi_tensor_applier, amp_C   # was: import amp_C
+    overflow_buf = torch.zeros(1, dtype=torch.int)
+    multi_tensor_applier(amp_C.multi_tensor_scale, overflow_buf, [srcs, dsts], scale)
+    norm, per_tensor = multi_tensor_applier(amp_C.multi_tensor_l2norm, overflow_buf, [tensors], True)
+
+``multi_tensor_scale``: ``dst = src * scale`` (fp32 math, one rounding), ``overflow_buf`` set
+to 1 if a source holds inf/NaN (never cleared). ``multi_tensor_l2norm``: the total L2 norm (a
+1-element fp32 tensor) and, with ``per_tensor``, each tensor's norm; the flag is set when the
+norm is not finite. Exact on CPU for the scale; the norm up to summation order.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..core import kernels
+
+__all__ = ["MultiTensorApply", "amp_C", "multi_tensor_applier", "multi_tensor_l2norm", "multi_tensor_scale"]
+
+
+class MultiTensorApply:
+    """apex's applier: ``applier(op, noop_flag_buffer, tensor_lists, *args)`` calls
+    ``op(chunk_size, noop_flag_buffer, tensor_lists, *args)``. ``available`` is True: the ops
+    here need no extension."""
+
+    available = True
+    warned = False
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+
+    @staticmethod
+    def check_avail() -> None:
+        """apex raised when its extension was missing; these ops are always there."""
+
+    def __call__(self, op: Callable[..., Any], noop_flag_buffer: torch.Tensor,
+                 tensor_lists: Sequence[Sequence[torch.Tensor]], *args: Any) -> Any:
+        return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
+
+
+def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor,
+                       tensor_lists: Sequence[Sequence[torch.Tensor]], scale: float | torch.Tensor) -> None:
+    """``amp_C.multi_tensor_scale``: ``tensor_lists = [srcs, dsts]``; ``dst = src * scale``."""
+    if len(tensor_lists) != 2:
+        raise ValueError(f"multi_tensor_scale takes [sources, destinations], got {len(tensor_lists)} lists.")
+    kernels.scale_to_(list(tensor_lists[0]), list(tensor_lists[1]), scale, noop_flag)
+
+
+def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor,
+                        tensor_lists: Sequence[Sequence[torch.Tensor]],
+                        per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``amp_C.multi_tensor_l2norm``: ``tensor_lists = [tensors]``; returns ``(norm,
+    per_tensor_norms)``."""
+    if len(tensor_lists) != 1:
+        raise ValueError(f"multi_tensor_l2norm takes [tensors], got {len(tensor_lists)} lists.")
+    return kernels.l2_norm_and_flag_(list(tensor_lists[0]), noop_flag, per_tensor=bool(per_tensor))
+
+
+#: apex's ``MultiTensorApply(2048*32)``
+multi_tensor_applier = MultiTensorApply(2048 * 32)
+
+#: stand-in for the ``amp_C`` extension module (the two ops above)
+amp_C = types.SimpleNamespace(multi_tensor_scale=multi_tensor_scale, multi_tensor_l2norm=multi_tensor_l2norm)
