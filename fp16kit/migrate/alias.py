@@ -11,8 +11,9 @@ Contract::
     import apex.X.Y:
         apex_map says apex.X.Y is module T  -> sys.modules["apex.X.Y"] is sys.modules[T]
                                                (the same object: isinstance, pickling, state stay one)
-        `apex` itself                       -> a synthetic package whose attributes are the covered
-                                               submodules, imported on first access
+        `apex`, `apex.contrib`              -> a synthetic package whose attributes are the covered
+                                               submodules, imported on first access (so that
+                                               `from apex.contrib import xentropy` still says what to use)
         anything else under apex            -> ImportError naming fp16kit and the closest replacement
     uninstall_apex_alias():
         remove the finder and every sys.modules entry it made; restore what shadow=True hid
@@ -110,7 +111,7 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if not self.claims(fullname):
             return None
-        if fullname in apex_map.SYNTHETIC_ROOTS or (fullname == "megatron" and self.synthetic_megatron):
+        if fullname in apex_map.CLOSED or (fullname == "megatron" and self.synthetic_megatron):
             loader = _AliasLoader(self, fullname, None)
             return importlib.machinery.ModuleSpec(fullname, loader, is_package=True)
         if fullname.startswith("megatron.") and not fullname.startswith("megatron.fp16") and self.synthetic_megatron:
@@ -160,7 +161,7 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         # `_amp_state` to the module, clobbering the object of that name fp16kit.legacy.amp exports
         # (apex itself had them in sys.modules from its __init__, so it never did that either).
         for name in sorted(self.table, key=lambda n: n.count(".")):
-            if name.startswith(fullname + ".") and name not in sys.modules:
+            if name.startswith(fullname + ".") and name not in sys.modules and name not in apex_map.CLOSED:
                 target = sys.modules.get(self.table[name])
                 if target is not None and name.rpartition(".")[0] in sys.modules:
                     sys.modules[name] = target

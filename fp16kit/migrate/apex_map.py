@@ -30,7 +30,6 @@ __all__ = [
     "APEX_MODULES",
     "MEGATRON_MODULES",
     "CLOSED",
-    "SYNTHETIC_ROOTS",
     "UNCOVERED",
     "Resolution",
     "module_map",
@@ -78,11 +77,9 @@ MEGATRON_MODULES: Mapping[str, str] = MappingProxyType({
 })
 
 # packages whose only attributes are the submodules listed above (apex/__init__.py and
-# apex/contrib/__init__.py defined nothing else), so `apex.foo` is uncovered, not fp16kit.legacy.foo
+# apex/contrib/__init__.py defined nothing else), so `apex.foo` is uncovered, not fp16kit.legacy.foo;
+# under the alias they are synthetic packages holding just those submodules
 CLOSED = frozenset({"apex", "apex.contrib"})
-
-# roots that are a synthetic package under the alias (the attributes are the covered submodules)
-SYNTHETIC_ROOTS: Mapping[str, str] = MappingProxyType({"apex": _L})
 
 _TORCH_COMPILE = "torch.compile fuses the pointwise parts"
 _ZERO = "torch.distributed.optim.ZeroRedundancyOptimizer, or FSDP (torch.distributed.fsdp.fully_shard) with torch.optim.AdamW"
@@ -225,4 +222,6 @@ def hint_for(path: str, *, megatron: bool = False) -> str:
         return f"{path} is not an apex module"
     if res.hint is not None:
         return res.hint
+    if res.rest:
+        return f"{path} is not covered by fp16kit ({res.prefix} is {res.target}; see MIGRATION.md)"
     return f"{path} is {res.new_path} in fp16kit"

@@ -123,9 +123,7 @@ class _ApexRewriter(cst.CSTTransformer):
         return apex_map.resolve(path, megatron=self.megatron)
 
     def _explain(self, res: apex_map.Resolution) -> str:
-        if res.hint is not None:
-            return res.hint
-        return f"{res.path} is not a module fp16kit maps ({res.prefix} is {res.target})"
+        return apex_map.hint_for(res.path, megatron=self.megatron)
 
     # -- the module: which names a rewritten `import apex...` binds ----------------------------
     def visit_Module(self, node: cst.Module) -> bool:

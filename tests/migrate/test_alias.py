@@ -1,0 +1,200 @@
+"""install_apex_alias(): `import apex...` resolves to the fp16kit.legacy module objects, uncovered
+names raise ImportError naming fp16kit and a replacement, a real apex is not hidden by accident,
+and uninstalling leaves sys.modules and sys.meta_path as they were."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+
+import pytest
+
+import fp16kit.legacy
+import fp16kit.legacy.amp
+from fp16kit.legacy.alias import apex_alias_installed, install_apex_alias, uninstall_apex_alias
+from fp16kit.migrate import apex_map
+
+
+def _ours(name: str) -> bool:
+    root = name.partition(".")[0]
+    return root in ("apex", "fp16") or name == "megatron" or name.startswith("megatron.")
+
+
+@pytest.fixture
+def alias():
+    """Install/uninstall around a test; checks it leaves no trace."""
+    before_modules = {k for k in sys.modules if _ours(k)}
+    before_path = list(sys.meta_path)
+    assert not before_modules
+    yield install_apex_alias
+    uninstall_apex_alias()
+    assert not apex_alias_installed()
+    assert {k for k in sys.modules if _ours(k)} == set()
+    assert sys.meta_path == before_path
+
+
+def test_apex_modules_are_the_fp16kit_modules(alias):
+    alias()
+    import apex
+    import apex.amp
+    import apex.fp16_utils.loss_scaler as ls
+    from apex import amp
+    from apex.fp16_utils import FP16_Optimizer
+
+    assert amp is fp16kit.legacy.amp is apex.amp
+    assert ls is sys.modules["fp16kit.legacy.loss_scaler"]
+    assert FP16_Optimizer is fp16kit.legacy.FP16_Optimizer
+    assert apex.fp16_utils is fp16kit.legacy
+    # the module keeps its own identity: spec, name and file are fp16kit's
+    assert amp.__spec__.name == "fp16kit.legacy.amp" and amp.__name__ == "fp16kit.legacy.amp"
+    assert importlib.util.find_spec("fp16kit.legacy.amp").origin == amp.__spec__.origin
+    assert not hasattr(sys.modules["fp16kit.legacy.fp16util"], "__path__")  # a plain module stays one
+
+
+def test_every_covered_submodule_is_an_attribute_of_apex(alias):
+    alias()
+    import apex
+
+    children = sorted(k.split(".")[1] for k in apex_map.APEX_MODULES if k.count(".") == 1)
+    assert apex.__all__ == children
+    for name in children:
+        module = getattr(apex, name)
+        assert sys.modules[f"apex.{name}"] is module
+        if f"apex.{name}" in apex_map.CLOSED:  # synthetic: only the covered submodules
+            assert module.__all__ == ["optimizers"]
+            assert module.optimizers is importlib.import_module("fp16kit.legacy.contrib.optimizers")
+        else:
+            assert module is importlib.import_module(apex_map.APEX_MODULES[f"apex.{name}"])
+
+
+def test_submodule_import_does_not_clobber_an_exported_name(alias):
+    # fp16kit.legacy.amp exports the object `_amp_state`, like apex.amp did; importing the
+    # submodule apex.amp._amp_state must not replace that attribute with the module
+    state = fp16kit.legacy.amp._amp_state
+    alias()
+    import apex.amp._amp_state
+    from apex.amp._amp_state import _amp_state
+
+    assert fp16kit.legacy.amp._amp_state is state is _amp_state is apex.amp._amp_state
+    assert sys.modules["apex.amp._amp_state"] is sys.modules["fp16kit.legacy.amp._amp_state"]
+
+
+def test_uncovered_imports_raise_importerror_naming_fp16kit_and_a_replacement(alias):
+    alias()
+    with pytest.raises(ImportError, match=r"apex\.RNN.*fp16kit.*torch\.nn\.LSTM"):
+        import apex.RNN  # noqa: F401
+    with pytest.raises(ImportError, match=r"fp16kit.*torch\.nn\.utils\.parametrizations\.weight_norm"):
+        from apex.reparameterization import apply_weight_norm  # noqa: F401
+    import fp16kit.legacy.contrib  # noqa: F401  (imported first or not, apex.contrib stays apex's)
+
+    with pytest.raises(ImportError, match=r"fp16kit.*cross_entropy"):
+        from apex.contrib import xentropy  # noqa: F401  (a fromlist import keeps the hint)
+    with pytest.raises(ImportError, match=r"fp16kit.*cross_entropy"):
+        import apex.contrib.xentropy  # noqa: F401
+    with pytest.raises(ImportError, match=r"not covered by fp16kit"):
+        import apex.amp.nonexistent  # noqa: F401
+    import apex
+
+    with pytest.raises(AttributeError, match="torch.nn.LSTM"):
+        apex.RNN  # noqa: B018
+    assert not hasattr(apex, "transformer")
+
+
+def test_pickles_by_apex_path_load_as_fp16kit_classes(alias):
+    # an apex-era pickle names apex.fp16_utils.loss_scaler.DynamicLossScaler
+    alias()
+    from fp16kit.legacy.loss_scaler import DynamicLossScaler
+
+    data = pickle.dumps(DynamicLossScaler(init_scale=2.0**10), protocol=0)  # text: paths can be edited
+    assert b"fp16kit.legacy.loss_scaler" in data
+    apex_data = data.replace(b"fp16kit.legacy.loss_scaler", b"apex.fp16_utils.loss_scaler")
+    restored = pickle.loads(apex_data)
+    assert type(restored) is DynamicLossScaler and restored.cur_scale == 2.0**10
+
+
+def test_megatron_opt_in(alias):
+    alias(megatron=True)
+    import fp16
+    from fp16 import loss_scaler
+    from megatron.fp16 import FP16_Optimizer
+
+    megatron = sys.modules["fp16kit.legacy.megatron"]
+    assert fp16 is megatron and loss_scaler is sys.modules["fp16kit.legacy.megatron.loss_scaler"]
+    assert FP16_Optimizer is megatron.FP16_Optimizer
+    with pytest.raises(ImportError, match="only megatron.fp16"):
+        import megatron.mpu  # noqa: F401
+
+
+def test_megatron_names_are_not_claimed_without_the_flag(alias):
+    alias()
+    assert importlib.util.find_spec("fp16") is None
+
+
+def _fake_package(tmp_path, name: str):
+    pkg = tmp_path / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("REAL = True\n")
+    return pkg
+
+
+def test_refuses_to_hide_a_real_apex(alias, tmp_path, monkeypatch):
+    _fake_package(tmp_path, "apex")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    meta_path = list(sys.meta_path)
+    with pytest.raises(RuntimeError, match=r"real module named 'apex' is importable.*pip uninstall apex.*shadow=True"):
+        alias()
+    assert sys.meta_path == meta_path and not apex_alias_installed()  # nothing changed
+    alias(shadow=True)
+    import apex
+
+    assert not hasattr(apex, "REAL") and apex.amp is fp16kit.legacy.amp
+
+
+def test_shadow_gives_an_imported_apex_back(alias, tmp_path, monkeypatch):
+    _fake_package(tmp_path, "apex")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import apex as real
+
+    try:
+        with pytest.raises(RuntimeError, match="already imported"):
+            alias()
+        alias(shadow=True)
+        assert importlib.import_module("apex") is not real
+        uninstall_apex_alias()
+        assert sys.modules["apex"] is real
+    finally:
+        sys.modules.pop("apex", None)
+
+
+def test_a_namespace_directory_named_apex_is_not_a_real_apex(alias, tmp_path, monkeypatch):
+    # a cloned apex repository's top folder (no __init__.py) next to the script
+    (tmp_path / "apex").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    alias()
+    import apex
+
+    assert apex.amp is fp16kit.legacy.amp
+
+
+def test_install_twice_and_uninstall_twice(alias):
+    alias()
+    alias()  # same arguments: nothing happens
+    assert sum(type(f).__name__ == "_ApexAliasFinder" for f in sys.meta_path) == 1
+    with pytest.raises(RuntimeError, match="uninstall_apex_alias"):
+        alias(megatron=True)
+    uninstall_apex_alias()
+    uninstall_apex_alias()
+    with pytest.raises(ImportError):
+        import apex  # noqa: F401
+
+
+def test_uninstall_forgets_what_was_imported(alias):
+    alias()
+    import apex.optimizers.fused_adam  # noqa: F401
+    from apex.parallel import DistributedDataParallel  # noqa: F401
+
+    assert "apex.optimizers.fused_adam" in sys.modules
+    uninstall_apex_alias()
+    assert not [k for k in sys.modules if k.partition(".")[0] == "apex"]
+    assert "fp16kit.legacy.optimizers.fused_adam" in sys.modules  # fp16kit's own stay imported
