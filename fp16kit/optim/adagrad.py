@@ -50,8 +50,8 @@ class Adagrad(FusedStyleOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params, grads = self.params_with_grads(group)
+        found = [self.params_with_grads(group) for group in self.param_groups]  # checks first
+        for group, (params, grads) in zip(self.param_groups, found):
             if not params:
                 continue
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]

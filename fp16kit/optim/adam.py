@@ -63,17 +63,14 @@ class Adam(FusedStyleOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self.step_group(group)
+        found = [self.params_with_grads(group) for group in self.param_groups]  # checks first
+        for group, (params, grads) in zip(self.param_groups, found):
+            t = self.advance_group_step(group)  # also for groups without grads
+            if params:
+                self._step_group(group, params, grads, t)
         return loss
 
-    def step_group(self, group: dict[str, Any]) -> None:
-        """One step of the rule for one param group (the group's step count advances even
-        when no param has a grad)."""
-        t = self.advance_group_step(group)
-        params, grads = self.params_with_grads(group)
-        if not params:
-            return
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], t: int) -> None:
         beta1, beta2 = group["betas"]
         bc1, bc2 = (1 - beta1**t, 1 - beta2**t) if group["bias_correction"] else (1.0, 1.0)
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]

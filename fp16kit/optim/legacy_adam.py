@@ -109,28 +109,35 @@ def legacy_adam_step(
     grads_per = per_group(grads, len(groups))
     outs_per = per_group(output_params, len(groups))
     norms = [None] * len(groups) if grad_norms is None else list(grad_norms)
-    for group, g_list, o_list, norm in zip(groups, grads_per, outs_per, norms):
-        _step_group(opt, group, g_list, o_list, scale, norm, eps_inside_sqrt)
+    work = [_prepare(opt, group, g_list, o_list) for group, g_list, o_list in zip(groups, grads_per, outs_per)]
+    for group, (params, found, outs), norm in zip(groups, work, norms):  # all checked: now step
+        if params:
+            _step_group(opt, group, params, found, outs, scale, norm, eps_inside_sqrt)
 
 
-def _step_group(
-    opt: FusedStyleOptimizer,
-    group: dict[str, Any],
-    grads: list[Any] | None,
-    outputs: list[Any] | None,
-    scale: float | torch.Tensor,
-    grad_norm: Any,
-    eps_inside_sqrt: bool,
-) -> None:
+def _prepare(
+    opt: FusedStyleOptimizer, group: dict[str, Any], grads: list[Any] | None, outputs: list[Any] | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
+    """The group's params with a grad (supplied, else ``p.grad``), their grads and outputs."""
     n = len(group["params"])
     # apex zipped params with the supplied lists: the shorter one decides
     grads = [None] * n if grads is None else (list(grads) + [None] * n)[:n]
     outputs = [None] * n if outputs is None else (list(outputs) + [None] * n)[:n]
     keep = [i for i, p in enumerate(group["params"]) if grads[i] is not None or p.grad is not None]
-    if not keep:
-        return
     params, found = opt.params_with_grads(group, grads)
-    outs = [outputs[i] for i in keep]
+    return params, found, [outputs[i] for i in keep]
+
+
+def _step_group(
+    opt: FusedStyleOptimizer,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    found: list[torch.Tensor],
+    outs: list[Any],
+    scale: float | torch.Tensor,
+    grad_norm: Any,
+    eps_inside_sqrt: bool,
+) -> None:
     device = params[0].device
     combined = _combined_scale(group, found, scale, grad_norm, device)
     beta1, beta2 = group["betas"]

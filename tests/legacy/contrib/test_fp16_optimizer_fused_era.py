@@ -372,3 +372,16 @@ def test_pickles_and_keeps_training_like_the_original():
     _train(o1, p1, range(3, 6))
     _train(o2, p2, range(3, 6))
     _assert_same(o1, p1, o2, p2)
+
+
+def test_lr_scheduler_drives_the_wrapper_and_add_param_group_is_refused():
+    params = _bert_groups()
+    opt = _make(params)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5**k)
+    for k in range(3):
+        _set_grads(params, k)
+        opt.step()
+        sched.step()
+    assert [g["lr"] for g in opt.optimizer.param_groups] == [1e-2 * 0.125] * 2
+    with pytest.raises(RuntimeError, match="before wrapping"):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})

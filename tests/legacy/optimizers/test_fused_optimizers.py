@@ -193,3 +193,15 @@ def test_contrib_fused_sgd_is_wrapper_only():
     opt.step(grads=[torch.full((2,), 8.0, dtype=torch.float16)], output_params=[out], scale=4.0)
     assert torch.equal(p.detach(), torch.full((2,), -0.2))  # 8/4 * 0.1
     assert torch.equal(out, torch.full((2,), -0.2).half())
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdagrad, contrib.FusedAdam])
+def test_a_bad_param_in_a_later_group_refuses_the_step_before_any_change(cls):
+    good = torch.zeros(3, requires_grad=True)
+    bad = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    opt = cls([{"params": [good]}, {"params": [bad]}])
+    good.grad, bad.grad = torch.ones(3), torch.ones(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="only support fp16 and fp32"):
+        opt.step()
+    assert torch.equal(good.detach(), torch.zeros(3)) and not opt.state[good]
+    assert all("step" not in g for g in opt.param_groups)

@@ -148,6 +148,12 @@ class FP16_Optimizer(WrappingOptimizer):
     def scale_window(self, value: int) -> None:
         self._dynamic("scale_window").growth_interval = int(value)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "The fused-era FP16_Optimizer makes its fp32 masters when it is built: add the param "
+            "group to the inner optimizer before wrapping it (apex had no add_param_group either)."
+        )
+
     # ------------------------------------------------------------------ the loop
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # type: ignore[override]
         """Clear the fp16 model grads (to None by default, unlike apex.fp16_utils)."""
