@@ -139,7 +139,10 @@ class SyncBatchNorm(_BatchNorm):
         else:  # an empty batch on this rank still joins the collective
             stats = x.new_zeros((3, self.num_features), dtype=acc) + x.sum(dims).to(acc) * 0
         if group is not None:
-            stats = torch.distributed.nn.functional.all_reduce(stats, group=group)
+            # torch.distributed.nn's all-reduce is differentiable: its backward all-reduces the grads
+            from torch.distributed.nn.functional import all_reduce
+
+            stats = all_reduce(stats, group=group)
         n, s, q = stats.unbind(0)
         mean = s / n
         var = (q / n - mean * mean).clamp_min(0)
