@@ -160,3 +160,19 @@ def test_state_dict_keys_are_batchnorms():
     mine(torch.randn(4, 4, 2, 2))
     ref.load_state_dict(mine.state_dict())
     assert list(mine.state_dict()) == list(ref.state_dict())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_batchnorm():
+    mine, ref = _pair()
+    mine, ref = mine.cuda(), ref.cuda()
+    x = (torch.randn(6, 4, 3, 3) * 2 + 1).cuda()
+    xm, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.testing.assert_close(mine(xm), ref(xr), rtol=1e-4, atol=1e-5)
+    mine(xm).sum().backward()
+    ref(xr).sum().backward()
+    torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mine.running_var, ref.running_var)
+    out = mine(x.half())
+    assert out.dtype == torch.float16
