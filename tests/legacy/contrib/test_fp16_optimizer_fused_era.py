@@ -385,3 +385,37 @@ def test_lr_scheduler_drives_the_wrapper_and_add_param_group_is_refused():
     assert [g["lr"] for g in opt.optimizer.param_groups] == [1e-2 * 0.125] * 2
     with pytest.raises(RuntimeError, match="before wrapping"):
         opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+def test_pytorch_pretrained_bert_training_loop_runs_as_written():
+    # examples/run_classifier.py (2019): two groups, FusedAdam(bias_correction=False,
+    # max_grad_norm=1.0), dynamic scale, LR written into param_groups, 2-step accumulation
+    from fp16kit.legacy.optimizers import FP16_Optimizer as Wrapper
+    from fp16kit.legacy.optimizers import FusedAdam as BertFusedAdam
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2)).half()
+    no_decay = ["bias", "LayerNorm.weight", "1.weight"]
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": 0.01},
+        {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer = Wrapper(BertFusedAdam(groups, lr=5e-2, bias_correction=False, max_grad_norm=1.0),
+                        dynamic_loss_scale=True)
+    x = torch.randn(32, 8).half()
+    y = (x[:, 0] > 0).long()
+    losses = []
+    for step in range(40):
+        for xb, yb in ((x[:16], y[:16]), (x[16:], y[16:])):
+            loss = torch.nn.functional.cross_entropy(model(xb).float(), yb) / 2
+            optimizer.backward(loss)
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = 5e-2 * (1 - step / 40)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            losses.append(float(torch.nn.functional.cross_entropy(model(x).float(), y)))
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert losses[-1] < 0.5 * losses[0]
+    assert optimizer.cur_iter == 40
