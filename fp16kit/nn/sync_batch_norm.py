@@ -129,7 +129,8 @@ class SyncBatchNorm(_BatchNorm):
         group = self._group()
         if group is None and count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
-        x = input.float()
+        compute = torch.promote_types(input.dtype, torch.float32)  # fp32 math (fp64 stays fp64)
+        x = input.to(compute)
         acc = _stats_dtype(input.device)
         if count:
             var_r, mean_r = torch.var_mean(x, dim=dims, correction=0)
@@ -150,12 +151,12 @@ class SyncBatchNorm(_BatchNorm):
             self._update_running_stats(mean.detach(), var.detach(), n.detach())
         shape = [1] * input.dim()
         shape[channel_dim] = self.num_features
-        invstd = torch.rsqrt(var.float() + self.eps)
-        out = (x - mean.float().view(shape)) * invstd.view(shape)
+        invstd = torch.rsqrt(var.to(compute) + self.eps)
+        out = (x - mean.to(compute).view(shape)) * invstd.view(shape)
         if self.weight is not None:
-            out = out * self.weight.float().view(shape)
+            out = out * self.weight.to(compute).view(shape)
         if self.bias is not None:
-            out = out + self.bias.float().view(shape)
+            out = out + self.bias.to(compute).view(shape)
         return out.to(input.dtype)
 
     @torch.no_grad()

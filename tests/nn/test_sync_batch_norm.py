@@ -176,3 +176,12 @@ def test_cuda_matches_batchnorm():
     torch.testing.assert_close(mine.running_var, ref.running_var)
     out = mine(x.half())
     assert out.dtype == torch.float16
+
+
+def test_gradients_are_exact_in_float64():
+    bn = SyncBatchNorm(3, channel_last=True, fuse_relu=True).double()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, 2, 3, dtype=torch.double, requires_grad=True)
+    z = torch.randn(5, 2, 3, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: bn(a, b), (x, z))
