@@ -106,7 +106,8 @@ class SyncBatchNorm(_BatchNorm):
             out = self._eval_forward(input, last)
         if last:
             if z is not None:
-                out = (out.float() + z.float()).to(input.dtype)
+                compute = torch.promote_types(input.dtype, torch.float32)
+                out = (out.to(compute) + z.to(compute)).to(input.dtype)
             if self.fuse_relu:
                 out = torch.relu(out)
         return out
