@@ -56,6 +56,7 @@ def _migrate(args: argparse.Namespace) -> int:
         print(f"fp16kit migrate: {e}", file=sys.stderr)
         return 2
     write = not (args.diff or args.check)
+    report = sys.stderr if args.diff else sys.stdout  # with --diff, stdout is a patch and nothing else
     changed = imports = uses = left = failed = 0
     for path in files:
         outcome = migrate_file(path, megatron=args.megatron, write=write, diff=args.diff)
@@ -70,7 +71,7 @@ def _migrate(args: argparse.Namespace) -> int:
         uses += outcome.uses_rewritten
         for problem in outcome.unmigratable:
             left += 1
-            print(f"{path}:{problem.line}: {problem.message}")
+            print(f"{path}:{problem.line}: {problem.message}", file=report)
     verb = "rewritten" if write else "would be rewritten"
     summary = (
         f"{changed} of {len(files)} Python file{'s' * (len(files) != 1)} {verb} "
@@ -80,7 +81,7 @@ def _migrate(args: argparse.Namespace) -> int:
         summary += f"; {left} use{'s' * (left != 1)} of apex left for you (listed above)"
     if failed:
         summary += f"; {failed} file{'s' * (failed != 1)} could not be parsed or read"
-    print(summary, file=sys.stderr if args.diff else sys.stdout)
+    print(summary, file=report)
     if failed:
         return 3
     return 1 if args.check and changed else 0

@@ -90,8 +90,8 @@ def _unified_diff(path: str, old: bytes, new: bytes, encoding: str) -> str:
     lines = difflib.unified_diff(
         _decode(old, encoding).splitlines(keepends=True),
         _decode(new, encoding).splitlines(keepends=True),
-        fromfile=f"a/{path}",
-        tofile=f"b/{path}",
+        fromfile=path if os.path.isabs(path) else f"a/{path}",
+        tofile=path if os.path.isabs(path) else f"b/{path}",
     )
     return "".join(line if line.endswith(("\n", "\r")) else line + "\n\\ No newline at end of file\n" for line in lines)
 

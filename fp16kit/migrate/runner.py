@@ -33,8 +33,8 @@ from . import alias
 
 __all__ = ["RunError", "run_script", "run_module"]
 
-_HERE = os.path.normcase(os.path.abspath(__file__))
-_RUNPY = os.path.normcase(os.path.abspath(runpy.__file__))
+# the frames a traceback drops: this module's and runpy's ("<frozen runpy>" when it is frozen)
+_LAUNCHER_FILES = frozenset({__file__, runpy.__file__, runpy.run_path.__code__.co_filename})
 
 
 class RunError(Exception):
@@ -131,7 +131,7 @@ def _alias_in_spawned_children(megatron: bool, shadow: bool) -> Iterator[None]:
 
 def _strip_launcher_frames(tb: TracebackType | None) -> TracebackType | None:
     """Drop the leading runner/runpy frames, so the traceback starts in the script as python's does."""
-    while tb is not None and os.path.normcase(os.path.abspath(tb.tb_frame.f_code.co_filename)) in (_HERE, _RUNPY):
+    while tb is not None and tb.tb_frame.f_code.co_filename in _LAUNCHER_FILES:
         tb = tb.tb_next
     return tb
 

@@ -1,0 +1,111 @@
+"""`fp16kit migrate`: in place, --diff, --check, the summary, exit codes, reports as file:line."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("libcst")
+
+from fp16kit.cli import main  # noqa: E402
+
+SCRIPT = (
+    "import torch\n"
+    "import apex\n"
+    "from apex import amp, RNN  # mixed\n"
+    "model = apex.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+)
+MIGRATED = (
+    "import torch\n"
+    "import fp16kit.legacy\n"
+    "from fp16kit.legacy import amp\n"
+    "from apex import RNN  # mixed\n"
+    "model = fp16kit.legacy.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+)
+
+
+@pytest.fixture
+def project(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text(SCRIPT)
+    (tmp_path / "src" / "clean.py").write_text("import torch\n")
+    (tmp_path / "README.md").write_text("from apex import amp\n")
+    return tmp_path
+
+
+def _snapshot(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_rewrites_in_place_and_reports(project, capsys):
+    assert main(["migrate", str(project)]) == 0
+    out = capsys.readouterr().out
+    assert (project / "src" / "train.py").read_text() == MIGRATED
+    assert (project / "README.md").read_text() == "from apex import amp\n"  # not Python
+    train = project / "src" / "train.py"
+    assert f"{train}:3: from apex import RNN: apex.RNN" in out and "torch.nn.LSTM" in out
+    assert "1 of 2 Python files rewritten (2 imports, 1 dotted use); 1 use of apex left for you" in out
+    # second run: nothing to do
+    assert main(["migrate", "--check", str(project)]) == 0
+    assert "0 of 2 Python files would be rewritten" in capsys.readouterr().out
+
+
+def test_diff_prints_and_writes_nothing(project, capsys):
+    before = _snapshot(project)
+    assert main(["migrate", "--diff", str(project)]) == 0
+    captured = capsys.readouterr()
+    assert _snapshot(project) == before
+    train = project / "src" / "train.py"
+    assert captured.out.startswith(f"--- {train}\n+++ {train}\n")
+    assert "\n-import apex\n" in captured.out and "\n+import fp16kit.legacy\n" in captured.out
+    assert all(line[:1] in " -+@" for line in captured.out.splitlines())  # stdout is a clean diff
+    assert "1 of 2 Python files would be rewritten" in captured.err and "train.py:3: " in captured.err
+
+
+def test_check_exits_1_when_something_would_change(project, capsys):
+    before = _snapshot(project)
+    assert main(["migrate", "--check", str(project / "src")]) == 1
+    assert _snapshot(project) == before
+    assert main(["migrate", "--check", "--diff", str(project / "src" / "train.py")]) == 1
+    assert main(["migrate", "--check", str(project / "src" / "clean.py")]) == 0
+    assert _snapshot(project) == before
+
+
+def test_megatron_flag(tmp_path, capsys):
+    path = tmp_path / "m.py"
+    path.write_text("from fp16 import FP16_Optimizer\n")
+    assert main(["migrate", str(path)]) == 0
+    assert path.read_text() == "from fp16 import FP16_Optimizer\n"
+    assert main(["migrate", "--megatron", str(path)]) == 0
+    assert path.read_text() == "from fp16kit.legacy.megatron import FP16_Optimizer\n"
+
+
+def test_exit_codes_for_bad_input(tmp_path, capsys):
+    assert main(["migrate", str(tmp_path / "nope")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    (tmp_path / "py2.py").write_text("import apex\nprint 'x'\n")
+    (tmp_path / "ok.py").write_text("import apex.amp\n")
+    assert main(["migrate", str(tmp_path)]) == 3
+    captured = capsys.readouterr()
+    assert f"{tmp_path / 'py2.py'}:2: cannot parse" in captured.err
+    assert (tmp_path / "ok.py").read_text() == "import fp16kit.legacy.amp\n"  # the others are done
+    with pytest.raises(SystemExit) as e:
+        main(["migrate"])
+    assert e.value.code == 2
+
+
+def test_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["migrate", "--help"])
+    out = capsys.readouterr().out
+    for line in ("0  done", "1  --check", "2  bad arguments", "3  some file"):
+        assert line in out
+
+
+def test_says_how_to_get_libcst(monkeypatch, tmp_path, capsys):
+    for name in [m for m in sys.modules if m.startswith(("libcst", "fp16kit.migrate.codemod", "fp16kit.migrate.files"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "libcst", None)  # what an install without the extra looks like
+    assert main(["migrate", str(tmp_path)]) == 2
+    assert 'pip install "fp16kit[migrate]"' in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""Which files a migration walks, and rewriting one in place."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+pytest.importorskip("libcst")
+
+from fp16kit.migrate.files import is_python_file, iter_python_files, migrate_file  # noqa: E402
+
+
+def _tree(root):
+    files = {
+        "train.py": "from apex import amp\n",
+        "pkg/__init__.py": "",
+        "pkg/model.py": "import apex.optimizers\n",
+        "pkg/types.pyi": "from apex.optimizers import FusedAdam\n",
+        "pkg/notes.txt": "from apex import amp\n",
+        "bin/launch": "#!/usr/bin/env python3\nfrom apex import amp\n",
+        "bin/run.sh": "#!/bin/sh\necho apex\n",
+        ".git/hooks/x.py": "import apex\n",
+        ".hidden.py": "import apex\n",
+        "venv/lib/site.py": "import apex\n",
+        "venv/pyvenv.cfg": "home = /usr\n",
+        "lib/site-packages/apex/__init__.py": "import apex\n",
+        "pkg/__pycache__/model.py": "import apex\n",
+    }
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_walks_python_files_only(tmp_path):
+    root = _tree(tmp_path)
+    found = [os.path.relpath(p, root) for p in iter_python_files([str(root)])]
+    assert found == ["bin/launch", "pkg/__init__.py", "pkg/model.py", "pkg/types.pyi", "train.py"]
+
+
+def test_each_file_once_and_missing_paths_refused(tmp_path):
+    root = _tree(tmp_path)
+    twice = list(iter_python_files([str(root / "train.py"), str(root), str(root / "train.py")]))
+    assert len(twice) == len(set(twice)) == 5
+    assert list(iter_python_files([str(root / "pkg" / "notes.txt")])) == []
+    with pytest.raises(FileNotFoundError, match="nope"):
+        list(iter_python_files([str(root / "nope")]))
+
+
+def test_is_python_file(tmp_path):
+    (tmp_path / "a").write_text("#!/usr/bin/python2.7\n")
+    (tmp_path / "b").write_text("just text\n")
+    assert is_python_file(str(tmp_path / "a")) and not is_python_file(str(tmp_path / "b"))
+    assert is_python_file("x.py") and is_python_file("x.pyw") and not is_python_file("x.pyc")
+
+
+def test_migrate_file_writes_in_place_keeping_the_mode(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_bytes(b"#!/usr/bin/env python\r\nfrom apex import amp\r\n")
+    path.chmod(0o755)
+    out = migrate_file(str(path))
+    assert out.changed and out.written and out.imports_rewritten == 1 and out.error is None
+    assert path.read_bytes() == b"#!/usr/bin/env python\r\nfrom fp16kit.legacy import amp\r\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert [p.name for p in tmp_path.iterdir()] == ["train.py"]  # no temporary file left
+    again = migrate_file(str(path))
+    assert not again.changed and not again.written
+
+
+def test_migrate_file_through_a_symlink_rewrites_the_target(tmp_path):
+    real = tmp_path / "real.py"
+    real.write_text("import apex.amp as amp\n")
+    link = tmp_path / "link.py"
+    link.symlink_to(real)
+    migrate_file(str(link))
+    assert link.is_symlink() and real.read_text() == "import fp16kit.legacy.amp as amp\n"
+
+
+def test_diff_and_dry_runs_write_nothing(tmp_path):
+    path = tmp_path / "t.py"
+    path.write_text("x = 1\nfrom apex import amp\n")
+    mtime = path.stat().st_mtime_ns
+    out = migrate_file(str(path), write=False, diff=True)
+    assert out.changed and not out.written
+    assert out.diff == (
+        f"--- {path}\n+++ {path}\n@@ -1,2 +1,2 @@\n x = 1\n-from apex import amp\n+from fp16kit.legacy import amp\n"
+    )
+    assert path.read_text() == "x = 1\nfrom apex import amp\n" and path.stat().st_mtime_ns == mtime
+
+
+def test_unparsable_and_unreadable_files_are_reported_not_written(tmp_path):
+    bad = tmp_path / "py2.py"
+    bad.write_text("import apex\nprint 'x'\n")
+    out = migrate_file(str(bad))
+    assert out.error is not None and out.error_line == 2 and not out.written
+    assert bad.read_text() == "import apex\nprint 'x'\n"
+    gone = migrate_file(str(tmp_path / "missing.py"))
+    assert gone.error is not None and "cannot read" in gone.error

@@ -1,0 +1,141 @@
+"""fp16kit run's runner, in process: what the script sees, exit codes, tracebacks, and a clean
+interpreter afterwards."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+
+from fp16kit.migrate.alias import apex_alias_installed
+from fp16kit.migrate.runner import RunError, run_module, run_script
+
+
+@pytest.fixture
+def script(tmp_path):
+    def write(body: str, name: str = "train.py"):
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(body))
+        return str(path)
+
+    return write
+
+
+@pytest.fixture(autouse=True)
+def clean_interpreter():
+    argv, path, main = list(sys.argv), list(sys.path), sys.modules["__main__"]
+    yield
+    assert sys.argv == argv and sys.path == path and sys.modules["__main__"] is main
+    assert not apex_alias_installed()
+    assert not [m for m in sys.modules if m.partition(".")[0] in ("apex", "fp16")]
+
+
+def test_the_script_sees_what_python_would_give_it(script, capsys):
+    path = script(
+        """
+        import os, sys, pickle
+        import apex
+        from apex.fp16_utils import FP16_Optimizer
+
+        class Point:  # defined in __main__: must pickle as python's would
+            pass
+
+        assert pickle.loads(pickle.dumps(Point())).__class__ is Point
+        print(__name__, __file__, sys.argv[1:], sys.path[0], FP16_Optimizer.__module__, apex.amp.__name__)
+        """
+    )
+    assert run_script(path, ["--lr", "3", "-m", "x"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out == [
+        "__main__", path, "['--lr',", "'3',", "'-m',", "'x']", os.path.dirname(os.path.realpath(path)),
+        "fp16kit.legacy.fp16_optimizer", "fp16kit.legacy.amp",
+    ]
+
+
+@pytest.mark.parametrize(
+    "body,code,stderr",
+    [
+        ("pass", 0, ""),
+        ("import sys; sys.exit()", 0, ""),
+        ("import sys; sys.exit(3)", 3, ""),
+        ("raise SystemExit(0)", 0, ""),
+        ("import sys; sys.exit('bad flags')", 1, "bad flags\n"),
+    ],
+)
+def test_exit_codes(script, capsys, body, code, stderr):
+    assert run_script(script(body), []) == code
+    assert capsys.readouterr().err == stderr
+
+
+def test_traceback_starts_in_the_script(script, capsys):
+    path = script(
+        """
+        def inner():
+            raise ValueError("boom")
+
+        inner()
+        """
+    )
+    assert run_script(path, []) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "Traceback (most recent call last):\n"
+        f'  File "{path}", line 5, in <module>\n'
+        "    inner()\n"
+        f'  File "{path}", line 3, in inner\n'
+        '    raise ValueError("boom")\n'
+        "ValueError: boom\n"
+    )
+
+
+def test_keyboard_interrupt_is_130(script, capsys):
+    assert run_script(script("raise KeyboardInterrupt"), []) == 130
+    assert capsys.readouterr().err.endswith("KeyboardInterrupt\n")
+
+
+def test_syntax_error_reported_like_python(script, capsys):
+    assert run_script(script("x = (\n"), []) == 1
+    err = capsys.readouterr().err
+    assert "SyntaxError" in err and "runpy" not in err and "fp16kit" not in err
+
+
+def test_uncovered_import_names_fp16kit_and_the_replacement(script, capsys):
+    assert run_script(script("from apex import RNN\n"), []) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n")
+    assert "ImportError: No module named 'apex.RNN' under fp16kit's apex alias" in err and "torch.nn.LSTM" in err
+
+
+def test_megatron_flag(script, capsys):
+    path = script("from fp16 import FP16_Optimizer\nprint(FP16_Optimizer.__module__)\n")
+    assert run_script(path, []) == 1
+    assert "No module named 'fp16'" in capsys.readouterr().err
+    assert run_script(path, [], megatron=True) == 0
+    assert capsys.readouterr().out.startswith("fp16kit.legacy.megatron")
+
+
+def test_cannot_start(script, tmp_path):
+    with pytest.raises(RunError, match="can't open file") as e:
+        run_script(str(tmp_path / "missing.py"), [])
+    assert e.value.exit_code == 2
+    path = script("import apex\n")
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("")  # a vendored/real apex beside the script
+    with pytest.raises(RunError, match="real module named 'apex'") as e:
+        run_script(path, [])
+    assert e.value.exit_code == 2
+    assert run_script(path, [], shadow=True) == 0
+
+
+def test_run_module(tmp_path, monkeypatch, capsys):
+    (tmp_path / "trainer.py").write_text("import sys\nfrom apex import amp\nprint(__name__, sys.argv[1:])\nsys.exit(4)\n")
+    monkeypatch.chdir(tmp_path)
+    assert run_module("trainer", ["--epochs", "2"]) == 4
+    assert capsys.readouterr().out == "__main__ ['--epochs', '2']\n"
+    with pytest.raises(RunError, match="No module named nothing_here") as e:
+        run_module("nothing_here", [])
+    assert e.value.exit_code == 1
+    with pytest.raises(RunError, match="torch.nn.LSTM"):
+        run_module("apex.RNN", [])
