@@ -1,215 +1,154 @@
 """Reading checkpoints written by apex-era code, without apex and without running its pickles.
 
-apex's FP16_Optimizer stored its loss-scaler *object* in ``state_dict()["loss_scaler"]``, so
-its checkpoints pickle one of three apex classes, which ``torch.load(weights_only=True)``
-refuses and ``weights_only=False`` cannot import (apex is gone) -- and must not be trusted
+apex's FP16_Optimizer stored its loss-scaler *object* in ``state_dict()["loss_scaler"]``,
+Megatron-LM v1 its own scaler there and its ``args`` as an ``argparse.Namespace``, with numpy's
+RNG state beside them (spec/apex-others.md §6). ``torch.load(weights_only=True)`` refuses those
+objects and ``weights_only=False`` cannot import apex (it is gone) -- and must not be trusted
 anyway. :func:`load_checkpoint` reads them with torch's restricted (weights-only) unpickler,
-allowing exactly those three class paths in addition to what ``weights_only=True`` allows, and
-turns each such object into a plain dict::
+allowing exactly the paths of :mod:`fp16kit.legacy.checkpoint_records` in addition to what
+``weights_only=True`` allows, each through an inert stand-in, and returns plain data:
 
-    {"__apex_class__": "apex.amp.scaler.LossScaler", "_loss_scale": 65536.0, ...}
+==============================================  ==================================================
+saved                                           returned
+==============================================  ==================================================
+apex / Megatron loss scaler                     ``{"__apex_class__": "apex.amp.scaler.LossScaler",
+                                                "_loss_scale": 65536.0, ...}`` (attributes exactly
+                                                as pickled, tensors included)
+``argparse.Namespace`` (Megatron's ``args``)    an ``argparse.Namespace`` (the stdlib class, no
+                                                code of the file's: Megatron reads ``args.foo``)
+numpy array / number / dtype                    numpy's when numpy is installed; else a tensor of
+                                                the same dtype and shape / a Python number /
+                                                numpy's ``dtype.str``
+tensors (any storage location)                  tensors on ``map_location`` (CPU when it is None
+                                                and CUDA is missing), attributes such as
+                                                Megatron's ``model_parallel`` kept
+==============================================  ==================================================
 
 Any other global is refused with ``pickle.UnpicklingError`` naming it: a crafted pickle cannot
-run code. So is a file that is not a checkpoint written by ``torch.save`` (the message names the
-file and what was expected) and a structure whose rebuild would not end: pickle shares repeated
-references, so a few KB can describe a DAG with 2**60 paths; each container is rebuilt once and
-stays shared, cycles are refused, and so is a file with more than :data:`MAX_CONTAINERS`
-references to containers.
+run code (a whole pickled model or optimizer is refused with how to re-save its
+``state_dict``). So is a file that is not a checkpoint written by ``torch.save``, one that is
+truncated or corrupt (:mod:`fp16kit.legacy.checkpoint_errors`), and a structure whose rebuild
+would not end: pickle shares repeated references, so a few KB can describe a DAG with 2**60
+paths; each container is rebuilt once and stays shared, cycles are refused, and so is a file with
+more than :data:`MAX_CONTAINERS` references to containers.
 
-:func:`scaler_state` turns any form of a saved scaler (fp16kit's plain dict, those dicts, or live
-apex objects) into fp16kit's plain form.
+:func:`scaler_state` turns any form of a saved apex scaler (fp16kit's plain dict, those dicts,
+or live apex objects) into fp16kit's plain form. :mod:`fp16kit.legacy.convert` writes a loaded
+checkpoint back as a file ``torch.load(weights_only=True)`` reads.
 """
 
 from __future__ import annotations
 
-import io
 import math
-import os
 import pickle
-import pickletools
-import re
-import struct
-import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["APEX_SCALER_CLASSES", "MAX_CONTAINERS", "load_checkpoint", "scaler_state"]
-
-APEX_SCALER_CLASSES = (
-    "apex.fp16_utils.loss_scaler.LossScaler",
-    "apex.fp16_utils.loss_scaler.DynamicLossScaler",
-    "apex.amp.scaler.LossScaler",
+from .checkpoint_errors import LOADER, position, refusal
+from .checkpoint_records import (
+    APEX_SCALER_CLASSES,
+    CLASS_KEY,
+    MEGATRON_SCALER_CLASSES,
+    NUMPY_RECORDS,
+    SAFE_GLOBALS,
+    DtypeRecord,
+    NamespaceRecord,
+    Record,
+    ScalerRecord,
+    decode,
+    describe,
+    namespace,
+    numpy_available,
+    reading,
 )
-_CLASS_KEY = "__apex_class__"
 
+__all__ = [
+    "APEX_SCALER_CLASSES",
+    "MAX_CONTAINERS",
+    "MEGATRON_SCALER_CLASSES",
+    "load_checkpoint",
+    "scaler_state",
+]
 
-class _ApexRecord:
-    """What an apex scaler object unpickles into: its attributes, kept apart from the
-    record's own (a crafted pickle cannot overwrite ``_path`` or methods)."""
-
-    _path = ""
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-            raise pickle.UnpicklingError(
-                f"{self._path}: expected a dict of attributes, got {type(state).__name__}."
-            )
-        object.__setattr__(self, "_attrs", dict(state))
-
-    @property
-    def attributes(self) -> dict[str, Any]:
-        return self.__dict__.get("_attrs", {})
-
-
-def _record_class(path: str) -> type:
-    module, name = path.rsplit(".", 1)
-    # The unpickler finds allowed globals by "{__module__}.{__qualname__}".
-    return type(name, (_ApexRecord,), {"__module__": module, "__qualname__": name, "_path": path})
-
-
-_RECORD_CLASSES = tuple(_record_class(p) for p in APEX_SCALER_CLASSES)
+_CLASS_KEY = CLASS_KEY
 
 
 def load_checkpoint(f: Any, map_location: Any = None) -> Any:
     """``torch.load`` for files written by apex-era code (e.g. ``torch.save({"model": ...,
-    "optimizer": fp16_optimizer.state_dict()}, f)``), without apex installed.
+    "optimizer": fp16_optimizer.state_dict()}, f)``, Megatron-LM v1's checkpoints), without
+    apex installed.
 
-    Returns the saved object with each apex scaler replaced by a plain dict (see the module
-    docstring); pass ``["optimizer"]`` to ``FP16_Optimizer.load_state_dict``. When CUDA is not
-    available and ``map_location`` is None, tensors saved on a GPU are loaded to the CPU.
+    Returns the saved object with each allowed non-torch object replaced by plain data (see
+    the module docstring); pass ``["optimizer"]`` to ``FP16_Optimizer.load_state_dict``.
+    ``map_location`` is torch's; when it is None and CUDA is not available, tensors saved on a
+    GPU (``cuda:0`` in real files of that era) are loaded to the CPU.
 
     Every refusal is a ``pickle.UnpicklingError`` (one ``except`` clause for "this file was not
-    loaded"): a global other than apex's scalers, a file that is not a checkpoint written by
-    ``torch.save`` (a text file, a plain pickle, an empty file, ...) or one cut short, a cyclic
-    structure, more than :data:`MAX_CONTAINERS` references to containers. Errors torch raises for
-    a readable checkpoint (a missing file, a CUDA tensor without CUDA, ...) pass through as they are.
+    loaded"): a global other than the allowed ones, a whole pickled module or optimizer, a file
+    that is not a checkpoint written by ``torch.save`` (a text file, a plain pickle, an empty
+    file, ...), one truncated or corrupt, a cyclic structure, an allowed object where a
+    checkpoint never holds one (a dict key, a set, a tensor attribute), more than
+    :data:`MAX_CONTAINERS` references to containers. Errors torch raises for a readable
+    checkpoint (a missing file, a CUDA tensor mapped to a missing device, ...) pass through as
+    they are.
     """
+    return read_checkpoint(f, map_location)[0]
+
+
+def read_checkpoint(
+    f: Any, map_location: Any = None, *, plain_numpy: bool | None = None
+) -> tuple[Any, list[tuple[tuple[Any, ...], Record, Any]]]:
+    """:func:`load_checkpoint`, also returning what each record became: ``(path, record,
+    value)`` per record, ``path`` the keys from the root. ``plain_numpy`` (default: whether
+    numpy is missing) turns numpy objects into tensors and Python numbers."""
     if map_location is None and not torch.cuda.is_available():
         map_location = "cpu"
-    start = _position(f)
+    if plain_numpy is None:
+        plain_numpy = not numpy_available()
+    start = position(f)
     try:
-        with torch.serialization.safe_globals(list(_RECORD_CLASSES)):
+        with reading() as made, torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             obj = torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:
-        refusal = _refusal(e, f, start)
-        if refusal is None:
+        refused = refusal(e, f, start)
+        if refused is None:
             raise
-        raise refusal from None
-    return _plain(obj)
+        raise refused from None
+    finished: list[tuple[tuple[Any, ...], Record, Any]] = []
+
+    def finish(record: Record, attributes: dict[str, Any] | None, path: tuple[Any, ...]) -> Any:
+        if isinstance(record, ScalerRecord):
+            value: Any = {CLASS_KEY: record._path, **(attributes or {})}
+        elif isinstance(record, NamespaceRecord):
+            value = namespace(attributes or {})
+        else:
+            value = decode(record, plain=plain_numpy)
+        finished.append((path, record, value))
+        return value
+
+    out = _plain(obj, finish)
+    _check_all_finished(made, finished)
+    return out, finished
 
 
-_LOADER = "fp16kit.legacy.load_checkpoint"
-
-
-def _refusal(e: Exception, f: Any, start: int | None) -> pickle.UnpicklingError | None:
-    """What ``load_checkpoint`` raises for ``torch.load``'s error ``e`` (None: ``e`` itself)."""
-    torch_said = f"(torch said: {type(e).__name__}: {e})"
-    found = re.search(r"GLOBAL (\S+)", str(e)) or re.search(r"got <class '([^']+)'>", str(e))
-    what = found.group(1) if found else "an object it does not allow"
-    not_checkpoint = _not_a_checkpoint(f, start)
-    if not_checkpoint:
-        asked = f" {_LOADER} refused to load {what}, which its pickle asks for; nothing was run."
-        return pickle.UnpicklingError(
-            f"{_LOADER}: {_name(f)} is not a checkpoint written by torch.save: {not_checkpoint}. "
-            "Expected a zip archive holding a data.pkl record (torch >= 1.6) or torch's legacy "
-            "format, which starts with torch's magic number (older torch, or "
-            "_use_new_zipfile_serialization=False). Check that this is the file you meant; one "
-            "written with pickle.dump is read with pickle.load, and only if you trust it."
-            f"{asked if found else ''}\n{torch_said}"
-        )
-    if isinstance(e, pickle.UnpicklingError):
-        return pickle.UnpicklingError(
-            f"{_LOADER} refused to load {what}: only tensors, plain containers and apex's loss "
-            f"scalers ({', '.join(APEX_SCALER_CLASSES)}) are read. If you trust this file and need "
-            f"that object, use torch.load(..., weights_only=False) yourself.\n{torch_said}"
-        )
-    if isinstance(e, EOFError):
-        return pickle.UnpicklingError(
-            f"{_LOADER}: {_name(f)} ends early: it starts like a checkpoint written by torch.save but "
-            "is cut short (an interrupted save or copy?). Save or copy it again.\n" + torch_said
-        )
-    if isinstance(e, (TypeError, AttributeError, RecursionError)):  # e.g. a REDUCE on a record class
-        return pickle.UnpicklingError(f"{_LOADER} could not read this file: {type(e).__name__}: {e}")
-    return None
-
-
-_HEAD_BYTES = 512  # enough for a tar header's "ustar" at offset 257
-
-
-def _position(f: Any) -> int | None:
-    """Where ``torch.load`` starts reading a file object (None for a path or an unseekable file)."""
-    if isinstance(f, (str, os.PathLike)):
-        return None
-    try:
-        return f.tell()
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _name(f: Any) -> str:
-    if isinstance(f, (str, os.PathLike)):
-        return repr(os.fspath(f))
-    name = getattr(f, "name", None)
-    return repr(name) if isinstance(name, str) else f"the {type(f).__name__} it was given"
-
-
-def _not_a_checkpoint(f: Any, start: int | None) -> str:
-    """Why ``f`` is not a file ``torch.save`` wrote, or "" when it looks like one (or cannot be
-    read again to tell)."""
-    try:
-        if isinstance(f, (str, os.PathLike)):
-            if os.fspath(f).endswith(".safetensors"):  # torch.load hands these to safetensors
-                return ""
-            with open(f, "rb") as opened:
-                return _not_torch_save(opened)
-        if start is None:
-            return ""
-        f.seek(start)
-        try:
-            return _not_torch_save(f)
-        finally:
-            f.seek(start)  # where the caller had it
-    except (OSError, ValueError, AttributeError, TypeError):
-        return ""
-
-
-def _not_torch_save(opened: Any) -> str:
-    start = opened.tell()
-    head = opened.read(_HEAD_BYTES)
-    if not isinstance(head, bytes):
-        return ""
-    if not head:
-        return "it is empty"
-    if head.startswith(b"PK\x03\x04"):  # what torch.load takes for its zip format
-        opened.seek(start)
-        try:
-            with zipfile.ZipFile(opened) as archive:
-                records = archive.namelist()
-        except zipfile.BadZipFile:
-            return ""  # a damaged checkpoint, as torch says
-        if any(n.endswith("/data.pkl") for n in records):
-            return ""
-        return f"it is a zip archive without a data.pkl record (it holds {records[:3]!r}...)"
-    if head[257:262] == b"ustar" or _starts_with_magic_number(head):  # torch's legacy formats
-        return ""
-    if head.startswith(b"\x80"):
-        return f"it is a plain pickle (protocol {head[1]}), not torch.save's format"
-    return f"it starts with {head[:24]!r}"
-
-
-def _starts_with_magic_number(head: bytes) -> bool:
-    """Whether ``head`` begins with torch's legacy-format magic number, pickled (any protocol)."""
-    try:
-        for op, arg, _ in pickletools.genops(io.BytesIO(head)):
-            if op.name not in ("PROTO", "FRAME"):
-                return type(arg) is int and arg == torch.serialization.MAGIC_NUMBER
-    except (ValueError, struct.error):  # not pickle opcodes, or cut off at the end of the head
-        return False
-    return False
+def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...], Record, Any]]) -> None:
+    """Refuse a record the walk never reached: one hidden in a dict key, a set or a tensor
+    attribute would come back as a stand-in object, not plain data."""
+    done = set()
+    for _path, record, _value in finished:
+        done.add(id(record))
+        dtype = record.__dict__.get("dtype")
+        if isinstance(dtype, DtypeRecord):
+            done.add(id(dtype))
+    for record in made:
+        if id(record) not in done:
+            raise pickle.UnpicklingError(
+                f"{LOADER} refused this file: it holds a {describe(record)} where a checkpoint never "
+                "holds one (a dict key, a set member, a tensor attribute, or nowhere at all)."
+            )
 
 
 #: The most references to containers (dicts, lists, tuples, apex scalers; a shared one counted
@@ -221,39 +160,44 @@ def _starts_with_magic_number(head: bytes) -> bool:
 #: within a minute. Raise it if you trust a file that needs more.
 MAX_CONTAINERS = 10_000_000
 
-_CONTAINERS = (_ApexRecord, dict, list, tuple)
+_CONTAINERS = (ScalerRecord, NamespaceRecord, dict, list, tuple)
 _PENDING = object()
 
 
 def _items(obj: Any) -> Any:
-    if isinstance(obj, _ApexRecord):
-        return obj.attributes.values()
-    return obj.values() if isinstance(obj, dict) else obj
+    if isinstance(obj, (ScalerRecord, NamespaceRecord)):
+        return obj.attributes.items()
+    return obj.items() if isinstance(obj, dict) else enumerate(obj)
 
 
-def _plain(root: Any) -> Any:
-    """``root`` with each apex record turned into a dict (see the module docstring).
+def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any, ...]], Any]) -> Any:
+    """``root`` with each record replaced by ``finish(record, its plain attributes or None,
+    path)``, ``path`` the keys from ``root`` to it.
 
     pickle memoizes: a container referred to twice is one object in ``root`` (``b = [a, a]; c =
-    [b, b]; ...`` is a small file whose paths double at each level). Each container is rebuilt
-    once and its plain form shared wherever the original was; a container in which nothing
-    changed is kept as it is (an ``OrderedDict`` state dict keeps its ``_metadata``). The walk
-    uses its own stack, not Python's, so deep nesting is no ``RecursionError``. Refused with
-    ``pickle.UnpicklingError``: a container met again while it is being rebuilt (a cycle), and
-    more than :data:`MAX_CONTAINERS` references to containers.
+    [b, b]; ...`` is a small file whose paths double at each level). Each container (and each
+    numpy record) is rebuilt once and its plain form shared wherever the original was; a
+    container in which nothing changed is kept as it is (an ``OrderedDict`` state dict keeps
+    its ``_metadata``). The walk uses its own stack, not Python's, so deep nesting is no
+    ``RecursionError``. Refused with ``pickle.UnpicklingError``: a container met again while it
+    is being rebuilt (a cycle), and more than :data:`MAX_CONTAINERS` references to containers.
     """
-    done: dict[int, Any] = {}  # id(container) -> its plain form
+    done: dict[int, Any] = {}  # id(container or numpy record) -> its plain form
     being_rebuilt: set[int] = set()
-    stack: list[list[Any]] = []  # [container, iterator over its items, their plain forms, changed]
+    # [container, iterator over its (key, item), their plain forms, changed, key in its parent]
+    stack: list[list[Any]] = []
     references = 0
 
-    def visit(obj: Any) -> Any:
+    def path(key: Any) -> tuple[Any, ...]:
+        return tuple(frame[4] for frame in stack[1:]) + (key,)
+
+    def visit(obj: Any, key: Any) -> Any:
         """Container ``obj``'s plain form, or _PENDING after pushing it on the stack."""
         nonlocal references
         references += 1
         if references > MAX_CONTAINERS:
             raise pickle.UnpicklingError(
-                f"{_LOADER} refused this file: it refers to containers (dicts, lists, tuples) more "
+                f"{LOADER} refused this file: it refers to containers (dicts, lists, tuples) more "
                 f"than fp16kit.legacy.checkpoint.MAX_CONTAINERS = {MAX_CONTAINERS:,} times, far more "
                 "than a checkpoint holds. If you trust the file, raise that limit."
             )
@@ -261,30 +205,47 @@ def _plain(root: Any) -> Any:
             return done[id(obj)]
         if id(obj) in being_rebuilt:
             raise pickle.UnpicklingError(
-                f"{_LOADER} refused a cyclic structure (a container that contains itself); "
+                f"{LOADER} refused a cyclic structure (a container that contains itself); "
                 "a checkpoint's state dicts never hold one. Re-save the checkpoint without the cycle."
             )
         being_rebuilt.add(id(obj))
-        stack.append([obj, iter(_items(obj)), [], isinstance(obj, _ApexRecord)])
+        stack.append([obj, iter(_items(obj)), [], isinstance(obj, Record), key])
         return _PENDING
 
+    def leaf(obj: Any, key: Any) -> Any:
+        if id(obj) not in done:
+            done[id(obj)] = finish(obj, None, path(key))
+        return done[id(obj)]
+
+    if isinstance(root, NUMPY_RECORDS):
+        return finish(root, None, ())
     if not isinstance(root, _CONTAINERS):
         return root
-    out = visit(root)
+    out = visit(root, None)
     while stack:
         frame = stack[-1]
         plain = frame[2]
-        for item in frame[1]:
-            value = visit(item) if isinstance(item, _CONTAINERS) else item
+        for key, item in frame[1]:
+            if isinstance(item, _CONTAINERS):
+                value = visit(item, key)
+            elif isinstance(item, NUMPY_RECORDS):
+                value = leaf(item, key)
+            else:
+                value = item
             if value is _PENDING:
                 break  # rebuild that one first
             plain.append(value)
             if value is not item:
                 frame[3] = True
         else:
-            obj = stack.pop()[0]
+            obj = frame[0]
+            if isinstance(obj, Record):  # its path, while its frame is still on the stack
+                out = finish(obj, dict(zip(obj.attributes, plain)), path(None)[:-1])
+            else:
+                out = _rebuilt(obj, plain) if frame[3] else obj
+            stack.pop()
             being_rebuilt.discard(id(obj))
-            out = done[id(obj)] = _rebuilt(obj, plain) if frame[3] else obj
+            done[id(obj)] = out
             if stack:
                 stack[-1][2].append(out)
                 if out is not obj:
@@ -293,9 +254,8 @@ def _plain(root: Any) -> Any:
 
 
 def _rebuilt(obj: Any, plain: list[Any]) -> Any:
-    """``obj`` with its items replaced by their plain forms ``plain`` (in ``_items`` order)."""
-    if isinstance(obj, _ApexRecord):
-        return {_CLASS_KEY: obj._path, **dict(zip(obj.attributes, plain))}
+    """Container ``obj`` with its items replaced by their plain forms ``plain`` (in ``_items``
+    order)."""
     if isinstance(obj, OrderedDict):
         out = OrderedDict(zip(obj, plain))
         if hasattr(obj, "_metadata"):  # module versions in a model's state dict
@@ -309,7 +269,7 @@ def _rebuilt(obj: Any, plain: list[Any]) -> Any:
 def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(saved, dict):
         return str(saved.get(_CLASS_KEY, "")), saved
-    if isinstance(saved, _ApexRecord):
+    if isinstance(saved, ScalerRecord):
         return saved._path, saved.attributes
     cls = type(saved)  # a live apex object (apex installed)
     if not hasattr(saved, "__dict__"):
@@ -355,6 +315,11 @@ def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
             }
         elif path == "apex.fp16_utils.loss_scaler.LossScaler":
             state = {**current, "dynamic": False, "loss_scale": float(a["cur_scale"]), "unskipped": 0}
+        elif path in MEGATRON_SCALER_CLASSES:
+            raise ValueError(
+                f"{path} is Megatron-LM's scaler (delayed_shift, min_scale): load this state dict "
+                "into fp16kit.legacy.megatron.FP16_Optimizer"
+            )
         else:
             raise ValueError(f"unrecognized loss scaler {path or type(saved).__name__}")
     except (KeyError, TypeError, ValueError) as e:

@@ -320,7 +320,7 @@ def test_a_truncated_legacy_checkpoint_is_refused_as_cut_short(tmp_path):
     path.write_bytes(saved.getvalue())
     assert load_checkpoint(path)["x"].tolist() == [1.0, 1.0, 1.0]  # control: the whole file loads
     path.write_bytes(saved.getvalue()[:-30])
-    with pytest.raises(pickle.UnpicklingError, match=r"cut\.pt' ends early: .* is cut short"):
+    with pytest.raises(pickle.UnpicklingError, match=r"cut\.pt' is truncated or corrupt: .* is cut short"):
         load_checkpoint(path)
 
 

@@ -1,0 +1,278 @@
+"""What :func:`fp16kit.legacy.load_checkpoint` says when ``torch.load`` fails: one
+``pickle.UnpicklingError`` per kind of file it will not load, each naming the fix.
+
+=========================  ==========================================================
+the file                   how it is told
+=========================  ==========================================================
+not written by torch.save  its first bytes are neither a zip archive holding
+                           ``data.pkl`` nor torch's legacy magic number
+truncated or corrupt       it starts like torch.save's output, but its zip archive does
+                           not open or fails its CRC check, or torch ran out of data
+                           (legacy format) or met bytes no pickle has
+a whole pickled object     a refused global that is a module / optimizer class (a known
+                           apex, Megatron or torch path, an imported subclass of
+                           ``nn.Module``/``Optimizer``), or a pickle holding
+                           ``_modules`` and ``_parameters`` (``nn.Module``'s state)
+anything else refused      a refused global: named, nothing was run
+=========================  ==========================================================
+
+The file is looked at again only after ``torch.load`` failed; a file object is left where the
+caller had it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import pickletools
+import re
+import struct
+import sys
+import zipfile
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .checkpoint_records import SCALER_CLASSES
+
+LOADER = "fp16kit.legacy.load_checkpoint"
+_HEAD_BYTES = 512  # enough for a tar header's "ustar" at offset 257
+
+# Globals that only a pickled module or optimizer object refers to (spec/apex-others.md §6).
+_WHOLE_OBJECT_PREFIXES = (
+    "apex.parallel.", "apex.normalization.", "apex.optimizers.", "apex.contrib.",
+    "apex.fp16_utils.fp16_optimizer.", "apex.fp16_utils.fp16util.", "apex.transformer.", "apex.mlp.",
+    "megatron.model.", "megatron.module.", "megatron.fp16.fp16.", "megatron.mpu.", "fp16.fp16.",
+    "torch.nn.modules.", "torch.nn.parallel.", "torch.optim.",
+)
+
+
+def refusal(e: Exception, f: Any, start: int | None) -> pickle.UnpicklingError | None:
+    """What ``load_checkpoint`` raises for ``torch.load``'s error ``e`` (None: ``e`` itself)."""
+    torch_said = f"(torch said: {type(e).__name__}: {e})"
+    found = re.search(r"GLOBAL (\S+)", str(e)) or re.search(r"got <class '([^']+)'>", str(e))
+    what = found.group(1) if found else "an object it does not allow"
+    not_checkpoint = _look(f, start, _not_torch_save)
+    if not_checkpoint:
+        asked = f" {LOADER} refused to load {what}, which its pickle asks for; nothing was run."
+        return pickle.UnpicklingError(
+            f"{LOADER}: {_name(f)} is not a checkpoint written by torch.save: {not_checkpoint}. "
+            "Expected a zip archive holding a data.pkl record (torch >= 1.6) or torch's legacy "
+            "format, which starts with torch's magic number (older torch, or "
+            "_use_new_zipfile_serialization=False). Check that this is the file you meant; one "
+            "written with pickle.dump is read with pickle.load, and only if you trust it."
+            f"{asked if found else ''}\n{torch_said}"
+        )
+    if found and isinstance(e, pickle.UnpicklingError):
+        whole = _whole_object(what, f, start)
+        if whole:
+            return pickle.UnpicklingError(f"{LOADER} refused to load {what}: {whole}\n{torch_said}")
+        return pickle.UnpicklingError(
+            f"{LOADER} refused to load {what}: only tensors, plain containers, apex's and Megatron's "
+            f"loss scalers ({', '.join(SCALER_CLASSES)}), argparse.Namespace and numpy arrays and "
+            "numbers are read; nothing was run. If you trust this file and need that object, use "
+            f"torch.load(..., weights_only=False) yourself.\n{torch_said}"
+        )
+    damage = _damage(e, f, start)
+    if damage:
+        return pickle.UnpicklingError(
+            f"{LOADER}: {_name(f)} is truncated or corrupt: {damage}. It starts like a checkpoint "
+            "written by torch.save, but is cut short or damaged (an interrupted save or copy, a "
+            "full disk?). Save or copy it again, and compare its size with the original's."
+            f"\n{torch_said}"
+        )
+    if isinstance(e, pickle.UnpicklingError):
+        return pickle.UnpicklingError(
+            f"{LOADER} refused to load {what}: only tensors, plain containers, apex's and Megatron's "
+            "loss scalers, argparse.Namespace and numpy arrays and numbers are read; nothing was "
+            f"run.\n{torch_said}"
+        )
+    if isinstance(e, (TypeError, AttributeError, RecursionError, ValueError)):  # e.g. a REDUCE on a record
+        return pickle.UnpicklingError(f"{LOADER} could not read this file: {type(e).__name__}: {e}")
+    return None
+
+
+def position(f: Any) -> int | None:
+    """Where ``torch.load`` starts reading a file object (None for a path or an unseekable file)."""
+    if isinstance(f, (str, os.PathLike)):
+        return None
+    try:
+        return f.tell()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _name(f: Any) -> str:
+    if isinstance(f, (str, os.PathLike)):
+        return repr(os.fspath(f))
+    name = getattr(f, "name", None)
+    return repr(name) if isinstance(name, str) else f"the {type(f).__name__} it was given"
+
+
+def _look(f: Any, start: int | None, inspect: Callable[[Any], str]) -> str:
+    """``inspect(opened file)`` on ``f`` read again from its start; "" when it cannot be."""
+    try:
+        if isinstance(f, (str, os.PathLike)):
+            if os.fspath(f).endswith(".safetensors"):  # torch.load hands these to safetensors
+                return ""
+            with open(f, "rb") as opened:
+                return inspect(opened)
+        if start is None:
+            return ""
+        f.seek(start)
+        try:
+            return inspect(f)
+        finally:
+            f.seek(start)  # where the caller had it
+    except (OSError, ValueError, AttributeError, TypeError):
+        return ""
+
+
+def _not_torch_save(opened: Any) -> str:
+    """Why the file is not one ``torch.save`` wrote, or "" when it looks like one."""
+    start = opened.tell()
+    head = opened.read(_HEAD_BYTES)
+    if not isinstance(head, bytes):
+        return ""
+    if not head:
+        return "it is empty"
+    if head.startswith(b"PK\x03\x04"):  # what torch.load takes for its zip format
+        opened.seek(start)
+        try:
+            with zipfile.ZipFile(opened) as archive:
+                records = archive.namelist()
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError):
+            return ""  # a damaged checkpoint: see _damage
+        if any(n.endswith("/data.pkl") or n == "data.pkl" for n in records):
+            return ""
+        return f"it is a zip archive without a data.pkl record (it holds {records[:3]!r}...)"
+    if head[257:262] == b"ustar" or _starts_with_magic_number(head):  # torch's legacy formats
+        return ""
+    if head.startswith(b"\x80"):
+        return f"it is a plain pickle (protocol {head[1]}), not torch.save's format"
+    return f"it starts with {head[:24]!r}"
+
+
+def _magic_pickles() -> list[bytes]:
+    return [pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)]
+
+
+def _starts_with_magic_number(head: bytes) -> bool:
+    """Whether ``head`` begins with torch's legacy-format magic number, pickled (any protocol),
+    or is the start of one (a file cut short inside it)."""
+    if any(len(head) < len(m) and m.startswith(head) for m in _magic_pickles()):
+        return True
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(head)):
+            if op.name not in ("PROTO", "FRAME"):
+                return type(arg) is int and arg == torch.serialization.MAGIC_NUMBER
+    except (ValueError, struct.error):  # not pickle opcodes, or cut off at the end of the head
+        return False
+    return False
+
+
+# --------------------------------------------------------------------- truncated or corrupt
+
+_TORCH_DAMAGE = re.compile(r"unexpected EOF|might be corrupted|PytorchStreamReader failed|Unsupported operand")
+
+
+def _damage(e: Exception, f: Any, start: int | None) -> str:
+    """How a file that starts like torch.save's output is damaged, or "" when it is not (as
+    far as can be told: then ``e`` is about something else)."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return ""
+    found = _look(f, start, _zip_damage)
+    if found:
+        return found
+    if isinstance(e, EOFError):
+        return "it ends in the middle of a pickle"
+    message = str(e)
+    if isinstance(e, (RuntimeError, OSError, pickle.UnpicklingError)) and _TORCH_DAMAGE.search(message):
+        if "Unsupported operand" in message:
+            return f"its pickle holds a byte that is no pickle opcode torch.save writes ({message})"
+        return "torch ran out of data or found it damaged"
+    return ""
+
+
+def _zip_damage(opened: Any) -> str:
+    start = opened.tell()
+    if opened.read(4) != b"PK\x03\x04":
+        return ""
+    opened.seek(start)
+    try:
+        with zipfile.ZipFile(opened) as archive:
+            bad = archive.testzip()  # reads every record and checks its CRC
+    except zipfile.BadZipFile as e:
+        return f"its zip archive does not open ({e}; the index at the end of the file is missing or damaged)"
+    except (EOFError, OSError, ValueError, zlib.error) as e:
+        return f"its zip archive ends early or is damaged ({type(e).__name__}: {e})"
+    if bad is not None:
+        return f"record {bad!r} of its zip archive fails its CRC check"
+    return ""
+
+
+# ------------------------------------------------------------------------ whole objects
+
+
+def _whole_object(path: str, f: Any, start: int | None) -> str:
+    """Advice when the refused global ``path`` is a pickled module or optimizer object."""
+    kind = _object_kind(path)
+    if not kind:
+        strings = _look(f, start, _pickle_strings)
+        if {"_modules", "_parameters"} <= set(strings.split("\0")):
+            kind = "module"
+        elif {"param_groups", "defaults"} <= set(strings.split("\0")):
+            kind = "optimizer"
+    if not kind:
+        return ""
+    wrapped = "apex/torch DistributedDataParallel and FP16_Module wrap the model: obj.module.state_dict() drops their 'module.' prefix"
+    return (
+        f"the file holds a whole pickled {kind} object (torch.save({'model' if kind == 'module' else 'optimizer'}) "
+        f"wrote it), not its state_dict, and rebuilding it would import and run {path}'s code. "
+        f"{LOADER} and torch.load(weights_only=True) read state dicts only. Re-save it once, in an "
+        "environment where it loads (the old one, with apex or Megatron-LM installed), and only if "
+        "you trust the file:\n"
+        "    obj = torch.load(OLD_PATH, weights_only=False)\n"
+        f"    torch.save(obj.state_dict(), NEW_PATH)  # {wrapped if kind == 'module' else 'one file per optimizer'}\n"
+        f"then read NEW_PATH with {LOADER} (or torch.load(NEW_PATH, weights_only=True)) and pass it "
+        f"to {kind}.load_state_dict."
+    )
+
+
+def _object_kind(path: str) -> str:
+    if path.startswith(_WHOLE_OBJECT_PREFIXES):
+        return "optimizer" if "optim" in path or "FP16_Optimizer" in path else "module"
+    module, _, name = path.rpartition(".")
+    found = getattr(sys.modules.get(module), "__dict__", {}).get(name)  # never imports, never runs code
+    if isinstance(found, type):
+        if issubclass(found, torch.nn.Module):
+            return "module"
+        if issubclass(found, torch.optim.Optimizer):
+            return "optimizer"
+    return ""
+
+
+def _pickle_strings(opened: Any) -> str:
+    """The strings of the checkpoint's main pickle, joined by NUL (parsed, never run)."""
+    start = opened.tell()
+    head = opened.read(4)
+    opened.seek(start)
+    try:
+        if head == b"PK\x03\x04":
+            with zipfile.ZipFile(opened) as archive:
+                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+                stream: Any = io.BytesIO(archive.read(name))
+            skip = 0
+        else:
+            stream, skip = opened, 3  # legacy: magic number, protocol version, sys info, then the object
+        strings: list[str] = []
+        for index in range(skip + 1):
+            for _op, arg, _ in pickletools.genops(stream):
+                if index == skip and isinstance(arg, str):
+                    strings.append(arg)
+        return "\0".join(strings)
+    except (zipfile.BadZipFile, StopIteration, ValueError, struct.error, EOFError, OSError):
+        return ""
