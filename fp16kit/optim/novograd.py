@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..core import kernels
 from ._base import FusedStyleOptimizer, buckets, work_dtype
 from .adam import check_hyper
 
@@ -157,8 +158,7 @@ def _split(params: list[torch.Tensor]) -> tuple[list[int], list[int]]:
 
 
 def _norms(grads: list[torch.Tensor], l2: bool) -> list[torch.Tensor]:
-    out = []
-    for g in grads:
-        g32 = g.float() if g.dtype != torch.float64 else g
-        out.append(torch.linalg.vector_norm(g32, 2 if l2 else float("inf")).float())
-    return out
+    """Each grad's L2 norm (multi-tensor, fp32 accumulation) or max-abs, as float32."""
+    if l2:
+        return [n.float() for n in kernels.l2_norms(grads)]
+    return [torch.linalg.vector_norm(g, float("inf")).float() for g in grads]
