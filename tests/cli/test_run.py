@@ -1,0 +1,107 @@
+"""`fp16kit run` as a user types it: a subprocess each (kept few), compared with plain python."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fp16kit
+from fp16kit.cli import main
+
+ROOT = pathlib.Path(fp16kit.__file__).resolve().parent.parent
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def _python(*args, cwd=None):
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=120)
+    # torch without numpy warns at import (two lines); the script itself does not import torch
+    err = "".join(line for line in r.stderr.splitlines(keepends=True) if "NumPy" not in line and "_conversion_method" not in line)
+    return r.returncode, r.stdout, err
+
+
+@pytest.mark.slow
+def test_same_argv_output_traceback_and_exit_code_as_python(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys
+        print(__name__, sys.argv[1:])
+        def fail():
+            raise RuntimeError("stop at " + sys.argv[-1])
+        if sys.argv[-1] == "raise":
+            fail()
+        sys.exit(int(sys.argv[-1]))
+        """
+    ))
+    for last in ("5", "raise"):
+        args = [str(script), "--lr", "3", "-m", "--megatron", last]
+        assert _python("-m", "fp16kit", "run", *args) == _python(*args)
+    code, out, err = _python("-m", "fp16kit", "run", str(script), "--lr", "3", "raise")
+    assert (code, out) == (1, "__main__ ['--lr', '3', 'raise']\n")
+    assert err.startswith(f'Traceback (most recent call last):\n  File "{script}", line 7, in <module>\n')
+
+
+@pytest.mark.slow
+def test_apex_script_and_module_and_spawned_child(tmp_path):
+    (tmp_path / "job.py").write_text(textwrap.dedent(
+        """
+        import multiprocessing as mp
+        import sys
+        from apex import amp  # the spawned child runs this again, as __mp_main__
+
+        def work(queue):
+            import apex.optimizers
+            queue.put(apex.optimizers.__name__)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            child = ctx.Process(target=work, args=(queue,))
+            child.start()
+            print(amp.__name__, queue.get(timeout=60), sys.argv[1:])
+            child.join()
+            sys.exit(child.exitcode)
+        """
+    ))
+    code, out, err = _python("-m", "fp16kit", "run", "-m", "job", "--x", cwd=tmp_path)
+    assert (code, out) == (0, "fp16kit.legacy.amp fp16kit.legacy.optimizers ['--x']\n"), err
+    code, out, err = _python("-m", "fp16kit", "run", str(tmp_path / "job.py"), cwd=tmp_path)
+    assert code == 0, err
+    code, out, err = _python(str(tmp_path / "job.py"))  # plain python has no apex
+    assert code == 1 and "No module named 'apex'" in err
+
+
+def test_usage_errors(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["run"])
+    assert e.value.code == 2 and "SCRIPT" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    assert "fp16kit run: can't open file" in capsys.readouterr().err
+    assert main(["run", "-m", "no_such_module_here"]) == 1
+    assert "No module named no_such_module_here" in capsys.readouterr().err
+
+
+def test_script_arguments_pass_through_untouched(tmp_path, capsys):
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nprint(sys.argv[1:])\n")
+    assert main(["run", "--", str(script), "--shadow", "-h", "--", "x"]) == 0
+    assert capsys.readouterr().out == "['--shadow', '-h', '--', 'x']\n"
+    assert main(["run", str(script), "--help"]) == 0
+    assert capsys.readouterr().out == "['--help']\n"
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "migrate" in out and "run " in out
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "fp16kit run [-h] [--megatron] [--shadow] (SCRIPT | -m MODULE) [ARGS ...]" in out
+    assert "exit status" in out
