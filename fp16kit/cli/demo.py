@@ -3,15 +3,17 @@
 Prints a header, then one line per epoch per recipe as soon as it is measured, then the final
 table and notes. Configuration errors (``--device cuda`` without CUDA, ``--plot`` without
 matplotlib) are reported before anything trains, with exit code 2. While the demo trains, the
-``fp16kit`` logger's warnings (apex's overflow messages, which the "skipped" column counts) are
-counted and hidden unless ``--verbose``.
+``fp16kit`` logger's "Gradient overflow" warnings (apex's messages, which the "skipped" column
+counts) are counted and hidden unless ``--verbose``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+import textwrap
 from typing import Any
 
 import torch
@@ -30,8 +32,8 @@ def _positive_int(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
     return value
 
 
@@ -63,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help=f"clean steps before a scale doubles (default: {d.growth_interval}; torch and apex: 2000)")
     demo.add_argument("--plot", metavar="FILE.png", help='draw loss and loss-scale curves (needs matplotlib: '
                       'pip install "fp16kit[plot]")')
-    demo.add_argument("--verbose", action="store_true", help="show the fp16kit logger's warnings as they happen")
+    demo.add_argument("--verbose", action="store_true", help="show apex's overflow messages as they happen")
     demo.set_defaults(func=_run_demo)
 
 
@@ -72,8 +74,10 @@ def _error(message: str) -> int:
     return 2
 
 
-class _CountWarnings(logging.Filter):
-    """Counts the fp16kit logger's warnings; drops them unless ``show``."""
+class _OverflowMessages(logging.Filter):
+    """Counts apex's "Gradient overflow.  Skipping step, ..." warnings on the fp16kit logger and
+    drops them unless ``show`` (the table's skipped column says the same). Every other record
+    passes: a warning the demo does not expect is worth seeing."""
 
     def __init__(self, show: bool) -> None:
         super().__init__()
@@ -81,11 +85,10 @@ class _CountWarnings(logging.Filter):
         self.count = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            return True
-        if record.levelno >= logging.WARNING:
+        if record.levelno == logging.WARNING and record.getMessage().startswith("Gradient overflow."):
             self.count += 1
-        return self.show
+            return self.show
+        return True
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -111,11 +114,14 @@ def _report(cfg: Any, args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
     _print_header(cfg)
-    hidden = _CountWarnings(show=args.verbose)
+    hidden = _OverflowMessages(show=args.verbose)
     logger = logging.getLogger("fp16kit")
     logger.addFilter(hidden)
     try:
         result = run_demo(cfg, on_epoch=_print_row)
+    except KeyboardInterrupt:
+        print("fp16kit demo: interrupted", file=sys.stderr)
+        return 130
     finally:
         logger.removeFilter(hidden)
     _print_table(result)
@@ -132,6 +138,10 @@ _ROW = "{:>5}  {:<14}  {:>10}  {:>9}  {:>8}  {:>10}  {:>7}  {:>7}"
 _TABLE = "{:<14}  {:>9}  {:>8}  {:>8}  {:>7}  {:>10}  {:>7}  {:>7}"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -143,12 +153,16 @@ def _print_header(cfg: Any) -> None:
     n_params = sum(p.numel() for p in make_model(cfg).parameters())
     where = f"{cfg.device} ({torch.get_num_threads()} threads)" if cfg.device == "cpu" else torch.cuda.get_device_name()
     print(f"fp16kit {__version__} demo: torch {torch.__version__}, {where}, {_dtype_name(cfg.dtype)}", flush=True)
-    print(f"model: MLP 32-{cfg.hidden}-{cfg.hidden}-10 ({n_params:,} params), 10-way classification of "
-          f"synthetic data (a fixed random teacher's labels)")
+    print(f"model: MLP 32-{cfg.hidden}-{cfg.hidden}-10 ({n_params:,} params) learning a fixed random "
+          "teacher's 10 classes")
     print(f"every recipe: the same initial weights and batches, AdamW lr {cfg.lr:g}, "
-          f"{cfg.epochs} epochs x {cfg.steps_per_epoch} steps of {cfg.batch_size} fresh samples")
-    print(f"loss scales: dynamic, from {cfg.init_scale:g}, doubled after {cfg.growth_interval} clean steps, "
-          "halved (and the step skipped) on overflow")
+          f"{_count(cfg.epochs, 'epoch')} x {_count(cfg.steps_per_epoch, 'step')} of {cfg.batch_size} fresh samples")
+    cap = ""
+    if cfg.init_scale > 2.0**24 and {"fp16-optimizer", "amp-o2"} & set(cfg.recipes):
+        cap = " (apex's at most 2**24, their max_loss_scale)"
+    print(textwrap.fill(f"loss scales: dynamic, from {_scale_text(cfg.init_scale)}{cap}, doubled after "
+                        f"{cfg.growth_interval} clean steps, halved (and the step skipped) on overflow",
+                        width=100, subsequent_indent="  "))
     print()
     for name in cfg.recipes:
         print(f"  {name:<14}  {RECIPES[name].face:<6}  {label(name, cfg)}")
@@ -158,7 +172,14 @@ def _print_header(cfg: Any) -> None:
 
 
 def _scale_text(scale: float | None) -> str:
-    return "-" if scale is None else f"{scale:g}"
+    if scale is None:
+        return "-"
+    if not math.isfinite(scale):
+        return str(scale)
+    if scale == int(scale) and scale < 1e10:
+        return str(int(scale))
+    exponent = math.log2(scale)
+    return f"2**{int(exponent)}" if exponent == int(exponent) else f"{scale:.4g}"
 
 
 def _print_row(row: Any) -> None:
@@ -177,7 +198,7 @@ def _percent(ratio: float) -> str:
 def _print_table(result: Any) -> None:
     cfg = result.config
     print()
-    print(f"after {cfg.epochs} epochs (eval loss on {cfg.eval_size} held-out samples; ms/step: median over epochs)")
+    print(f"after {_count(cfg.epochs, 'epoch')} (eval loss on {cfg.eval_size} held-out samples; ms/step: median over epochs)")
     print(_TABLE.format("recipe", "eval loss", "vs fp32", "accuracy", "skipped", "loss scale", "ms/step", "vs fp32"))
     for s in result.summaries:
         has_scale = s.scale is not None
@@ -191,14 +212,19 @@ def _print_table(result: Any) -> None:
 
 def _print_notes(result: Any, hidden: int, verbose: bool) -> None:
     cfg = result.config
-    print()
+    notes = []
     if "async" in cfg.recipes:
-        print("async: each step runs on the optimizer thread beside the next forward/backward, so each update "
-              "uses a gradient one step old; its loss follows fp32 less closely than the synchronous recipes.")
+        notes.append("async: each step runs on the optimizer thread beside the next forward/backward, so "
+                     "each update uses a gradient one step old: its loss follows fp32 less closely than the "
+                     "synchronous recipes'.")
     if cfg.device == "cpu" and cfg.dtype == torch.float16 and len(cfg.recipes) > 1:
-        print("float16 on a CPU: most CPUs have no fast fp16 arithmetic, so the mixed recipes are slower here; "
-              "the losses, scales and skips are the point. For speed: --device cuda, or --dtype bfloat16.")
+        notes.append("float16 on a CPU: most CPUs have no fast fp16 arithmetic, so the mixed recipes are "
+                     "slower here; the losses, scales and skips are the point. For speed: --device cuda, or "
+                     "--dtype bfloat16 on a CPU with bf16 support.")
     if hidden and not verbose:
-        print(f"{hidden} warning(s) from the fp16kit logger hidden (apex's overflow messages; the skipped "
-              "column counts them): --verbose shows them.")
+        notes.append(f"{hidden} of apex's \"Gradient overflow.  Skipping step\" messages (fp16kit logger) "
+                     "hidden: the skipped column counts them; --verbose shows them.")
+    print()
+    for note in notes:
+        print(textwrap.fill(note, width=100, subsequent_indent="  "))
     print(f"done in {result.seconds:.1f} s")

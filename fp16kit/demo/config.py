@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,8 @@ class DemoConfig:
                 f"demo dtype must be torch.float16 or torch.bfloat16, got {self.dtype} "
                 "(the fp32 recipe is always there to compare with)."
             )
-        if not self.init_scale > 0:
-            raise ValueError(f"DemoConfig.init_scale must be > 0, got {self.init_scale!r}.")
+        if not 0 < self.init_scale < math.inf:
+            raise ValueError(f"DemoConfig.init_scale must be a finite number > 0, got {self.init_scale!r}.")
         if not self.recipes:
             raise ValueError(f"DemoConfig.recipes is empty; choose from {list(RECIPE_NAMES)}.")
         unknown = [r for r in self.recipes if r not in RECIPE_NAMES]
