@@ -128,6 +128,12 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
             t = state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         elif t.dtype != dtype or t.device != p.device:
             t = state[key] = t.to(device=p.device, dtype=dtype)
+        if t.shape != p.shape:
+            raise RuntimeError(
+                f"{self.display_name}: state[{key!r}] has shape {tuple(t.shape)} but its param has "
+                f"{tuple(p.shape)}; the loaded optimizer state belongs to other params (load the "
+                "state dict saved with these params)."
+            )
         return t
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -308,9 +308,14 @@ def test_state_dict_is_plain_data_and_round_trips_exactly():
     _assert_same(o1, p1, o2, p2)
 
 
-def test_loads_apex_flat_master_layout():
+@pytest.mark.parametrize("one_param_groups", [False, True])
+def test_loads_apex_flat_master_layout(one_param_groups):
     p1 = _bert_groups()
-    o1 = _make(p1)
+    if one_param_groups:  # each flat state then has its param's numel but not its shape
+        groups = [{"params": [p]} for p in p1]
+        o1 = FP16_Optimizer(FusedAdam(groups, lr=1e-2, max_grad_norm=1.0), dynamic_loss_scale=True)
+    else:
+        o1 = _make(p1)
     _train(o1, p1, range(3))
     sd = o1.state_dict()
     # what apex's flat version saved: one flat master per group, the inner state per flat param
@@ -329,8 +334,13 @@ def test_loads_apex_flat_master_layout():
     apex_sd["fp32_groups_flat"] = [torch.cat([m.reshape(-1) for m in grp]) for grp in sd["fp32_groups"]]
     apex_sd["optimizer_state_dict"] = {"state": flat_state, "param_groups": flat_groups}
     p2 = _clone_params(p1)
-    o2 = _make(p2)
+    if one_param_groups:
+        o2 = FP16_Optimizer(FusedAdam([{"params": [p]} for p in p2], lr=1e-2, max_grad_norm=1.0),
+                            dynamic_loss_scale=True)
+    else:
+        o2 = _make(p2)
     o2.load_state_dict(apex_sd)
+    assert o2.state[o2.fp32_groups[0][0]]["exp_avg"].shape == (4, 3)
     _train(o1, p1, range(3, 8))
     _train(o2, p2, range(3, 8))
     _assert_same(o1, p1, o2, p2)

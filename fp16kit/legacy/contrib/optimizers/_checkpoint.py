@@ -86,9 +86,9 @@ def optimizer_state_from(sd: dict[str, Any], fp16_groups: list[list[torch.Tensor
     """The inner optimizer's state dict in the per-param layout: as saved, or (flat layout)
     each group's one flat state split into one state per current param."""
     osd = sd["optimizer_state_dict"]
-    flat = "fp32_groups_flat" in sd and any(
-        len(g["params"]) == 1 and len(params) != 1 for g, params in zip(osd["param_groups"], fp16_groups)
-    )
+    # apex's flat version stepped one flat master per group: its state is flat (even for a
+    # group of one param, whose state then has the param's numel but not its shape)
+    flat = "fp32_groups_flat" in sd and all(len(g["params"]) <= 1 for g in osd["param_groups"])
     if not flat:
         return osd
     state: dict[int, dict[str, Any]] = {}
