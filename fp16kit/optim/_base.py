@@ -23,7 +23,7 @@ import torch
 
 from ..core import kernels
 
-__all__ = ["Bucket", "FusedStyleOptimizer", "buckets", "keep_state_precision", "with_settings", "work_dtype"]
+__all__ = ["Bucket", "FusedStyleOptimizer", "buckets", "check_state_shapes", "keep_state_precision", "with_settings", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -137,6 +137,7 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
         return t
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state_shapes(self, state_dict)
         super().load_state_dict(state_dict)
         keep_state_precision(self, state_dict)
 
@@ -150,6 +151,21 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
         group["step"] = int(group.get("step", 0)) + 1
         return group["step"]
 
+
+
+def check_state_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Before loading: every saved per-param state tensor (but a 0-dim ``step``) has its
+    param's shape, else ``ValueError`` naming the group, the param and the key (torch's
+    ``load_state_dict`` checks only the group sizes)."""
+    for gi, (saved, group) in enumerate(zip(state_dict.get("param_groups", []), opt.param_groups)):
+        for pi, (pid, p) in enumerate(zip(saved["params"], group["params"])):
+            for key, value in state_dict.get("state", {}).get(pid, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(
+                        f"Optimizer state of group {gi}, param {pi}: {key!r} has shape "
+                        f"{tuple(value.shape)}, the param {tuple(p.shape)}. Load the state dict "
+                        "saved with these params."
+                    )
 
 
 def keep_state_precision(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import buckets, keep_state_precision, with_settings, work_dtype
+from ._base import buckets, check_state_shapes, keep_state_precision, with_settings, work_dtype
 
 __all__ = ["SGD", "sgd_group_step"]
 
@@ -60,6 +60,7 @@ class SGD(torch.optim.SGD):
         kernels.clear_grads_([p for g in self.param_groups for p in g["params"]], set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state_shapes(self, state_dict)
         super().load_state_dict(state_dict)
         keep_state_precision(self, state_dict)
 

@@ -284,3 +284,16 @@ def test_deepcopy_keeps_the_optimizer_wide_settings():
     assert copy.deepcopy(SGD(p, wd_after_momentum=True)).wd_after_momentum
     assert copy.deepcopy(NovoGrad(p, reg_inside_moment=True)).moment_mode == 0
     assert copy.deepcopy(Adagrad(p, adagrad_w_mode=True)).adagrad_w_mode
+
+
+@pytest.mark.parametrize("cls,kw", ALL)
+def test_state_of_other_shapes_is_refused_before_loading(cls, kw):
+    a = [torch.zeros(6, requires_grad=True)]
+    o1 = cls(a, **kw)
+    a[0].grad = torch.ones(6)
+    o1.step()
+    b = [torch.zeros(2, 3, requires_grad=True)]
+    o2 = cls(b, **kw)
+    with pytest.raises(ValueError, match="group 0, param 0"):
+        o2.load_state_dict(o1.state_dict())
+    assert not o2.state
