@@ -19,8 +19,10 @@ A second run changes nothing: every rewritten name is under fp16kit, which the t
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Union
 
 import libcst as cst
@@ -114,6 +116,7 @@ class _ApexRewriter(cst.CSTTransformer):
         self.problems: list[Unmigratable] = []
         self._replacements: dict[int, cst.BaseExpression] = {}
         self._reported: set[int] = set()
+        self._modules: dict[str, ModuleType | None] = {}  # fp16kit modules imported to check names
 
     # -- helpers -------------------------------------------------------------------------------
     def _report(self, node: cst.CSTNode, message: str) -> None:
@@ -121,6 +124,19 @@ class _ApexRewriter(cst.CSTTransformer):
 
     def _resolve(self, path: str) -> apex_map.Resolution | None:
         return apex_map.resolve(path, megatron=self.megatron)
+
+    def _check_provided(self, node: cst.CSTNode, module: str, name: str, apex_path: str) -> None:
+        """Report (still rewriting) a name the fp16kit module does not have: the rewritten import
+        would fail, and so would the original one without apex."""
+        if module not in self._modules:
+            try:
+                self._modules[module] = importlib.import_module(module)
+            except Exception:  # noqa: BLE001 -- cannot check: rewrite without the check
+                self._modules[module] = None
+        target = self._modules[module]
+        if target is not None and not hasattr(target, name):
+            self._report(node, f"{apex_path}: {module} has no {name!r}, so fp16kit does not provide it "
+                               "(MIGRATION.md lists what it provides and the replacements)")
 
     def _explain(self, res: apex_map.Resolution) -> str:
         return apex_map.hint_for(res.path, megatron=self.megatron)
@@ -227,6 +243,7 @@ class _ApexRewriter(cst.CSTTransformer):
                 asname = cst.AsName(name=cst.Name(name))
             return parent, alias.with_changes(name=cst.Name(last), asname=asname)
         if res.covered and res.rest == f".{name}":  # an attribute of a mapped module
+            self._check_provided(node, res.target, name, full)
             return res.target, alias
         self._report(node, f"from {module} import {name}: {self._explain(res)}")
         return None, alias
@@ -279,6 +296,8 @@ class _ApexRewriter(cst.CSTTransformer):
         while isinstance(chain[-1], cst.Attribute):
             chain.append(chain[-1].value)  # type: ignore[attr-defined]
         prefix_node = chain[len(chain) - (res.prefix.count(".") + 1)]
+        if res.rest:
+            self._check_provided(node, res.target, res.rest.split(".")[1], dotted)
         self._replacements[id(node)] = node.deep_replace(prefix_node, _name_node(res.target))
         return False
 

@@ -305,3 +305,16 @@ def test_python2_source_is_refused_with_its_line():
     with pytest.raises(MigrationError) as e:
         migrate_source("import apex\nprint 'hello'\n")
     assert e.value.line == 2 and "Python 2" in e.value.message
+
+
+def test_names_the_fp16kit_module_lacks_are_rewritten_and_reported():
+    src = "import apex\nfrom apex.parallel import DistributedDataParallel, NotAThing\nx = apex.amp.no_such_function\n"
+    r = migrate_source(src)
+    assert r.code == (
+        "import fp16kit.legacy\nfrom fp16kit.legacy.parallel import DistributedDataParallel, NotAThing\n"
+        "x = fp16kit.legacy.amp.no_such_function\n"
+    )
+    assert [(p.line, p.message.split(":")[0]) for p in r.unmigratable] == [
+        (2, "apex.parallel.NotAThing"), (3, "apex.amp.no_such_function")
+    ]
+    assert "fp16kit.legacy.parallel has no 'NotAThing'" in r.unmigratable[0].message
