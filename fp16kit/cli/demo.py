@@ -20,8 +20,6 @@ import torch
 
 from .. import __version__
 
-_DEFAULTS: dict[str, Any] = {}  # filled from DemoConfig when the parser is built
-
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -51,8 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "per recipe, then a table: final loss vs fp32, skipped steps, loss scale, time per step.",
     )
     demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16",
-                      help="the low-precision dtype of every mixed recipe (default: float16)")
+    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16", metavar="{float16,bfloat16}",
+                      help="the low-precision dtype of every mixed recipe (default: float16; fp16, bf16 too)")
     demo.add_argument("--epochs", type=_positive_int, default=d.epochs, help=f"default: {d.epochs}")
     demo.add_argument("--steps", type=_positive_int, default=d.steps_per_epoch,
                       help=f"steps per epoch, each on a fresh batch of {d.batch_size} (default: {d.steps_per_epoch})")

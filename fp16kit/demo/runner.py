@@ -32,7 +32,7 @@ import torch
 
 from .config import DemoConfig
 from .data import Task, loss_fn, make_model, make_task
-from .recipes import RECIPES, Recipe, build
+from .recipes import Recipe, build
 
 __all__ = ["EpochRow", "Summary", "DemoResult", "train", "run_demo", "summarize"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -125,6 +124,19 @@ def test_async_steps_are_a_one_step_delayed_update():
     assert max(abs(a - b) for a, b in zip(sync, delayed)) > 0.01  # the two references differ
     assert rows["master-weights"].step_losses == pytest.approx(sync, abs=1e-3)
     assert rows["async"].step_losses == pytest.approx(delayed, abs=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_recipe_runs_on_cuda_and_tracks_fp32(capsys):
+    result = run_demo(DemoConfig(**TINY, device="cuda"))
+    by = {s.recipe: s for s in result.summaries}
+    for name in ("fp16-optimizer", "amp-o2", "autocast", "master-weights"):
+        assert by[name].eval_loss == pytest.approx(by["fp32"].eval_loss, rel=0.01), name
+        assert by[name].skipped == 0 and by[name].scale == 2.0**16, name
+    assert by["async"].eval_loss == pytest.approx(by["fp32"].eval_loss, rel=0.1)
+    assert main(["demo", *TINY_ARGS, "--device", "cuda", "--recipes", "fp32", "async"]) == 0
+    assert torch.cuda.get_device_name() in capsys.readouterr().out.splitlines()[0]
 
 
 def test_bfloat16_recipes_track_fp32():
