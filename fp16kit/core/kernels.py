@@ -466,21 +466,33 @@ def _as_multiplier(scale: Any) -> Any:
     return scale
 
 
-def l2_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, accumulated in float32 (float64 for float64 tensors), as
-    0-dim tensors on the tensors' devices, in order: one multi-tensor norm per (device, dtype)
-    group. Non-finite values give a non-finite norm."""
+def norms(tensors: Sequence[torch.Tensor], ord: float = 2.0, *, fp32_accumulate: bool = False) -> list[torch.Tensor]:
+    """The ``ord``-norm of each tensor (``inf``: the max-abs norm), as 0-dim tensors on the
+    tensors' devices, in order: one multi-tensor norm per (device, dtype) group. By default each
+    norm has its tensor's dtype and equals ``torch.linalg.vector_norm(t, ord)`` bit for bit;
+    ``fp32_accumulate=True`` accumulates and returns float32 (float64 for float64 tensors).
+    Non-finite values give a non-finite norm."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     index: dict[tuple[Any, ...], list[int]] = {}
     for i, t in enumerate(tensors):
         index.setdefault((t.device, t.dtype), []).append(i)
     with torch.no_grad():
         for (_, dtype), idx in index.items():
-            acc = torch.float64 if dtype == torch.float64 else torch.float32
-            norms = torch._foreach_norm([tensors[i].detach() for i in idx], 2, dtype=acc)
-            for i, n in zip(idx, norms):
+            group = [tensors[i].detach() for i in idx]
+            if fp32_accumulate:
+                acc = torch.float64 if dtype == torch.float64 else torch.float32
+                found = torch._foreach_norm(group, ord, dtype=acc)
+            else:
+                found = torch._foreach_norm(group, ord)
+            for i, n in zip(idx, found):
                 out[i] = n
     return [n for n in out if n is not None]
+
+
+def l2_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated in float32 (float64 for float64 tensors), as
+    0-dim tensors on the tensors' devices, in order (:func:`norms`)."""
+    return norms(tensors, 2.0, fp32_accumulate=True)
 
 
 def l2_norm(tensors: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:

@@ -93,14 +93,14 @@ def clip_grad_norm(
     group = model_parallel_group if dist.is_available() and dist.is_initialized() else None
     grads = [p.grad.detach() for p in params]  # type: ignore[union-attr]
     if norm_type == math.inf:
-        largest = max(torch.linalg.vector_norm(g, math.inf).item() for g in grads)
+        largest = max(n.item() for n in kernels.norms(grads, math.inf))
         total = _reduced(largest, device, "MAX", group)
     else:
         first_rank = group is None or dist.get_rank(group) == 0
+        counted = [g for p, g in zip(params, grads) if _is_model_parallel(p) or first_rank]
         local = 0.0
-        for p, g in zip(params, grads):
-            if _is_model_parallel(p) or first_rank:
-                local += torch.linalg.vector_norm(g, norm_type).item() ** norm_type
+        for n in kernels.norms(counted, norm_type):  # mpu summed each norm**p as a Python float
+            local += n.item() ** norm_type
         total = _reduced(local, device, "SUM", group) ** (1.0 / norm_type)
     coef = max_norm / (total + 1e-6)
     if coef < 1:
