@@ -6,6 +6,14 @@ on the :class:`fp16kit.OptimizerThread`).
 Core: :mod:`fp16kit.core` (kernels, loss-scale state).
 """
 
+import warnings
+
+with warnings.catch_warnings():
+    # torch installed without numpy warns "Failed to initialize NumPy" when first imported;
+    # fp16kit never uses numpy, so its users (and `fp16kit demo`'s first line) need not see it
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
 from .core.scale import LossScale
 from .core.thread import OptimizerThread, optimizer_thread
 from .grad_scaler import GradScaler, OptState
