@@ -17,11 +17,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..core import kernels
 from ..core.master import MasterParams
+from .fp16_module import FP16_Module, conversion_helper, fp16_to_fp32, fp32_to_fp16  # 2018's fp16util held them
 from .loss_scaler import to_python_float
 
 __all__ = [
     "BN_convert_float",
     "FP16Model",
+    "FP16_Module",
+    "conversion_helper",
+    "fp16_to_fp32",
+    "fp32_to_fp16",
     "clip_grad_norm",
     "convert_module",
     "convert_network",
