@@ -277,7 +277,7 @@ def _numpy() -> Any:
         import numpy
     except ImportError:
         return None
-    return numpy
+    return numpy if hasattr(numpy, "frombuffer") else None  # not a stand-in module of that name
 
 
 def numpy_available() -> bool:
