@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Union
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from . import apex_map
 
@@ -69,16 +69,29 @@ class MigrationError(ValueError):
 def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationResult:
     """Rewrite the apex imports in one module's source. Bytes in, bytes out (the encoding, from a
     BOM or a coding declaration, is kept); str in, str out. Raises MigrationError if it does not parse."""
+    if not _mentions_ours(source, megatron):  # parsing costs ~0.1 s a file: skip what cannot match
+        return MigrationResult(source, False)
     try:
         module = cst.parse_module(source)
     except cst.ParserSyntaxError as e:
         hint = " (Python 2 code? port it to Python 3 first)" if re.search(r"^\s*print\s+[^\s(=]", _text(source), re.M) else ""
         raise MigrationError(e.editor_line, f"cannot parse: invalid syntax at column {e.editor_column}{hint}") from None
     rewriter = _ApexRewriter(megatron=megatron)
-    new_module = MetadataWrapper(module).visit(rewriter)
+    new_module = module.visit(rewriter)
     code: bytes | str = new_module.bytes if isinstance(source, bytes) else new_module.code
-    problems = sorted(set(rewriter.problems), key=lambda p: p.line)
+    problems = []
+    if rewriter.problems:  # line numbers only when needed: they cost as much as the rewrite
+        positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+        problems = sorted({Unmigratable(positions[node].start.line, msg) for node, msg in rewriter.problems},
+                          key=lambda p: p.line)
     return MigrationResult(code, code != source, rewriter.imports, rewriter.uses, problems, module.encoding)
+
+
+def _mentions_ours(source: bytes | str, megatron: bool) -> bool:
+    """Whether the source contains a root name the table handles (every rewrite and report needs one)."""
+    roots = {"apex", *apex_map.EXTENSION_ROOTS} | ({"fp16"} if megatron else set())
+    text = source.decode("latin-1") if isinstance(source, bytes) else source
+    return any(root in text for root in roots)
 
 
 def _text(source: bytes | str) -> str:
@@ -104,8 +117,6 @@ def _name_node(dotted: str) -> NameNode:
 
 
 class _ApexRewriter(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
-
     def __init__(self, *, megatron: bool) -> None:
         super().__init__()
         self.megatron = megatron
@@ -113,14 +124,15 @@ class _ApexRewriter(cst.CSTTransformer):
         self.roots: set[str] = set()
         self.imports = 0
         self.uses = 0
-        self.problems: list[Unmigratable] = []
+        self.problems: list[tuple[cst.CSTNode, str]] = []  # (node of the parsed tree, message)
+        self._not_uses: set[int] = set()  # Names that are not a use of a variable (attr, keyword, def)
         self._replacements: dict[int, cst.BaseExpression] = {}
         self._reported: set[int] = set()
         self._modules: dict[str, ModuleType | None] = {}  # fp16kit modules imported to check names
 
     # -- helpers -------------------------------------------------------------------------------
     def _report(self, node: cst.CSTNode, message: str) -> None:
-        self.problems.append(Unmigratable(self.get_metadata(PositionProvider, node).start.line, message))
+        self.problems.append((node, message))
 
     def _resolve(self, path: str) -> apex_map.Resolution | None:
         return apex_map.resolve(path, megatron=self.megatron)
@@ -283,6 +295,7 @@ class _ApexRewriter(cst.CSTTransformer):
     def visit_Attribute(self, node: cst.Attribute) -> bool:
         dotted = _dotted(node)
         if dotted is None:
+            self._not_uses.add(id(node.attr))
             return True  # e.g. f(x).y: the chain inside is visited on its own
         if dotted.partition(".")[0] not in self.roots:
             return False
@@ -308,15 +321,21 @@ class _ApexRewriter(cst.CSTTransformer):
         self.uses += 1
         return new
 
+    def visit_Arg(self, node: cst.Arg) -> None:
+        if node.keyword is not None:
+            self._not_uses.add(id(node.keyword))
+
+    def visit_Param(self, node: cst.Param) -> None:
+        self._not_uses.add(id(node.name))
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._not_uses.add(id(node.name))
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._not_uses.add(id(node.name))
+
     def visit_Name(self, node: cst.Name) -> None:
-        if node.value not in self.roots:
-            return
-        parent = self.get_metadata(ParentNodeProvider, node)
-        if isinstance(parent, cst.Attribute) and parent.attr is node:
-            return
-        if isinstance(parent, cst.Arg) and parent.keyword is node:
-            return
-        if isinstance(parent, (cst.Param, cst.FunctionDef, cst.ClassDef)):
+        if node.value not in self.roots or id(node) in self._not_uses:
             return
         self._report(
             node,

@@ -283,6 +283,9 @@ def test_dynamic_imports_strings_and_bare_names_reported():
         "choice = 'apex'  # a plain word: not reported\n"
         "doc = 'we used apex for fp16'\n"
         "f(apex=True)\n"
+        "obj.apex.amp = g(x).apex\n"
+        "def apex_setup(apex=None):\n"
+        "    pass\n"
     )
     lines = _report(src)
     assert [line for line, _ in lines] == [3, 4, 5, 6, 7]
