@@ -37,6 +37,7 @@ from ..core.scale import LossScale
 from ..master_checkpoint import match_saved_masters, validate_optimizer_groups
 from ..optimizer import MixedPrecisionOptimizer
 from ..wrapping import WrappingOptimizer
+from ._messages import float_or_half
 from .checkpoint import scaler_state
 from .fp16util import clip_grad_norm
 
@@ -183,8 +184,7 @@ def _check_param_types_of(params: Any) -> None:
     for param in list(params):
         if param.requires_grad and param.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(
-                "Wrapped parameters must be either torch.cuda.FloatTensor or "
-                f"torch.cuda.HalfTensor. Received {param.type()}"
+                f"Wrapped parameters must be either {float_or_half(param)}. Received {param.type()}"
             )
 
 

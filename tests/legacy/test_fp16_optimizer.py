@@ -159,9 +159,22 @@ def test_float64_param_raises_apex_text():
     model = nn.Linear(8, 8).double()
     with pytest.raises(TypeError) as e:
         FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    # apex's text, naming what fp16kit accepts on the CPU (apex named torch.cuda types only)
+    assert str(e.value) == (
+        "Wrapped parameters must be either float32, float16 or bfloat16 tensors (CPU or CUDA). "
+        "Received torch.DoubleTensor"
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float64_cuda_param_raises_apex_text_verbatim():
+    model = nn.Linear(8, 8).double().cuda()
+    with pytest.raises(TypeError) as e:
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
     assert str(e.value) == (
         "Wrapped parameters must be either torch.cuda.FloatTensor or torch.cuda.HalfTensor. "
-        "Received torch.DoubleTensor"
+        "Received torch.cuda.DoubleTensor"
     )
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ...core import kernels
+from .._messages import float_type
 from ..fp16util import convert_network
 
 __all__ = ["amp_class", "RefreshMastersHook", "check_models", "check_params", "cast_models", "to_type"]
@@ -160,9 +161,9 @@ def check_params(models: list[nn.Module]) -> None:
             for name, t in named:
                 if t.is_floating_point() and t.dtype == torch.float16:
                     raise RuntimeError(
-                        "Found {} {} with type {}, expected torch.cuda.FloatTensor.\n"
+                        "Found {} {} with type {}, expected {}.\n"
                         "When using amp.initialize, you do not need to call .half() on your model\n"
-                        "before passing it, no matter what optimization level you choose.".format(kind, name, t.type())
+                        "before passing it, no matter what optimization level you choose.".format(kind, name, t.type(), float_type(t))
                     )
 
 

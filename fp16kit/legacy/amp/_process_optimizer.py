@@ -33,6 +33,7 @@ import torch
 from ...core import kernels
 from ...core.master import MasterParams
 from ...master_groups import MasterGroups
+from .._messages import float_or_half
 from ._amp_state import _amp_state
 
 __all__ = ["AmpOptimizerState", "process_optimizer", "unscale_into_stash", "MASTERS_KEY", "AMP_METHODS"]
@@ -80,8 +81,7 @@ def _check_types(params: Any) -> None:
     for p in params:
         if p.dtype not in _ALLOWED:
             raise TypeError(
-                "Optimizer's parameters must be either torch.cuda.FloatTensor or "
-                "torch.cuda.HalfTensor. Received {}".format(p.type())
+                "Optimizer's parameters must be either {}. Received {}".format(float_or_half(p), p.type())
             )
 
 

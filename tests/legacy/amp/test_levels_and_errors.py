@@ -130,7 +130,7 @@ def test_initialize_twice():
     with pytest.raises(RuntimeError) as info:
         amp.initialize(model2, opt_level="O2", verbosity=0)
     assert str(info.value) == (
-        "Found param 0.weight with type torch.HalfTensor, expected torch.cuda.FloatTensor.\n"
+        "Found param 0.weight with type torch.HalfTensor, expected torch.FloatTensor.\n"
         "When using amp.initialize, you do not need to call .half() on your model\n"
         "before passing it, no matter what optimization level you choose."
     )
