@@ -13,6 +13,8 @@ Algorithm (one pass over the tree; the table is :mod:`fp16kit.migrate.apex_map`)
     anything else under apex (uncovered modules and names, `from apex import *`, the bare name `apex`
     after its import was rewritten, strings naming apex paths, importlib.import_module("apex...")):
         left as it is, and reported with its line and the closest replacement
+    a name the fp16kit module lacks (`from apex.parallel import Typo`): rewritten, and reported
+    a source that never mentions a handled root name: returned as it is, without parsing
 
 A second run changes nothing: every rewritten name is under fp16kit, which the table never maps.
 """

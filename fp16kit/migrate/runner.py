@@ -6,8 +6,10 @@ Contract (what the script sees, and what the caller gets back)::
     sys.argv      = [SCRIPT, *ARGS]           (-m: [the module's file, *ARGS], as runpy sets it)
     sys.path[0]   = the script's directory    (-m: the current directory); unchanged under python -P
     __name__      = "__main__"; __file__ = SCRIPT; the code runs as sys.modules["__main__"]
-    spawned children (multiprocessing / torch.multiprocessing "spawn", "forkserver") install the alias
-        before they re-import the main script, so `import apex` works there too
+    children started by multiprocessing / torch.multiprocessing with "spawn" (tested) or
+        "forkserver" install the alias before they re-import the main script, so `import apex`
+        works there too ("fork" children inherit it); other processes the script starts
+        (subprocess, os.exec*) do not have it: start them with `fp16kit run` too
     returns the exit code:
         normal end 0; SystemExit(None) 0, SystemExit(int n) n, SystemExit(other) str(other) on
         stderr and 1; an uncaught exception: sys.excepthook with the script's own frames only
