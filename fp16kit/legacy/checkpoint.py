@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_errors import LOADER, position, refusal
+from .checkpoint_errors import LOADER, damaged, position, refusal
 from .checkpoint_records import (
     APEX_SCALER_CLASSES,
     CLASS_KEY,
@@ -117,6 +117,9 @@ def read_checkpoint(
         if refused is None:
             raise
         raise refused from None
+    corrupt = damaged(f, start, records="pickle")
+    if corrupt is not None:
+        raise corrupt
     finished: list[tuple[tuple[Any, ...], Record, Any]] = []
 
     def finish(record: Record, attributes: dict[str, Any] | None, path: tuple[Any, ...]) -> Any:

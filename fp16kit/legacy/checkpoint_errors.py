@@ -197,6 +197,36 @@ def _damage(e: Exception, f: Any, start: int | None) -> str:
     return ""
 
 
+def damaged(f: Any, start: int | None, *, records: str = "pickle") -> pickle.UnpicklingError | None:
+    """The error for a zip checkpoint whose records fail their CRC check (torch reads them
+    unchecked), or None: ``records="pickle"`` checks ``data.pkl`` only (cheap: what a flipped
+    bit would silently change is the structure), ``"all"`` every record (reads the whole file)."""
+    found = _look(f, start, _pickle_crc if records == "pickle" else _zip_damage)
+    if not found:
+        return None
+    return pickle.UnpicklingError(
+        f"{LOADER}: {_name(f)} is truncated or corrupt: {found}. It starts like a checkpoint written "
+        "by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source."
+    )
+
+
+def _pickle_crc(opened: Any) -> str:
+    start = opened.tell()
+    if opened.read(4) != b"PK\x03\x04":
+        return ""
+    opened.seek(start)
+    try:
+        with zipfile.ZipFile(opened) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+            if name is not None:
+                archive.read(name)  # checks the CRC
+    except zipfile.BadZipFile as e:
+        return f"record data.pkl of its zip archive fails its check ({e})"
+    except (EOFError, OSError, ValueError, zlib.error) as e:
+        return f"its zip archive ends early or is damaged ({type(e).__name__}: {e})"
+    return ""
+
+
 def _zip_damage(opened: Any) -> str:
     start = opened.tell()
     if opened.read(4) != b"PK\x03\x04":

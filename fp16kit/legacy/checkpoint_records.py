@@ -104,8 +104,13 @@ def _attribute_dict(record: Record, state: Any) -> dict[str, Any]:
     return dict(state)
 
 
-class ScalerRecord(Record):
-    """An apex or Megatron loss scaler: its attributes, exactly as pickled."""
+class _AttributeRecord(Record):
+    """Made by NEWOBJ (no arguments) and given its attributes by BUILD, as protocol 2 pickles
+    an object; a constructor call with arguments (a crafted REDUCE) is refused."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args or kwargs:
+            raise self._refuse("it is pickled without constructor arguments")
 
     def __setstate__(self, state: Any) -> None:
         object.__setattr__(self, "_attrs", _attribute_dict(self, state))
@@ -115,17 +120,14 @@ class ScalerRecord(Record):
         return self.__dict__.get("_attrs", {})
 
 
-class NamespaceRecord(Record):
+class ScalerRecord(_AttributeRecord):
+    """An apex or Megatron loss scaler: its attributes, exactly as pickled."""
+
+
+class NamespaceRecord(_AttributeRecord):
     """``argparse.Namespace``: an attribute bag (Megatron's ``args``)."""
 
     _path = "argparse.Namespace"
-
-    def __setstate__(self, state: Any) -> None:
-        object.__setattr__(self, "_attrs", _attribute_dict(self, state))
-
-    @property
-    def attributes(self) -> dict[str, Any]:
-        return self.__dict__.get("_attrs", {})
 
 
 def namespace(attributes: dict[str, Any]) -> argparse.Namespace:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .checkpoint import read_checkpoint, scaler_state
+from .checkpoint_errors import damaged
 from .checkpoint_records import (
     APEX_SCALER_CLASSES,
     CLASS_KEY,
@@ -288,13 +289,17 @@ def convert_file(
 
     Refuses (``FileExistsError``) an existing ``dst`` and ``dst`` being ``src`` unless
     ``overwrite``; errors reading ``src`` are load_checkpoint's (``pickle.UnpicklingError``
-    for a file it refuses) and leave ``dst`` untouched."""
+    for a file it refuses) and leave ``dst`` untouched. Unlike ``torch.load``, every record of
+    a zip checkpoint is CRC-checked first (a damaged tensor is refused, not copied on)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if not overwrite and _same_file(src, dst):
         raise FileExistsError(f"{dst} is the input file; write the converted checkpoint elsewhere "
                               "(or pass overwrite=True / --force to replace it once converted)")
     if not overwrite and dst.exists():
         raise FileExistsError(f"{dst} exists; choose another name or pass overwrite=True / --force")
+    corrupt = damaged(src, None, records="all")  # torch reads tensor records unchecked
+    if corrupt is not None:
+        raise corrupt
     seen: collections.Counter[str] = collections.Counter()
     obj, finished = read_checkpoint(src, _locations(map_location, seen), plain_numpy=True)
     report = [Conversion(format_path(path), describe(record), _describe_value(value))
