@@ -4,9 +4,9 @@ fp16kit.legacy, for running apex-era code unmodified.
 Contract::
 
     install_apex_alias(megatron=False, shadow=False):
-        refuse (RuntimeError, nothing changed) if a real `apex` is imported or importable
+        refuse (RuntimeError, nothing changed) if a real `apex` (or `amp_C`) is imported or importable
             (or `fp16` with megatron=True), unless shadow=True
-        put one finder first on sys.meta_path; it claims every name under `apex`
+        put one finder first on sys.meta_path; it claims every name under `apex` and `amp_C`
         (with megatron: `fp16`, `megatron.fp16`, and `megatron` itself when no real Megatron exists)
     import apex.X.Y:
         apex_map says apex.X.Y is module T  -> sys.modules["apex.X.Y"] is sys.modules[T]
@@ -100,7 +100,7 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
 
     def claims(self, fullname: str) -> bool:
         root = fullname.partition(".")[0]
-        if root == "apex":
+        if root in apex_map.ROOTS:
             return True
         if not self.megatron:
             return False
@@ -197,7 +197,7 @@ def _check_no_real(names: tuple[str, ...], shadow: bool) -> None:
         fix = (
             "If it is NVIDIA apex, you do not need the alias. If it is PyPI's unrelated 'apex' package "
             "(installed by mistake), remove it: pip uninstall apex."
-            if name == "apex"
+            if name in apex_map.ROOTS
             else "If it is Megatron-LM v1's own fp16 package, run it as it is, or migrate to fp16kit.legacy.megatron."
         )
         raise RuntimeError(
@@ -223,7 +223,7 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
                 f"the apex alias is already installed (megatron={_installed.megatron}, shadow={_installed.shadow}); "
                 "call uninstall_apex_alias() before installing it with other arguments"
             )
-        roots = ("apex", "fp16") if megatron else ("apex",)
+        roots = (*sorted(apex_map.ROOTS), "fp16") if megatron else tuple(sorted(apex_map.ROOTS))
         _check_no_real(roots, shadow)
         synthetic_megatron = megatron and "megatron" not in sys.modules and _real_module("megatron") is None
         finder = _ApexAliasFinder(megatron=megatron, shadow=shadow, synthetic_megatron=synthetic_megatron)

@@ -28,6 +28,8 @@ from types import MappingProxyType
 
 __all__ = [
     "APEX_MODULES",
+    "ROOTS",
+    "EXTENSION_ROOTS",
     "MEGATRON_MODULES",
     "CLOSED",
     "UNCOVERED",
@@ -68,7 +70,13 @@ APEX_MODULES: Mapping[str, str] = MappingProxyType({
     ),
     **_same_names("apex.normalization", f"{_L}.normalization", ("fused_layer_norm",)),
     "apex.multi_tensor_apply": f"{_L}.multi_tensor_apply",
+    # apex's CUDA extension module of multi-tensor ops: the two scripts call (multi_tensor_scale,
+    # multi_tensor_l2norm) are module-level functions of fp16kit.legacy.multi_tensor_apply
+    "amp_C": f"{_L}.multi_tensor_apply",
 })
+
+# top-level names the table speaks for without --megatron
+ROOTS = frozenset({"apex", "amp_C"})
 
 # Megatron-LM v1's copied fp16 package (repo-root `fp16`, later `megatron.fp16`); opt-in only
 MEGATRON_MODULES: Mapping[str, str] = MappingProxyType({
@@ -139,12 +147,10 @@ UNCOVERED: Mapping[str, str] = MappingProxyType({
     "apex.contrib.peer_memory": "apex.contrib.peer_memory is not in fp16kit: use torch.distributed (isend/irecv, all_gather)",
     "apex.contrib.nccl_p2p": "apex.contrib.nccl_p2p is not in fp16kit: use torch.distributed (isend/irecv, batch_isend_irecv)",
     # apex's CUDA extensions: top-level modules of their own (the codemod reports them; the alias leaves them alone)
-    "amp_C": "amp_C is apex's CUDA extension: use torch._foreach_mul_ / torch._foreach_norm, or "
-    "fp16kit.legacy.multi_tensor_apply",
-    "apex_C": "apex_C is apex's CUDA extension: use torch._utils._flatten_dense_tensors / _unflatten_dense_tensors",
-    "fused_adam_cuda": "fused_adam_cuda is apex's CUDA extension: use fp16kit.legacy.optimizers.FusedAdam",
-    "fused_layer_norm_cuda": "fused_layer_norm_cuda is apex's CUDA extension: use torch.nn.functional.layer_norm",
-    "syncbn": "syncbn is apex's CUDA extension: use torch.nn.SyncBatchNorm",
+    "apex_C": "apex_C (apex's CUDA extension) is not in fp16kit: use torch._utils._flatten_dense_tensors / _unflatten_dense_tensors",
+    "fused_adam_cuda": "fused_adam_cuda (apex's CUDA extension) is not in fp16kit: use fp16kit.legacy.optimizers.FusedAdam",
+    "fused_layer_norm_cuda": "fused_layer_norm_cuda (apex's CUDA extension) is not in fp16kit: use torch.nn.functional.layer_norm",
+    "syncbn": "syncbn (apex's CUDA extension) is not in fp16kit: use torch.nn.SyncBatchNorm",
 })
 EXTENSION_ROOTS = frozenset(k for k in UNCOVERED if "." not in k)
 
@@ -177,10 +183,10 @@ def module_map(*, megatron: bool = False) -> Mapping[str, str]:
 
 
 def is_handled(path: str, *, megatron: bool = False, extensions: bool = False) -> bool:
-    """Whether ``path`` is under a name this table speaks for (``apex``; ``fp16`` and
-    ``megatron.fp16`` with ``megatron``; apex's CUDA extension modules with ``extensions``)."""
+    """Whether ``path`` is under a name this table speaks for (``apex``, ``amp_C``; ``fp16`` and
+    ``megatron.fp16`` with ``megatron``; apex's other CUDA extension modules with ``extensions``)."""
     root = path.partition(".")[0]
-    if root == "apex" or (extensions and root in EXTENSION_ROOTS):
+    if root in ROOTS or (extensions and root in EXTENSION_ROOTS):
         return True
     if megatron:
         return root == "fp16" or path == "megatron.fp16" or path.startswith("megatron.fp16.")

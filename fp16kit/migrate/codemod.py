@@ -91,7 +91,7 @@ def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationR
 
 def _mentions_ours(source: bytes | str, megatron: bool) -> bool:
     """Whether the source contains a root name the table handles (every rewrite and report needs one)."""
-    roots = {"apex", *apex_map.EXTENSION_ROOTS} | ({"fp16"} if megatron else set())
+    roots = apex_map.ROOTS | apex_map.EXTENSION_ROOTS | ({"fp16"} if megatron else set())
     text = source.decode("latin-1") if isinstance(source, bytes) else source
     return any(root in text for root in roots)
 

@@ -77,7 +77,7 @@ def run_module(name: str, args: Sequence[str] = (), *, megatron: bool = False, s
 def _script_environment(argv: list[str], entry: str, *, megatron: bool, shadow: bool) -> Iterator[None]:
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = argv
-    if not sys.flags.safe_path:
+    if not getattr(sys.flags, "safe_path", False):  # python -P (3.11+) adds no script directory
         if sys.path:
             sys.path[0] = entry
         else:

@@ -18,7 +18,7 @@ from fp16kit.migrate import apex_map
 
 def _ours(name: str) -> bool:
     root = name.partition(".")[0]
-    return root in ("apex", "fp16") or name == "megatron" or name.startswith("megatron.")
+    return root in ("apex", "amp_C", "fp16") or name == "megatron" or name.startswith("megatron.")
 
 
 @pytest.fixture
@@ -50,6 +50,16 @@ def test_apex_modules_are_the_fp16kit_modules(alias):
     assert amp.__spec__.name == "fp16kit.legacy.amp" and amp.__name__ == "fp16kit.legacy.amp"
     assert importlib.util.find_spec("fp16kit.legacy.amp").origin == amp.__spec__.origin
     assert not hasattr(sys.modules["fp16kit.legacy.fp16util"], "__path__")  # a plain module stays one
+
+
+def test_amp_C_is_the_multi_tensor_apply_module(alias):
+    alias()
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
+
+    mta = importlib.import_module("fp16kit.legacy.multi_tensor_apply")
+    assert amp_C is mta and multi_tensor_applier is mta.multi_tensor_applier
+    assert callable(amp_C.multi_tensor_scale) and callable(amp_C.multi_tensor_l2norm)
 
 
 def test_every_covered_submodule_is_an_attribute_of_apex(alias):

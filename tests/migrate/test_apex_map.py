@@ -65,6 +65,7 @@ def test_table_shape():
         ("apex.parallel.LARC.LARC", "fp16kit.legacy.parallel.LARC.LARC"),
         ("apex.contrib.optimizers.fused_adam.FusedAdam", "fp16kit.legacy.contrib.optimizers.fused_adam.FusedAdam"),
         ("apex", "fp16kit.legacy"),
+        ("amp_C.multi_tensor_l2norm", "fp16kit.legacy.multi_tensor_apply.multi_tensor_l2norm"),
     ],
 )
 def test_resolve_longest_prefix(path, new):
@@ -94,7 +95,7 @@ def test_resolve_megatron_only_on_request():
         ("apex.contrib.whatever_new", "apex.contrib.optimizers"),  # closed package: nothing guessed
         ("apex.bogus", "apex.optimizers"),
         ("apex.amp.lists.functional_overrides", "register_half_function"),
-        ("amp_C.multi_tensor_l2norm", "torch._foreach_norm"),
+        ("apex_C.flatten", "_flatten_dense_tensors"),
     ],
 )
 def test_uncovered_names_have_a_replacement(path, replacement):

@@ -96,6 +96,15 @@ FORMS = {
         "from apex import amp, fp16_utils  # both\n",
         "from fp16kit.legacy import amp\nfrom fp16kit import legacy as fp16_utils  # both\n",
     ),
+    "amp_C, apex's multi-tensor extension": (
+        "import amp_C\nfrom amp_C import multi_tensor_l2norm as l2\nx = amp_C.multi_tensor_scale\n",
+        "import fp16kit.legacy.multi_tensor_apply\nfrom fp16kit.legacy.multi_tensor_apply import multi_tensor_l2norm as l2\n"
+        "x = fp16kit.legacy.multi_tensor_apply.multi_tensor_scale\n",
+    ),
+    "multi_tensor_applier": (
+        "from apex.multi_tensor_apply import multi_tensor_applier\n",
+        "from fp16kit.legacy.multi_tensor_apply import multi_tensor_applier\n",
+    ),
     "relative imports are someone else's": ("from .apex import amp\nfrom . import apex\n", None),
     "other packages": ("import apexx\nfrom apex_utils import amp\nimport torch.amp\nx = apex.amp\n", None),
     "already migrated": ("from fp16kit.legacy import amp\nimport fp16kit.legacy.optimizers\n", None),
@@ -244,7 +253,7 @@ def test_uncovered_modules_reported_with_line_and_replacement():
         "from apex.mlp import MLP\n"
         "from apex.fused_dense import FusedDense\n"
         "from apex.optimizers import FusedMixedPrecisionLamb\n"
-        "import amp_C\n"
+        "import fused_layer_norm_cuda\n"
         "from apex.contrib import sparsity\n"
         "from apex import not_a_module\n"
     )
@@ -257,7 +266,7 @@ def test_uncovered_modules_reported_with_line_and_replacement():
     assert "cross_entropy" in found[5]
     assert "nn.Linear" in found[6] and "nn.Linear" in found[7]
     assert "FusedLAMB" in found[8] and "MixedPrecisionOptimizer" in found[8]
-    assert "_foreach" in found[9]
+    assert "torch.nn.functional.layer_norm" in found[9]
     assert "torch.ao.pruning" in found[10]
     assert "not covered by fp16kit" in found[11] and "apex.optimizers" in found[11]
     assert sorted(found) == list(range(2, 12))

@@ -29,7 +29,7 @@ def clean_interpreter():
     yield
     assert sys.argv == argv and sys.path == path and sys.modules["__main__"] is main
     assert not apex_alias_installed()
-    assert not [m for m in sys.modules if m.partition(".")[0] in ("apex", "fp16")]
+    assert not [m for m in sys.modules if m.partition(".")[0] in ("apex", "amp_C", "fp16")]
 
 
 def test_the_script_sees_what_python_would_give_it(script, capsys):
