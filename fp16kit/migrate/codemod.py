@@ -84,15 +84,17 @@ def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationR
     problems = []
     if rewriter.problems:  # line numbers only when needed: they cost as much as the rewrite
         positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-        problems = sorted({Unmigratable(positions[node].start.line, msg) for node, msg in rewriter.problems},
-                          key=lambda p: p.line)
+        problems = sorted(
+            {Unmigratable(positions[node].start.line, msg) for node, msg in rewriter.problems},
+            key=lambda p: (p.line, p.message),
+        )
     return MigrationResult(code, code != source, rewriter.imports, rewriter.uses, problems, module.encoding)
 
 
 def _mentions_ours(source: bytes | str, megatron: bool) -> bool:
     """Whether the source contains a root name the table handles (every rewrite and report needs one)."""
     roots = apex_map.ROOTS | apex_map.EXTENSION_ROOTS | ({"fp16"} if megatron else set())
-    text = source.decode("latin-1") if isinstance(source, bytes) else source
+    text = _text(source)
     return any(root in text for root in roots)
 
 
