@@ -25,7 +25,7 @@ with torch.load(weights_only=True), then renamed: IN is never touched unless OUT
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert-checkpoint",
-        help="rewrite an apex/Megatron-era checkpoint as plain data torch.load(weights_only=True) reads",
+        help="rewrite an apex-era checkpoint so torch.load(weights_only=True) reads it",
         description="Read IN with fp16kit.legacy.load_checkpoint (apex and Megatron-LM v1 loss scalers, "
         "argparse.Namespace args, numpy RNG state; crafted pickles are refused and nothing in them runs), "
         "convert what is not plain data and write OUT: apex scalers become fp16kit's scaler state, "

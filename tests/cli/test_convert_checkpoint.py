@@ -1,0 +1,211 @@
+"""``fp16kit convert-checkpoint IN OUT``: what it prints (one line per converted item), what it
+writes (a file ``torch.load(weights_only=True)`` reads, every tensor on the CPU), its exit codes
+(0 written; 1 IN refused or unreadable; 2 usage, OUT exists, OUT is IN), and that it writes
+nothing -- and runs nothing -- for hostile, truncated or damaged input, and never touches IN.
+
+Checkpoints are written here as apex- and Megatron-era code wrote them: stand-in classes under
+those libraries' module paths (removed before converting), storages recorded as saved on
+``cuda:0`` (no GPU needed). The converted values expected are worked out from spec/apex.md and
+spec/apex-others.md §6 in tests/legacy/test_checkpoint_convert.py; here the command's behaviour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pathlib
+import subprocess
+import sys
+import types
+from unittest import mock
+
+import pytest
+import torch
+
+from fp16kit.cli import build_parser, main
+
+
+def _stand_in(monkeypatch, path: str) -> type:
+    module, name = path.rsplit(".", 1)
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        mod_name = ".".join(parts[:i])
+        if not isinstance(sys.modules.get(mod_name), types.ModuleType) or not getattr(sys.modules[mod_name], "_stand_in", False):
+            mod = types.ModuleType(mod_name)
+            mod._stand_in = True
+            monkeypatch.setitem(sys.modules, mod_name, mod)
+    cls = type(name, (), {"__module__": module, "__qualname__": name})
+    setattr(sys.modules[module], name, cls)
+    return cls
+
+
+@pytest.fixture
+def apex_era_file(tmp_path, monkeypatch):
+    """A Megatron-v1-style checkpoint with an apex era-2 scaler beside it, saved on cuda:0."""
+    amp_scaler = _stand_in(monkeypatch, "apex.amp.scaler.LossScaler")()
+    amp_scaler.__dict__.update(dynamic=True, _loss_scale=4096.0, _max_loss_scale=2.0**24, _min_loss_scale=None,
+                               _scale_seq_len=2000, _unskipped=12, _has_overflow=False,
+                               _overflow_buf=torch.IntTensor([0]))
+    meg = _stand_in(monkeypatch, "megatron.fp16.loss_scaler.DynamicLossScaler")()
+    meg.__dict__.update(cur_scale=2.0**31, cur_iter=5, last_overflow_iter=1, scale_factor=2.0, scale_window=1000,
+                        min_scale=1, delayed_shift=2, cur_hysteresis=2, consecutive_hysteresis=False)
+    master = torch.ones(2, 3)
+    master.model_parallel = True
+    ckpt = {
+        "args": argparse.Namespace(params_dtype=torch.float16, lr=1e-4),
+        "iteration": 5,
+        "model": {"w": torch.ones(2, 3).half()},
+        "optimizer": {"loss_scaler": meg, "dynamic_loss_scale": True, "overflow": False,
+                      "first_closure_call_this_step": True, "fp32_from_fp16": [[master]],
+                      "optimizer_state_dict": {"state": {0: {"exp_avg": torch.zeros(2, 3), "exp_avg_sq": torch.zeros(2, 3)}},
+                                               "param_groups": [{"lr": 1e-4, "step": 5, "params": [0]}]}},
+        "apex_fp16_optimizer": {"loss_scaler": amp_scaler},
+    }
+    path = tmp_path / "old.pt"
+    with mock.patch("torch.serialization.location_tag", lambda storage: "cuda:0"):
+        torch.save(ckpt, path)
+    for name in [n for n, m in sys.modules.items() if getattr(m, "_stand_in", False)]:
+        monkeypatch.delitem(sys.modules, name)  # as on a machine without apex or Megatron
+    return path
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["convert-checkpoint", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_the_command_with_a_one_line_summary():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    summary = next(a.help for a in sub._choices_actions if a.dest == "convert-checkpoint")
+    assert "\n" not in summary and len(summary) < 80 and "weights_only=True" in summary
+    assert "convert-checkpoint" in parser.format_help()
+    args = parser.parse_args(["convert-checkpoint", "a", "b"])
+    assert (args.map_location, args.torch_optimizer_state, args.force) == ("cpu", False, False)
+
+
+def test_it_converts_prints_one_line_per_item_and_never_touches_in(tmp_path, capsys, apex_era_file):
+    before = apex_era_file.read_bytes()
+    out_path = tmp_path / "new.pt"
+    code, out, err = _run(capsys, apex_era_file, out_path)
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        f"{apex_era_file} -> {out_path}",
+        "  converted  args: argparse.Namespace (2 attributes) -> dict (argparse.Namespace(**that_dict) gives code "
+        "reading args.foo its Namespace back)",
+        "  kept       optimizer.loss_scaler: megatron.fp16.loss_scaler.DynamicLossScaler -> a dict of its attributes "
+        "(fp16kit.legacy.megatron's FP16_Optimizer reads it)",
+        "  kept       optimizer.optimizer_state_dict.param_groups[0].step: per-group step 5 (apex Fused*) -> kept "
+        "(--torch-optimizer-state / torch_optimizer_state=True moves it into each param's state for "
+        "torch.optim.Adam/AdamW)",
+        "  converted  apex_fp16_optimizer.loss_scaler: apex.amp.scaler.LossScaler -> fp16kit's scaler state "
+        "(dynamic, loss_scale 4096; FP16_Optimizer.load_state_dict reads it)",
+        "  converted  (tensors): 5 storages saved on cuda:0 -> loaded to cpu",
+        f"wrote {out_path}: torch.load({str(out_path)!r}, weights_only=True) reads it",
+    ]
+    assert apex_era_file.read_bytes() == before
+    new = torch.load(out_path, weights_only=True)
+    assert new["args"] == {"params_dtype": torch.float16, "lr": 1e-4}
+    assert new["apex_fp16_optimizer"]["loss_scaler"]["unskipped"] == 12
+    assert new["optimizer"]["fp32_from_fp16"][0][0].model_parallel is True
+    assert all(t.device.type == "cpu" for t in (new["model"]["w"], new["optimizer"]["fp32_from_fp16"][0][0]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.pt", "old.pt"]  # no temporary file left
+
+
+def test_torch_optimizer_state_option(tmp_path, capsys, apex_era_file):
+    code, out, _ = _run(capsys, apex_era_file, tmp_path / "new.pt", "--torch-optimizer-state")
+    assert code == 0
+    assert ("  converted  optimizer.optimizer_state_dict.param_groups[0].step: per-group step 5 (apex Fused*) -> "
+            "state[p]['step'] = tensor(5.0) for the group's 1 params with state") in out.splitlines()
+    sd = torch.load(tmp_path / "new.pt", weights_only=True)["optimizer"]["optimizer_state_dict"]
+    assert sd["state"][0]["step"].dtype == torch.float32 and sd["state"][0]["step"].item() == 5.0
+    assert "step" not in sd["param_groups"][0]
+
+
+def test_a_plain_file_is_rewritten_and_says_so(tmp_path, capsys):
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
+    code, out, _ = _run(capsys, tmp_path / "plain.pt", tmp_path / "new.pt")
+    assert code == 0 and "  nothing to convert: the file held plain data only; re-saved as it was" in out.splitlines()
+    assert torch.equal(torch.load(tmp_path / "new.pt", weights_only=True)["w"], torch.ones(2))
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+class _Evil:
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+def test_a_hostile_file_is_refused_runs_nothing_and_writes_nothing(tmp_path, capsys, legacy):
+    marker = tmp_path / "pwned"
+    torch.save({"args": argparse.Namespace(hook=[{"x": _Evil(marker)}])}, tmp_path / "evil.pt",
+               _use_new_zipfile_serialization=not legacy)
+    code, out, err = _run(capsys, tmp_path / "evil.pt", tmp_path / "new.pt")
+    assert code == 1 and out == ""
+    assert err.startswith(f"fp16kit convert-checkpoint: error: {tmp_path / 'evil.pt'} was not converted, nothing was written:")
+    assert "refused to load" in err and "system" in err
+    assert not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evil.pt"]
+
+
+def test_truncated_damaged_and_missing_files_exit_1(tmp_path, capsys):
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(500.0)}, buf)
+    data = buf.getvalue()
+    (tmp_path / "cut.pt").write_bytes(data[:-30])
+    code, _, err = _run(capsys, tmp_path / "cut.pt", tmp_path / "a.pt")
+    assert code == 1 and "is truncated or corrupt" in err
+
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 0x01  # one flipped bit in the middle of the tensor data
+    (tmp_path / "bad.pt").write_bytes(bytes(damaged))
+    assert not torch.equal(torch.load(tmp_path / "bad.pt", weights_only=True)["w"], torch.arange(500.0))  # torch: silent
+    code, _, err = _run(capsys, tmp_path / "bad.pt", tmp_path / "b.pt")
+    assert code == 1 and "fails its CRC check" in err
+
+    code, _, err = _run(capsys, tmp_path / "missing.pt", tmp_path / "c.pt")
+    assert code == 1 and "No such file" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "cut.pt"]
+
+
+def test_out_existing_or_being_in_needs_force(tmp_path, capsys, apex_era_file):
+    original = apex_era_file.read_bytes()
+    (tmp_path / "taken.pt").write_bytes(b"keep me")
+    code, _, err = _run(capsys, apex_era_file, tmp_path / "taken.pt")
+    assert code == 2 and "exists; choose another name or pass overwrite=True / --force" in err
+    assert (tmp_path / "taken.pt").read_bytes() == b"keep me"
+
+    code, _, err = _run(capsys, apex_era_file, apex_era_file)
+    assert code == 2 and "is the input file" in err
+    code, _, err = _run(capsys, apex_era_file, tmp_path / "." / apex_era_file.name)  # another spelling of IN
+    assert code == 2 and "is the input file" in err
+    assert apex_era_file.read_bytes() == original
+
+    assert _run(capsys, apex_era_file, tmp_path / "taken.pt", "--force")[0] == 0
+    assert _run(capsys, apex_era_file, apex_era_file, "--force")[0] == 0  # replaced once converted
+    assert torch.load(apex_era_file, weights_only=True)["iteration"] == 5
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["convert-checkpoint", "only-one"])
+    assert info.value.code == 2
+
+
+@pytest.mark.slow
+def test_python_m_fp16kit_convert_checkpoint(tmp_path, apex_era_file):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-m", "fp16kit", "convert-checkpoint", str(apex_era_file),
+                           str(tmp_path / "new.pt")], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith(f"wrote {tmp_path / 'new.pt'}")
+    done = subprocess.run([sys.executable, "-m", "fp16kit", "convert-checkpoint", str(apex_era_file),
+                           str(tmp_path / "new.pt")], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "--force" in done.stderr
