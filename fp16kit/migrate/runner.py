@@ -5,7 +5,8 @@ Contract (what the script sees, and what the caller gets back)::
 
     sys.argv      = [SCRIPT, *ARGS]           (-m: [the module's file, *ARGS], as runpy sets it)
     sys.path[0]   = the script's directory    (-m: the current directory); unchanged under python -P
-    __name__      = "__main__"; __file__ = SCRIPT; the code runs as sys.modules["__main__"]
+    __name__      = "__main__"; __file__ = SCRIPT's absolute path (python >= 3.9); the code runs as
+                    sys.modules["__main__"]
     children started by multiprocessing / torch.multiprocessing with "spawn" (tested) or
         "forkserver" install the alias before they re-import the main script, so `import apex`
         works there too ("fork" children inherit it); other processes the script starts
@@ -22,11 +23,16 @@ A script that cannot be started (missing file, no such module, a real ``apex`` i
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import importlib.machinery
 import importlib.util
+import io
 import os
 import runpy
 import sys
+import types
+import zipfile
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -51,12 +57,32 @@ def run_script(path: str, args: Sequence[str] = (), *, megatron: bool = False, s
     """``python PATH ARGS`` with the apex alias installed; returns the exit code."""
     if not os.path.exists(path):
         raise RunError(f"can't open file {os.path.abspath(path)!r}: [Errno 2] No such file or directory", 2)
-    if os.path.isdir(path) or not os.path.isfile(path):
-        entry = path  # a directory or zip file with __main__.py: python puts it first on sys.path
-    else:
-        entry = os.path.dirname(os.path.realpath(path))
+    if os.path.isdir(path) or zipfile.is_zipfile(path):
+        # a directory or zip file with __main__.py: python puts it first on sys.path
+        with _script_environment([path, *args], path, megatron=megatron, shadow=shadow):
+            return _call(lambda: runpy.run_path(path, run_name="__main__"))
+    entry = os.path.dirname(os.path.realpath(path))
     with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow):
-        return _call(lambda: runpy.run_path(path, run_name="__main__"))
+        return _call(lambda: _exec_as_main(os.path.abspath(path)))
+
+
+def _exec_as_main(path: str) -> None:
+    """What python does with a script file: compile it under its absolute name (as tracebacks show
+    it since 3.9), run it as the module ``__main__`` (so its classes pickle), keep sys.argv[0]."""
+    with io.open_code(path) as f:
+        source = f.read()  # bytes: compile() honours a BOM or a coding declaration
+    code = compile(source, path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=path, __cached__=None, __builtins__=builtins, __package__=None, __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+    )
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def run_module(name: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False) -> int:

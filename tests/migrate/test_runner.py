@@ -54,6 +54,16 @@ def test_the_script_sees_what_python_would_give_it(script, capsys):
     ]
 
 
+def test_relative_script_path_as_python_gives_it(script, tmp_path, monkeypatch, capsys):
+    # since python 3.9: __file__ absolute, sys.argv[0] as typed, tracebacks with the absolute name
+    script("import sys\nprint(__file__, sys.argv[0])\nraise KeyError('k')\n", name="rel.py")
+    monkeypatch.chdir(tmp_path)
+    assert run_script("rel.py", []) == 1
+    captured = capsys.readouterr()
+    assert captured.out == f"{tmp_path / 'rel.py'} rel.py\n"
+    assert f'File "{tmp_path / "rel.py"}", line 3, in <module>' in captured.err
+
+
 @pytest.mark.parametrize(
     "body,code,stderr",
     [
