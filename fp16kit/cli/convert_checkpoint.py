@@ -6,7 +6,8 @@ Prints one line per converted (or deliberately kept) item, then where it wrote. 
 - 0: OUT written (checked to load with ``torch.load(weights_only=True)``);
 - 1: IN not converted -- refused (a crafted pickle, a whole pickled model, not a checkpoint,
   truncated or corrupt), missing or unreadable; nothing written;
-- 2: usage -- bad arguments, OUT exists, or OUT is IN (``--force`` allows both); nothing written.
+- 2: usage -- bad arguments, OUT's folder missing, OUT exists, or OUT is IN (``--force`` allows
+  the last two); nothing written.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pickle
 import sys
 
 _EPILOG = """\
-exit codes: 0 written; 1 IN refused or unreadable (nothing written); 2 bad usage, OUT exists or
-OUT is IN without --force (nothing written). OUT is written to a temporary file, checked to load
+exit codes: 0 written; 1 IN refused or unreadable (nothing written); 2 bad usage, OUT's folder
+missing, OUT exists or OUT is IN without --force (nothing written). OUT is written to a temporary file, checked to load
 with torch.load(weights_only=True), then renamed: IN is never touched unless OUT is IN and --force.
 """
 
@@ -60,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
             torch_optimizer_state=args.torch_optimizer_state,
             overwrite=args.force,
         )
-    except FileExistsError as e:
+    except (FileExistsError, NotADirectoryError) as e:
         return _error(str(e), 2)
     except (pickle.UnpicklingError, OSError, ValueError, RuntimeError) as e:
         return _error(f"{args.input} was not converted, nothing was written:\n{e}", 1)

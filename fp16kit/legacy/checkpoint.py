@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +75,7 @@ __all__ = [
 ]
 
 _CLASS_KEY = CLASS_KEY
+_ONE_AT_A_TIME = threading.Lock()
 
 
 def load_checkpoint(f: Any, map_location: Any = None) -> Any:
@@ -110,7 +112,8 @@ def read_checkpoint(
         plain_numpy = not numpy_available()
     start = position(f)
     try:
-        with reading() as made, torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        # torch's allow-list is process-wide: one load at a time adds and removes the stand-ins
+        with _ONE_AT_A_TIME, reading() as made, torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             obj = torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:
         refused = refusal(e, f, start)

@@ -112,8 +112,9 @@ def _name(f: Any) -> str:
     return repr(name) if isinstance(name, str) else f"the {type(f).__name__} it was given"
 
 
-def _look(f: Any, start: int | None, inspect: Callable[[Any], str]) -> str:
-    """``inspect(opened file)`` on ``f`` read again from its start; "" when it cannot be."""
+def _look(f: Any, start: int | None, inspect: Callable[[Any], str], *, back_to_start: bool = True) -> str:
+    """``inspect(opened file)`` on ``f`` read again from its start; "" when it cannot be. A file
+    object is left at ``start`` (where the caller had it), or where it was found."""
     try:
         if isinstance(f, (str, os.PathLike)):
             if os.fspath(f).endswith(".safetensors"):  # torch.load hands these to safetensors
@@ -122,11 +123,12 @@ def _look(f: Any, start: int | None, inspect: Callable[[Any], str]) -> str:
                 return inspect(opened)
         if start is None:
             return ""
+        found = f.tell()
         f.seek(start)
         try:
             return inspect(f)
         finally:
-            f.seek(start)  # where the caller had it
+            f.seek(start if back_to_start else found)
     except (OSError, ValueError, AttributeError, TypeError):
         return ""
 
@@ -201,7 +203,7 @@ def damaged(f: Any, start: int | None, *, records: str = "pickle") -> pickle.Unp
     """The error for a zip checkpoint whose records fail their CRC check (torch reads them
     unchecked), or None: ``records="pickle"`` checks ``data.pkl`` only (cheap: what a flipped
     bit would silently change is the structure), ``"all"`` every record (reads the whole file)."""
-    found = _look(f, start, _pickle_crc if records == "pickle" else _zip_damage)
+    found = _look(f, start, _pickle_crc if records == "pickle" else _zip_damage, back_to_start=False)
     if not found:
         return None
     return pickle.UnpicklingError(

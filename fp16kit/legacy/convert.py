@@ -117,7 +117,7 @@ class _Converter:
                 self.active.discard(id(obj))
             self.done[id(obj)] = out
             return out
-        if type(obj).__module__ == "numpy" or isinstance(obj, NUMPY_RECORDS):
+        if type(obj).__module__.partition(".")[0] == "numpy" or isinstance(obj, NUMPY_RECORDS):
             return self._numpy(obj, path)
         return obj
 
@@ -297,6 +297,8 @@ def convert_file(
                               "(or pass overwrite=True / --force to replace it once converted)")
     if not overwrite and dst.exists():
         raise FileExistsError(f"{dst} exists; choose another name or pass overwrite=True / --force")
+    if not dst.parent.is_dir():
+        raise NotADirectoryError(f"{dst.parent} is not a directory: create it first, or write {dst.name} elsewhere")
     corrupt = damaged(src, None, records="all")  # torch reads tensor records unchecked
     if corrupt is not None:
         raise corrupt

@@ -193,10 +193,12 @@ def test_out_existing_or_being_in_needs_force(tmp_path, capsys, apex_era_file):
     assert torch.load(apex_era_file, weights_only=True)["iteration"] == 5
 
 
-def test_bad_arguments_exit_2(capsys):
+def test_bad_arguments_and_a_missing_out_folder_exit_2(tmp_path, capsys, apex_era_file):
     with pytest.raises(SystemExit) as info:
         main(["convert-checkpoint", "only-one"])
     assert info.value.code == 2
+    code, _, err = _run(capsys, apex_era_file, tmp_path / "no" / "such" / "new.pt")
+    assert code == 2 and "is not a directory: create it first" in err
 
 
 @pytest.mark.slow

@@ -387,3 +387,58 @@ def test_an_allowed_object_hidden_where_checkpoints_never_hold_one_is_refused(tm
            "tensor attribute": lambda: (setattr(t, "scaler", scaler), {"t": t})[1]}[where]()
     with pytest.raises(pickle.UnpicklingError, match="where a checkpoint never holds one"):
         load_checkpoint(save(obj, tmp_path / "h.pt"))
+
+
+# ------------------------------------------------------------------------------- misuse
+
+
+def test_a_megatron_scaler_given_to_fp16_utils_fp16_optimizer_names_the_right_loader(tmp_path, megatron, save):
+    from fp16kit.legacy import FP16_Optimizer
+
+    model = torch.nn.Linear(2, 2).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    sd = opt.state_dict()
+    sd["loss_scaler"] = megatron()
+    loaded = load_checkpoint(save({"optimizer": sd}, tmp_path / "m.pt"))
+    with pytest.raises(ValueError, match=r"Megatron-LM's scaler .* fp16kit\.legacy\.megatron\.FP16_Optimizer"):
+        opt.load_state_dict(loaded["optimizer"])
+    assert opt.loss_scale == 2.0**16  # unchanged
+
+
+def test_a_file_object_is_left_where_torch_load_leaves_it(tmp_path, megatron, save):
+    import io
+
+    data = save({"s": megatron(), "w": torch.ones(3)}, tmp_path / "x.pt").read_bytes()
+    f = io.BytesIO(b"junk" + data)
+    f.seek(4)
+    load_checkpoint(f)
+    g = io.BytesIO(b"junk" + data)
+    g.seek(4)
+    try:
+        torch.load(g, weights_only=False)
+    except Exception:
+        pass
+    assert f.tell() == g.tell()
+
+
+def test_loads_in_several_threads_at_once(tmp_path, megatron, save):
+    """torch's allow-list is process-wide; load_checkpoint adds and removes its stand-ins around
+    each load, so concurrent loads take turns instead of removing each other's."""
+    import threading
+
+    path = save({"s": megatron(), "args": argparse.Namespace(a=1)}, tmp_path / "t.pt")
+    errors: list = []
+
+    def work():
+        try:
+            for _ in range(20):
+                assert load_checkpoint(path)["args"].a == 1
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
