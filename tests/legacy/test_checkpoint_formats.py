@@ -442,3 +442,24 @@ def test_loads_in_several_threads_at_once(tmp_path, megatron, save):
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@FORMATS
+def test_a_file_really_saved_on_cuda_loads_where_asked(tmp_path, fake_apex, save, legacy):
+    """What the save_on tests stand for, on a GPU: tensors and an era-2 scaler's
+    ``torch.cuda.IntTensor`` saved from cuda:0 stay there by default (as torch.load) and land on
+    the CPU with map_location="cpu"; attributes survive either way."""
+    master = torch.ones(3, device="cuda")
+    master.model_parallel = True
+    scaler = fake_apex.era2(512.0)
+    scaler._overflow_buf = torch.cuda.IntTensor([0])
+    path = tmp_path / "gpu.pt"
+    torch.save({"m": master, "s": scaler}, path, _use_new_zipfile_serialization=not legacy)
+    fake_apex.remove()
+    on_gpu = load_checkpoint(path)
+    assert on_gpu["m"].device.type == "cuda" and on_gpu["s"]["_overflow_buf"].device.type == "cuda"
+    on_cpu = load_checkpoint(path, map_location="cpu")
+    assert on_cpu["m"].device.type == "cpu" and on_cpu["m"].model_parallel is True
+    assert on_cpu["s"]["_overflow_buf"].device.type == "cpu" and on_cpu["s"]["_loss_scale"] == 512.0
