@@ -9,10 +9,10 @@ not written by torch.save  its first bytes are neither a zip archive holding
 truncated or corrupt       it starts like torch.save's output, but its zip archive does
                            not open or fails its CRC check, or torch ran out of data
                            (legacy format) or met bytes no pickle has
-a whole pickled object     a refused global that is a module / optimizer class (a known
-                           apex, Megatron or torch path, an imported subclass of
-                           ``nn.Module``/``Optimizer``), or a pickle holding
-                           ``_modules`` and ``_parameters`` (``nn.Module``'s state)
+a whole pickled object     a refused global in a pickle holding ``_modules`` and
+                           ``_parameters`` (``nn.Module``'s state) or ``param_groups``
+                           and ``defaults`` (``Optimizer``'s): the pickle is parsed,
+                           never run, and nothing is imported
 anything else refused      a refused global: named, nothing was run
 =========================  ==========================================================
 
@@ -28,7 +28,6 @@ import pickle
 import pickletools
 import re
 import struct
-import sys
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -40,15 +39,6 @@ from .checkpoint_records import SCALER_CLASSES
 
 LOADER = "fp16kit.legacy.load_checkpoint"
 _HEAD_BYTES = 512  # enough for a tar header's "ustar" at offset 257
-
-# Globals that only a pickled module or optimizer object refers to (spec/apex-others.md §6).
-_WHOLE_OBJECT_PREFIXES = (
-    "apex.parallel.", "apex.normalization.", "apex.optimizers.", "apex.contrib.",
-    "apex.fp16_utils.fp16_optimizer.", "apex.fp16_utils.fp16util.", "apex.transformer.", "apex.mlp.",
-    "megatron.model.", "megatron.module.", "megatron.fp16.fp16.", "megatron.mpu.", "fp16.fp16.",
-    "torch.nn.modules.", "torch.nn.parallel.", "torch.optim.",
-)
-
 
 def refusal(e: Exception, f: Any, start: int | None) -> pickle.UnpicklingError | None:
     """What ``load_checkpoint`` raises for ``torch.load``'s error ``e`` (None: ``e`` itself)."""
@@ -251,13 +241,10 @@ def _zip_damage(opened: Any) -> str:
 
 def _whole_object(path: str, f: Any, start: int | None) -> str:
     """Advice when the refused global ``path`` is a pickled module or optimizer object."""
-    kind = _object_kind(path)
-    if not kind:
-        strings = _look(f, start, _pickle_strings)
-        if {"_modules", "_parameters"} <= set(strings.split("\0")):
-            kind = "module"
-        elif {"param_groups", "defaults"} <= set(strings.split("\0")):
-            kind = "optimizer"
+    found = set(_look(f, start, _pickle_strings).split("\0"))  # nn.Module's / Optimizer's state keys
+    kind = "module" if {"_modules", "_parameters"} <= found else ""
+    if not kind and {"param_groups", "defaults"} <= found:
+        kind = "optimizer"
     if not kind:
         return ""
     wrapped = "apex/torch DistributedDataParallel and FP16_Module wrap the model: obj.module.state_dict() drops their 'module.' prefix"
@@ -272,19 +259,6 @@ def _whole_object(path: str, f: Any, start: int | None) -> str:
         f"then read NEW_PATH with {LOADER} (or torch.load(NEW_PATH, weights_only=True)) and pass it "
         f"to {kind}.load_state_dict."
     )
-
-
-def _object_kind(path: str) -> str:
-    if path.startswith(_WHOLE_OBJECT_PREFIXES):
-        return "optimizer" if "optim" in path or "FP16_Optimizer" in path else "module"
-    module, _, name = path.rpartition(".")
-    found = getattr(sys.modules.get(module), "__dict__", {}).get(name)  # never imports, never runs code
-    if isinstance(found, type):
-        if issubclass(found, torch.nn.Module):
-            return "module"
-        if issubclass(found, torch.optim.Optimizer):
-            return "optimizer"
-    return ""
 
 
 def _pickle_strings(opened: Any) -> str:

@@ -269,8 +269,7 @@ SAFE_GLOBALS = [
     *(_function(_scalar, f"numpy.{core}.multiarray.scalar") for core in ("core", "_core")),
     _function(_empty_bytes, "builtins.bytes"),
 ]
-ALLOWED_PATHS = (*SCALER_CLASSES, "argparse.Namespace", "numpy.ndarray", "numpy.dtype",
-                 "numpy.core.multiarray._reconstruct", "numpy.core.multiarray.scalar")
+
 
 
 def _numpy() -> Any:

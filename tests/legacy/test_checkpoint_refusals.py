@@ -235,3 +235,15 @@ def test_a_legacy_file_with_a_damaged_pickle_is_refused_as_corrupt(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match=r"is truncated or corrupt: its pickle holds a byte that is no "
                                                      r"pickle opcode"):
         load_checkpoint(path)
+
+
+def test_an_enum_under_a_module_path_is_not_taken_for_a_whole_module(tmp_path, stand_ins):
+    """``megatron.model.enums.AttnMaskType`` in args is refused by name, without the re-save advice
+    meant for ``torch.save(model)``: the pickle holds no module state."""
+    import enum
+
+    cls = stand_ins.add("megatron.model.enums.AttnMaskType", enum.Enum("AttnMaskType", "padding causal"))
+    path = _save({"args": argparse.Namespace(attn_mask_type=cls.causal)}, tmp_path / "e.pt", False)
+    with pytest.raises(pickle.UnpicklingError) as info:
+        load_checkpoint(path)
+    assert "refused to load megatron.model.enums.AttnMaskType: only tensors" in str(info.value)
