@@ -66,6 +66,15 @@ def refusal(e: Exception, f: Any, start: int | None) -> pickle.UnpicklingError |
             "numbers are read; nothing was run. If you trust this file and need that object, use "
             f"torch.load(..., weights_only=False) yourself.\n{torch_said}"
         )
+    if "Unsupported operand" in str(e):
+        protocol = _look(f, start, _protocol)
+        if protocol and int(protocol) > 2:
+            return pickle.UnpicklingError(
+                f"{LOADER}: {_name(f)} was saved with torch.save(..., pickle_protocol={protocol}), whose "
+                "opcodes torch's weights-only reader does not read (it reads protocol 2, torch.save's "
+                "default). Re-save it with the default protocol where it loads, if you trust it."
+                f"\n{torch_said}"
+            )
     damage = _damage(e, f, start)
     if damage:
         return pickle.UnpicklingError(
@@ -259,6 +268,22 @@ def _whole_object(path: str, f: Any, start: int | None) -> str:
         f"then read NEW_PATH with {LOADER} (or torch.load(NEW_PATH, weights_only=True)) and pass it "
         f"to {kind}.load_state_dict."
     )
+
+
+def _protocol(opened: Any) -> str:
+    """The pickle protocol torch.save wrote the file with ("" when it cannot tell)."""
+    start = opened.tell()
+    head = opened.read(4)
+    opened.seek(start)
+    try:
+        if head == b"PK\x03\x04":
+            with zipfile.ZipFile(opened) as archive:
+                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+                with archive.open(name) as record:
+                    head = record.read(2)
+        return str(head[1]) if head[:1] == b"\x80" else ""
+    except (zipfile.BadZipFile, StopIteration, OSError, ValueError, IndexError):
+        return ""
 
 
 def _pickle_strings(opened: Any) -> str:

@@ -247,3 +247,14 @@ def test_an_enum_under_a_module_path_is_not_taken_for_a_whole_module(tmp_path, s
     with pytest.raises(pickle.UnpicklingError) as info:
         load_checkpoint(path)
     assert "refused to load megatron.model.enums.AttnMaskType: only tensors" in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+@FORMATS
+def test_a_file_saved_with_a_newer_pickle_protocol_is_told_so(tmp_path, legacy):
+    """torch's weights-only reader reads protocol 2 (torch.save's default) only: such a file is
+    intact, and the message says how it was saved, not that it is corrupt."""
+    path = tmp_path / "p4.pt"
+    torch.save({"w": torch.ones(2)}, path, pickle_protocol=4, _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(pickle.UnpicklingError, match=r"p4\.pt' was saved with torch\.save\(\.\.\., pickle_protocol=4\)"):
+        load_checkpoint(path)
