@@ -155,7 +155,7 @@ _TORCH_DTYPES = {
     ("f", 2): torch.float16, ("f", 4): torch.float32, ("f", 8): torch.float64,
     ("c", 8): torch.complex64, ("c", 16): torch.complex128,
 }
-_KINDS = "biufcSU"  # what is read at all (numpy: all of them; without numpy: "biufc")
+_KINDS = "biufcSU"  # numbers (a tensor without numpy), bytes and text (lists without numpy)
 _ARRAY_SWAP_CODES = {2: "H", 4: "I" if array.array("I").itemsize == 4 else "L", 8: "Q"}
 _LITTLE = sys.byteorder == "little"
 

@@ -52,7 +52,7 @@ from .checkpoint_records import (
 __all__ = ["Conversion", "convert_checkpoint", "convert_file"]
 
 #: How deep :func:`convert_checkpoint` follows containers (checkpoints nest a few levels).
-MAX_DEPTH = 1000
+MAX_DEPTH = 200
 
 
 @dataclass(frozen=True)

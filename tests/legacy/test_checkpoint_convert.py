@@ -248,3 +248,13 @@ def test_convert_file_refuses_hostile_input_and_writes_nothing(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="refused to load"):
         convert_file(tmp_path / "evil.pt", tmp_path / "out.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["evil.pt"]  # no output, no temporary file
+
+
+def test_nesting_deeper_than_any_checkpoint_is_a_valueerror_not_a_recursionerror():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested deeper than 200 levels"):
+        convert_checkpoint({"d": deep, "args": argparse.Namespace(a=1)})
+    shallow = [[[argparse.Namespace(a=1)]]]
+    assert convert_checkpoint(shallow)[0] == [[[{"a": 1}]]]
