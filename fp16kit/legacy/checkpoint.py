@@ -71,10 +71,10 @@ __all__ = [
     "MAX_CONTAINERS",
     "MEGATRON_SCALER_CLASSES",
     "load_checkpoint",
+    "read_checkpoint",
     "scaler_state",
 ]
 
-_CLASS_KEY = CLASS_KEY
 _ONE_AT_A_TIME = threading.Lock()
 
 
@@ -274,7 +274,7 @@ def _rebuilt(obj: Any, plain: list[Any]) -> Any:
 
 def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(saved, dict):
-        return str(saved.get(_CLASS_KEY, "")), saved
+        return str(saved.get(CLASS_KEY, "")), saved
     if isinstance(saved, ScalerRecord):
         return saved._path, saved.attributes
     cls = type(saved)  # a live apex object (apex installed)
