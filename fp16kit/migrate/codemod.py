@@ -70,14 +70,11 @@ class MigrationError(ValueError):
 
 def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationResult:
     """Rewrite the apex imports in one module's source. Bytes in, bytes out (the encoding, from a
-    BOM or a coding declaration, is kept); str in, str out. Raises MigrationError if it does not parse."""
+    BOM or a coding declaration, is kept); str in, str out. Raises MigrationError if it does not decode
+    or parse, or if libcst would not give back its every byte."""
     if not _mentions_ours(source, megatron):  # parsing costs ~0.1 s a file: skip what cannot match
         return MigrationResult(source, False)
-    try:
-        module = cst.parse_module(source)
-    except cst.ParserSyntaxError as e:
-        hint = " (Python 2 code? port it to Python 3 first)" if re.search(r"^\s*print\s+[^\s(=]", _text(source), re.M) else ""
-        raise MigrationError(e.editor_line, f"cannot parse: invalid syntax at column {e.editor_column}{hint}") from None
+    module = _parse(source)
     rewriter = _ApexRewriter(megatron=megatron)
     new_module = module.visit(rewriter)
     code: bytes | str = new_module.bytes if isinstance(source, bytes) else new_module.code
@@ -89,6 +86,33 @@ def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationR
             key=lambda p: (p.line, p.message),
         )
     return MigrationResult(code, code != source, rewriter.imports, rewriter.uses, problems, module.encoding)
+
+
+def _parse(source: bytes | str) -> cst.Module:
+    """libcst's tree of ``source``, refused (MigrationError) unless it reproduces every byte: libcst
+    drops a few (a lone CR line end, a form feed before a statement, the newline after a last-line
+    comment ending in a backslash), and writing such a file would change bytes nobody asked to."""
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as e:
+        hint = " (Python 2 code? port it to Python 3 first)" if re.search(r"^\s*print\s+[^\s(=]", _text(source), re.M) else ""
+        raise MigrationError(e.editor_line, f"cannot parse: invalid syntax at column {e.editor_column}{hint}") from None
+    except UnicodeDecodeError as e:  # bytes not in the declared (or default UTF-8) encoding
+        line = e.object[: e.start].count(b"\n") + 1
+        raise MigrationError(line, f"cannot decode: byte {e.object[e.start]:#04x} is not {e.encoding} (python would "
+                                   "refuse the file too): declare the file's encoding on its first or second line, "
+                                   "e.g. `# -*- coding: latin-1 -*-`, or re-save it as UTF-8") from None
+    except SyntaxError as e:  # tokenize's coding-declaration check: unknown, or against a BOM
+        raise MigrationError(e.lineno or 1, f"cannot decode: {e.msg} (python would refuse the file too): fix its "
+                                             "`# -*- coding: ... -*-` line") from None
+    again = module.bytes if isinstance(source, bytes) else module.code
+    if again != source:
+        at = next((i for i, (a, b) in enumerate(zip(source, again)) if a != b), min(len(source), len(again)))
+        line = source[:at].count(b"\n" if isinstance(source, bytes) else "\n") + 1
+        raise MigrationError(line, "libcst cannot reproduce this file byte for byte (a line ending in a lone CR, a form "
+                                "feed before a statement, or a backslash ending a comment on the last line): change "
+                                "that, or rewrite its apex imports by hand")
+    return module
 
 
 def _mentions_ours(source: bytes | str, megatron: bool) -> bool:

@@ -109,3 +109,13 @@ def test_says_how_to_get_libcst(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "libcst", None)  # what an install without the extra looks like
     assert main(["migrate", str(tmp_path)]) == 2
     assert 'pip install "fp16kit[migrate]"' in capsys.readouterr().err
+
+
+def test_a_non_utf8_file_is_skipped_and_the_others_migrated(tmp_path, capsys):
+    (tmp_path / "a_latin1.py").write_bytes(b"from apex import amp\nname = 'caf\xe9'\n")  # no coding line
+    (tmp_path / "b.py").write_text("from apex import amp\n")
+    assert main(["migrate", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'a_latin1.py'}:2: cannot decode" in err and "Traceback" not in err
+    assert (tmp_path / "a_latin1.py").read_bytes() == b"from apex import amp\nname = 'caf\xe9'\n"
+    assert (tmp_path / "b.py").read_text() == "from fp16kit.legacy import amp\n"

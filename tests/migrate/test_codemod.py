@@ -330,3 +330,30 @@ def test_names_the_fp16kit_module_lacks_are_rewritten_and_reported():
         (2, "apex.parallel.NotAThing"), (3, "apex.amp.no_such_function")
     ]
     assert "fp16kit.legacy.parallel has no 'NotAThing'" in r.unmigratable[0].message
+
+
+@pytest.mark.parametrize("source, line, words", [
+    (b"from apex import amp\nx = '\xff'\n", 2, "byte 0xff is not utf-8"),  # latin-1 bytes, no declaration
+    (b"# coding: foobar\nfrom apex import amp\n", 1, "unknown encoding: foobar"),
+    (b"\xef\xbb\xbf# coding: latin-1\nfrom apex import amp\n", 1, "encoding problem"),  # BOM says UTF-8
+])
+def test_undecodable_source_is_refused_with_its_line_not_a_crash(source, line, words):
+    with pytest.raises(MigrationError) as e:
+        migrate_source(source)
+    assert e.value.line == line and words in e.value.message and "cannot decode" in e.value.message
+
+
+@pytest.mark.parametrize("source, line", [
+    (b"import apex_C\rx = 1\r", 1),  # classic Mac line ends: libcst dropped the last CR
+    (b"x = 1\n\x0cfrom apex import amp\n", 2),  # a form feed before a statement: dropped
+    (b"from apex import amp\n# C:\\data\\\n", 2),  # a last-line comment ending in '\': its newline dropped
+])
+def test_source_libcst_would_not_reproduce_is_refused(source, line):
+    with pytest.raises(MigrationError) as e:
+        migrate_source(source)
+    assert e.value.line == line and "byte for byte" in e.value.message
+
+
+def test_form_feeds_and_backslash_comments_libcst_keeps_are_migrated():
+    src = b"x = 1\n\x0c\nfrom apex import amp  # C:\\data\\\ny = 2\n"
+    assert migrate_source(src).code == b"x = 1\n\x0c\nfrom fp16kit.legacy import amp  # C:\\data\\\ny = 2\n"
