@@ -1,6 +1,7 @@
 """Which files ``fp16kit migrate`` rewrites, and rewriting one (the printing is the command line's).
 
     for PATH given:  a file   -> it, when it is Python (*.py, *.pyw, *.pyi, or a `#!...python` script)
+                                 and a regular file (not a FIFO, socket or device)
                      a folder -> every Python file below it, skipping hidden folders, virtual
                                  environments (a pyvenv.cfg inside), site-packages, __pycache__,
                                  node_modules; symlinked folders are not followed
@@ -72,9 +73,10 @@ def iter_python_files(paths: Iterable[str]) -> Iterator[str]:
                     if not d.startswith(".") and d not in _SKIP_DIRS and not _is_venv(os.path.join(root, d))
                 )
                 found.extend(os.path.join(root, f) for f in files if not f.startswith("."))
-            candidates = sorted(f for f in found if is_python_file(f))
+            # regular files only: opening a FIFO (or a device) named *.py would wait forever
+            candidates = sorted(f for f in found if os.path.isfile(f) and is_python_file(f))
         else:
-            candidates = [path] if is_python_file(path) else []
+            candidates = [path] if os.path.isfile(path) and is_python_file(path) else []
         for candidate in candidates:
             real = os.path.realpath(candidate)
             if real not in seen:

@@ -99,3 +99,13 @@ def test_unparsable_and_unreadable_files_are_reported_not_written(tmp_path):
     assert bad.read_text() == "import apex\nprint 'x'\n"
     gone = migrate_file(str(tmp_path / "missing.py"))
     assert gone.error is not None and "cannot read" in gone.error
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_fifos_are_not_opened(tmp_path):
+    # a named pipe in the tree (*.py or an extensionless name) used to block the walk forever on open()
+    os.mkfifo(tmp_path / "pipe.py")
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "train.py").write_text("from apex import amp\n")
+    assert list(iter_python_files([str(tmp_path)])) == [str(tmp_path / "train.py")]
+    assert list(iter_python_files([str(tmp_path / "pipe.py")])) == []
