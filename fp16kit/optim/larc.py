@@ -16,22 +16,37 @@ Each value is computed with the same torch ops as apex's, in the param's dtype, 
 are apex's bit for bit; the ``pn != 0 and gn != 0`` test and the clip run on the device
 (``torch.where``/``clamp``), so a step never waits for the device.
 
-LARC is a wrapper, not a ``torch.optim.Optimizer``: it proxies ``param_groups``, ``state``,
-``state_dict``, ``load_state_dict``, ``zero_grad`` and ``add_param_group`` to the optimizer it
-wraps (``larc.optim``); build learning-rate schedulers on ``larc.optim``.
+LARC is a view of the optimizer it wraps (``larc.optim``): ``param_groups``, ``state``,
+``defaults``, ``state_dict``, ``load_state_dict``, ``zero_grad`` and ``add_param_group`` are
+that optimizer's. FIX: it is also a ``torch.optim.Optimizer`` (apex's was a plain object, so
+``StepLR(larc)`` raised ``TypeError: LARC is not an Optimizer``): LR schedulers, step hooks,
+``isinstance`` checks and ``MixedPrecisionOptimizer(LARC(opt))`` work on it; a scheduler built
+on ``larc`` or on ``larc.optim`` changes the same lr.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..wrapping import WrappingOptimizer
+
 __all__ = ["LARC"]
 
+_HOOKS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
 
-class LARC:
+
+class LARC(WrappingOptimizer):
     """``LARC(optimizer, trust_coefficient=0.02, clip=True, eps=1e-8)``: see the module docstring."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True,
@@ -41,29 +56,42 @@ class LARC:
                 f"LARC wraps an optimizer (an object with param_groups and step()), got "
                 f"{type(optimizer).__name__}; pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
             )
-        self.optim = optimizer
+        from ..optimizer import MixedPrecisionOptimizer
+
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            # its fp32 master grads are made inside its own step(), after LARC would have run:
+            # LARC would rescale nothing and the step would be plain SGD, silently
+            raise TypeError(
+                "LARC must wrap the optimizer that MixedPrecisionOptimizer wraps, not the other way: "
+                "MixedPrecisionOptimizer(LARC(optimizer)) (LARC then rescales the fp32 master grads)."
+            )
+        super().__init__(optimizer)
         self.trust_coefficient = trust_coefficient
         self.eps = eps
         self.clip = clip
 
+    @property
+    def optim(self) -> Any:
+        """The wrapped optimizer (apex's attribute name)."""
+        return self.optimizer
+
+    @optim.setter
+    def optim(self, value: Any) -> None:
+        self.optimizer = value
+
     def __repr__(self) -> str:
         return repr(self.optim)
 
-    @property
-    def state(self) -> Any:
-        return self.optim.state
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer pickles only defaults/state/param_groups, which are the wrapped
+        # optimizer's here: keep the wrapper's own attributes, drop the hooks (as torch does)
+        # (and a "step" an LR scheduler or amp set on the instance, as torch's pickle loses it)
+        return {k: v for k, v in self.__dict__.items() if k not in _HOOKS and k != "step"}
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optim.param_groups = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optim.defaults
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name in _HOOKS:
+            setattr(self, name, OrderedDict())
 
     def state_dict(self) -> dict[str, Any]:
         return self.optim.state_dict()
