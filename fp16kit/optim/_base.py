@@ -144,12 +144,29 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         return with_settings(self, super().__getstate__())
 
-    @staticmethod
-    def advance_group_step(group: dict[str, Any]) -> int:
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's load_state_dict installs the *saved* groups through __setstate__: a setting a
+        # checkpoint lacks (one from torch's AdamW has no 'bias_correction') keeps the
+        # constructor's value, as torch's own optimizers do, instead of a KeyError at the step
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def advance_group_step(self, group: dict[str, Any]) -> int:
         """apex's group step: one count per param group, advanced at every ``step()`` (also
-        for params without a grad, and groups without any)."""
-        group["step"] = int(group.get("step", 0)) + 1
+        for params without a grad, and groups without any). A group without a count whose
+        params carry torch's per-param ``state[p]['step']`` (a torch Adam(W) checkpoint)
+        continues from the most steps any of them took; those per-param counts are dropped."""
+        if "step" not in group:
+            group["step"] = self._adopt_param_steps(group)
+        group["step"] = int(group["step"]) + 1
         return group["step"]
+
+    def _adopt_param_steps(self, group: dict[str, Any]) -> int:
+        # once, at the first step after such a load: one host read per param with a count
+        steps = [self.state[p].pop("step") for p in group["params"] if "step" in self.state.get(p, {})]
+        return max((int(s) for s in steps), default=0)
 
 
 
