@@ -1,0 +1,106 @@
+"""Converted files (``fp16kit convert-checkpoint``) loaded into the classes that should take them:
+the apex-era optimizer a script still uses (``fp16kit.legacy.optimizers.FusedAdam`` inside
+Megatron's ``FP16_Optimizer``) and torch's AdamW, each stepped once against apex's rule written
+out by hand (spec/apex-others.md §3.1, §2.3) -- files written as 2019-2020 code wrote them:
+torch's legacy format, pickle protocol 2, tensors on ``cuda:0``, Megatron's scaler pickled as
+an object of its own module path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from fp16kit.legacy import load_checkpoint
+from fp16kit.legacy.convert import convert_file
+
+LR, B1, B2, EPS, WD, STEP = 1e-3, 0.9, 0.999, 1e-8, 0.01, 57
+
+
+def _megatron_file(tmp_path, megatron, save_on):
+    """A Megatron-LM v1 checkpoint (spec §6): args, fp16 model, FP16_Optimizer over FusedAdam
+    (group step 57), its DynamicLossScaler pickled as an object."""
+    torch.manual_seed(3)
+    w = torch.randn(4, 3).half()
+    w.model_parallel = True
+    inner = {"state": {0: {"exp_avg": torch.randn(4, 3) * 0.01, "exp_avg_sq": torch.rand(4, 3) * 1e-4}},
+             "param_groups": [{"lr": LR, "bias_correction": True, "betas": (B1, B2), "eps": EPS,
+                               "weight_decay": WD, "step": STEP, "params": [0]}]}
+    optimizer = {"loss_scaler": megatron(cur_scale=1024.0, cur_iter=STEP, last_overflow_iter=50, scale_window=1000.0),
+                 "dynamic_loss_scale": True, "overflow": False, "first_closure_call_this_step": True,
+                 "optimizer_state_dict": inner, "fp32_from_fp16": [[w.float() + 0.001]]}
+    ckpt = {"args": argparse.Namespace(fp16=True, params_dtype=torch.half), "iteration": STEP,
+            "model": {"w": w}, "optimizer": optimizer}
+    # as torch 1.4 wrote it from a GPU: legacy format, protocol 2, storages on cuda:0
+    return save_on(ckpt, tmp_path / "megatron.pt", legacy=True), ckpt
+
+
+def _apex_adam(master, m, v, g, t):
+    """apex FusedAdam (adam_w_mode), spec §3.1, in double."""
+    out = []
+    for p, mi, vi, gi in zip(master.flatten().tolist(), m.flatten().tolist(), v.flatten().tolist(),
+                             g.flatten().tolist()):
+        mi = B1 * mi + (1 - B1) * gi
+        vi = B2 * vi + (1 - B2) * gi * gi
+        u = (mi / (1 - B1**t)) / (math.sqrt(vi / (1 - B2**t)) + EPS) + WD * p
+        out.append(p - LR * u)
+    return out
+
+
+@pytest.mark.parametrize("torch_optimizer_state", [False, True])
+def test_a_converted_megatron_checkpoint_continues_in_fusedadam_at_the_saved_step(
+        tmp_path, megatron, save_on, torch_optimizer_state):
+    """--torch-optimizer-state used to drop the group's step: apex's FusedAdam (which reads only
+    that) then restarted its bias correction at step 1, silently."""
+    from fp16kit.legacy.megatron import FP16_Optimizer
+    from fp16kit.legacy.optimizers import FusedAdam
+
+    path, saved = _megatron_file(tmp_path, megatron, save_on)
+    out = tmp_path / "converted.pt"
+    convert_file(path, out, torch_optimizer_state=torch_optimizer_state)
+    ckpt = torch.load(out, weights_only=True)
+    assert load_checkpoint(path)["optimizer"]["loss_scaler"]["cur_scale"] == 1024.0
+
+    model = torch.nn.Linear(3, 4, bias=False).half()
+    model.weight.data = ckpt["model"]["w"].clone()
+    opt = FP16_Optimizer(FusedAdam(model.parameters(), lr=LR, weight_decay=WD), dynamic_loss_scale=True)
+    opt.load_state_dict(ckpt["optimizer"])
+    x = torch.tensor([[0.5, -1.0, 0.25]]).half()
+    opt.zero_grad()
+    opt.backward(model(x).float().sum())
+    opt.step()
+
+    inner = saved["optimizer"]["optimizer_state_dict"]["state"][0]
+    g = x.float().expand(4, 3)  # d(sum(W x))/dW, unscaled exactly (1024 is a power of two)
+    want = _apex_adam(saved["optimizer"]["fp32_from_fp16"][0][0], inner["exp_avg"], inner["exp_avg_sq"], g, STEP + 1)
+    got = opt.fp32_from_fp16_groups[0][0].flatten().tolist()
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-8)
+    assert opt.optimizer.param_groups[0]["step"] == STEP + 1
+    assert opt.loss_scaler.cur_iter == STEP + 1 and opt.loss_scaler.cur_scale == 1024.0
+
+
+def test_a_file_converted_for_torch_still_loads_into_torchs_adamw(tmp_path, megatron, save_on):
+    path, saved = _megatron_file(tmp_path, megatron, save_on)
+    out = tmp_path / "converted.pt"
+    convert_file(path, out, torch_optimizer_state=True)
+    osd = torch.load(out, weights_only=True)["optimizer"]["optimizer_state_dict"]
+    master = saved["optimizer"]["fp32_from_fp16"][0][0].clone().requires_grad_()
+    adam = torch.optim.AdamW([master], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    adam.load_state_dict(osd)
+    g = torch.linspace(-1, 1, 12).reshape(4, 3)
+    master.grad = g
+    adam.step()
+    inner = saved["optimizer"]["optimizer_state_dict"]["state"][0]
+    # torch's AdamW decays before the update: p*(1-lr*wd) - lr*m_hat/(sqrt(v_hat)+eps)
+    before = saved["optimizer"]["fp32_from_fp16"][0][0].flatten().tolist()
+    t = STEP + 1
+    for j, (p, m, v, gi) in enumerate(zip(before, inner["exp_avg"].flatten().tolist(),
+                                          inner["exp_avg_sq"].flatten().tolist(), g.flatten().tolist())):
+        m = B1 * m + (1 - B1) * gi
+        v = B2 * v + (1 - B2) * gi * gi
+        want = p * (1 - LR * WD) - LR / (1 - B1**t) * m / (math.sqrt(v) / math.sqrt(1 - B2**t) + EPS)
+        assert master.flatten()[j].item() == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert adam.state[master]["step"].item() == t
