@@ -27,7 +27,7 @@ import torch
 from ..core import kernels
 from ._base import buckets, check_state_shapes, keep_state_precision, with_settings, work_dtype
 
-__all__ = ["SGD", "sgd_group_step"]
+__all__ = ["SGD", "sgd_step"]
 
 
 class SGD(torch.optim.SGD):
@@ -75,8 +75,7 @@ class SGD(torch.optim.SGD):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            sgd_group_step(self, group, wd_after_momentum=self.wd_after_momentum)
+        sgd_step(self, wd_after_momentum=self.wd_after_momentum)
         return loss
 
     def _needs_own_path(self) -> bool:
@@ -88,19 +87,39 @@ class SGD(torch.optim.SGD):
         )
 
 
-def sgd_group_step(
+def sgd_step(
     opt: torch.optim.Optimizer,
-    group: dict[str, Any],
     *,
     wd_after_momentum: bool,
-    grads: Sequence[torch.Tensor | None] | None = None,
-    outputs: Sequence[torch.Tensor | None] | None = None,
+    grads: Sequence[Sequence[torch.Tensor | None] | None] | None = None,
+    outputs: Sequence[Sequence[torch.Tensor | None] | None] | None = None,
     scale: float | torch.Tensor = 1.0,
 ) -> None:
-    """One step of the rule for one group of ``opt`` (state: ``momentum_buffer``). ``grads``
-    replace the params' ``.grad``; ``outputs`` receive the updated params (rounded to their
-    dtype), as apex's contrib FusedSGD's ``output_params``; ``scale``: the grads are scaled by it
-    (they are multiplied by ``1/scale``, the reciprocal taken in float64)."""
+    """One step of the rule over every group of ``opt`` (state: ``momentum_buffer``).
+    ``grads[i]`` (one list per group, or None) replace group i's params' ``.grad``;
+    ``outputs[i]`` receive the updated params (rounded to their dtype), as apex's contrib
+    FusedSGD's ``output_params``; ``scale``: the grads are scaled by it (they are multiplied by
+    ``1/scale``, the reciprocal taken in float64). Every group is checked (sparse grads) before
+    any param or buffer changes."""
+    groups = opt.param_groups
+    grads = [None] * len(groups) if grads is None else list(grads)
+    outputs = [None] * len(groups) if outputs is None else list(outputs)
+    work = [_collect(opt, group, g, o) for group, g, o in zip(groups, grads, outputs)]
+    inv_scale: float | torch.Tensor = (
+        kernels.inv_scale(scale.detach()) if isinstance(scale, torch.Tensor) else 1.0 / scale
+    )
+    for group, (params, found, outs) in zip(groups, work):
+        if params:
+            _group_step(opt, group, params, found, outs, inv_scale, wd_after_momentum)
+
+
+def _collect(
+    opt: torch.optim.Optimizer,
+    group: dict[str, Any],
+    grads: Sequence[torch.Tensor | None] | None,
+    outputs: Sequence[torch.Tensor | None] | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
+    """The group's params with a grad (supplied, else ``p.grad``), their grads and outputs."""
     n = len(group["params"])
     grads = [None] * n if grads is None else (list(grads) + [None] * n)[:n]
     outputs = [None] * n if outputs is None else (list(outputs) + [None] * n)[:n]
@@ -110,15 +129,26 @@ def sgd_group_step(
         if g is None:
             continue
         if g.is_sparse:
-            raise RuntimeError(f"{getattr(opt, 'display_name', 'SGD')} does not support sparse gradients.")
+            raise RuntimeError(
+                f"{getattr(opt, 'display_name', 'SGD')} does not support sparse gradients with "
+                "fp16/bf16 params or wd_after_momentum: give the sparse (fp32) params a "
+                "torch.optim.SGD of their own."
+            )
         params.append(p)
         found.append(g.detach())
         outs.append(o)
-    if not params:
-        return
-    inv_scale: float | torch.Tensor = (
-        kernels.inv_scale(scale.detach()) if isinstance(scale, torch.Tensor) else 1.0 / scale
-    )
+    return params, found, outs
+
+
+def _group_step(
+    opt: torch.optim.Optimizer,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    found: list[torch.Tensor],
+    outs: list[torch.Tensor | None],
+    inv_scale: float | torch.Tensor,
+    wd_after_momentum: bool,
+) -> None:
     lr, wd = group["lr"], group["weight_decay"]
     momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
     is_new = [opt.state[p].get("momentum_buffer") is None for p in params]

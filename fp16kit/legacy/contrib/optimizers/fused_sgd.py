@@ -1,6 +1,6 @@
 """apex.contrib.optimizers.fused_sgd: the wrapper-only ``FusedSGD`` (it must be driven by the
 fused-era ``FP16_Optimizer``, which supplies the fp16 grads, the fp16 output params and the
-scale), a facade over :func:`fp16kit.optim.sgd.sgd_group_step`."""
+scale), a facade over :func:`fp16kit.optim.sgd.sgd_step`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.optim.optimizer import required
 
 from ....optim import SGD
 from ....optim.legacy_adam import per_group
-from ....optim.sgd import sgd_group_step
+from ....optim.sgd import sgd_step
 
 __all__ = ["FusedSGD"]
 
@@ -65,11 +65,9 @@ class FusedSGD(SGD):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads_per = per_group(grads, len(self.param_groups))
-        outs_per = per_group(output_params, len(self.param_groups))
-        for group, g_list, o_list in zip(self.param_groups, grads_per, outs_per):
-            sgd_group_step(self, group, wd_after_momentum=self.wd_after_momentum, grads=g_list,
-                           outputs=o_list, scale=scale)
+        sgd_step(self, wd_after_momentum=self.wd_after_momentum,
+                 grads=per_group(grads, len(self.param_groups)),
+                 outputs=per_group(output_params, len(self.param_groups)), scale=scale)
         return loss
 
     def step_with_grads(

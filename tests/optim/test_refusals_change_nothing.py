@@ -1,0 +1,73 @@
+"""A step that is refused (a sparse grad, an unsupported dtype) raises before any param, grad
+or optimizer state changes -- also when the bad param sits in a later param group than params
+that could have been stepped already (house rule 7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp16kit.legacy.contrib.optimizers import FusedSGD as ContribFusedSGD
+from fp16kit.legacy.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from fp16kit.optim import LAMB, SGD, Adagrad, Adam, LegacyAdam, NovoGrad
+
+CASES = [
+    (Adam, {}), (LAMB, {}), (NovoGrad, {}), (Adagrad, {}), (LegacyAdam, {}),
+    (SGD, dict(lr=0.1, momentum=0.9)), (SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1, wd_after_momentum=True)),
+    (FusedAdam, {}), (FusedLAMB, {}), (FusedNovoGrad, {}), (FusedAdagrad, {}),
+    (FusedSGD, dict(lr=0.1, momentum=0.9)),
+]
+
+
+def _snapshot(opt, params):
+    state = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+             for p in params if p in opt.state}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return [p.detach().clone() for p in params], state, groups
+
+
+def _same(before, opt, params):
+    values, state, groups = before
+    assert all(torch.equal(a, p.detach()) for a, p in zip(values, params))
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    for p in params:
+        now = opt.state[p] if p in opt.state else {}
+        was = state.get(id(p), {})
+        assert now.keys() == was.keys()
+        assert all(torch.equal(now[k], was[k]) if isinstance(was[k], torch.Tensor) else now[k] == was[k] for k in was)
+
+
+@pytest.mark.parametrize("cls,kw", CASES)
+def test_a_sparse_grad_in_a_later_group_is_refused_before_any_change(cls, kw):
+    half = torch.randn(3, 2, dtype=torch.float16, requires_grad=True)  # SGD: the own (fp32-math) path
+    dense = torch.randn(4, requires_grad=True)
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    params = [half, dense, emb.weight]
+    opt = cls([{"params": [half, dense]}, {"params": [emb.weight]}], **kw)
+    for k in range(2):  # some state first
+        half.grad = torch.randn(3, 2).half()
+        dense.grad = torch.randn(4)
+        emb.weight.grad = torch.randn(6, 2)
+        opt.step()
+    half.grad = torch.randn(3, 2).half()
+    dense.grad = torch.randn(4)
+    emb.weight.grad = None
+    emb(torch.tensor([1, 3])).sum().backward()
+    assert emb.weight.grad.is_sparse
+    before = _snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    _same(before, opt, params)
+
+
+def test_contrib_fused_sgd_refuses_a_sparse_grad_of_a_later_group_before_any_change():
+    half = torch.randn(3, dtype=torch.float16, requires_grad=True)
+    other = torch.randn(5, dtype=torch.float16, requires_grad=True)
+    opt = ContribFusedSGD([{"params": [half]}, {"params": [other]}], lr=0.1, momentum=0.9)
+    out = [[half], [other]]
+    opt.step(grads=[[torch.ones(3).half()], [torch.ones(5).half()]], output_params=out, scale=4.0)
+    before = _snapshot(opt, [half, other])
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (5,), check_invariants=True).half()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step(grads=[[torch.ones(3).half()], [sparse]], output_params=out, scale=4.0)
+    _same(before, opt, [half, other])
