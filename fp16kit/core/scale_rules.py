@@ -44,7 +44,8 @@ Rule = Literal["torch", "apex", "apex_amp"]
 class ScaleSettings(Protocol):
     """The knobs a rule reads, at each update: a :class:`~fp16kit.core.scale.LossScale` itself
     (so assigning e.g. its ``growth_factor`` takes effect at the next update), or
-    :class:`FixedSettings` to use a rule on its own."""
+    :class:`FixedSettings` to use a rule on its own. ``consecutive_hysteresis`` may be absent
+    (objects written before it existed): it then counts as False."""
 
     growth_factor: float
     backoff_factor: float
@@ -166,7 +167,8 @@ class ScaleRule:
         if k.max_scale is not None:
             grown = grown.clamp_max(k.max_scale)
         new_scale = torch.where(self.accepts(grow, grown, k), grown, after_backoff)
-        rearm = (grow | ~found) if k.consecutive_hysteresis else grow
+        # a settings object written before the setting existed lacks it: False, as it behaved
+        rearm = (grow | ~found) if getattr(k, "consecutive_hysteresis", False) else grow
         new_hyst = torch.where(rearm, k.hysteresis, hyst)
         return Step(new_scale, self.next_tracker(grow, counted), new_hyst, backoff, s)
 
