@@ -26,7 +26,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib.machinery
-import importlib.util
 import io
 import os
 import runpy
@@ -43,6 +42,9 @@ __all__ = ["RunError", "run_script", "run_module"]
 
 # the frames a traceback drops: this module's and runpy's ("<frozen runpy>" when it is frozen)
 _LAUNCHER_FILES = frozenset({__file__, runpy.__file__, runpy.run_path.__code__.co_filename})
+# where runpy raises the errors `python -m` reports in one line (private, but the same since 3.4)
+_GET_MODULE_DETAILS = getattr(runpy, "_get_module_details", None)
+_GET_MODULE_DETAILS = getattr(_GET_MODULE_DETAILS, "__code__", None)
 
 
 class RunError(Exception):
@@ -90,13 +92,26 @@ def run_module(name: str, args: Sequence[str] = (), *, megatron: bool = False, s
     if not name or name.startswith("."):
         raise RunError(f"Relative module names not supported: {name!r}", 1)
     with _script_environment([name, *args], os.getcwd(), megatron=megatron, shadow=shadow):
-        try:
-            found = importlib.util.find_spec(name)
-        except ImportError as e:  # a parent package missing, or an uncovered apex name
-            raise RunError(f"Error while finding module specification for {name!r} ({type(e).__name__}: {e})", 1) from None
-        if found is None:
-            raise RunError(f"No module named {name}", 1)
-        return _call(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True))
+        return _call(lambda: _run_module_as_main(name))
+
+
+def _run_module_as_main(name: str) -> None:
+    """runpy.run_module, with what ``python -m`` prints as one line (runpy's own "No module named X",
+    "Error while finding module specification ...", "X is a package and cannot be directly executed")
+    turned into RunError; an error raised while importing the module's packages keeps its traceback,
+    as python's does."""
+    try:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    except ImportError as e:
+        codes = []  # the frames from here to where it was raised
+        tb = e.__traceback__
+        while tb is not None:
+            codes.append(tb.tb_frame.f_code)
+            tb = tb.tb_next
+        # raised by runpy itself for this call (not by a runpy call inside the module's own code)
+        if len(codes) > 2 and codes[1] is runpy.run_module.__code__ and all(c is _GET_MODULE_DETAILS for c in codes[2:]):
+            raise RunError(str(e), 1) from None
+        raise
 
 
 @contextlib.contextmanager
@@ -167,6 +182,8 @@ def _strip_launcher_frames(tb: TracebackType | None) -> TracebackType | None:
 def _call(run: Any) -> int:
     try:
         run()
+    except RunError:
+        raise  # the script could not start: the command line prints it
     except SystemExit as e:
         return _system_exit_code(e.code)
     except KeyboardInterrupt as e:

@@ -149,3 +149,27 @@ def test_run_module(tmp_path, monkeypatch, capsys):
     assert e.value.exit_code == 1
     with pytest.raises(RunError, match="torch.nn.LSTM"):
         run_module("apex.RNN", [])
+
+
+def test_run_module_errors_read_as_python_m_does(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nomain").mkdir()
+    (tmp_path / "nomain" / "__init__.py").write_text("")
+    # python -m nomain: one line, exit 1 (was runpy's chained ImportError traceback)
+    with pytest.raises(RunError) as e:
+        run_module("nomain", [])
+    assert str(e.value) == "No module named nomain.__main__; 'nomain' is a package and cannot be directly executed"
+    assert e.value.exit_code == 1
+    # an import failing inside the package: python shows where (was one line without file or line)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "__init__.py").write_text("x = 1\nfrom apex.contrib import xentropy\n")
+    (tmp_path / "broken" / "train.py").write_text("print('never')\n")
+    assert run_module("broken.train", []) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):\n")
+    assert f'File "{tmp_path / "broken" / "__init__.py"}", line 2, in <module>' in err
+    assert "torch.nn.functional.cross_entropy" in err and "runpy" not in err
+    # a runpy call inside the module's own code is the module's error: a traceback, not a RunError
+    (tmp_path / "launcher.py").write_text("import runpy\nrunpy.run_module('no_such_module_at_all')\n")
+    assert run_module("launcher", []) == 1
+    assert "ImportError: No module named no_such_module_at_all" in capsys.readouterr().err
