@@ -28,6 +28,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import types
@@ -187,6 +188,22 @@ def _real_module(name: str) -> str | None:
     return spec.origin
 
 
+def _has_amp(imported: types.ModuleType | None, name: str) -> bool:
+    """Whether a real apex package holds amp/ or fp16_utils/ (looked up in its folders, not imported)."""
+    if imported is not None:
+        folders = list(getattr(imported, "__path__", None) or [])
+    else:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return True
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any(
+        os.path.exists(os.path.join(folder, sub, "__init__.py")) or os.path.exists(os.path.join(folder, f"{sub}.py"))
+        for folder in folders for sub in ("amp", "fp16_utils")
+    )
+
+
 def _check_no_real(names: tuple[str, ...], shadow: bool) -> None:
     for name in names:
         imported = sys.modules.get(name)
@@ -194,12 +211,20 @@ def _check_no_real(names: tuple[str, ...], shadow: bool) -> None:
         if where is None or shadow:
             continue
         state = "is already imported" if imported is not None else "is importable"
-        fix = (
-            "If it is NVIDIA apex, you do not need the alias. If it is PyPI's unrelated 'apex' package "
-            "(installed by mistake), remove it: pip uninstall apex."
-            if name in apex_map.ROOTS
-            else "If it is Megatron-LM v1's own fp16 package, run it as it is, or migrate to fp16kit.legacy.megatron."
-        )
+        if name not in apex_map.ROOTS:
+            fix = "If it is Megatron-LM v1's own fp16 package, run it as it is, or migrate to fp16kit.legacy.megatron."
+        elif name == "apex" and not _has_amp(imported, name):
+            # NVIDIA apex >= 25.x (what NGC containers ship) or PyPI's unrelated apex: the alias is what is needed
+            fix = (
+                "It has no apex.amp or apex.fp16_utils: NVIDIA apex removed them in 25.x, and PyPI's 'apex' is an "
+                "unrelated project (pip uninstall apex if it was installed by mistake). To run apex-era code with it "
+                "installed, let fp16kit's alias hide it."
+            )
+        else:
+            fix = (
+                "If it is NVIDIA apex with apex.amp (before 25.x), you do not need the alias. If it is PyPI's unrelated "
+                "'apex' package (installed by mistake), remove it: pip uninstall apex."
+            )
         raise RuntimeError(
             f"install_apex_alias(): a real module named {name!r} {state} ({where}), so fp16kit's alias would "
             f"hide it. {fix} To hide it anyway: install_apex_alias(shadow=True) or `fp16kit run --shadow`."

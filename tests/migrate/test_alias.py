@@ -208,3 +208,22 @@ def test_uninstall_forgets_what_was_imported(alias):
     uninstall_apex_alias()
     assert not [k for k in sys.modules if k.partition(".")[0] == "apex"]
     assert "fp16kit.legacy.optimizers.fused_adam" in sys.modules  # fp16kit's own stay imported
+
+
+def test_a_real_apex_without_amp_gets_the_advice_to_shadow_it(alias, tmp_path, monkeypatch):
+    # NVIDIA apex >= 25.x (NGC containers ship it) has no amp / fp16_utils: "you do not need the alias"
+    # was wrong advice there -- the alias is exactly what its user needs
+    _fake_package(tmp_path, "apex")
+    (tmp_path / "apex" / "contrib").mkdir()
+    (tmp_path / "apex" / "contrib" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError) as e:
+        alias()
+    message = str(e.value)
+    assert "no apex.amp or apex.fp16_utils" in message and "25.x" in message and "shadow=True" in message
+    assert "you do not need the alias" not in message and not apex_alias_installed()
+    (tmp_path / "apex" / "amp").mkdir()  # an apex that still has amp: the alias is not needed
+    (tmp_path / "apex" / "amp" / "__init__.py").write_text("")
+    importlib.invalidate_caches()
+    with pytest.raises(RuntimeError, match="you do not need the alias.*pip uninstall apex"):
+        alias()
