@@ -8,7 +8,9 @@ not written by torch.save  its first bytes are neither a zip archive holding
                            ``data.pkl`` nor torch's legacy magic number
 truncated or corrupt       it starts like torch.save's output, but its zip archive does
                            not open or fails its CRC check, or torch ran out of data
-                           (legacy format) or met bytes no pickle has
+                           (legacy format) or met bytes no pickle has, or a tensor's
+                           pickle claims more bytes than its data holds (than the
+                           whole file, in the legacy format)
 a whole pickled object     a refused global in a pickle holding ``_modules`` and
                            ``_parameters`` (``nn.Module``'s state) or ``param_groups``
                            and ``defaults`` (``Optimizer``'s): the pickle is parsed,
@@ -191,11 +193,45 @@ def _damage(e: Exception, f: Any, start: int | None) -> str:
     if isinstance(e, EOFError):
         return "it ends in the middle of a pickle"
     message = str(e)
+    if isinstance(e, RuntimeError):
+        sizes = _size_claim(message, f, start)
+        if sizes:
+            return sizes
     if isinstance(e, (RuntimeError, OSError, pickle.UnpicklingError)) and _TORCH_DAMAGE.search(message):
         if "Unsupported operand" in message:
             return f"its pickle holds a byte that is no pickle opcode torch.save writes ({message})"
         return "torch ran out of data or found it damaged"
     return ""
+
+
+_WRONG_SIZE = re.compile(r"storage has wrong byte size|record size \((\d+) bytes\) does not match expected size \((\d+) bytes")
+_ALLOCATING = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def _size_claim(message: str, f: Any, start: int | None) -> str:
+    """torch's error for a pickle claiming tensor sizes its data does not hold, as damage
+    ("" when ``message`` is another error). A failed allocation is damage only when it is
+    larger than the whole file: the legacy format stores each tensor's bytes as they are, so a
+    file holding its data is larger than any of them (a real out-of-memory passes through)."""
+    found = _WRONG_SIZE.search(message)
+    if found:
+        held = f" ({found.group(1)} bytes held, {found.group(2)} claimed)" if found.group(1) else ""
+        return f"a tensor's data is not the size its pickle claims{held}"
+    found = _ALLOCATING.search(message)
+    if found:
+        size = _look(f, start, _size_after_start)
+        if size and not size.startswith("zip") and int(found.group(1)) > int(size):
+            return f"its pickle claims a tensor of {int(found.group(1)):,} bytes, more than the whole file ({int(size):,} bytes)"
+    return ""
+
+
+def _size_after_start(opened: Any) -> str:
+    """The number of bytes from the current position to the end ("zip ..." for a zip archive,
+    whose records may be compressed)."""
+    start = opened.tell()
+    head = opened.read(4)
+    end = opened.seek(0, os.SEEK_END)
+    return f"zip {end - start}" if head == b"PK\x03\x04" else str(end - start)
 
 
 def damaged(f: Any, start: int | None, *, records: str = "pickle") -> pickle.UnpicklingError | None:

@@ -1,0 +1,76 @@
+"""Files whose pickle claims tensor sizes their data does not hold (a damaged or crafted file):
+``load_checkpoint`` refuses them with its one exception type (``pickle.UnpicklingError``, "this
+file was not loaded") saying the file is corrupt -- not torch's ``RuntimeError: can't allocate
+memory: you tried to allocate 4398046511104 bytes`` for a 300-byte file, which reads as "buy more
+RAM". Also: REDUCE chains through torch's own allowed rebuild helpers, and the CLI's behaviour
+on them (exit 1, nothing written).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+
+import pytest
+import torch
+
+from fp16kit.legacy import load_checkpoint
+from fp16kit.legacy.convert import convert_file
+
+
+def _claim(data: bytes, numel: int, at: bytes = b"cpu") -> bytes:
+    """``data`` (a pickle holding one 4-element storage) with the storage's numel replaced."""
+    i = data.find(at)
+    j = data.find(b"K\x04", i)  # BININT1 4: the storage's numel, after its location
+    assert i > 0 and j > i
+    new = b"J" + numel.to_bytes(4, "little") if numel < 2**31 else b"\x8a\x08" + numel.to_bytes(8, "little")
+    return data[:j] + new + data[j + 2:]
+
+
+def _legacy_file(numel: int) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=False)
+    return _claim(buf.getvalue(), numel)
+
+
+def _zip_file(numel: int) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in src.infolist():
+            record = src.read(info.filename)
+            z.writestr(info.filename, _claim(record, numel) if info.filename.endswith("data.pkl") else record)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("numel", [8, 2**26, 2**40], ids=["double", "256MB", "4TB"])
+@pytest.mark.parametrize("make", [_legacy_file, _zip_file], ids=["legacy-format", "zip"])
+def test_a_tensor_claiming_more_data_than_the_file_holds_is_refused_as_corrupt(tmp_path, make, numel):
+    data = make(numel)
+    with pytest.raises(RuntimeError):  # what torch itself says
+        torch.load(io.BytesIO(data), weights_only=True)
+    with pytest.raises(pickle.UnpicklingError, match=r"is truncated or corrupt: .*(claims|not the size)") as info:
+        load_checkpoint(io.BytesIO(data))
+    assert "allocate" not in str(info.value).split("(torch said")[0]
+    path = tmp_path / "bad.pt"
+    path.write_bytes(data)
+    with pytest.raises(pickle.UnpicklingError, match="truncated or corrupt"):
+        convert_file(path, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"]
+
+
+def test_a_real_out_of_memory_is_not_called_corrupt(monkeypatch, tmp_path):
+    """A file that holds its data, on a machine without the memory: torch's error, unchanged."""
+    path = tmp_path / "ok.pt"
+    torch.save({"w": torch.zeros(4)}, path, _use_new_zipfile_serialization=False)
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 16 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(torch.serialization, "_legacy_load", no_memory)
+    with pytest.raises(RuntimeError, match="you tried to allocate 16 bytes"):
+        load_checkpoint(path)
