@@ -53,7 +53,8 @@ MODEL_PARALLEL_ATTRIBUTES = ("model_parallel", "tensor_model_parallel", "partiti
 class FP16_Module(nn.Module):
     """Megatron's FP16_Module: ``module.half()`` behind fp32 inputs and outputs (kwargs never
     cast; integer inputs unchanged). ``state_dict``/``load_state_dict`` are the child's (keys
-    without a ``module.`` prefix), as is ``state_dict_for_save_checkpoint``.
+    without a ``module.`` prefix), as is ``state_dict_for_save_checkpoint``; inside another
+    module, the keys its wrapper saved load back (FIX, see :meth:`_load_from_state_dict`).
 
     ``pipeline_first_stage`` / ``pipeline_last_stage`` (keyword only; Megatron asked its
     ``mpu``): only the first pipeline stage casts its inputs and only the last its outputs."""
@@ -83,6 +84,20 @@ class FP16_Module(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        """Inside another module (a DDP or DataParallel wrapper, a container), torch's loader
+        reaches this module by recursion and expects ``<prefix>module.<key>``, but
+        :meth:`state_dict` wrote ``<prefix><key>``: such keys are moved under ``module.``
+        here, so ``outer.load_state_dict(outer.state_dict())`` works (FIX: Megatron's raised
+        "Missing key(s)"). Keys already under ``module.`` load as they are."""
+        child_keys = list(self.module.state_dict(keep_vars=True))
+        if any(prefix + k in state_dict for k in child_keys) and not any(
+            prefix + "module." + k in state_dict for k in child_keys
+        ):
+            for key in [k for k in state_dict if k.startswith(prefix)]:
+                state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 def _megatron_scaler(

@@ -57,3 +57,60 @@ def test_package_names_as_megatrons_init():
     assert megatron.clip_grad_norm is megatron.fp16util.clip_grad_norm
     assert megatron.fp16.FP16_Optimizer is megatron.FP16_Optimizer
     assert megatron.loss_scaler.DynamicLossScaler is megatron.DynamicLossScaler
+
+
+def _net(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+def _assert_loaded(target, source):
+    for (name, a), (_, b) in zip(target.state_dict().items(), source.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_wrapped_fp16_module_loads_what_its_wrapper_saved():
+    """torch's loader reaches a nested FP16_Module by recursion and expects ``module.`` keys;
+    its state_dict wrote none: the keys the wrapper saved must load back (Megatron's raised
+    "Missing key(s)")."""
+
+    class Outer(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.inner = FP16_Module(_net(seed))
+            self.head = nn.Linear(2, 2)
+
+    saved, fresh = Outer(0), Outer(1)
+    assert list(saved.state_dict())[:2] == ["inner.0.weight", "inner.0.bias"]
+    result = fresh.load_state_dict(saved.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    _assert_loaded(fresh, saved)
+
+    # nn.DataParallel (on the CPU it just holds the module): keys "module.<key>"
+    dp_saved, dp_fresh = nn.DataParallel(FP16_Module(_net(0))), nn.DataParallel(FP16_Module(_net(1)))
+    dp_fresh.load_state_dict(dp_saved.state_dict())
+    _assert_loaded(dp_fresh, dp_saved)
+
+    # the child itself has a submodule named "module" (Megatron's LocalDDP inside)
+    class LocalDDP(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    nested_saved = nn.Sequential(FP16_Module(LocalDDP(_net(0))))
+    nested_fresh = nn.Sequential(FP16_Module(LocalDDP(_net(1))))
+    assert list(nested_saved.state_dict())[0] == "0.module.0.weight"
+    nested_fresh.load_state_dict(nested_saved.state_dict())
+    _assert_loaded(nested_fresh, nested_saved)
+
+
+def test_a_wrapped_fp16_module_still_loads_prefixed_keys_and_reports_wrong_ones():
+    saved = nn.Sequential(FP16_Module(_net(0)))
+    fresh = nn.Sequential(FP16_Module(_net(1)))
+    # torch's own layout (e.g. written by apex's 2018 FP16_Module): "0.module.<key>"
+    prefixed = {"0.module." + k: v for k, v in saved[0].module.state_dict().items()}
+    fresh.load_state_dict(prefixed)
+    _assert_loaded(fresh, saved)
+    wrong = {"0.nope." + k: v for k, v in saved[0].module.state_dict().items()}
+    result = nn.Sequential(FP16_Module(_net(2))).load_state_dict(wrong, strict=False)
+    assert "0.module.0.weight" in result.missing_keys and "0.nope.0.weight" in result.unexpected_keys
