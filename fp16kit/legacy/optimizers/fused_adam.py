@@ -5,8 +5,9 @@
   the legacy ``step`` keywords with apex's RuntimeError.
 * Built with ``eps_inside_sqrt=`` or ``max_grad_norm=`` (what BERT-era scripts pass, and
   apex's current class refuses with TypeError), or driven by the fused-era ``FP16_Optimizer``
-  (through :meth:`FusedAdam.step_with_grads`), it follows the legacy rule: per-param ``step``,
-  unscale and per-group clipping inside the update (spec/apex-others.md §1.4).
+  (through :meth:`FusedAdam.step_with_grads`, which calls ``step`` with the legacy keywords
+  as apex's wrapper did), it follows the legacy rule: per-param ``step``, unscale and
+  per-group clipping inside the update (spec/apex-others.md §1.4).
 """
 
 from __future__ import annotations
@@ -84,20 +85,21 @@ class FusedAdam(Adam):
         grad_scaler: Any = None,
     ) -> Any:
         legacy_keywords = any(v is not None for v in (grads, output_params, scale, grad_norms))
-        if legacy_keywords and not self.legacy_rule:
+        if legacy_keywords and not (self.legacy_rule or getattr(self, "_driven_by_wrapper", False)):
             raise RuntimeError(UPDATED)
         if grad_scaler is not None and self.capturable:
             raise RuntimeError(
                 "fp16kit's FusedAdam does not read a GradScaler inside step(): call "
                 "scaler.step(optimizer) (it unscales the grads and skips overflowing steps)."
             )
-        if not self.legacy_rule:
+        if not (self.legacy_rule or legacy_keywords):
             return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.step_with_grads(grads, output_params, 1.0 if scale is None else scale, grad_norms)
+        legacy_adam_step(self, grads, output_params, 1.0 if scale is None else scale, grad_norms,
+                         eps_inside_sqrt=self.eps_inside_sqrt)
         return loss
 
     def step_with_grads(
@@ -108,5 +110,11 @@ class FusedAdam(Adam):
         grad_norms: Sequence[Any] | None = None,
     ) -> None:
         """The legacy rule (spec §1.4) from supplied, scaled grads into ``output_params``: what
-        the fused-era ``FP16_Optimizer`` calls."""
-        legacy_adam_step(self, grads, output_params, scale, grad_norms, eps_inside_sqrt=self.eps_inside_sqrt)
+        the fused-era ``FP16_Optimizer`` calls. It goes through :meth:`step` (apex's wrapper
+        called ``step(grads=..., ...)``), so that an LR scheduler or step hooks attached to this
+        optimizer see the step."""
+        self._driven_by_wrapper = True
+        try:
+            self.step(None, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms)
+        finally:
+            self._driven_by_wrapper = False

@@ -1,0 +1,62 @@
+"""The fused-era FP16_Optimizer steps its inner optimizer through the inner optimizer's own
+``step`` (apex: ``self.optimizer.step(grads=..., output_params=..., scale=..., grad_norms=...)``),
+so what torch hangs on that method sees every step that is taken: an LR scheduler attached to
+the inner optimizer (the apex-era pattern -- apex's wrapper was no ``torch.optim.Optimizer``)
+does not warn "lr_scheduler.step() before optimizer.step()", and step hooks registered on the
+inner optimizer run once per step taken, never for a skipped (overflowed) one."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from fp16kit.legacy.contrib.optimizers import FP16_Optimizer, FusedAdam, FusedSGD
+from fp16kit.legacy.optimizers import FusedAdam as CurrentFusedAdam
+
+INNER = {
+    "contrib FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, bias_correction=False, max_grad_norm=1.0),
+    "FusedAdam(max_grad_norm=)": lambda ps: CurrentFusedAdam(ps, lr=1e-2, bias_correction=False, max_grad_norm=1.0),
+    "current FusedAdam": lambda ps: CurrentFusedAdam(ps, lr=1e-2),
+    "contrib FusedSGD": lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+def _params():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4, 3, generator=g).half().requires_grad_(), torch.randn(3, generator=g).half().requires_grad_()]
+
+
+@pytest.mark.parametrize("name", list(INNER))
+def test_a_scheduler_on_the_inner_optimizer_sees_the_steps(name):
+    params = _params()
+    inner = INNER[name](params)
+    opt = FP16_Optimizer(inner, static_loss_scale=8.0, verbose=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda s: 0.5**s)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*before.*optimizer.step")
+        for _ in range(3):
+            opt.backward(sum((p.float() ** 2).sum() for p in params))
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+
+
+@pytest.mark.parametrize("name", list(INNER))
+def test_inner_step_hooks_run_for_steps_taken_only(name):
+    params = _params()
+    inner = INNER[name](params)
+    opt = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False)
+    taken = []
+    inner.register_step_post_hook(lambda o, args, kwargs: taken.append(kwargs.get("scale")))
+    pattern = [True, False, False, True, False]  # overflow?
+    for bad in pattern:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        if bad:
+            params[1].grad[0] = float("inf")
+        opt.step()
+    assert len(taken) == pattern.count(False)
+    assert opt.cur_iter == len(pattern)
