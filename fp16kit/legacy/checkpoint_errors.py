@@ -10,7 +10,7 @@ truncated or corrupt       it starts like torch.save's output, but its zip archi
                            not open or fails its CRC check, or torch ran out of data
                            (legacy format) or met bytes no pickle has, or a tensor's
                            pickle claims more bytes than its data holds (than the
-                           whole file, in the legacy format)
+                           whole file, in the legacy format) or a view past its end
 a whole pickled object     a refused global in a pickle holding ``_modules`` and
                            ``_parameters`` (``nn.Module``'s state) or ``param_groups``
                            and ``defaults`` (``Optimizer``'s): the pickle is parsed,
@@ -205,6 +205,8 @@ def _damage(e: Exception, f: Any, start: int | None) -> str:
 
 
 _WRONG_SIZE = re.compile(r"storage has wrong byte size|record size \((\d+) bytes\) does not match expected size \((\d+) bytes")
+_BAD_VIEW = re.compile(r"Trying to resize storage that is not resizable|Storage size calculation overflowed|"
+                       r"numel: integer multiplication overflow|out of bounds for storage of size")
 _ALLOCATING = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
 
 
@@ -217,6 +219,8 @@ def _size_claim(message: str, f: Any, start: int | None) -> str:
     if found:
         held = f" ({found.group(1)} bytes held, {found.group(2)} claimed)" if found.group(1) else ""
         return f"a tensor's data is not the size its pickle claims{held}"
+    if _BAD_VIEW.search(message):  # torch.save writes views that fit their storage
+        return "a tensor's size, strides or offset do not fit its data (they reach past it or overflow)"
     found = _ALLOCATING.search(message)
     if found:
         size = _look(f, start, _size_after_start)

@@ -74,3 +74,37 @@ def test_a_real_out_of_memory_is_not_called_corrupt(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.serialization, "_legacy_load", no_memory)
     with pytest.raises(RuntimeError, match="you tried to allocate 16 bytes"):
         load_checkpoint(path)
+
+
+def _view(data: bytes, part: str, value: int) -> bytes:
+    """``data`` with the rebuilt tensor's offset, size or stride (``_rebuild_tensor_v2``'s
+    arguments after the storage: ``K\\x00 K\\x04 (1-tuple) K\\x01 (1-tuple)``) replaced."""
+    j = data.find(b"QK\x00K\x04\x85", data.find(b"cpu"))
+    k = data.find(b"K\x01\x85", j)
+    new = b"J" + value.to_bytes(4, "little", signed=True)
+    at = {"offset": (j + 1, j + 3), "size": (j + 3, j + 5), "stride": (k, k + 2)}[part]
+    return data[:at[0]] + new + data[at[1]:]
+
+
+def _rezip(data: bytes, edit) -> bytes:
+    src = zipfile.ZipFile(io.BytesIO(data))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in src.infolist():
+            record = src.read(info.filename)
+            z.writestr(info.filename, edit(record) if info.filename.endswith("data.pkl") else record)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("part, value", [("offset", 1000), ("stride", 1000), ("stride", -1), ("size", -1)])
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+def test_a_tensor_view_reaching_past_its_data_is_refused_as_corrupt(legacy, part, value):
+    """torch refuses these views itself (no memory past the storage is read), with a
+    RuntimeError such as 'Trying to resize storage that is not resizable'."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=not legacy)
+    data = _view(buf.getvalue(), part, value) if legacy else _rezip(buf.getvalue(), lambda r: _view(r, part, value))
+    with pytest.raises(RuntimeError):
+        torch.load(io.BytesIO(data), weights_only=True)
+    with pytest.raises(pickle.UnpicklingError, match="is truncated or corrupt: a tensor's (size|data)"):
+        load_checkpoint(io.BytesIO(data))
