@@ -40,7 +40,7 @@ from ...core import kernels
 from ..fp16_module import conversion_helper, fp16_to_fp32, fp32_to_fp16
 from ..fp16_optimizer import FP16_Optimizer as _FP16_Optimizer
 from .fp16util import clip_grad_norm
-from .loss_scaler import DynamicLossScaler, LossScaler, scaler_from_state
+from .loss_scaler import DynamicLossScaler, LossScaler, _check_number, scaler_from_state
 
 __all__ = ["FP16_Module", "FP16_Optimizer", "conversion_helper", "fp16_to_fp32", "fp32_to_fp16"]
 
@@ -110,6 +110,11 @@ def _megatron_scaler(
             "static_loss_scale=None needs dynamic_loss_scale=True (Megatron passes "
             "dynamic_loss_scale=args.loss_scale is None); or give a number."
         )
+    try:
+        _check_number("static_loss_scale", static_loss_scale, positive=True)
+    except ValueError as e:
+        # Megatron divided by it (0: ZeroDivisionError) or trained into NaN (inf, nan) silently
+        raise ValueError(f"{e} Pass the static scale (e.g. 128.0), or dynamic_loss_scale=True.") from None
     return LossScaler(static_loss_scale)
 
 

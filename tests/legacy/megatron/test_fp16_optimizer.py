@@ -309,3 +309,16 @@ def test_clip_master_grads_is_minus_one_on_overflow_and_inspect_is_none():
     assert math.isclose(opt.loss_scale, 2**32)  # the scale moves in step(), not before
     opt.step()
     assert opt.loss_scale == 2.0**31
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, INF, float("nan"), -4.0, "128", True])
+def test_a_static_scale_that_cannot_train_is_refused_before_anything_changes(scale):
+    """0 made Megatron divide by zero at update_master_grads; inf and nan trained the model into
+    NaN without a word (a static scale never checks): refused at construction, naming the fix."""
+    model = nn.Linear(3, 3).half()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"static_loss_scale must be a finite number > 0.*dynamic_loss_scale=True"):
+        FP16_Optimizer(inner, static_loss_scale=scale)
+    assert all(p.dtype == torch.float16 for p in inner.param_groups[0]["params"])  # untouched
+    # dynamic scaling ignores static_loss_scale (Megatron passes None beside it)
+    assert FP16_Optimizer(inner, static_loss_scale=scale, dynamic_loss_scale=True).loss_scale == 2**32
