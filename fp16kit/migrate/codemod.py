@@ -144,6 +144,22 @@ def _name_node(dotted: str) -> NameNode:
     return node
 
 
+def _renamed(node: cst.BaseExpression, old: str, new: str) -> cst.BaseExpression:
+    """``node`` (the dotted name ``old``) renamed to ``new``, replacing only the head that differs
+    (apex.amp -> fp16kit.legacy.amp: just ``apex``), so the layout of what stays (``apex.\\<newline>
+    amp``, ``(apex).amp``) stays too."""
+    old_parts, new_parts = old.split("."), new.split(".")
+    same = 0
+    while same < min(len(old_parts), len(new_parts)) - 1 and old_parts[-1 - same] == new_parts[-1 - same]:
+        same += 1
+    head = node
+    for _ in range(same):
+        head = head.value  # type: ignore[attr-defined]
+    new_head = _name_node(".".join(new_parts[: len(new_parts) - same]))
+    new_head = new_head.with_changes(lpar=head.lpar, rpar=head.rpar)  # type: ignore[attr-defined]
+    return new_head if head is node else node.deep_replace(head, new_head)  # type: ignore[return-value]
+
+
 class _ApexRewriter(cst.CSTTransformer):
     def __init__(self, *, megatron: bool) -> None:
         super().__init__()
@@ -207,7 +223,7 @@ class _ApexRewriter(cst.CSTTransformer):
             dotted = _dotted(alias.name)
             res = self._resolve(dotted) if dotted else None
             if res is not None and res.covered and not res.rest:
-                names.append(alias.with_changes(name=_name_node(res.target)))
+                names.append(alias.with_changes(name=_renamed(alias.name, dotted, res.target)))
                 changed = True
             else:
                 if res is not None:
@@ -241,8 +257,16 @@ class _ApexRewriter(cst.CSTTransformer):
         self.imports += 1
         last_alias = updated_node.names[-1]
         statements = []
+        own = self._resolve(module)
+        own_target = own.new_path if own is not None and own.covered else None
         for key, aliases in groups.items():
-            statement = updated_node.with_changes(module=updated_node.module if key is None else _name_node(key))
+            if key is None:
+                new_module = updated_node.module
+            elif key == own_target:  # the usual case: only the differing head of the name changes
+                new_module = _renamed(updated_node.module, module, key)
+            else:
+                new_module = _name_node(key)
+            statement = updated_node.with_changes(module=new_module)
             if aliases[-1] is not last_alias:
                 aliases[-1], statement = self._close_group(updated_node, aliases[-1], statement)
             statements.append(statement.with_changes(names=aliases))
@@ -294,7 +318,7 @@ class _ApexRewriter(cst.CSTTransformer):
             return updated
         if res.covered and not res.rest and module not in apex_map.CLOSED:
             self.imports += 1
-            return updated.with_changes(module=_name_node(res.target))
+            return updated.with_changes(module=_renamed(updated.module, module, res.target))
         if module in apex_map.CLOSED:
             subs = sorted(k.rpartition(".")[2] for k in self.table if k.rpartition(".")[0] == module)
             message = f"from {module} import *: import what you use by name, e.g. from {res.target} import {', '.join(subs)}"
@@ -339,7 +363,7 @@ class _ApexRewriter(cst.CSTTransformer):
         prefix_node = chain[len(chain) - (res.prefix.count(".") + 1)]
         if res.rest:
             self._check_provided(node, res.target, res.rest.split(".")[1], dotted)
-        self._replacements[id(node)] = node.deep_replace(prefix_node, _name_node(res.target))
+        self._replacements[id(node)] = node.deep_replace(prefix_node, _renamed(prefix_node, res.prefix, res.target))
         return False
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:

@@ -357,3 +357,27 @@ def test_source_libcst_would_not_reproduce_is_refused(source, line):
 def test_form_feeds_and_backslash_comments_libcst_keeps_are_migrated():
     src = b"x = 1\n\x0c\nfrom apex import amp  # C:\\data\\\ny = 2\n"
     assert migrate_source(src).code == b"x = 1\n\x0c\nfrom fp16kit.legacy import amp  # C:\\data\\\ny = 2\n"
+
+
+def test_only_the_differing_head_of_a_name_is_rewritten():
+    # a backslash continuation or parentheses inside a rewritten name used to be dropped (the lines
+    # after it moved up by one)
+    src = (
+        "import apex.\\\n    amp as amp, apex . optimizers\n"
+        "from apex.\\\n    optimizers import FusedAdam\n"
+        "import apex\n"
+        "opt = apex.parallel.\\\n    DistributedDataParallel\n"
+        "init = (apex).amp.initialize\n"
+        "F = (apex.fp16_utils).FP16_Optimizer\n"
+    )
+    expected = (
+        "import fp16kit.legacy.\\\n    amp as amp, fp16kit.legacy . optimizers\n"
+        "from fp16kit.legacy.\\\n    optimizers import FusedAdam\n"
+        "import fp16kit.legacy\n"
+        "opt = fp16kit.legacy.parallel.\\\n    DistributedDataParallel\n"
+        "init = (fp16kit.legacy).amp.initialize\n"
+        "F = (fp16kit.legacy).FP16_Optimizer\n"
+    )
+    r = migrate_source(src)
+    assert r.code == expected and not r.unmigratable
+    assert migrate_source(r.code).changed is False
