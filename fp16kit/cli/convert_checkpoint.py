@@ -6,8 +6,8 @@ Prints one line per converted (or deliberately kept) item, then where it wrote. 
 - 0: OUT written (checked to load with ``torch.load(weights_only=True)``);
 - 1: IN not converted -- refused (a crafted pickle, a whole pickled model, not a checkpoint,
   truncated or corrupt), missing or unreadable; nothing written;
-- 2: usage -- bad arguments, OUT's folder missing, OUT exists, or OUT is IN (``--force`` allows
-  the last two); nothing written.
+- 2: usage -- bad arguments, OUT's folder missing, OUT a folder, OUT exists, or OUT is IN
+  (``--force`` allows the last two); nothing written.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 
 _EPILOG = """\
 exit codes: 0 written; 1 IN refused or unreadable (nothing written); 2 bad usage, OUT's folder
-missing, OUT exists or OUT is IN without --force (nothing written). OUT is written to a temporary file, checked to load
+missing, OUT a folder, OUT exists or OUT is IN without --force (nothing written). OUT is written to a temporary file, checked to load
 with torch.load(weights_only=True), then renamed: IN is never touched unless OUT is IN and --force.
 """
 

@@ -293,10 +293,12 @@ def convert_file(
     temporary file beside it and renamed, so a failure leaves no partial file.
 
     Refuses (``FileExistsError``) an existing ``dst`` and ``dst`` being ``src`` unless
-    ``overwrite``; errors reading ``src`` are load_checkpoint's (``pickle.UnpicklingError``
+    ``overwrite``, and ``dst`` being a directory; errors reading ``src`` are load_checkpoint's (``pickle.UnpicklingError``
     for a file it refuses) and leave ``dst`` untouched. Unlike ``torch.load``, every record of
     a zip checkpoint is CRC-checked first (a damaged tensor is refused, not copied on)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if dst.is_dir():  # overwrite or not: the rename onto a folder would fail once converted
+        raise FileExistsError(f"{dst} is a directory; name the file to write in it, e.g. {dst / src.name}")
     if not overwrite and _same_file(src, dst):
         raise FileExistsError(f"{dst} is the input file; write the converted checkpoint elsewhere "
                               "(or pass overwrite=True / --force to replace it once converted)")

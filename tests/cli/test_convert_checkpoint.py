@@ -211,3 +211,45 @@ def test_python_m_fp16kit_convert_checkpoint(tmp_path, apex_era_file):
     done = subprocess.run([sys.executable, "-m", "fp16kit", "convert-checkpoint", str(apex_era_file),
                            str(tmp_path / "new.pt")], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and "--force" in done.stderr
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_out_being_a_folder_names_the_file_to_give_even_with_force(tmp_path, capsys, apex_era_file, force):
+    """It used to say 'exists; ... pass --force', and with --force 'IN was not converted'
+    (exit 1) from the rename onto the folder."""
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    code, out, err = _run(capsys, apex_era_file, folder, *force)
+    assert code == 2 and out == ""
+    assert f"{folder} is a directory; name the file to write in it, e.g. {folder / apex_era_file.name}" in err
+    assert "--force" not in err and list(folder.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["converted", apex_era_file.name]
+
+
+@pytest.mark.parametrize("when", ["writing", "checking"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_ctrl_c_while_writing_leaves_no_partial_out(tmp_path, capsys, apex_era_file, monkeypatch, when, existing):
+    out = tmp_path / "new.pt"
+    if existing:
+        out.write_bytes(b"the old OUT")
+    real_save, real_load = torch.save, torch.load
+
+    def interrupted_save(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        if when == "writing":
+            with open(f, "r+b") as written:
+                written.truncate(100)  # half written
+            raise KeyboardInterrupt
+
+    def interrupted_load(f, *args, **kwargs):
+        if when == "checking" and str(f).endswith(".tmp"):
+            raise KeyboardInterrupt
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", interrupted_save)
+    monkeypatch.setattr(torch, "load", interrupted_load)
+    with pytest.raises(KeyboardInterrupt):
+        main(["convert-checkpoint", str(apex_era_file), str(out), *(["--force"] if existing else [])])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([apex_era_file.name] + (["new.pt"] if existing else []))
+    if existing:
+        assert out.read_bytes() == b"the old OUT"
