@@ -50,6 +50,14 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor,
     """``amp_C.multi_tensor_scale``: ``tensor_lists = [srcs, dsts]``; ``dst = src * scale``."""
     if len(tensor_lists) != 2:
         raise ValueError(f"multi_tensor_scale takes [sources, destinations], got {len(tensor_lists)} lists.")
+    if isinstance(scale, torch.Tensor) and scale.dim() > 0:
+        # apex's binding took a C++ float: pybind converted a one-element tensor, nothing else
+        if scale.numel() != 1:
+            raise TypeError(
+                f"multi_tensor_scale: the scale must be a number or a one-element tensor, got a "
+                f"tensor of shape {tuple(scale.shape)}."
+            )
+        scale = scale.reshape(())
     kernels.scale_to_(list(tensor_lists[0]), list(tensor_lists[1]), scale, noop_flag)
 
 
@@ -66,5 +74,31 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor,
 #: apex's ``MultiTensorApply(2048*32)``
 multi_tensor_applier = MultiTensorApply(2048 * 32)
 
+
+def _not_provided(name: str) -> AttributeError:
+    return AttributeError(
+        f"amp_C.{name} is not provided by fp16kit: its amp_C stands in for multi_tensor_scale and "
+        "multi_tensor_l2norm only. Use torch's multi-tensor (foreach) ops or an "
+        "optimizer of fp16kit.optim / fp16kit.legacy.optimizers instead."
+    )
+
+
+class _AmpC(types.SimpleNamespace):
+    """The ``amp_C`` stand-in: the two ops above; other apex op names raise an AttributeError
+    that says which ops there are."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("multi_tensor_"):
+            raise _not_provided(name)
+        raise AttributeError(f"'amp_C' stand-in has no attribute {name!r}")
+
+
+def __getattr__(name: str) -> Any:
+    # `import amp_C` under fp16kit's apex alias resolves to this module
+    if name.startswith("multi_tensor_"):
+        raise _not_provided(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: stand-in for the ``amp_C`` extension module (the two ops above)
-amp_C = types.SimpleNamespace(multi_tensor_scale=multi_tensor_scale, multi_tensor_l2norm=multi_tensor_l2norm)
+amp_C = _AmpC(multi_tensor_scale=multi_tensor_scale, multi_tensor_l2norm=multi_tensor_l2norm)
