@@ -12,7 +12,7 @@ Training step (per channel c; "over all ranks" = one differentiable all-reduce):
     m = momentum, or 1 / num_batches_tracked when momentum is None (cumulative average)
 
 Ranks may hold different batch sizes (even zero): the counts weight every rank's share, so the
-result is batch norm over the concatenated batch. The all-reduce is torch.distributed.nn's, whose
+result is batch norm over the concatenated batch. The all-reduce is differentiable: its
 backward all-reduces the gradients, so input grads are those of that concatenated batch norm.
 Sums are formed from each rank's centred statistics and combined in float64 (float32 where the
 device has no float64), so a large mean does not cancel the variance away.
@@ -48,6 +48,23 @@ def _log_once(key: str, message: str) -> None:
 
 def _stats_dtype(device: torch.device) -> torch.dtype:
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Differentiable sum over the group: forward all-reduces a copy, backward all-reduces the
+    grad (every rank's loss depends on every rank's statistics). torch.distributed.nn's
+    all_reduce did this, but torch >= 2.13 deprecates it (a FutureWarning at every run)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllReduceSum.apply(grad, ctx.group), None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -141,10 +158,7 @@ class SyncBatchNorm(_BatchNorm):
         else:  # an empty batch on this rank still joins the collective
             stats = x.new_zeros((3, self.num_features), dtype=acc) + x.sum(dims).to(acc) * 0
         if group is not None:
-            # torch.distributed.nn's all-reduce is differentiable: its backward all-reduces the grads
-            from torch.distributed.nn.functional import all_reduce
-
-            stats = all_reduce(stats, group=group)
+            stats = _AllReduceSum.apply(stats, group)
         n, s, q = stats.unbind(0)
         mean = s / n
         var = (q / n - mean * mean).clamp_min(0)
