@@ -11,6 +11,7 @@ spec apex-others.md §4.4).
                     if clip: a = min(a / group["lr"], 1)   # lr * a == min(local lr, lr)
                     g = (g + wd * p) * a                    # else: g as it was, no decay
         inner.step(); every group's weight_decay restored (also if the step raised)
+    sparse grads: ValueError before anything changes
 
 Each value is computed with the same torch ops as apex's, in the param's dtype, so the numbers
 are apex's bit for bit; the ``pn != 0 and gn != 0`` test and the clip run on the device
@@ -105,9 +106,18 @@ class LARC(WrappingOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optim.add_param_group(param_group)
 
+    def _check_dense(self) -> None:
+        for gi, group in enumerate(self.optim.param_groups):
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(
+                        f"LARC needs dense gradients (a norm and weight decay per param); param group {gi} "
+                        f"has a sparse gradient of shape {tuple(p.grad.shape)}: build nn.Embedding/EmbeddingBag "
+                        "with sparse=False, or keep that parameter in an optimizer outside LARC."
+                    )
+
     @torch.no_grad()
-    def _scale_grads(self) -> list[Any]:
-        weight_decays = []
+    def _scale_grads(self, weight_decays: list[Any]) -> None:
         for group in self.optim.param_groups:
             wd = group.get("weight_decay", 0)
             weight_decays.append(wd)
@@ -116,7 +126,6 @@ class LARC(WrappingOptimizer):
                 if p.grad is None:
                     continue
                 p.grad.copy_(self._larc_grad(p, p.grad, wd, group["lr"]))
-        return weight_decays
 
     def _larc_grad(self, p: torch.Tensor, g: torch.Tensor, wd: float, lr: float) -> torch.Tensor:
         param_norm = torch.norm(p)
@@ -134,8 +143,10 @@ class LARC(WrappingOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        weight_decays = self._scale_grads()
+        self._check_dense()  # before anything changes
+        weight_decays: list[Any] = []
         try:
+            self._scale_grads(weight_decays)
             self.optim.step()
         finally:
             for group, wd in zip(self.optim.param_groups, weight_decays):

@@ -180,3 +180,15 @@ def test_larc_around_mixed_precision_optimizer_is_refused_naming_the_order():
     mixed = fp16kit.MixedPrecisionOptimizer(inner)
     with pytest.raises(TypeError, match=r"MixedPrecisionOptimizer\(LARC\(optimizer\)\)"):
         LARC(mixed)
+
+
+def test_sparse_grads_are_refused_before_anything_changes():
+    emb, lin = torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 1)
+    larc = LARC(torch.optim.SGD([{"params": lin.parameters(), "weight_decay": WD},
+                                 {"params": emb.parameters(), "weight_decay": WD}], lr=LR))
+    lin(emb(torch.tensor([1, 2]))).sum().backward()
+    grads = [p.grad.clone() for p in lin.parameters()]
+    with pytest.raises(ValueError, match="sparse=False"):
+        larc.step()
+    assert [g["weight_decay"] for g in larc.param_groups] == [WD, WD]
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, lin.parameters()))
