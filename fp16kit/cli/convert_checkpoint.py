@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--map-location", default="cpu", metavar="DEVICE",
                    help="where tensors go (torch's map_location; default: cpu)")
     p.add_argument("--torch-optimizer-state", action="store_true",
-                   help="copy apex FusedAdam/FusedLAMB's per-group 'step' into each param's state "
+                   help="move apex FusedAdam/FusedLAMB's per-group 'step' into each param's state "
                    "(float32 tensor), as torch.optim.Adam/AdamW expect")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (even when it is IN)")
     p.set_defaults(func=_run)

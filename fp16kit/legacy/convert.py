@@ -16,9 +16,11 @@ reads, and fp16kit's loaders too (``fp16kit convert-checkpoint IN OUT``).
     optimizer state with a per-group 'step'           -> kept, unless torch_optimizer_state:
       (apex FusedAdam / FusedLAMB)                        state[p]['step'] = float32 scalar tensor
                                                           of the group's count, for every param
-                                                          with state; group 'step' kept (an int:
-                                                          apex's classes read it, torch's ignore
-                                                          it); a tensor lr (capturable) a float
+                                                          with state; group 'step' dropped (a
+                                                          stale copy would outlive torch's own
+                                                          counts: fp16kit's Fused* take those
+                                                          when it is missing); a tensor lr
+                                                          (capturable) becomes a float
     legacy FusedAdam per-param int 'step'             -> float32 scalar tensor (same option)
     tensors stored on cuda:N                           -> on map_location (CPU by default)
 
@@ -178,7 +180,7 @@ class _Converter:
         if not self.torch_optimizer_state:
             for i in grouped:
                 self.note((*path, "param_groups", i, "step"), f"per-group step {_number(groups[i]['step'])} "
-                          "(apex Fused*)", "kept (--torch-optimizer-state / torch_optimizer_state=True copies "
+                          "(apex Fused*)", "kept (--torch-optimizer-state / torch_optimizer_state=True moves "
                           "it into each param's state for torch.optim.Adam/AdamW)", changed=False)
             return sd
         state = {k: dict(s) if isinstance(s, dict) else s for k, s in sd["state"].items()}
@@ -190,18 +192,14 @@ class _Converter:
                 self.note((*where, "step"), "FusedNovoGrad group state (step, exp_avg_sq per group)",
                           "kept: torch has no NovoGrad; load it into fp16kit's FusedNovoGrad", changed=False)
             elif i in grouped:
-                # copied, not moved: torch's Adam(W) ignores a group's 'step', and apex's classes
-                # (fp16kit.legacy.optimizers.FusedAdam) read only it -- without it they would
-                # silently restart the bias correction at step 1
-                step = group["step"] = _number(group["step"])
+                step = _number(group.pop("step"))
                 moved = 0
                 for pid in group["params"]:
                     if isinstance(state.get(pid), dict) and "step" not in state[pid]:
                         state[pid]["step"] = torch.tensor(float(step), dtype=torch.float32)
                         moved += 1
                 self.note((*where, "step"), f"per-group step {step} (apex Fused*)",
-                          f"state[p]['step'] = tensor({float(step)}) for the group's {moved} params with state "
-                          "(the group's step kept for apex's classes)")
+                          f"state[p]['step'] = tensor({float(step)}) for the group's {moved} params with state")
                 if isinstance(group.get("lr"), torch.Tensor):
                     group["lr"] = float(group["lr"].item())
                     self.note((*where, "lr"), "tensor lr (capturable)", f"float {group['lr']}")

@@ -98,7 +98,7 @@ def test_it_converts_prints_one_line_per_item_and_never_touches_in(tmp_path, cap
         "  kept       optimizer.loss_scaler: megatron.fp16.loss_scaler.DynamicLossScaler -> a dict of its attributes "
         "(fp16kit.legacy.megatron's FP16_Optimizer reads it)",
         "  kept       optimizer.optimizer_state_dict.param_groups[0].step: per-group step 5 (apex Fused*) -> kept "
-        "(--torch-optimizer-state / torch_optimizer_state=True copies it into each param's state for "
+        "(--torch-optimizer-state / torch_optimizer_state=True moves it into each param's state for "
         "torch.optim.Adam/AdamW)",
         "  converted  apex_fp16_optimizer.loss_scaler: apex.amp.scaler.LossScaler -> fp16kit's scaler state "
         "(dynamic, loss_scale 4096; FP16_Optimizer.load_state_dict reads it)",
@@ -118,10 +118,10 @@ def test_torch_optimizer_state_option(tmp_path, capsys, apex_era_file):
     code, out, _ = _run(capsys, apex_era_file, tmp_path / "new.pt", "--torch-optimizer-state")
     assert code == 0
     assert ("  converted  optimizer.optimizer_state_dict.param_groups[0].step: per-group step 5 (apex Fused*) -> "
-            "state[p]['step'] = tensor(5.0) for the group's 1 params with state (the group's step kept for apex's classes)") in out.splitlines()
+            "state[p]['step'] = tensor(5.0) for the group's 1 params with state") in out.splitlines()
     sd = torch.load(tmp_path / "new.pt", weights_only=True)["optimizer"]["optimizer_state_dict"]
     assert sd["state"][0]["step"].dtype == torch.float32 and sd["state"][0]["step"].item() == 5.0
-    assert sd["param_groups"][0]["step"] == 5  # kept: apex's classes read it, torch's ignore it
+    assert "step" not in sd["param_groups"][0]
 
 
 def test_a_plain_file_is_rewritten_and_says_so(tmp_path, capsys):

@@ -53,8 +53,8 @@ def _apex_adam(master, m, v, g, t):
 @pytest.mark.parametrize("torch_optimizer_state", [False, True])
 def test_a_converted_megatron_checkpoint_continues_in_fusedadam_at_the_saved_step(
         tmp_path, megatron, save_on, torch_optimizer_state):
-    """--torch-optimizer-state used to drop the group's step: apex's FusedAdam (which reads only
-    that) then restarted its bias correction at step 1, silently."""
+    """With --torch-optimizer-state the group's step is gone: apex's FusedAdam continues from the
+    per-param counts (it restarted its bias correction at step 1, silently, before)."""
     from fp16kit.legacy.megatron import FP16_Optimizer
     from fp16kit.legacy.optimizers import FusedAdam
 
@@ -104,3 +104,34 @@ def test_a_file_converted_for_torch_still_loads_into_torchs_adamw(tmp_path, mega
         want = p * (1 - LR * WD) - LR / (1 - B1**t) * m / (math.sqrt(v) / math.sqrt(1 - B2**t) + EPS)
         assert master.flatten()[j].item() == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert adam.state[master]["step"].item() == t
+
+
+def test_a_converted_file_trained_on_in_torch_goes_back_to_fusedadam_at_torchs_count(tmp_path, megatron, save_on):
+    """convert --torch-optimizer-state -> torch AdamW, 3 steps -> its state_dict -> apex's
+    FusedAdam: the count is torch's (60), not the converted file's (57): the converter drops the
+    group step, which torch would carry along unchanged (a stale copy that FusedAdam reads)."""
+    from fp16kit.legacy.optimizers import FusedAdam
+
+    path, saved = _megatron_file(tmp_path, megatron, save_on)
+    out = tmp_path / "converted.pt"
+    convert_file(path, out, torch_optimizer_state=True)
+    osd = torch.load(out, weights_only=True)["optimizer"]["optimizer_state_dict"]
+    master = saved["optimizer"]["fp32_from_fp16"][0][0].clone().requires_grad_()
+    adam = torch.optim.AdamW([master], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    adam.load_state_dict(osd)
+    for _ in range(3):
+        master.grad = torch.ones_like(master)
+        adam.step()
+    resaved = tmp_path / "torch.pt"
+    torch.save(adam.state_dict(), resaved)
+    sd = torch.load(resaved, weights_only=True)
+
+    p = master.detach().clone().requires_grad_()
+    fused = FusedAdam([p], lr=LR, weight_decay=WD)
+    fused.load_state_dict(sd)
+    g = torch.linspace(-1, 1, 12).reshape(4, 3)
+    p.grad = g
+    fused.step()
+    want = _apex_adam(master.detach(), sd["state"][0]["exp_avg"], sd["state"][0]["exp_avg_sq"], g, STEP + 3 + 1)
+    assert p.flatten().tolist() == pytest.approx(want, rel=1e-6, abs=1e-8)
+    assert fused.param_groups[0]["step"] == STEP + 4
