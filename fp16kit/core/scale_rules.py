@@ -161,7 +161,9 @@ class ScaleRule:
             backed = backed.clamp_min(k.min_scale)
         after_backoff = torch.where(backoff, backed, s)
 
-        counted = torch.where(found, 0, state.growth_tracker + 1)
+        # counted in int64: compared with an int32 tensor, a growth_interval >= 2**31 wrapped
+        # around (sys.maxsize became -1: the scale grew at every clean step)
+        counted = torch.where(found, 0, state.growth_tracker.long() + 1)
         grow = self.grows(found, counted, k)
         grown = after_backoff * k.growth_factor
         if k.max_scale is not None:
@@ -170,7 +172,7 @@ class ScaleRule:
         # a settings object written before the setting existed lacks it: False, as it behaved
         rearm = (grow | ~found) if getattr(k, "consecutive_hysteresis", False) else grow
         new_hyst = torch.where(rearm, k.hysteresis, hyst)
-        return Step(new_scale, self.next_tracker(grow, counted), new_hyst, backoff, s)
+        return Step(new_scale, self.next_tracker(grow, counted).int(), new_hyst, backoff, s)
 
     # ---------------------------------------------------------------- the hooks
     def backed_off(self, scale: torch.Tensor, settings: ScaleSettings) -> torch.Tensor:
