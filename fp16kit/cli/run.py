@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
+from collections.abc import Iterator
+
+# the format fp16kit's command line gives its root handler (fp16kit/cli/__init__.py, main())
+_CLI_LOG_FORMAT = "%(name)s: %(levelname)s: %(message)s"
 
 _DESCRIPTION = """\
 Run SCRIPT (or -m MODULE) exactly as `python SCRIPT ARGS` would -- same sys.argv, __name__ ==
@@ -56,9 +62,31 @@ def _run(args: argparse.Namespace) -> int:
         args.run_parser.error("the following arguments are required: SCRIPT (or -m MODULE)")
     name, script_args = target[0], target[1:]
     try:
-        if args.as_module:
-            return run_module(name, script_args, megatron=args.megatron, shadow=args.shadow)
-        return run_script(name, script_args, megatron=args.megatron, shadow=args.shadow)
+        with _logging_as_python_leaves_it():
+            if args.as_module:
+                return run_module(name, script_args, megatron=args.megatron, shadow=args.shadow)
+            return run_script(name, script_args, megatron=args.megatron, shadow=args.shadow)
     except RunError as e:
         print(f"fp16kit run: {e}", file=sys.stderr)
         return e.exit_code
+
+
+@contextlib.contextmanager
+def _logging_as_python_leaves_it() -> Iterator[None]:
+    """Take the command line's own root log handler away while the script runs: with it there, the
+    script's `logging.basicConfig(level=logging.INFO, format=...)` did nothing (its INFO lines
+    vanished, its format was replaced), and fp16kit's warnings were not printed as python prints them."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h.formatter, "_fmt", None) == _CLI_LOG_FORMAT]
+    level = root.level
+    for handler in ours:
+        root.removeHandler(handler)
+    if ours:
+        root.setLevel(logging.WARNING)  # python's default
+    try:
+        yield
+    finally:
+        if ours:
+            root.setLevel(level)
+            for handler in ours:
+                root.addHandler(handler)

@@ -105,3 +105,24 @@ def test_help_lists_the_commands(capsys):
     out = capsys.readouterr().out
     assert "fp16kit run [-h] [--megatron] [--shadow] (SCRIPT | -m MODULE) [ARGS ...]" in out
     assert "exit status" in out
+
+
+@pytest.mark.slow
+def test_the_scripts_logging_setup_works_as_under_python(tmp_path):
+    # HF-style scripts call logging.basicConfig(level=INFO, format=...): with the command line's own
+    # root handler still there it did nothing (the INFO lines vanished, the format was fp16kit's)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import logging
+        logging.basicConfig(format="%(levelname)s|%(name)s|%(message)s", level=logging.INFO)
+        logging.getLogger(__name__).info("***** Running training *****")
+        logging.getLogger("fp16kit").warning("Gradient overflow.")
+        """
+    ))
+    expected = (0, "", "INFO|__main__|***** Running training *****\nWARNING|fp16kit|Gradient overflow.\n")
+    assert _python(str(script)) == expected
+    assert _python("-m", "fp16kit", "run", str(script)) == expected
+    # a script that configures nothing: fp16kit's warnings print as python's last-resort handler prints them
+    script.write_text("import logging\nlogging.getLogger('fp16kit').warning('Gradient overflow.')\n")
+    assert _python("-m", "fp16kit", "run", str(script)) == _python(str(script)) == (0, "", "Gradient overflow.\n")
