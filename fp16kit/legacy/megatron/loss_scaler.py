@@ -34,6 +34,7 @@ always reduced over ``mpu``'s model-parallel group, as a CUDA byte tensor).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -280,9 +281,17 @@ def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossSc
 
 
 def _window(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or value != int(value):
+    """The core's growth interval for ``scale_window``. ``float('inf')`` never grows the scale,
+    as in Megatron (``n % inf == n``, never 0): an interval no count reaches."""
+    if isinstance(value, float) and value == math.inf:
+        return sys.maxsize
+    if (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        or value < 1 or value != int(value)
+    ):
         raise ValueError(
-            f"scale_window must be a whole number >= 1 (an int, or a float such as 1000.0), got {value!r}."
+            f"scale_window must be a whole number >= 1 (an int, or a float such as 1000.0; "
+            f"float('inf') never grows the scale), got {value!r}."
         )
     return int(value)
 

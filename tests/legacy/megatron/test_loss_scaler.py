@@ -225,3 +225,19 @@ def test_full_megatron_record_and_static_forms():
     for bad in ({"__apex_class__": "apex.amp.scaler.LossScaler", "_loss_scale": 1.0}, {"cur_iter": 1}, [1.0], 3.0):
         with pytest.raises(ValueError):
             scaler_from_state(bad)
+
+
+def test_an_infinite_window_never_grows_and_a_nan_one_is_refused(tmp_path):
+    """Megatron's (cur_iter - last_overflow_iter) % inf is never 0: the scale never grows
+    (fp16kit raised OverflowError 'cannot convert float infinity to integer')."""
+    s = DynamicLossScaler(init_scale=2**10, scale_window=float("inf"), delayed_shift=2)
+    for overflow in [False] * 5 + [True, True] + [False] * 5:
+        s.update_scale(overflow)
+    assert s.cur_scale == 512.0 and s.scale_window == float("inf")
+    path = tmp_path / "s.pt"
+    torch.save(s.state_dict(), path)
+    again = scaler_from_state(torch.load(path, weights_only=True))
+    again.update_scale(False)
+    assert again.cur_scale == 512.0 and again.scale_window == float("inf")
+    with pytest.raises(ValueError, match="scale_window must be a whole number"):
+        DynamicLossScaler(scale_window=float("nan"))
