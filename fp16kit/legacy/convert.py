@@ -107,11 +107,16 @@ class _Converter:
         if isinstance(obj, (dict, list, tuple, argparse.Namespace)):
             if id(obj) in self.done:
                 return self.done[id(obj)]
-            if id(obj) in self.active or len(path) > MAX_DEPTH:
+            if id(obj) in self.active:
                 raise ValueError(
-                    f"{format_path(path)}: a container that contains itself, or nested deeper than "
-                    f"{MAX_DEPTH} levels; a checkpoint holds neither. Load the file with "
-                    "fp16kit.legacy.load_checkpoint, which refuses cycles."
+                    f"{format_path(path)}: a container that contains itself; a checkpoint never holds "
+                    "one. Load the file with fp16kit.legacy.load_checkpoint, which refuses cycles."
+                )
+            if len(path) > MAX_DEPTH:
+                raise ValueError(
+                    f"{format_path(path[:4])}...: containers nested deeper than {MAX_DEPTH} levels "
+                    f"(fp16kit.legacy.convert.MAX_DEPTH); a checkpoint's state dicts nest a few. Convert "
+                    "the parts you need (convert_checkpoint(loaded['model']), ...) and save those."
                 )
             self.active.add(id(obj))
             try:
