@@ -21,7 +21,7 @@ exit status:
   0  done (with --check: nothing would change)
   1  --check: some file would change
   2  bad arguments, a PATH that does not exist, or libcst missing
-  3  some file could not be read or parsed (the others were processed)"""
+  3  some file could not be read, decoded, parsed or written (the others were processed)"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,7 +62,8 @@ def _migrate(args: argparse.Namespace) -> int:
         outcome = migrate_file(path, megatron=args.megatron, write=write, diff=args.diff)
         if outcome.error is not None:
             failed += 1
-            print(f"{path}:{outcome.error_line}: {outcome.error}; file skipped", file=sys.stderr)
+            where = f"{path}:{outcome.error_line}" if outcome.error_line else path  # no line for read/write errors
+            print(f"{where}: {outcome.error}; file skipped", file=sys.stderr)
             continue
         if outcome.diff:
             sys.stdout.write(outcome.diff)
@@ -80,7 +81,7 @@ def _migrate(args: argparse.Namespace) -> int:
     if left:
         summary += f"; {left} use{'s' * (left != 1)} of apex left for you (listed above)"
     if failed:
-        summary += f"; {failed} file{'s' * (failed != 1)} could not be parsed or read"
+        summary += f"; {failed} file{'s' * (failed != 1)} could not be migrated (listed above)"
     print(summary, file=report)
     if failed:
         return 3

@@ -135,6 +135,10 @@ def migrate_file(path: str, *, megatron: bool = False, write: bool = True, diff:
     if result.changed and diff:
         outcome.diff = _unified_diff(path, source, result.code, result.encoding)  # type: ignore[arg-type]
     if result.changed and write:
-        _write_in_place(path, result.code)  # type: ignore[arg-type]
+        try:
+            _write_in_place(path, result.code)  # type: ignore[arg-type]
+        except OSError as e:  # a read-only folder or file system: this file is left as it was
+            outcome.error = f"cannot write: {e.strerror or e}"
+            return outcome
         outcome.written = True
     return outcome

@@ -119,3 +119,22 @@ def test_a_non_utf8_file_is_skipped_and_the_others_migrated(tmp_path, capsys):
     assert f"{tmp_path / 'a_latin1.py'}:2: cannot decode" in err and "Traceback" not in err
     assert (tmp_path / "a_latin1.py").read_bytes() == b"from apex import amp\nname = 'caf\xe9'\n"
     assert (tmp_path / "b.py").read_text() == "from fp16kit.legacy import amp\n"
+
+
+def test_a_file_that_cannot_be_written_does_not_stop_the_run(tmp_path, capsys, monkeypatch):
+    import fp16kit.migrate.files as files
+
+    (tmp_path / "a.py").write_text("from apex import amp\n")
+    (tmp_path / "b.py").write_text("from apex import amp\n")
+    real = files._write_in_place
+
+    def read_only_a(path, data):
+        if path.endswith("a.py"):
+            raise OSError(30, "Read-only file system")
+        real(path, data)
+
+    monkeypatch.setattr(files, "_write_in_place", read_only_a)
+    assert main(["migrate", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'a.py'}: cannot write: Read-only file system; file skipped" in err and "Traceback" not in err
+    assert (tmp_path / "b.py").read_text() == "from fp16kit.legacy import amp\n"

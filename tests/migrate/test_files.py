@@ -109,3 +109,19 @@ def test_fifos_are_not_opened(tmp_path):
     (tmp_path / "train.py").write_text("from apex import amp\n")
     assert list(iter_python_files([str(tmp_path)])) == [str(tmp_path / "train.py")]
     assert list(iter_python_files([str(tmp_path / "pipe.py")])) == []
+
+
+def test_a_file_that_cannot_be_written_is_reported_and_left_as_it_was(tmp_path, monkeypatch):
+    # a read-only folder or file system (root ignores permission bits, so the failure is simulated)
+    import tempfile
+
+    path = tmp_path / "train.py"
+    path.write_text("from apex import amp\n")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    out = migrate_file(str(path))
+    assert out.error == "cannot write: Permission denied" and not out.written
+    assert path.read_text() == "from apex import amp\n"
