@@ -260,11 +260,13 @@ class FP16_Optimizer(_FP16_Optimizer):
                 self._mpo.masters_to_model()  # LBFGS re-evaluates where it moved the masters
             temp_loss = closure()
             retries = 0
+            # the hysteresis absorbs delayed_shift - 1 overflows before the first reduction
+            limit = self.MAX_CLOSURE_RETRIES + getattr(self.loss_scaler, "delayed_shift", 1) - 1
             while self.overflow:
                 retries += 1
-                if retries > self.MAX_CLOSURE_RETRIES:
+                if retries > limit:
                     raise FloatingPointError(
-                        f"The closure's backward overflowed {self.MAX_CLOSURE_RETRIES} times in a "
+                        f"The closure's backward overflowed {limit} times in a "
                         f"row (loss scale now {self.loss_scale}): the loss is not finite at any "
                         "scale. Check the loss and the inputs for inf/NaN."
                     )

@@ -322,3 +322,28 @@ def test_a_static_scale_that_cannot_train_is_refused_before_anything_changes(sca
     assert all(p.dtype == torch.float16 for p in inner.param_groups[0]["params"])  # untouched
     # dynamic scaling ignores static_loss_scale (Megatron passes None beside it)
     assert FP16_Optimizer(inner, static_loss_scale=scale, dynamic_loss_scale=True).loss_scale == 2**32
+
+
+def test_closure_retries_allow_for_the_hysteresis():
+    """With delayed_shift = 40 the first 39 overflows keep the scale: the closure must be
+    retried past them (it raised 'not finite at any scale' after 32, the scale untouched)."""
+    torch.manual_seed(0)
+    model = FP16_Module(nn.Linear(4, 2))
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None,
+                         dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**24, "delayed_shift": 40})
+    x = torch.randn(3, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).sum() * 8.0  # overflows fp16 grads above about 2**12
+        opt.backward(loss)
+        return loss
+
+    opt.step(closure)
+    assert not opt.overflow and 2.0**8 <= opt.loss_scale <= 2.0**13
+    ref = MegatronScaler(init_scale=2.0**24, delayed_shift=40)
+    ref.update_scale(False)  # step()'s update with the (clean) flag of before
+    while ref.cur_scale > opt.loss_scale:
+        ref.update_scale(True)
+    assert ref.cur_scale == opt.loss_scale and ref.cur_hysteresis == opt.loss_scaler.cur_hysteresis
+    assert ref.cur_iter == opt.loss_scaler.cur_iter > 40
