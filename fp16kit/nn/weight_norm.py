@@ -6,7 +6,8 @@ the arithmetic of apex's 2018 ``Fused_Weight_Norm`` (spec apex-others.md §4.6).
     forward:   w = (g * v / ||v||)                                  fp32 math (fp64 for fp64), v's dtype out
     backward:  grad_g = sum(grad_w * v) / ||v||                     (over the norm dims)
                grad_v = g / ||v|| * (grad_w - v * sum(grad_w * v) / ||v||**2)
-               each in fp32, returned in g's / v's dtype
+               each in fp32, returned in g's / v's dtype; differentiable again (double backward,
+               e.g. Hessian-vector products), as torch._weight_norm is
 
 ``g`` may have the norms' shape or hold just ``v.size(dim)`` elements (apex's kernel read it
 flat); its gradient has ``g``'s own shape. ``torch._weight_norm(v, g, dim)`` computes the same
@@ -54,15 +55,18 @@ class WeightNorm(torch.autograd.Function):
         norms = torch.linalg.vector_norm(v, dim=reduce, keepdim=True) if reduce else v.abs()
         g32 = g.to(acc).reshape(shape)
         ctx.save_for_backward(input, g)
-        ctx.norms, ctx.shape, ctx.reduce = norms, shape, reduce
+        ctx.shape, ctx.reduce = shape, reduce
         return (v * (g32 / norms)).to(input.dtype)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad_output: torch.Tensor):
         input, g = ctx.saved_tensors
-        norms, shape, reduce = ctx.norms, ctx.shape, ctx.reduce
-        acc = norms.dtype
+        shape, reduce = ctx.shape, ctx.reduce
+        acc = torch.promote_types(input.dtype, torch.float32)
         v, gw, g32 = input.to(acc), grad_output.to(acc), g.to(acc).reshape(shape)
+        # the norms again, from the saved input: computed here they are part of the graph that a
+        # double backward (create_graph=True) differentiates (the forward's were not recorded)
+        norms = torch.linalg.vector_norm(v, dim=reduce, keepdim=True) if reduce else v.abs()
         dot = (gw * v).sum(dim=reduce, keepdim=True) if reduce else gw * v
         grad_g = (dot / norms).reshape(g.shape).to(g.dtype)
         grad_v = (g32 / norms) * (gw - v * (dot / (norms * norms)))
