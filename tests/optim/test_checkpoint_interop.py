@@ -112,3 +112,30 @@ def test_settings_a_checkpoint_lacks_keep_the_constructors_values(cls, kw, key):
     for p in resumed:
         p.grad = _grad(p, 2)
     opt.step()  # no KeyError after a load that succeeded
+
+
+def test_a_checkpoint_converted_for_torch_still_resumes_fused_adam_exactly():
+    # `fp16kit convert-checkpoint --torch-optimizer-state` moves the group step into each
+    # param's state; loading that file back into FusedAdam continues the same count
+    import copy
+
+    from fp16kit.legacy.convert import convert_checkpoint
+
+    a = _params()
+    fa = FusedAdam(a, lr=1e-2, weight_decay=0.01)
+    for k in range(3):
+        for i, p in enumerate(a):
+            p.grad = _grad(p, 10 * k + i)
+        fa.step()
+    converted, _ = convert_checkpoint({"optimizer": copy.deepcopy(fa.state_dict())}, torch_optimizer_state=True)
+    b = [p.detach().clone().requires_grad_() for p in a]
+    fb = FusedAdam(b, lr=1e-2, weight_decay=0.01)
+    fb.load_state_dict(_weights_only(converted)["optimizer"])
+    for k in range(3, 6):
+        for i, (p, q) in enumerate(zip(a, b)):
+            p.grad = _grad(p, 10 * k + i)
+            q.grad = p.grad.clone()
+        fa.step()
+        fb.step()
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert fb.param_groups[0]["step"] == fa.param_groups[0]["step"] == 6
