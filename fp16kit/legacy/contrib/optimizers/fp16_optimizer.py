@@ -171,6 +171,7 @@ class FP16_Optimizer(WrappingOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """One step (the closure is ignored, as apex); returns None. See the module docstring."""
         grads = [[p.grad for p in group] for group in self.fp16_groups]
+        _refuse_sparse(grads)
         norms = [kernels.l2_norm([g for g in gs if g is not None], self._device) for gs in grads]
         found = kernels.combine_found_inf(
             kernels.check_finite_(norms, kernels.new_found_inf(self._device)).values(), self._device
@@ -229,3 +230,16 @@ class FP16_Optimizer(WrappingOptimizer):
             self.scale_factor = state_dict.get("scale_factor", 2.0)
             self.scale_window = state_dict.get("scale_window", 1000)
             self.last_overflow_iter = state_dict.get("last_overflow_iter", -1)
+
+
+def _refuse_sparse(grads: list[list[torch.Tensor | None]]) -> None:
+    # apex crashed inside its norm kernel; say which param and what to do instead
+    for i, group in enumerate(grads):
+        for j, g in enumerate(group):
+            if g is not None and g.is_sparse:
+                raise RuntimeError(
+                    f"FP16_Optimizer: param {j} of group {i} has a sparse gradient; the fused-era "
+                    "FP16_Optimizer and its optimizers take dense gradients. Build the embedding "
+                    "with sparse=False, or give the sparse params an optimizer of their own "
+                    "(e.g. torch.optim.SparseAdam)."
+                )
