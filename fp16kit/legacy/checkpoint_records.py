@@ -211,6 +211,10 @@ class NdarrayRecord(Record):
         _version, shape, dtype, fortran, raw = state
         if not (isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)):
             raise self._refuse(f"bad array shape {shape!r:.80}")
+        if isinstance(dtype, DtypeRecord) and "kind" in dtype.__dict__ and (
+                math.prod(n for n in shape if n) * dtype.itemsize >= 2**63):
+            # numpy's limit, zeros left out: an empty array's strides still multiply the others
+            raise self._refuse(f"bad array shape {shape!r:.80}: no array has dimensions that large")
         if not (isinstance(dtype, DtypeRecord) and "kind" in dtype.__dict__ and isinstance(fortran, bool)):
             raise self._refuse("bad array dtype or order")
         if not isinstance(raw, bytes) or len(raw) != math.prod(shape) * dtype.itemsize:

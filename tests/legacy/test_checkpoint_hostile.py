@@ -108,3 +108,18 @@ def test_a_tensor_view_reaching_past_its_data_is_refused_as_corrupt(legacy, part
         torch.load(io.BytesIO(data), weights_only=True)
     with pytest.raises(pickle.UnpicklingError, match="is truncated or corrupt: a tensor's (size|data)"):
         load_checkpoint(io.BytesIO(data))
+
+
+@pytest.mark.parametrize("shape", [(0, 2**62, 2**62), (2**40, 2**40, 0), (0, 2**63 - 1, 2)])
+def test_an_empty_numpy_array_with_an_impossible_shape_is_refused(tmp_path, fake_numpy, save, shape):
+    """No items and no raw data, but dimensions whose product (zeros left out) no array can
+    have: torch raised 'Stride calculation overflowed' (a RuntimeError) while decoding it."""
+    path = save({"a": fake_numpy.ndarray(shape, "<f8", b"")}, tmp_path / "empty.pt")
+    with pytest.raises(pickle.UnpicklingError, match="bad array shape"):
+        load_checkpoint(path)
+
+
+def test_an_empty_numpy_array_of_a_possible_shape_loads(tmp_path, fake_numpy, save):
+    path = save({"a": fake_numpy.ndarray((0, 3, 2**20), "<f8", b"")}, tmp_path / "empty.pt")
+    a = load_checkpoint(path)["a"]
+    assert tuple(a.shape) == (0, 3, 2**20) and a.dtype == torch.float64
