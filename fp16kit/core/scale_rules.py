@@ -59,16 +59,17 @@ class ScaleSettings(Protocol):
 
 @dataclass(frozen=True)
 class FixedSettings:
-    """A :class:`ScaleSettings` that does not change."""
+    """A :class:`ScaleSettings` that does not change. ``consecutive_hysteresis`` comes last, so
+    positional arguments written before it existed keep their meaning."""
 
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     hysteresis: int = 1
-    consecutive_hysteresis: bool = False
     min_scale: float | None = None
     max_scale: float | None = None
     dtype: torch.dtype = torch.float32
+    consecutive_hysteresis: bool = False
 
 
 class Trackers(Protocol):

@@ -56,3 +56,23 @@ def test_settings_without_the_attribute_follow_the_old_rule(rule, seed):
         state.scale, state.growth_tracker, state.hysteresis_tracker = step.scale, step.growth_tracker, step.hysteresis_tracker
         expected = reference(rule, k, *expected, overflow)
         assert (step.scale.item(), step.growth_tracker.item(), step.hysteresis_tracker.item()) == expected
+
+
+def test_fixed_settings_positional_arguments_keep_their_meaning():
+    """FixedSettings(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+    max_scale, dtype), as written before consecutive_hysteresis existed: inserted in the middle,
+    the new field took min_scale's value (1.0: truthy, so the hysteresis re-armed at every
+    clean step) and dtype landed in max_scale."""
+    from fp16kit.core.scale_rules import FixedSettings
+
+    k = FixedSettings(2.0, 0.5, 3, 3, 1.0, 2.0**20, torch.float64)
+    assert (k.min_scale, k.max_scale, k.dtype, k.consecutive_hysteresis) == (1.0, 2.0**20, torch.float64, False)
+    state = ScaleState(scale=torch.tensor(2.0**10, dtype=torch.float64),
+                       growth_tracker=torch.tensor(0, dtype=torch.int32),
+                       hysteresis_tracker=torch.tensor(3, dtype=torch.int32))
+    expected = (2.0**10, 0, 3)
+    for overflow in [True, False, True, False, True, True, False]:
+        step = rule_named("apex").step(state, torch.tensor(overflow), k)
+        state.scale, state.growth_tracker, state.hysteresis_tracker = step.scale, step.growth_tracker, step.hysteresis_tracker
+        expected = reference("apex", k, *expected, overflow)
+        assert (step.scale.item(), step.growth_tracker.item(), step.hysteresis_tracker.item()) == expected
