@@ -313,10 +313,7 @@ def _plain_array(shape: tuple[int, ...], dtype: DtypeRecord, raw: bytes, fortran
             items = [it.decode("utf-32-le" if _LITTLE else "utf-32-be").rstrip("\0") for it in items]
         else:
             items = [it.rstrip(b"\0") for it in items]
-        nested: Any = items
-        for d in reversed(dims[1:]):
-            nested = [nested[i:i + d] for i in range(0, len(nested), d)]
-        return nested if dims else items[0]
+        return _nested(items, dims) if dims else items[0]
     tdtype = _TORCH_DTYPES[(dtype.kind, dtype.itemsize)]
     if not data:
         t = torch.empty(dims, dtype=tdtype)
@@ -325,6 +322,30 @@ def _plain_array(shape: tuple[int, ...], dtype: DtypeRecord, raw: bytes, fortran
     if fortran:
         t = t.permute(*reversed(range(t.dim()))).contiguous()
     return t
+
+
+#: The most lists a text array may need beyond one per item (an empty array of shape
+#: (2**40, 0) holds no item but would be 2**40 empty lists, as numpy's tolist() makes them).
+MAX_EMPTY_LISTS = 2**20
+
+
+def _nested(items: list[Any], dims: tuple[int, ...]) -> list[Any]:
+    """``items`` (C order) as nested lists of shape ``dims``, as numpy's ``tolist()`` (a zero
+    dimension gives empty lists: (2, 0) -> [[], []])."""
+    counts = [1]  # counts[k] = prod(dims[:k]): how many lists hold dims[k] items each
+    for d in dims[:-1]:
+        counts.append(counts[-1] * d)
+    lists = sum(counts[1:])
+    if lists > len(items) + MAX_EMPTY_LISTS:
+        raise pickle.UnpicklingError(
+            f"a numpy text array of shape {dims!r:.80} would be {lists:,} nested lists for {len(items)} "
+            "items; read it with numpy installed"
+        )
+    level: list[Any] = items
+    for k in range(len(dims) - 1, 0, -1):  # innermost first: prod(dims[:k]) lists of dims[k]
+        d = dims[k]
+        level = [level[i * d:(i + 1) * d] for i in range(counts[k])]
+    return level
 
 
 def _numpy_dtype(np: Any, dtype: DtypeRecord) -> Any:

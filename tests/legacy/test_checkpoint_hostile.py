@@ -123,3 +123,23 @@ def test_an_empty_numpy_array_of_a_possible_shape_loads(tmp_path, fake_numpy, sa
     path = save({"a": fake_numpy.ndarray((0, 3, 2**20), "<f8", b"")}, tmp_path / "empty.pt")
     a = load_checkpoint(path)["a"]
     assert tuple(a.shape) == (0, 3, 2**20) and a.dtype == torch.float64
+
+
+@pytest.mark.parametrize("shape, want", [
+    ((2, 0), [[], []]), ((0, 2), []), ((2, 0, 3), [[], []]), ((2, 3, 0), [[[], [], []], [[], [], []]]),
+    ((2, 2), [[b"a", b"b"], [b"c", b"d"]]), ((2, 1, 2), [[[b"a", b"b"]], [[b"c", b"d"]]]),
+])
+def test_numpy_text_arrays_with_empty_dimensions_are_numpys_tolist(tmp_path, fake_numpy, save, shape, want):
+    """Without numpy a text array becomes nested lists, as numpy's tolist() (worked out by hand
+    here); a zero dimension raised 'ValueError: range() arg 3 must not be zero'."""
+    import math
+
+    raw = b"abcd"[:math.prod(shape)]
+    path = save({"a": fake_numpy.ndarray(shape, "|S1", raw)}, tmp_path / "text.pt")
+    assert load_checkpoint(path)["a"] == want
+
+
+def test_an_empty_text_array_of_a_trillion_empty_lists_is_refused(tmp_path, fake_numpy, save):
+    path = save({"a": fake_numpy.ndarray((2**40, 0), "|S1", b"")}, tmp_path / "text.pt")
+    with pytest.raises(pickle.UnpicklingError, match="would be 1,099,511,627,776 nested lists"):
+        load_checkpoint(path)
