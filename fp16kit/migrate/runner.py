@@ -5,6 +5,7 @@ Contract (what the script sees, and what the caller gets back)::
 
     sys.argv      = [SCRIPT, *ARGS]           (-m: [the module's file, *ARGS], as runpy sets it)
     sys.path[0]   = the script's directory    (-m: the current directory); unchanged under python -P
+                    (a folder or zip file with __main__.py: itself, absolute, even under -P)
     __name__      = "__main__"; __file__ = SCRIPT's absolute path (python >= 3.9); the code runs as
                     sys.modules["__main__"]
     children started by multiprocessing / torch.multiprocessing with "spawn" (tested) or
@@ -28,6 +29,7 @@ import contextlib
 import importlib.machinery
 import io
 import os
+import pkgutil
 import runpy
 import sys
 import types
@@ -60,9 +62,10 @@ def run_script(path: str, args: Sequence[str] = (), *, megatron: bool = False, s
     if not os.path.exists(path):
         raise RunError(f"can't open file {os.path.abspath(path)!r}: [Errno 2] No such file or directory", 2)
     if os.path.isdir(path) or zipfile.is_zipfile(path):
-        # a directory or zip file with __main__.py: python puts it first on sys.path
-        with _script_environment([path, *args], path, megatron=megatron, shadow=shadow):
-            return _call(lambda: runpy.run_path(path, run_name="__main__"))
+        # a directory or zip file with __main__.py: python puts it (absolute) first on sys.path
+        entry = os.path.abspath(path)
+        with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow, archive=True):
+            return _call(lambda: _exec_archive_main(entry))
     entry = os.path.dirname(os.path.realpath(path))
     with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow):
         return _call(lambda: _exec_as_main(os.path.abspath(path)))
@@ -78,6 +81,28 @@ def _exec_as_main(path: str) -> None:
     main.__dict__.update(
         __file__=path, __cached__=None, __builtins__=builtins, __package__=None, __spec__=None,
         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+    )
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+
+
+def _exec_archive_main(entry: str) -> None:
+    """What python does with a folder or zip file: run the ``__main__`` module found in it (now
+    sys.path[0]) as ``__main__``, with an absolute ``__file__``. (runpy.run_path would put a second,
+    relative, entry first on sys.path, which an os.chdir() in the script then broke.)"""
+    importer = pkgutil.get_importer(entry)
+    spec = importer.find_spec("__main__") if importer is not None else None
+    if spec is None or spec.loader is None:
+        raise RunError(f"can't find '__main__' module in {entry!r}", 1)
+    code = spec.loader.get_code("__main__")  # type: ignore[attr-defined]
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=spec.origin, __cached__=spec.cached, __builtins__=builtins, __package__="", __spec__=spec,
+        __loader__=spec.loader,
     )
     saved = sys.modules["__main__"]
     sys.modules["__main__"] = main
@@ -115,7 +140,9 @@ def _run_module_as_main(name: str) -> None:
 
 
 @contextlib.contextmanager
-def _script_environment(argv: list[str], entry: str, *, megatron: bool, shadow: bool) -> Iterator[None]:
+def _script_environment(
+    argv: list[str], entry: str, *, megatron: bool, shadow: bool, archive: bool = False
+) -> Iterator[None]:
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = argv
     if not getattr(sys.flags, "safe_path", False):  # python -P (3.11+) adds no script directory
@@ -123,6 +150,8 @@ def _script_environment(argv: list[str], entry: str, *, megatron: bool, shadow: 
             sys.path[0] = entry
         else:
             sys.path.insert(0, entry)
+    elif archive:  # ... but always the folder or zip file it runs __main__ from
+        sys.path.insert(0, entry)
     try:
         # after sys.path[0] is the script's: a vendored apex/ beside the script counts as a real apex
         alias.install_apex_alias(megatron=megatron, shadow=shadow)

@@ -173,3 +173,33 @@ def test_run_module_errors_read_as_python_m_does(tmp_path, monkeypatch, capsys):
     (tmp_path / "launcher.py").write_text("import runpy\nrunpy.run_module('no_such_module_at_all')\n")
     assert run_module("launcher", []) == 1
     assert "ImportError: No module named no_such_module_at_all" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["folder", "zip"])
+def test_a_folder_or_zip_file_runs_its_main_from_an_absolute_sys_path_entry(tmp_path, monkeypatch, capsys, kind):
+    # runpy.run_path put a relative entry first on sys.path (twice): after an os.chdir() the script's
+    # own modules no longer imported (python's entry is absolute, and there only once)
+    import zipfile
+
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text(
+        "import os, sys\nfrom apex import amp\n"
+        "print(sys.argv, sys.path.count(sys.path[0]), os.path.isabs(sys.path[0]), __file__ == os.path.abspath(__file__))\n"
+        "os.chdir(os.path.dirname(os.getcwd()))\nimport helper\nhelper.boom()\n"
+    )
+    (app / "helper.py").write_text("def boom():\n    raise SystemExit(6)\n")
+    target = "app"
+    if kind == "zip":
+        with zipfile.ZipFile(tmp_path / "app.zip", "w") as z:
+            z.write(app / "__main__.py", "__main__.py")
+            z.write(app / "helper.py", "helper.py")
+        target = "app.zip"
+    monkeypatch.chdir(tmp_path)
+    assert run_script(target, ["--x"]) == 6
+    assert capsys.readouterr().out == f"['{target}', '--x'] 1 True True\n"
+    (tmp_path / "empty").mkdir()
+    os.chdir(tmp_path)  # the script moved away (monkeypatch puts the original back at the end)
+    with pytest.raises(RunError) as e:
+        run_script("empty", [])
+    assert str(e.value) == f"can't find '__main__' module in {str(tmp_path / 'empty')!r}" and e.value.exit_code == 1
