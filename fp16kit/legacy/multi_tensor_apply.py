@@ -1,5 +1,5 @@
-"""apex.multi_tensor_apply (and the two ``amp_C`` ops scripts call through it) without apex's
-CUDA extension: pure-torch stand-ins on fp16kit's core kernels, CPU and CUDA.
+"""apex.multi_tensor_apply (and the ``amp_C`` ops scripts call through it) without apex's
+CUDA extension: pure-torch stand-ins on fp16kit's core kernels and optimizers, CPU and CUDA.
 
     from fp16kit.legacy.multi_tensor_apply import multi_tensor_applier, amp_C   # was: import amp_C
     overflow_buf = torch.zeros(1, dtype=torch.int)
@@ -10,6 +10,8 @@ CUDA extension: pure-torch stand-ins on fp16kit's core kernels, CPU and CUDA.
 to 1 if a source holds inf/NaN (never cleared). ``multi_tensor_l2norm``: the total L2 norm (a
 1-element fp32 tensor) and, with ``per_tensor``, each tensor's norm; the flag is set when the
 norm is not finite. Exact on CPU for the scale; the norm up to summation order.
+``multi_tensor_adam`` (``[grads, params, exp_avgs, exp_avg_sqs]``, what copies of apex's
+FusedAdam.step such as fairseq's ``FusedAdamV2`` call): :class:`fp16kit.optim.Adam`'s rule.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from typing import Any
 import torch
 
 from ..core import kernels
+from ..optim.adam import adam_update_
 
-__all__ = ["MultiTensorApply", "amp_C", "multi_tensor_applier", "multi_tensor_l2norm", "multi_tensor_scale"]
+__all__ = ["MultiTensorApply", "amp_C", "multi_tensor_adam", "multi_tensor_applier", "multi_tensor_l2norm",
+           "multi_tensor_scale"]
 
 
 class MultiTensorApply:
@@ -71,14 +75,40 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor,
     return kernels.l2_norm_and_flag_(list(tensor_lists[0]), noop_flag, per_tensor=bool(per_tensor))
 
 
+def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor,
+                      tensor_lists: Sequence[Sequence[torch.Tensor]], lr: float, beta1: float, beta2: float,
+                      epsilon: float, step: int, mode: int, bias_correction: int, weight_decay: float) -> None:
+    """``amp_C.multi_tensor_adam``: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]``,
+    one Adam step in place (``mode`` 1: decoupled decay, 0: L2; fp32 math, fp32 moments), the
+    rule of :class:`fp16kit.optim.Adam`. What fairseq's ``FusedAdamV2`` and other copies of
+    apex's FusedAdam.step call through ``FusedAdam.multi_tensor_adam``. ``noop_flag`` is not
+    read (apex's non-capturable kernel did not either)."""
+    if len(tensor_lists) != 4:
+        raise ValueError(
+            f"multi_tensor_adam takes [grads, params, exp_avgs, exp_avg_sqs], got {len(tensor_lists)} lists."
+        )
+    grads, params, exp_avgs, exp_avg_sqs = (list(t) for t in tensor_lists)
+    if not len(grads) == len(params) == len(exp_avgs) == len(exp_avg_sqs):
+        raise ValueError("multi_tensor_adam: the four lists must have the same length.")
+    for i, (p, m, v) in enumerate(zip(params, exp_avgs, exp_avg_sqs)):
+        if m.shape != p.shape or v.shape != p.shape or m.dtype != torch.float32 or v.dtype != torch.float32:
+            raise ValueError(
+                f"multi_tensor_adam: tensor {i}: exp_avg and exp_avg_sq must be float32 tensors of the "
+                f"param's shape {tuple(p.shape)} (got {m.dtype} {tuple(m.shape)}, {v.dtype} {tuple(v.shape)})."
+            )
+    adam_update_(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon,
+                 step=int(step), adam_w_mode=bool(mode), bias_correction=bool(bias_correction),
+                 weight_decay=weight_decay)
+
+
 #: apex's ``MultiTensorApply(2048*32)``
 multi_tensor_applier = MultiTensorApply(2048 * 32)
 
 
 def _not_provided(name: str) -> AttributeError:
     return AttributeError(
-        f"amp_C.{name} is not provided by fp16kit: its amp_C stands in for multi_tensor_scale and "
-        "multi_tensor_l2norm only. Use torch's multi-tensor (foreach) ops or an "
+        f"amp_C.{name} is not provided by fp16kit: its amp_C stands in for multi_tensor_scale, "
+        "multi_tensor_l2norm and multi_tensor_adam only. Use torch's multi-tensor (foreach) ops or an "
         "optimizer of fp16kit.optim / fp16kit.legacy.optimizers instead."
     )
 
@@ -101,4 +131,5 @@ def __getattr__(name: str) -> Any:
 
 
 #: stand-in for the ``amp_C`` extension module (the two ops above)
-amp_C = _AmpC(multi_tensor_scale=multi_tensor_scale, multi_tensor_l2norm=multi_tensor_l2norm)
+amp_C = _AmpC(multi_tensor_scale=multi_tensor_scale, multi_tensor_l2norm=multi_tensor_l2norm,
+              multi_tensor_adam=multi_tensor_adam)

@@ -27,7 +27,7 @@ import torch
 
 from ._base import FusedStyleOptimizer, buckets
 
-__all__ = ["Adam"]
+__all__ = ["Adam", "adam_update_"]
 
 
 class Adam(FusedStyleOptimizer):
@@ -72,27 +72,50 @@ class Adam(FusedStyleOptimizer):
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], t: int) -> None:
         beta1, beta2 = group["betas"]
-        bc1, bc2 = (1 - beta1**t, 1 - beta2**t) if group["bias_correction"] else (1.0, 1.0)
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         ms = [self.work_state(p, "exp_avg") for p in params]
         vs = [self.work_state(p, "exp_avg_sq") for p in params]
-        for b, (m, v) in buckets(params, grads, (ms, vs)):
-            g = b.g32
-            if not self.adam_w_mode and wd != 0:
-                g = torch._foreach_add(g, b.p32, alpha=wd)
-            torch._foreach_mul_(m, beta1)
-            torch._foreach_add_(m, g, alpha=1 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-            denom = torch._foreach_div(v, bc2)
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
-            u = torch._foreach_div(m, bc1)
-            torch._foreach_div_(u, denom)
-            if self.adam_w_mode and wd != 0:
-                torch._foreach_add_(u, b.p32, alpha=wd)
-            torch._foreach_add_(b.p32, u, alpha=-lr)
-            b.write_back()
+        adam_update_(params, grads, ms, vs, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                     step=t, adam_w_mode=self.adam_w_mode, bias_correction=group["bias_correction"],
+                     weight_decay=group["weight_decay"])
+
+
+def adam_update_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+    adam_w_mode: bool,
+    bias_correction: bool,
+    weight_decay: float,
+) -> None:
+    """One step of the module docstring's rule at step count ``step``, in place, on lists of
+    params (fp16/bf16/fp32: fp32 math, one rounding) and their moments (in the work dtype:
+    float32 for fp16/bf16/fp32 params). Also apex's ``amp_C.multi_tensor_adam``."""
+    bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
+    wd = weight_decay
+    for b, (m, v) in buckets(params, grads, (exp_avgs, exp_avg_sqs)):
+        g = b.g32
+        if not adam_w_mode and wd != 0:
+            g = torch._foreach_add(g, b.p32, alpha=wd)
+        torch._foreach_mul_(m, beta1)
+        torch._foreach_add_(m, g, alpha=1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+        denom = torch._foreach_div(v, bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        u = torch._foreach_div(m, bc1)
+        torch._foreach_div_(u, denom)
+        if adam_w_mode and wd != 0:
+            torch._foreach_add_(u, b.p32, alpha=wd)
+        torch._foreach_add_(b.p32, u, alpha=-lr)
+        b.write_back()
 
 
 def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from ...optim import Adam
 from ...optim.legacy_adam import legacy_adam_step
+from ..multi_tensor_apply import multi_tensor_adam
 
 __all__ = ["FusedAdam"]
 
@@ -36,6 +37,13 @@ class FusedAdam(Adam):
     display_name = "FusedAdam"
     supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
     dtype_error = "FusedAdam only support fp16 and fp32."
+    #: apex's attribute: subclasses that rewrite step() (fairseq's FusedAdamV2) look for it
+    #: and call it through multi_tensor_applier with ``_dummy_overflow_buf``
+    multi_tensor_adam = staticmethod(multi_tensor_adam)
+
+    @property
+    def _dummy_overflow_buf(self) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.int)
 
     def __init__(
         self,

@@ -32,7 +32,7 @@ def test_a_scale_of_several_elements_is_refused_like_apex():
     assert torch.equal(dst[0], torch.zeros(3))
 
 
-@pytest.mark.parametrize("name", ["multi_tensor_axpby", "multi_tensor_adam", "multi_tensor_l2norm_scale"])
+@pytest.mark.parametrize("name", ["multi_tensor_axpby", "multi_tensor_lamb", "multi_tensor_l2norm_scale"])
 def test_ops_not_provided_name_the_ones_that_are(name):
     module = importlib.import_module("fp16kit.legacy.multi_tensor_apply")
     for holder in (amp_C, module):
