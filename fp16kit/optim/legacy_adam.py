@@ -21,7 +21,8 @@ result into low-precision output params. Rule::
 ``bias_correction=False`` is BertAdam's update. Differences from apex: a group with
 ``max_grad_norm > 0`` and no supplied norm has its norm computed here (apex raised TypeError);
 output params of any dtype are written (apex wrote fp16 ones only: an fp32 model param
-silently stopped training).
+silently stopped training); a checkpoint of the current FusedAdam (one ``step`` per group)
+continues its count in each param's state instead of restarting bias correction at 1.
 """
 
 from __future__ import annotations
@@ -111,8 +112,22 @@ def legacy_adam_step(
     norms = [None] * len(groups) if grad_norms is None else list(grad_norms)
     work = [_prepare(opt, group, g_list, o_list) for group, g_list, o_list in zip(groups, grads_per, outs_per)]
     for group, (params, found, outs), norm in zip(groups, work, norms):  # all checked: now step
+        _adopt_group_step(opt, group)
         if params:
             _step_group(opt, group, params, found, outs, scale, norm, eps_inside_sqrt)
+
+
+def _adopt_group_step(opt: FusedStyleOptimizer, group: dict[str, Any]) -> None:
+    """A group loaded from a checkpoint that counts per group (apex's current FusedAdam): its
+    params with state continue from that count (this rule counts per param); the group count
+    is dropped so that it cannot go stale."""
+    if "step" not in group:
+        return
+    count = int(group.pop("step"))
+    for p in group["params"]:
+        state = opt.state.get(p)
+        if state and "step" not in state:
+            state["step"] = count
 
 
 def _prepare(

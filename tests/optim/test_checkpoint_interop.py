@@ -139,3 +139,37 @@ def test_a_checkpoint_converted_for_torch_still_resumes_fused_adam_exactly():
         fb.step()
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     assert fb.param_groups[0]["step"] == fa.param_groups[0]["step"] == 6
+
+
+def test_the_legacy_rule_continues_the_group_count_of_a_current_fused_adam_checkpoint():
+    # a checkpoint of apex's current FusedAdam (one 'step' per group) resumed by the 2018 rule
+    # (per-param 'step', e.g. an old BERT script's FusedAdam(max_grad_norm=...)): each param
+    # with state continues from the group's count instead of restarting bias correction at 1
+    lr = 1e-2
+    src = _params()
+    current = FusedAdam(src, lr=lr)
+    for k in range(5):
+        for i, p in enumerate(src):
+            p.grad = _grad(p, 10 * k + i)
+        current.step()
+    sd = _weights_only(current.state_dict())
+    resumed = [p.detach().clone().requires_grad_() for p in src]
+    legacy = LegacyAdam(resumed, lr=lr)
+    legacy.load_state_dict(sd)
+    ref = [(p.detach().double(), sd["state"][i]["exp_avg"].double(), sd["state"][i]["exp_avg_sq"].double())
+           for i, p in enumerate(src)]
+    for k in range(5, 7):
+        t = k + 1
+        for i, p in enumerate(resumed):
+            p.grad = _grad(p, 10 * k + i)
+            w, m, v = ref[i]
+            g = p.grad.double()
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * g * g
+            step_size = lr * (1 - 0.999**t) ** 0.5 / (1 - 0.9**t)  # spec §1.4
+            ref[i] = (w - step_size * (m / (v.sqrt() + 1e-8)), m, v)
+        legacy.step()
+    for p, (r, _, _) in zip(resumed, ref):
+        torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
+    assert [legacy.state[p]["step"] for p in resumed] == [7, 7]
+    assert "step" not in legacy.param_groups[0]  # the count lives in each param's state now
