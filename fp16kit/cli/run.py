@@ -61,18 +61,29 @@ def _run(args: argparse.Namespace) -> int:
     if not target:
         args.run_parser.error("the following arguments are required: SCRIPT (or -m MODULE)")
     name, script_args = target[0], target[1:]
+    # the process ends with the script: leave what it set up (its __main__, the alias) for its
+    # non-daemon threads and atexit handlers, as python does; called in-process, put it all back
+    restore = not _is_the_process_entry()
     try:
-        with _logging_as_python_leaves_it():
+        with _logging_as_python_leaves_it(restore):
             if args.as_module:
-                return run_module(name, script_args, megatron=args.megatron, shadow=args.shadow)
-            return run_script(name, script_args, megatron=args.megatron, shadow=args.shadow)
+                return run_module(name, script_args, megatron=args.megatron, shadow=args.shadow, restore=restore)
+            return run_script(name, script_args, megatron=args.megatron, shadow=args.shadow, restore=restore)
     except RunError as e:
         print(f"fp16kit run: {e}", file=sys.stderr)
         return e.exit_code
 
 
+def _is_the_process_entry() -> bool:
+    """Whether this process was started as ``fp16kit ...`` or ``python -m fp16kit ...`` (its
+    __main__ is fp16kit's entry point, holding the command line's main())."""
+    from . import main
+
+    return getattr(sys.modules.get("__main__"), "main", None) is main
+
+
 @contextlib.contextmanager
-def _logging_as_python_leaves_it() -> Iterator[None]:
+def _logging_as_python_leaves_it(restore: bool) -> Iterator[None]:
     """Take the command line's own root log handler away while the script runs: with it there, the
     script's `logging.basicConfig(level=logging.INFO, format=...)` did nothing (its INFO lines
     vanished, its format was replaced), and fp16kit's warnings were not printed as python prints them."""
@@ -86,7 +97,7 @@ def _logging_as_python_leaves_it() -> Iterator[None]:
     try:
         yield
     finally:
-        if ours:
+        if ours and restore:
             root.setLevel(level)
             for handler in ours:
                 root.addHandler(handler)

@@ -16,7 +16,8 @@ Contract (what the script sees, and what the caller gets back)::
         normal end 0; SystemExit(None) 0, SystemExit(int n) n, SystemExit(other) str(other) on
         stderr and 1; an uncaught exception: sys.excepthook with the script's own frames only
         (no fp16kit / runpy frames) and 1; KeyboardInterrupt: its traceback and 130
-    afterwards sys.argv, sys.path[0], the __main__ module and the alias are as they were
+    afterwards sys.argv, sys.path[0], the __main__ module and the alias are as they were (restore=False,
+        for a process that ends with the script: left in place for its threads and atexit handlers)
 
 A script that cannot be started (missing file, no such module, a real ``apex`` in the way) raises
 :class:`RunError` before anything runs; the command line prints it.
@@ -44,9 +45,10 @@ __all__ = ["RunError", "run_script", "run_module"]
 
 # the frames a traceback drops: this module's and runpy's ("<frozen runpy>" when it is frozen)
 _LAUNCHER_FILES = frozenset({__file__, runpy.__file__, runpy.run_path.__code__.co_filename})
-# where runpy raises the errors `python -m` reports in one line (private, but the same since 3.4)
-_GET_MODULE_DETAILS = getattr(runpy, "_get_module_details", None)
-_GET_MODULE_DETAILS = getattr(_GET_MODULE_DETAILS, "__code__", None)
+# runpy's lookup for `python -m` (private, but the same since 3.4), where it raises the errors
+# python reports in one line
+_GET_MODULE_DETAILS_FUNC: Any = runpy._get_module_details  # type: ignore[attr-defined]
+_GET_MODULE_DETAILS = _GET_MODULE_DETAILS_FUNC.__code__
 
 
 class RunError(Exception):
@@ -57,91 +59,95 @@ class RunError(Exception):
         self.exit_code = exit_code
 
 
-def run_script(path: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False) -> int:
-    """``python PATH ARGS`` with the apex alias installed; returns the exit code."""
+def run_script(
+    path: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False, restore: bool = True
+) -> int:
+    """``python PATH ARGS`` with the apex alias installed; returns the exit code. ``restore=False``
+    (the command line, whose process ends next) leaves the script's __main__, sys.argv, sys.path and
+    the alias in place, as python does until exit: its non-daemon threads and atexit handlers still
+    pickle its classes and import apex."""
     if not os.path.exists(path):
         raise RunError(f"can't open file {os.path.abspath(path)!r}: [Errno 2] No such file or directory", 2)
     if os.path.isdir(path) or zipfile.is_zipfile(path):
         # a directory or zip file with __main__.py: python puts it (absolute) first on sys.path
         entry = os.path.abspath(path)
-        with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow, archive=True):
-            return _call(lambda: _exec_archive_main(entry))
+        with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow, restore=restore, archive=True):
+            return _call(lambda: _exec_as_main(*_archive_main(entry), restore=restore))
     entry = os.path.dirname(os.path.realpath(path))
-    with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow):
-        return _call(lambda: _exec_as_main(os.path.abspath(path)))
+    with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow, restore=restore):
+        return _call(lambda: _exec_as_main(*_script_main(os.path.abspath(path)), restore=restore))
 
 
-def _exec_as_main(path: str) -> None:
+def _script_main(path: str) -> tuple[types.CodeType, dict[str, Any]]:
     """What python does with a script file: compile it under its absolute name (as tracebacks show
-    it since 3.9), run it as the module ``__main__`` (so its classes pickle), keep sys.argv[0]."""
+    it since 3.9); sys.argv[0] stays as typed."""
     with io.open_code(path) as f:
         source = f.read()  # bytes: compile() honours a BOM or a coding declaration
     code = compile(source, path, "exec", dont_inherit=True)
-    main = types.ModuleType("__main__")
-    main.__dict__.update(
-        __file__=path, __cached__=None, __builtins__=builtins, __package__=None, __spec__=None,
-        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
-    )
-    saved = sys.modules["__main__"]
-    sys.modules["__main__"] = main
-    try:
-        exec(code, main.__dict__)
-    finally:
-        sys.modules["__main__"] = saved
+    return code, dict(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                      __loader__=importlib.machinery.SourceFileLoader("__main__", path))
 
 
-def _exec_archive_main(entry: str) -> None:
-    """What python does with a folder or zip file: run the ``__main__`` module found in it (now
-    sys.path[0]) as ``__main__``, with an absolute ``__file__``. (runpy.run_path would put a second,
-    relative, entry first on sys.path, which an os.chdir() in the script then broke.)"""
+def _archive_main(entry: str) -> tuple[types.CodeType, dict[str, Any]]:
+    """What python does with a folder or zip file: the ``__main__`` module found in it (now
+    sys.path[0]), with an absolute ``__file__``. (runpy.run_path would put a second, relative,
+    entry first on sys.path, which an os.chdir() in the script then broke.)"""
     importer = pkgutil.get_importer(entry)
     spec = importer.find_spec("__main__") if importer is not None else None
     if spec is None or spec.loader is None:
         raise RunError(f"can't find '__main__' module in {entry!r}", 1)
     code = spec.loader.get_code("__main__")  # type: ignore[attr-defined]
+    return code, dict(__file__=spec.origin, __cached__=spec.cached, __package__="", __spec__=spec, __loader__=spec.loader)
+
+
+def _exec_as_main(code: types.CodeType, attrs: dict[str, Any], *, restore: bool) -> None:
+    """Run ``code`` as a fresh module ``__main__`` (so the classes it defines pickle)."""
     main = types.ModuleType("__main__")
-    main.__dict__.update(
-        __file__=spec.origin, __cached__=spec.cached, __builtins__=builtins, __package__="", __spec__=spec,
-        __loader__=spec.loader,
-    )
+    main.__dict__.update(attrs, __builtins__=builtins)
     saved = sys.modules["__main__"]
     sys.modules["__main__"] = main
     try:
         exec(code, main.__dict__)
     finally:
-        sys.modules["__main__"] = saved
+        if restore:
+            sys.modules["__main__"] = saved
 
 
-def run_module(name: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False) -> int:
-    """``python -m NAME ARGS`` with the apex alias installed; returns the exit code."""
+def run_module(
+    name: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False, restore: bool = True
+) -> int:
+    """``python -m NAME ARGS`` with the apex alias installed; returns the exit code (``restore``: as
+    for :func:`run_script`)."""
     if not name or name.startswith("."):
         raise RunError(f"Relative module names not supported: {name!r}", 1)
-    with _script_environment([name, *args], os.getcwd(), megatron=megatron, shadow=shadow):
-        return _call(lambda: _run_module_as_main(name))
+    with _script_environment([name, *args], os.getcwd(), megatron=megatron, shadow=shadow, restore=restore):
+        return _call(lambda: _exec_as_main(*_module_main(name), restore=restore))
 
 
-def _run_module_as_main(name: str) -> None:
-    """runpy.run_module, with what ``python -m`` prints as one line (runpy's own "No module named X",
-    "Error while finding module specification ...", "X is a package and cannot be directly executed")
-    turned into RunError; an error raised while importing the module's packages keeps its traceback,
-    as python's does."""
+def _module_main(name: str) -> tuple[types.CodeType, dict[str, Any]]:
+    """What ``python -m`` finds (runpy's lookup: a package runs its __main__), with what it prints as
+    one line ("No module named X", "Error while finding module specification ...", "X is a package
+    and cannot be directly executed") turned into RunError; an error raised while importing the
+    module's packages keeps its traceback, as python's does. sys.argv[0] becomes the module's file."""
     try:
-        runpy.run_module(name, run_name="__main__", alter_sys=True)
+        _, spec, code = _GET_MODULE_DETAILS_FUNC(name)
     except ImportError as e:
         codes = []  # the frames from here to where it was raised
         tb = e.__traceback__
         while tb is not None:
             codes.append(tb.tb_frame.f_code)
             tb = tb.tb_next
-        # raised by runpy itself for this call (not by a runpy call inside the module's own code)
-        if len(codes) > 2 and codes[1] is runpy.run_module.__code__ and all(c is _GET_MODULE_DETAILS for c in codes[2:]):
+        if len(codes) > 1 and all(c is _GET_MODULE_DETAILS for c in codes[1:]):  # runpy's own message
             raise RunError(str(e), 1) from None
         raise
+    sys.argv[0] = spec.origin
+    return code, dict(__file__=spec.origin, __cached__=spec.cached, __package__=spec.parent, __spec__=spec,
+                      __loader__=spec.loader)
 
 
 @contextlib.contextmanager
 def _script_environment(
-    argv: list[str], entry: str, *, megatron: bool, shadow: bool, archive: bool = False
+    argv: list[str], entry: str, *, megatron: bool, shadow: bool, restore: bool, archive: bool = False
 ) -> Iterator[None]:
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = argv
@@ -158,13 +164,16 @@ def _script_environment(
     except RuntimeError as e:
         sys.argv, sys.path[:] = saved_argv, saved_path
         raise RunError(str(e), 2) from None
+    spawn_hook = _alias_in_spawned_children(megatron, shadow)
+    spawn_hook.__enter__()
     try:
-        with _alias_in_spawned_children(megatron, shadow):
-            yield
+        yield
     finally:
-        alias.uninstall_apex_alias()
-        sys.argv = saved_argv
-        sys.path[:] = saved_path
+        if restore:
+            spawn_hook.__exit__(None, None, None)
+            alias.uninstall_apex_alias()
+            sys.argv = saved_argv
+            sys.path[:] = saved_path
 
 
 def _install_in_child(megatron: bool, shadow: bool) -> None:

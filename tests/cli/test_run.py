@@ -126,3 +126,25 @@ def test_the_scripts_logging_setup_works_as_under_python(tmp_path):
     # a script that configures nothing: fp16kit's warnings print as python's last-resort handler prints them
     script.write_text("import logging\nlogging.getLogger('fp16kit').warning('Gradient overflow.')\n")
     assert _python("-m", "fp16kit", "run", str(script)) == _python(str(script)) == (0, "", "Gradient overflow.\n")
+
+
+@pytest.mark.slow
+def test_threads_and_atexit_handlers_still_see_the_script_after_its_last_line(tmp_path):
+    # the script's __main__ and the alias were put back when its body ended: a non-daemon thread or
+    # an atexit handler then failed to pickle the script's classes (and to import apex)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import atexit, pickle, threading, time
+        class Checkpoint:
+            pass
+        def save():
+            time.sleep(0.2)
+            from apex import amp
+            print("thread", len(pickle.dumps(Checkpoint())) > 0, amp.__name__)
+        atexit.register(lambda: print("atexit", len(pickle.dumps(Checkpoint())) > 0))
+        threading.Thread(target=save).start()
+        """
+    ))
+    code, out, err = _python("-m", "fp16kit", "run", str(script))
+    assert (code, out) == (0, "thread True fp16kit.legacy.amp\natexit True\n"), err

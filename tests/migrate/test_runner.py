@@ -203,3 +203,22 @@ def test_a_folder_or_zip_file_runs_its_main_from_an_absolute_sys_path_entry(tmp_
     with pytest.raises(RunError) as e:
         run_script("empty", [])
     assert str(e.value) == f"can't find '__main__' module in {str(tmp_path / 'empty')!r}" and e.value.exit_code == 1
+
+
+def test_restore_false_leaves_the_scripts_main_and_the_alias(script, monkeypatch):
+    # what the command line asks for: its process ends with the script
+    from multiprocessing import spawn
+
+    from fp16kit.migrate.alias import uninstall_apex_alias
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setitem(sys.modules, "__main__", sys.modules["__main__"])
+    monkeypatch.setattr(spawn, "get_preparation_data", spawn.get_preparation_data)  # put back at teardown
+    path = script("import apex\nclass C:\n    pass\n")
+    try:
+        assert run_script(path, ["--x"], restore=False) == 0
+        assert sys.modules["__main__"].__file__ == path and hasattr(sys.modules["__main__"], "C")
+        assert apex_alias_installed() and sys.argv == [path, "--x"]
+    finally:
+        uninstall_apex_alias()
