@@ -200,6 +200,9 @@ def keep_state_precision(opt: torch.optim.Optimizer, state_dict: dict[str, Any])
 def with_settings(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     """torch's ``Optimizer.__getstate__`` keeps only defaults, state and param groups; add the
     optimizer-wide settings these classes keep as public attributes (``adam_w_mode``,
-    ``set_grad_none``, ...) so that pickling and ``copy.deepcopy`` keep them."""
-    extra = {k: v for k, v in vars(opt).items() if not k.startswith("_") and k not in state}
+    ``set_grad_none``, ...) so that pickling and ``copy.deepcopy`` keep them -- but not the
+    functions others patch onto the instance (an LR scheduler's ``step`` wrapper is bound to
+    *this* optimizer: a copy that kept it would step the original)."""
+    extra = {k: v for k, v in vars(opt).items()
+             if not k.startswith("_") and k not in state and not callable(v)}
     return {**state, **extra}

@@ -31,6 +31,7 @@ structure first and refuses mismatches instead of truncating.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -197,8 +198,11 @@ class FP16_Optimizer(WrappingOptimizer):
 
     # ------------------------------------------------------------------ pickling, checkpoints
     def __getstate__(self) -> dict[str, Any]:
-        # apex's wrapper was a plain object: pickling (and deepcopy) keep all of it
-        return self.__dict__.copy()
+        # apex's wrapper was a plain object: pickling (and deepcopy) keep all of it, but for
+        # the functions patched onto the instance (an LR scheduler's `step` wrapper is bound to
+        # this object: a copy keeping it would step the original), as torch's optimizers do
+        patched = (types.FunctionType, types.MethodType)
+        return {k: v for k, v in self.__dict__.items() if not isinstance(v, patched)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
