@@ -5,7 +5,8 @@ Prints one line per converted (or deliberately kept) item, then where it wrote. 
 
 - 0: OUT written (checked to load with ``torch.load(weights_only=True)``);
 - 1: IN not converted -- refused (a crafted pickle, a whole pickled model, not a checkpoint,
-  truncated or corrupt), missing or unreadable; nothing written;
+  truncated or corrupt), missing or unreadable -- or OUT could not be written (a full disk);
+  nothing written;
 - 2: usage -- bad arguments, OUT's folder missing, OUT a folder, OUT exists, or OUT is IN
   (``--force`` allows the last two); nothing written.
 """
@@ -17,7 +18,7 @@ import pickle
 import sys
 
 _EPILOG = """\
-exit codes: 0 written; 1 IN refused or unreadable (nothing written); 2 bad usage, OUT's folder
+exit codes: 0 written; 1 IN refused or unreadable, or OUT not writable (nothing written); 2 bad usage, OUT's folder
 missing, OUT a folder, OUT exists or OUT is IN without --force (nothing written). OUT is written to a temporary file, checked to load
 with torch.load(weights_only=True), then renamed: IN is never touched unless OUT is IN and --force.
 """
@@ -51,7 +52,7 @@ def _error(message: str, code: int) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..legacy.convert import convert_file
+    from ..legacy.convert import WriteError, convert_file
 
     try:
         report = convert_file(
@@ -63,6 +64,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     except (FileExistsError, NotADirectoryError) as e:
         return _error(str(e), 2)
+    except WriteError as e:
+        return _error(str(e), 1)
     except (pickle.UnpicklingError, OSError, ValueError, RuntimeError) as e:
         return _error(f"{args.input} was not converted, nothing was written:\n{e}", 1)
     print(f"{args.input} -> {args.output}")

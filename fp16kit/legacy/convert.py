@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import os
 import pathlib
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +54,7 @@ from .checkpoint_records import (
     describe,
 )
 
-__all__ = ["Conversion", "convert_checkpoint", "convert_file"]
+__all__ = ["Conversion", "WriteError", "convert_checkpoint", "convert_file"]
 
 #: How deep :func:`convert_checkpoint` follows containers (checkpoints nest a few levels).
 MAX_DEPTH = 200
@@ -297,7 +299,8 @@ def convert_file(
 
     Refuses (``FileExistsError``) an existing ``dst`` and ``dst`` being ``src`` unless
     ``overwrite``, and ``dst`` being a directory; errors reading ``src`` are load_checkpoint's (``pickle.UnpicklingError``
-    for a file it refuses) and leave ``dst`` untouched. Unlike ``torch.load``, every record of
+    for a file it refuses) and leave ``dst`` untouched; a failure to write ``dst`` (a full disk)
+    is a :class:`WriteError` (an ``OSError``) saying so. Unlike ``torch.load``, every record of
     a zip checkpoint is CRC-checked first (a damaged tensor is refused, not copied on)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if dst.is_dir():  # overwrite or not: the rename onto a folder would fail once converted
@@ -324,11 +327,34 @@ def convert_file(
             report.append(Conversion("(tensors)", f"{count} storages saved on {location}", f"loaded to {target}"))
     tmp = dst.with_name(f".{dst.name}.fp16kit-{os.getpid()}.tmp")
     try:
-        torch.save(converted, tmp)
-        torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)  # what the reader will do
-        os.replace(tmp, dst)
+        try:
+            torch.save(converted, tmp)
+            torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)  # what the reader will do
+            os.replace(tmp, dst)
+        except (OSError, RuntimeError) as e:
+            raise _write_error(src, dst, e) from e
     finally:
         if tmp.exists():
             tmp.unlink()
     return report
+
+
+class WriteError(OSError):
+    """``convert_file`` read and converted ``src`` but could not write ``dst`` (nothing written)."""
+
+
+def _write_error(src: pathlib.Path, dst: pathlib.Path, e: Exception) -> WriteError:
+    # torch's zip writer reports a full disk as "[enforce fail at inline_container.cc] unexpected
+    # pos 704 vs 598" or "file write failed": say what it most likely is
+    why = f"{type(e).__name__}: {e}"
+    try:
+        free, needed = shutil.disk_usage(dst.parent).free, src.stat().st_size
+    except OSError:
+        free = needed = 0
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC or (needed and free < needed):
+        why = (f"the disk holding {dst.parent} is full or nearly ({free:,} bytes free; {src.name} is "
+               f"{needed:,} bytes): free some space or write OUT elsewhere ({why})")
+    elif isinstance(e, PermissionError):
+        why = f"no permission to write in {dst.parent} ({why})"
+    return WriteError(f"could not write {dst}, nothing was written: {why}")
 

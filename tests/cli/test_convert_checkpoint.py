@@ -253,3 +253,27 @@ def test_ctrl_c_while_writing_leaves_no_partial_out(tmp_path, capsys, apex_era_f
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([apex_era_file.name] + (["new.pt"] if existing else []))
     if existing:
         assert out.read_bytes() == b"the old OUT"
+
+
+@pytest.mark.parametrize("failure", ["torch's zip writer", "ENOSPC"])
+def test_a_full_disk_is_said_so_and_leaves_nothing(tmp_path, capsys, apex_era_file, monkeypatch, failure):
+    """torch's zip writer reports a full disk as '[enforce fail at inline_container.cc:672] .
+    unexpected pos 704 vs 598', which was printed as 'IN was not converted'."""
+    import errno
+    import shutil
+
+    real_save = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)  # a partial file is left, as a real failure leaves one
+        if failure == "ENOSPC":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 100, 100))
+    code, out, err = _run(capsys, apex_era_file, tmp_path / "new.pt")
+    assert code == 1 and out == ""
+    assert f"could not write {tmp_path / 'new.pt'}, nothing was written: the disk holding {tmp_path} is full" in err
+    assert "100 bytes free" in err and "was not converted" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [apex_era_file.name]
