@@ -66,7 +66,7 @@ def _migrate(args: argparse.Namespace) -> int:
             print(f"{where}: {outcome.error}; file skipped", file=sys.stderr)
             continue
         if outcome.diff:
-            sys.stdout.write(outcome.diff)
+            _write_bytes(outcome.diff)
         changed += outcome.changed
         imports += outcome.imports_rewritten
         uses += outcome.uses_rewritten
@@ -86,3 +86,14 @@ def _migrate(args: argparse.Namespace) -> int:
     if failed:
         return 3
     return 1 if args.check and changed else 0
+
+
+def _write_bytes(data: bytes) -> None:
+    """A diff goes out in its file's own bytes (a latin-1 or BOM file's patch must match that file)."""
+    sys.stdout.flush()
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:  # a text-only stream (a StringIO in place of stdout)
+        sys.stdout.write(data.decode("utf-8", errors="surrogateescape"))
+        return
+    buffer.write(data)
+    buffer.flush()

@@ -37,7 +37,7 @@ class FileOutcome:
     imports_rewritten: int = 0
     uses_rewritten: int = 0
     unmigratable: list[Unmigratable] = field(default_factory=list)
-    diff: str = ""
+    diff: bytes = b""  # a unified diff in the file's own encoding and line ends
     error: str | None = None
     error_line: int = 0
 
@@ -84,18 +84,20 @@ def iter_python_files(paths: Iterable[str]) -> Iterator[str]:
                 yield candidate
 
 
-def _decode(data: bytes, encoding: str) -> str:
-    return data.decode(encoding, errors="replace")
-
-
-def _unified_diff(path: str, old: bytes, new: bytes, encoding: str) -> str:
-    lines = difflib.unified_diff(
-        _decode(old, encoding).splitlines(keepends=True),
-        _decode(new, encoding).splitlines(keepends=True),
-        fromfile=path if os.path.isabs(path) else f"a/{path}",
-        tofile=path if os.path.isabs(path) else f"b/{path}",
+def _unified_diff(path: str, old: bytes, new: bytes) -> bytes:
+    """A unified diff of the file's own bytes (its encoding, BOM and line ends), so that `patch` and
+    `git apply` take it; lines are split at \\n, \\r\\n and \\r only, as python reads source."""
+    name = os.fsencode(os.path.normpath(path))  # `./x.py` (a walk of ".") -> `x.py`: git apply refuses "./"
+    lines = difflib.diff_bytes(
+        difflib.unified_diff,
+        old.splitlines(keepends=True),
+        new.splitlines(keepends=True),
+        fromfile=name if os.path.isabs(path) else b"a/" + name,
+        tofile=name if os.path.isabs(path) else b"b/" + name,
     )
-    return "".join(line if line.endswith(("\n", "\r")) else line + "\n\\ No newline at end of file\n" for line in lines)
+    return b"".join(
+        line if line.endswith((b"\n", b"\r")) else line + b"\n\\ No newline at end of file\n" for line in lines
+    )
 
 
 def _write_in_place(path: str, data: bytes) -> None:
@@ -133,7 +135,7 @@ def migrate_file(path: str, *, megatron: bool = False, write: bool = True, diff:
     outcome.uses_rewritten = result.uses_rewritten
     outcome.unmigratable = result.unmigratable
     if result.changed and diff:
-        outcome.diff = _unified_diff(path, source, result.code, result.encoding)  # type: ignore[arg-type]
+        outcome.diff = _unified_diff(path, source, result.code)  # type: ignore[arg-type]
     if result.changed and write:
         try:
             _write_in_place(path, result.code)  # type: ignore[arg-type]

@@ -87,7 +87,7 @@ def test_diff_and_dry_runs_write_nothing(tmp_path):
     assert out.changed and not out.written
     assert out.diff == (
         f"--- {path}\n+++ {path}\n@@ -1,2 +1,2 @@\n x = 1\n-from apex import amp\n+from fp16kit.legacy import amp\n"
-    )
+    ).encode()
     assert path.read_text() == "x = 1\nfrom apex import amp\n" and path.stat().st_mtime_ns == mtime
 
 
@@ -125,3 +125,38 @@ def test_a_file_that_cannot_be_written_is_reported_and_left_as_it_was(tmp_path, 
     out = migrate_file(str(path))
     assert out.error == "cannot write: Permission denied" and not out.written
     assert path.read_text() == "from apex import amp\n"
+
+
+def test_the_diff_is_in_the_files_own_bytes_so_patch_applies_it(tmp_path, monkeypatch):
+    # it was decoded text: a BOM file's first line lost its BOM, a latin-1 line came out as UTF-8,
+    # and a form feed split a line (str.splitlines) -- `patch` / `git apply` refused all three
+    files = {
+        "bom.py": b"\xef\xbb\xbfimport apex\r\nx = apex.amp.initialize\r\nfrom apex import amp",
+        "latin.py": b"# -*- coding: latin-1 -*-\nfrom apex import amp  # caf\xe9\n",
+        "ff.py": b"x = 1\n\x0c\nfrom apex import amp\n",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    monkeypatch.chdir(tmp_path)
+    diffs = {name: migrate_file(os.path.join(".", name), write=False, diff=True).diff for name in files}
+    assert diffs["latin.py"] == (
+        b"--- a/latin.py\n+++ b/latin.py\n@@ -1,2 +1,2 @@\n # -*- coding: latin-1 -*-\n"
+        b"-from apex import amp  # caf\xe9\n+from fp16kit.legacy import amp  # caf\xe9\n"
+    )
+    assert diffs["bom.py"].startswith(b"--- a/bom.py\n+++ b/bom.py\n@@ -1,3 +1,3 @@\n-\xef\xbb\xbfimport apex\r\n")
+    assert diffs["bom.py"].endswith(b"+from fp16kit.legacy import amp\n\\ No newline at end of file\n")
+    assert diffs["ff.py"] == (
+        b"--- a/ff.py\n+++ b/ff.py\n@@ -1,3 +1,3 @@\n x = 1\n \x0c\n-from apex import amp\n+from fp16kit.legacy import amp\n"
+    )
+    # applied with a hand-written unified-diff applier (one hunk each): the migrated bytes come back
+    for name, data in files.items():
+        hunk = diffs[name].split(b"\n", 3)[3].replace(b"\n\\ No newline at end of file\n", b"\x00\n")
+        old, new = b"", b""
+        for line in hunk.split(b"\n")[:-1]:  # the diff's own lines end in \n; the file's \r stays in them
+            body = line[1:] + b"\n"
+            body = body[:-2] if body.endswith(b"\x00\n") else body
+            old += body if line[:1] in b" -" else b""
+            new += body if line[:1] in b" +" else b""
+        assert data.startswith(old) or data == old
+        migrate_file(name)
+        assert (tmp_path / name).read_bytes() == data.replace(old, new, 1)
