@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import fp16kit
+from fp16kit.grad_scaler import FP16_GRADS_HINT
 
 TorchGradScaler = torch.amp.GradScaler
 KitGradScaler = fp16kit.GradScaler
@@ -269,7 +270,8 @@ def _call(fn: Callable[[], Any]) -> tuple:
         try:
             out: tuple = ("ok", fn())
         except Exception as e:  # noqa: BLE001 - the exception is the observable
-            out = ("raise", type(e).__name__, type(e), str(e))
+            # torch's text; fp16kit may add the fix after it (fp16 grads -> MixedPrecisionOptimizer)
+            out = ("raise", type(e).__name__, type(e), str(e).removesuffix(FP16_GRADS_HINT))
     return out, [(w.category.__name__, str(w.message)) for w in caught]
 
 
