@@ -27,3 +27,20 @@ def test_a_sparse_embedding_grad_is_refused_by_name_before_any_change(make):
     assert all(torch.equal(a, p) for a, p in zip(before, [*lin.parameters(), *emb.parameters()]))
     assert all(torch.equal(a, m) for a, m in zip(masters, (m for g in opt.fp32_groups for m in g)))
     assert opt.cur_iter == 0 and opt.cur_scale == 2.0**16 and not opt.state
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -8.0, float("inf"), float("nan"), "128", True, None])
+def test_a_static_scale_that_cannot_work_is_refused_at_construction(bad):
+    # 0 divided the grads by zero inside the update: every param became NaN, silently
+    p = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    inner = FusedAdam([p], lr=1e-3, bias_correction=False, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="static_loss_scale.*dynamic_loss_scale=True"):
+        FP16_Optimizer(inner, static_loss_scale=bad)
+    assert inner.param_groups[0]["params"][0] is p  # the inner optimizer is left as it was
+
+
+def test_opennmt_passes_a_zero_static_scale_with_the_dynamic_one():
+    # onmt: static_loss_scale=opt.loss_scale, dynamic_loss_scale=opt.loss_scale == 0
+    p = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    opt = FP16_Optimizer(FusedAdam([p], lr=1e-3), static_loss_scale=0, dynamic_loss_scale=True, verbose=False)
+    assert opt.cur_scale == 2.0**16

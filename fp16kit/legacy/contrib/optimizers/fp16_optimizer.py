@@ -31,6 +31,7 @@ structure first and refuses mismatches instead of truncating.
 from __future__ import annotations
 
 import logging
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,8 @@ class FP16_Optimizer(WrappingOptimizer):
     ) -> None:
         if dynamic_loss_args is not None:
             raise SystemError("Do not support dynamic loss scale args for now.")
+        if not dynamic_loss_scale:
+            _check_static_scale(static_loss_scale)
         if not callable(getattr(init_optimizer, "step_with_grads", None)):
             raise TypeError(
                 "The fused-era FP16_Optimizer drives fp16kit.legacy.optimizers.FusedAdam or "
@@ -247,3 +250,13 @@ def _refuse_sparse(grads: list[list[torch.Tensor | None]]) -> None:
                     "with sparse=False, or give the sparse params an optimizer of their own "
                     "(e.g. torch.optim.SparseAdam)."
                 )
+
+
+def _check_static_scale(value: Any) -> None:
+    # apex divided the grads by it inside the update: 0 made every param NaN, silently
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        raise ValueError(
+            f"FP16_Optimizer: static_loss_scale must be a finite number > 0, got {value!r}. Pass "
+            "the static scale (e.g. 128.0), or dynamic_loss_scale=True."
+        )
