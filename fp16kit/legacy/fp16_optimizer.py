@@ -326,10 +326,14 @@ class FP16_Optimizer(WrappingOptimizer):
         self.loss_scaler._loss_scale = value
 
     # ------------------------------------------------------------------ the loop
-    def zero_grad(self, set_grads_to_None: bool = False) -> None:  # type: ignore[override]
+    def zero_grad(self, set_grads_to_None: bool = False, *, set_to_none: bool | None = None) -> None:  # type: ignore[override]
         """Zero (or set to None) the grads of every param the optimizer owns and of the fp16
-        model params. With ``async_step`` the masters' grads belong to the step in flight:
-        the next step's job clears them before it writes this iteration's grads."""
+        model params. ``set_to_none`` is torch's name for apex's ``set_grads_to_None`` (loops
+        written for torch optimizers call ``zero_grad(set_to_none=True)``); it wins when given.
+        With ``async_step`` the masters' grads belong to the step in flight: the next step's job
+        clears them before it writes this iteration's grads."""
+        if set_to_none is not None:
+            set_grads_to_None = set_to_none
         if self.async_step:
             kernels.clear_grads_(self.all_fp16_params, set_to_none=set_grads_to_None)
             self._master_grads_reset = "none" if set_grads_to_None else "zero"

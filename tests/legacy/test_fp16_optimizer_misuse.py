@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -47,3 +48,17 @@ def test_no_warning_in_apex_loop(caplog):
             opt.backward(_loss(model))
             opt.step()
     assert not [r for r in caplog.records if "optimizer.backward(loss)" in r.getMessage()]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_takes_torchs_set_to_none(set_to_none):
+    # torch-style loops call zero_grad(set_to_none=...); apex's name is set_grads_to_None
+    model = nn.Linear(4, 4).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    opt.backward(model(torch.randn(2, 4).half()).float().sum())
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in [*model.parameters(), *opt.fp32_from_fp16_groups[0]]:
+        if set_to_none:
+            assert p.grad is None
+        else:
+            assert p.grad is not None and not p.grad.any()
