@@ -212,7 +212,11 @@ def _check_no_real(names: tuple[str, ...], shadow: bool) -> None:
             continue
         state = "is already imported" if imported is not None else "is importable"
         if name not in apex_map.ROOTS:
-            fix = "If it is Megatron-LM v1's own fp16 package, run it as it is, or migrate to fp16kit.legacy.megatron."
+            fix = (
+                "If it is Megatron-LM v1's own fp16 package (beside its scripts), leave megatron=False / `fp16kit run` "
+                "without --megatron: that copy then runs, its apex imports through the alias; or migrate its users "
+                "to fp16kit.legacy.megatron (`fp16kit migrate --megatron`) and delete the copy."
+            )
         elif name == "apex" and not _has_amp(imported, name):
             # NVIDIA apex >= 25.x (what NGC containers ship) or PyPI's unrelated apex: the alias is what is needed
             fix = (

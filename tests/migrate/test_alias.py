@@ -227,3 +227,18 @@ def test_a_real_apex_without_amp_gets_the_advice_to_shadow_it(alias, tmp_path, m
     importlib.invalidate_caches()
     with pytest.raises(RuntimeError, match="you do not need the alias.*pip uninstall apex"):
         alias()
+
+
+def test_megatrons_own_fp16_copy_gets_advice_that_works(alias, tmp_path, monkeypatch):
+    # a Megatron-LM v1 checkout: fp16/ beside pretrain_bert.py, importing apex itself. "run it as it
+    # is" read as "without fp16kit"; what works is the alias without megatron=True
+    pkg = _fake_package(tmp_path, "fp16")
+    (pkg / "__init__.py").write_text("from apex.multi_tensor_apply import multi_tensor_applier\nREAL = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"real module named 'fp16'.*without --megatron.*through the alias"):
+        alias(megatron=True)
+    alias()
+    import fp16
+
+    assert fp16.REAL and fp16.multi_tensor_applier is fp16kit.legacy.multi_tensor_apply.multi_tensor_applier
+    sys.modules.pop("fp16")
