@@ -135,3 +135,82 @@ def test_a_converted_file_trained_on_in_torch_goes_back_to_fusedadam_at_torchs_c
     want = _apex_adam(master.detach(), sd["state"][0]["exp_avg"], sd["state"][0]["exp_avg_sq"], g, STEP + 3 + 1)
     assert p.flatten().tolist() == pytest.approx(want, rel=1e-6, abs=1e-8)
     assert fused.param_groups[0]["step"] == STEP + 4
+
+
+# ------------------------------------------------------------- fused-era FP16_Optimizer (§1.5)
+
+SHAPES = [(3, 2), (4,)]
+
+
+def _fused_era_state(layout: str):
+    """apex.optimizers.FP16_Optimizer(FusedAdam(..., max_grad_norm=1.0), dynamic_loss_scale=True)
+    .state_dict() at cur_iter 10, legacy FusedAdam (per-param int step) inside: the flat
+    layout (2018-12 -> 2019-12, one flat master and one flat state per group) or per-param."""
+    torch.manual_seed(5)
+    model = [torch.randn(s).half() for s in SHAPES]
+    masters = [p.float() + 0.01 for p in model]
+    n = sum(p.numel() for p in model)
+    m, v = torch.randn(n) * 0.01, torch.rand(n) * 1e-4
+    group = {"lr": LR, "bias_correction": True, "betas": (B1, B2), "eps": EPS, "weight_decay": WD,
+             "max_grad_norm": 1.0}
+    if layout == "flat":
+        inner = {"state": {0: {"step": 10, "exp_avg": m.clone(), "exp_avg_sq": v.clone()}},
+                 "param_groups": [{**group, "params": [0]}]}
+        held = {"fp32_groups_flat": [torch.cat([t.flatten() for t in masters])]}
+    else:
+        inner = {"state": {0: {"step": 10, "exp_avg": m[:6].reshape(3, 2).clone(), "exp_avg_sq": v[:6].reshape(3, 2).clone()},
+                           1: {"step": 10, "exp_avg": m[6:].clone(), "exp_avg_sq": v[6:].clone()}},
+                 "param_groups": [{**group, "params": [0, 1]}]}
+        held = {"fp32_groups": [[t.clone() for t in masters]]}
+    sd = {"dynamic_loss_scale": True, "cur_scale": 1024.0, "cur_iter": 10, "last_overflow_iter": -1,
+          "scale_factor": 2.0, "scale_window": 1000, "optimizer_state_dict": inner, **held}
+    return {"model": {"w": model[0], "b": model[1]}, "optimizer": sd, "epoch": 3}, masters, m, v
+
+
+def _legacy_adam(masters, m, v, grads, scale):
+    """The fused-era step (spec §1.3-1.4), in double: per-group clip from the scaled grads'
+    norm, then legacy FusedAdam at t = 11 (eps outside the sqrt, decay times step_size)."""
+    g = [x for t in grads for x in t.double().flatten().tolist()]
+    norm = math.sqrt(sum(x * x for x in g))
+    combined = scale
+    clip = (norm / scale + 1e-6) / 1.0
+    if clip > 1:
+        combined = clip * scale
+    t = 11
+    step_size = LR * math.sqrt(1 - B2**t) / (1 - B1**t)
+    out = []
+    for p, mi, vi, gi in zip([x for t_ in masters for x in t_.flatten().tolist()], m.tolist(), v.tolist(), g):
+        gi /= combined
+        mi = B1 * mi + (1 - B1) * gi
+        vi = B2 * vi + (1 - B2) * gi * gi
+        out.append(p - step_size * (mi / (math.sqrt(vi) + EPS) + WD * p))
+    return out
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint", "converted", "converted --torch-optimizer-state"])
+@pytest.mark.parametrize("layout", ["flat", "per-param"])
+def test_a_fused_era_fp16_optimizer_file_continues_in_fp16kit(tmp_path, save_on, layout, how):
+    from fp16kit.legacy.contrib.optimizers import FusedAdam
+    from fp16kit.legacy.optimizers import FP16_Optimizer
+
+    ckpt, masters, m, v = _fused_era_state(layout)
+    path = save_on(ckpt, tmp_path / "bert.pt", legacy=True)
+    if how == "load_checkpoint":
+        loaded = load_checkpoint(path)
+    else:
+        convert_file(path, tmp_path / "out.pt", torch_optimizer_state=how.endswith("state"))
+        loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    if how.endswith("state"):  # the legacy per-param int step became torch's float32 tensor
+        assert all(s["step"].dtype == torch.float32 for s in loaded["optimizer"]["optimizer_state_dict"]["state"].values())
+
+    model = [loaded["model"]["w"].clone().requires_grad_(), loaded["model"]["b"].clone().requires_grad_()]
+    opt = FP16_Optimizer(FusedAdam([{"params": model}], lr=LR, weight_decay=WD, max_grad_norm=1.0),
+                         dynamic_loss_scale=True, verbose=False)
+    opt.load_state_dict(loaded["optimizer"])
+    grads = [(torch.arange(p.numel()).reshape(p.shape) * 0.5).half() for p in model]
+    for p, g in zip(model, grads):
+        p.grad = g.clone()
+    opt.step()
+    got = [x for t in opt.fp32_groups for mm in t for x in mm.detach().double().flatten().tolist()]
+    assert got == pytest.approx(_legacy_adam(masters, m, v, grads, 1024.0), rel=1e-6, abs=1e-7)
+    assert opt.cur_iter == 11
