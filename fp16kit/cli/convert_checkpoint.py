@@ -67,7 +67,11 @@ def _run(args: argparse.Namespace) -> int:
     except WriteError as e:
         return _error(str(e), 1)
     except (pickle.UnpicklingError, OSError, ValueError, RuntimeError) as e:
-        return _error(f"{args.input} was not converted, nothing was written:\n{e}", 1)
+        hint = ""
+        if isinstance(e, RuntimeError) and "torch.cuda.is_available() is False" in str(e):
+            # torch's text names torch.load's argument, not this command's option
+            hint = f"\nThis machine has no CUDA: leave out --map-location {args.map_location} (the default is cpu)."
+        return _error(f"{args.input} was not converted, nothing was written:\n{e}{hint}", 1)
     print(f"{args.input} -> {args.output}")
     for item in report:
         print(f"  {item}")

@@ -277,3 +277,12 @@ def test_a_full_disk_is_said_so_and_leaves_nothing(tmp_path, capsys, apex_era_fi
     assert f"could not write {tmp_path / 'new.pt'}, nothing was written: the disk holding {tmp_path} is full" in err
     assert "100 bytes free" in err and "was not converted" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == [apex_era_file.name]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
+def test_map_location_cuda_without_cuda_names_this_commands_option(tmp_path, capsys, apex_era_file):
+    code, out, err = _run(capsys, apex_era_file, tmp_path / "new.pt", "--map-location", "cuda:0")
+    assert code == 1 and out == ""
+    assert "torch.cuda.is_available() is False" in err  # torch's own words, kept
+    assert err.rstrip().endswith("This machine has no CUDA: leave out --map-location cuda:0 (the default is cpu).")
+    assert not (tmp_path / "new.pt").exists()
