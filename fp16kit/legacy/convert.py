@@ -37,6 +37,7 @@ import errno
 import os
 import pathlib
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -330,6 +331,8 @@ def convert_file(
         try:
             torch.save(converted, tmp)
             torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)  # what the reader will do
+            if dst.exists():  # replaced (overwrite): keep its permissions (a private 0600 file stays so)
+                os.chmod(tmp, stat.S_IMODE(dst.stat().st_mode))
             os.replace(tmp, dst)
         except (OSError, RuntimeError) as e:
             raise _write_error(src, dst, e) from e

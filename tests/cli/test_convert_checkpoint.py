@@ -286,3 +286,14 @@ def test_map_location_cuda_without_cuda_names_this_commands_option(tmp_path, cap
     assert "torch.cuda.is_available() is False" in err  # torch's own words, kept
     assert err.rstrip().endswith("This machine has no CUDA: leave out --map-location cuda:0 (the default is cpu).")
     assert not (tmp_path / "new.pt").exists()
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["OUT exists", "OUT is IN"])
+def test_force_keeps_the_replaced_files_permissions(tmp_path, capsys, apex_era_file, same):
+    out = apex_era_file if same else tmp_path / "private.pt"
+    if not same:
+        out.write_bytes(b"old")
+    out.chmod(0o600)
+    assert _run(capsys, apex_era_file, out, "--force")[0] == 0
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert torch.load(out, weights_only=True)["iteration"] == 5
