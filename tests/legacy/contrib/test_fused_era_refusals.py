@@ -44,3 +44,19 @@ def test_opennmt_passes_a_zero_static_scale_with_the_dynamic_one():
     p = torch.ones(3, dtype=torch.float16, requires_grad=True)
     opt = FP16_Optimizer(FusedAdam([p], lr=1e-3), static_loss_scale=0, dynamic_loss_scale=True, verbose=False)
     assert opt.cur_scale == 2.0**16
+
+
+@pytest.mark.parametrize("key,bad", [("cur_scale", 0.0), ("cur_scale", float("nan")), ("cur_scale", "65536"),
+                                     ("cur_iter", 2.5), ("cur_iter", -1)])
+def test_a_checkpoint_with_an_unusable_scale_or_count_is_refused_before_any_change(key, bad):
+    p = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    saved = FP16_Optimizer(FusedAdam([p], lr=1e-3, max_grad_norm=1.0), static_loss_scale=8.0, verbose=False)
+    p.grad = torch.ones(3, dtype=torch.float16)
+    saved.step()
+    sd = saved.state_dict()
+    sd[key] = bad
+    q = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    opt = FP16_Optimizer(FusedAdam([q], lr=1e-3, max_grad_norm=1.0), dynamic_loss_scale=True, verbose=False)
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(sd)
+    assert opt.dynamic_loss_scale and opt.cur_scale == 2.0**16 and opt.cur_iter == 0 and not opt.state

@@ -12,6 +12,7 @@ Every check runs before anything is changed; a mismatch names the group and the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ def check_state_dict(sd: Any, fp16_groups: list[list[torch.Tensor]]) -> None:
     missing = [k for k in _REQUIRED if k not in sd]
     if missing:
         raise ValueError(f"FP16_Optimizer state dict lacks {missing}; pass the dict FP16_Optimizer.state_dict() saved.")
+    _check_counters(sd)
     if "fp32_groups" not in sd and "fp32_groups_flat" not in sd:
         raise ValueError(
             "FP16_Optimizer state dict holds no masters ('fp32_groups' or 'fp32_groups_flat'); "
@@ -68,6 +70,35 @@ def check_state_dict(sd: Any, fp16_groups: list[list[torch.Tensor]]) -> None:
                     f"Group {i}: the saved flat master has {saved.numel()} elements; this "
                     f"optimizer's group {i} params have {want} in all."
                 )
+
+
+def _number(value: Any) -> Any:
+    """A Python number, or a one-element tensor's value (a checkpoint written by other code)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return value.item()
+    return value
+
+
+def _check_counters(sd: dict[str, Any]) -> None:
+    # a scale of 0 or nan trained every param into NaN; a fractional or negative count broke
+    # the modulo growth rule
+    scale = _number(sd["cur_scale"])
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(
+            f"FP16_Optimizer state dict: cur_scale must be a finite number > 0, got {sd['cur_scale']!r}; "
+            "pass the dict FP16_Optimizer.state_dict() saved."
+        )
+    for key in ("cur_iter", "last_overflow_iter"):
+        if key not in sd:
+            continue
+        count = _number(sd[key])
+        low = -1 if key == "last_overflow_iter" else 0
+        whole = isinstance(count, int) or (isinstance(count, float) and count.is_integer())
+        if isinstance(count, bool) or not whole or count < low:
+            raise ValueError(
+                f"FP16_Optimizer state dict: {key} must be a whole number >= {low}, got {sd[key]!r}; "
+                "pass the dict FP16_Optimizer.state_dict() saved."
+            )
 
 
 def masters_from_state(sd: dict[str, Any], fp32_groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
