@@ -299,7 +299,8 @@ def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
                 "loss_scale": float(a["_loss_scale"]),
                 "scale_factor": 2.0,  # apex's era-2 scaler always used 2
                 "scale_window": int(a["_scale_seq_len"]),
-                "min_loss_scale": a["_min_loss_scale"],
+                # pickled before apex's scaler took min_loss_scale (2019): no floor, as it had none
+                "min_loss_scale": a.get("_min_loss_scale"),
                 "max_loss_scale": a["_max_loss_scale"],
                 "unskipped": int(a["_unskipped"]),
             }

@@ -214,3 +214,32 @@ def test_a_fused_era_fp16_optimizer_file_continues_in_fp16kit(tmp_path, save_on,
     got = [x for t in opt.fp32_groups for mm in t for x in mm.detach().double().flatten().tolist()]
     assert got == pytest.approx(_legacy_adam(masters, m, v, grads, 1024.0), rel=1e-6, abs=1e-7)
     assert opt.cur_iter == 11
+
+
+# ------------------------------------------------------------ an early era-2 apex scaler
+
+
+def test_an_era2_scaler_pickled_before_min_loss_scale_existed_loads_without_a_floor(tmp_path, fake_apex, save_on):
+    """apex's amp LossScaler of spring 2019 had no ``_min_loss_scale`` (and no floor): such a
+    FP16_Optimizer checkpoint was refused ("Cannot read the saved loss scaler
+    ('_min_loss_scale')"), by load_state_dict and by the converter."""
+    from fp16kit.legacy import FP16_Optimizer
+
+    model = torch.nn.Linear(2, 2).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+    sd = opt.state_dict()
+    scaler = fake_apex.era2(2.0, window=2000, unskipped=7)
+    del scaler._min_loss_scale
+    sd["loss_scaler"] = scaler
+    path = save_on({"optimizer": sd}, tmp_path / "early.pt", legacy=True)
+    fake_apex.remove()
+
+    loaded = load_checkpoint(path)["optimizer"]
+    assert "_min_loss_scale" not in loaded["loss_scaler"]
+    convert_file(path, tmp_path / "out.pt")
+    converted = torch.load(tmp_path / "out.pt", weights_only=True)["optimizer"]
+    assert converted["loss_scaler"]["min_loss_scale"] is None and converted["loss_scaler"]["unskipped"] == 7
+    for state in (loaded, converted):
+        fresh = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
+        fresh.load_state_dict(state)
+        assert fresh.loss_scale == 2.0 and fresh.state_dict()["loss_scaler"]["min_loss_scale"] is None
