@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run an unmodified apex script with `import apex` mapped onto fp16kit.legacy",
         description=_DESCRIPTION,
         epilog=_EPILOG,
-        usage="fp16kit run [-h] [--megatron] [--shadow] (SCRIPT | -m MODULE) [ARGS ...]",
+        usage="fp16kit run [-h] [--megatron] [--shadow] (SCRIPT | -m MODULE | -c COMMAND | -) [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument(
@@ -47,13 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     # a flag, not an option with a value: `-m MOD --lr 3` must hand `--lr 3` to MOD, as python does
     run.add_argument("-m", dest="as_module", action="store_true", help="run library module MODULE as a script")
-    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT | MODULE [ARGS ...]",
-                     help="the script (or, with -m, the module) and its arguments")
+    run.add_argument("-c", dest="as_command", action="store_true", help="run the program passed in as a string")
+    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT | MODULE | COMMAND [ARGS ...]",
+                     help="the script (- reads it from stdin; with -m, the module; with -c, the program) and its "
+                     "arguments")
     run.set_defaults(func=_run, run_parser=run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..migrate.runner import RunError, run_module, run_script
+    from ..migrate.runner import RunError, run_command, run_module, run_script
 
     target = list(args.target)
     if target[:1] == ["--"]:
@@ -66,8 +68,12 @@ def _run(args: argparse.Namespace) -> int:
     restore = not _is_the_process_entry()
     try:
         with _logging_as_python_leaves_it(restore):
+            if args.as_module and args.as_command:
+                args.run_parser.error("-m and -c cannot be used together")
             if args.as_module:
                 return run_module(name, script_args, megatron=args.megatron, shadow=args.shadow, restore=restore)
+            if args.as_command:
+                return run_command(name, script_args, megatron=args.megatron, shadow=args.shadow, restore=restore)
             return run_script(name, script_args, megatron=args.megatron, shadow=args.shadow, restore=restore)
     except RunError as e:
         print(f"fp16kit run: {e}", file=sys.stderr)

@@ -3,8 +3,10 @@ would, with :func:`~fp16kit.migrate.alias.install_apex_alias` in effect.
 
 Contract (what the script sees, and what the caller gets back)::
 
-    sys.argv      = [SCRIPT, *ARGS]           (-m: [the module's file, *ARGS], as runpy sets it)
-    sys.path[0]   = the script's directory    (-m: the current directory); unchanged under python -P
+    sys.argv      = [SCRIPT, *ARGS]           (-m: [the module's file, *ARGS], as runpy sets it; -c: ["-c",
+                                              *ARGS]; stdin: ["-", *ARGS])
+    sys.path[0]   = the script's directory    (-m: the current directory; -c and stdin: ""); unchanged
+                                              under python -P
                     (a folder or zip file with __main__.py: itself, absolute, even under -P)
     __name__      = "__main__"; __file__ = SCRIPT's absolute path (python >= 3.9); the code runs as
                     sys.modules["__main__"]
@@ -41,7 +43,7 @@ from typing import Any
 
 from . import alias
 
-__all__ = ["RunError", "run_script", "run_module"]
+__all__ = ["RunError", "run_script", "run_module", "run_command"]
 
 # the frames a traceback drops: this module's and runpy's ("<frozen runpy>" when it is frozen)
 _LAUNCHER_FILES = frozenset({__file__, runpy.__file__, runpy.run_path.__code__.co_filename})
@@ -66,6 +68,8 @@ def run_script(
     (the command line, whose process ends next) leaves the script's __main__, sys.argv, sys.path and
     the alias in place, as python does until exit: its non-daemon threads and atexit handlers still
     pickle its classes and import apex."""
+    if path == "-":  # python - : the script is read from stdin
+        return _run_source(sys.stdin.read(), "<stdin>", ["-", *args], megatron, shadow, restore)
     if not os.path.exists(path):
         raise RunError(f"can't open file {os.path.abspath(path)!r}: [Errno 2] No such file or directory", 2)
     if os.path.isdir(path) or zipfile.is_zipfile(path):
@@ -76,6 +80,24 @@ def run_script(
     entry = os.path.dirname(os.path.realpath(path))
     with _script_environment([path, *args], entry, megatron=megatron, shadow=shadow, restore=restore):
         return _call(lambda: _exec_as_main(*_script_main(os.path.abspath(path)), restore=restore))
+
+
+def run_command(
+    command: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False, restore: bool = True
+) -> int:
+    """``python -c COMMAND ARGS`` with the apex alias installed; returns the exit code (``restore``:
+    as for :func:`run_script`)."""
+    return _run_source(command, "<string>", ["-c", *args], megatron, shadow, restore)
+
+
+def _run_source(source: str, filename: str, argv: list[str], megatron: bool, shadow: bool, restore: bool) -> int:
+    """python -c / python - : sys.path[0] is "" (the current directory, unless python -P), no __file__."""
+    attrs: dict[str, Any] = dict(__package__=None, __spec__=None, __loader__=importlib.machinery.BuiltinImporter)
+    if filename == "<stdin>":
+        attrs.update(__file__=filename, __cached__=None)
+    with _script_environment(argv, "", megatron=megatron, shadow=shadow, restore=restore):
+        # compiled inside _call: a SyntaxError is reported as python reports it
+        return _call(lambda: _exec_as_main(compile(source, filename, "exec", dont_inherit=True), attrs, restore=restore))
 
 
 def _script_main(path: str) -> tuple[types.CodeType, dict[str, Any]]:

@@ -103,7 +103,7 @@ def test_help_lists_the_commands(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     out = capsys.readouterr().out
-    assert "fp16kit run [-h] [--megatron] [--shadow] (SCRIPT | -m MODULE) [ARGS ...]" in out
+    assert "fp16kit run [-h] [--megatron] [--shadow] (SCRIPT | -m MODULE | -c COMMAND | -) [ARGS ...]" in out
     assert "exit status" in out
 
 
@@ -148,3 +148,22 @@ def test_threads_and_atexit_handlers_still_see_the_script_after_its_last_line(tm
     ))
     code, out, err = _python("-m", "fp16kit", "run", str(script))
     assert (code, out) == (0, "thread True fp16kit.legacy.amp\natexit True\n"), err
+
+
+def test_c_and_stdin_as_python_runs_them(capsys, monkeypatch):
+    # `fp16kit run -c ...` was "unrecognized arguments: -c", and `fp16kit run -` "can't open file '-'"
+    code = "import sys; from apex import amp; print(sys.argv, repr(sys.path[0]), amp.__name__); sys.exit(5)"
+    assert main(["run", "-c", code, "--lr", "3"]) == 5
+    assert capsys.readouterr().out == "['-c', '--lr', '3'] '' fp16kit.legacy.amp\n"
+    assert main(["run", "-c", "x = ("]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('  File "<string>", line 1\n') and "SyntaxError" in err
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("import sys\nprint(sys.argv, __file__)\nraise ValueError('no')\n"))
+    assert main(["run", "-", "a"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "['-', 'a'] <stdin>\n"
+    assert 'File "<stdin>", line 3, in <module>' in captured.err and captured.err.endswith("ValueError: no\n")
+    with pytest.raises(SystemExit):
+        main(["run", "-m", "-c", "x"])
