@@ -429,3 +429,13 @@ def test_pytorch_pretrained_bert_training_loop_runs_as_written():
     assert all(p.dtype == torch.float16 for p in model.parameters())
     assert losses[-1] < 0.5 * losses[0]
     assert optimizer.cur_iter == 40
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_takes_torchs_set_to_none(set_to_none):
+    model = torch.nn.Linear(4, 4).half()
+    opt = FP16_Optimizer(FusedAdam(model.parameters(), lr=1e-3), dynamic_loss_scale=True, verbose=False)
+    opt.backward(model(torch.randn(2, 4).half()).float().sum())
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in model.parameters():
+        assert (p.grad is None) if set_to_none else (p.grad is not None and not p.grad.any())

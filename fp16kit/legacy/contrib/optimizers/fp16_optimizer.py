@@ -159,8 +159,11 @@ class FP16_Optimizer(WrappingOptimizer):
         )
 
     # ------------------------------------------------------------------ the loop
-    def zero_grad(self, set_grads_to_None: bool = True) -> None:  # type: ignore[override]
-        """Clear the fp16 model grads (to None by default, unlike apex.fp16_utils)."""
+    def zero_grad(self, set_grads_to_None: bool = True, *, set_to_none: bool | None = None) -> None:  # type: ignore[override]
+        """Clear the fp16 model grads (to None by default, unlike apex.fp16_utils);
+        ``set_to_none`` is torch's name for ``set_grads_to_None`` and wins when given."""
+        if set_to_none is not None:
+            set_grads_to_None = set_to_none
         kernels.clear_grads_([p for g in self.fp16_groups for p in g], set_to_none=set_grads_to_None)
 
     def backward(self, loss: torch.Tensor) -> None:
