@@ -128,6 +128,7 @@ def read_checkpoint(
     def finish(record: Record, attributes: dict[str, Any] | None, path: tuple[Any, ...]) -> Any:
         if isinstance(record, ScalerRecord):
             value: Any = {CLASS_KEY: record._path, **(attributes or {})}
+            value[CLASS_KEY] = record._path  # the class pickled, whatever its attributes claim
         elif isinstance(record, NamespaceRecord):
             value = namespace(attributes or {})
         else:

@@ -143,3 +143,14 @@ def test_an_empty_text_array_of_a_trillion_empty_lists_is_refused(tmp_path, fake
     path = save({"a": fake_numpy.ndarray((2**40, 0), "|S1", b"")}, tmp_path / "text.pt")
     with pytest.raises(pickle.UnpicklingError, match="would be 1,099,511,627,776 nested lists"):
         load_checkpoint(path)
+
+
+def test_a_scaler_attribute_named_like_the_class_key_cannot_change_the_class(tmp_path, megatron, save):
+    """A Megatron scaler whose pickled attributes claim "__apex_class__": apex's era-2 class came
+    back as that class (and was read as apex's scaler by FP16_Optimizer.load_state_dict)."""
+    scaler = megatron(cur_scale=4.0)
+    scaler.__dict__.update({"__apex_class__": "apex.amp.scaler.LossScaler", "dynamic": True, "_loss_scale": 2.0**30,
+                            "_max_loss_scale": 2.0**24, "_min_loss_scale": None, "_scale_seq_len": 1, "_unskipped": 0})
+    out = load_checkpoint(save({"s": scaler}, tmp_path / "s.pt"))["s"]
+    assert out["__apex_class__"] == "megatron.fp16.loss_scaler.DynamicLossScaler"
+    assert list(out)[0] == "__apex_class__" and out["cur_scale"] == 4.0
