@@ -12,12 +12,13 @@ from collections.abc import Iterator
 _CLI_LOG_FORMAT = "%(name)s: %(levelname)s: %(message)s"
 
 _DESCRIPTION = """\
-Run SCRIPT (or -m MODULE) exactly as `python SCRIPT ARGS` would -- same sys.argv, __name__ ==
+Run SCRIPT (or -m MODULE, -c COMMAND, - for stdin) exactly as `python SCRIPT ARGS` would -- same
+sys.argv, __name__ ==
 "__main__", sys.path[0], exit code and traceback -- with an import hook that makes `import apex`
 and every apex module fp16kit covers (apex.amp, apex.fp16_utils, apex.optimizers, apex.parallel,
 apex.normalization, apex.contrib.optimizers, apex.multi_tensor_apply) resolve to fp16kit.legacy.
 An apex module fp16kit does not cover raises ImportError naming the closest replacement.
-Everything after SCRIPT (or MODULE) goes to the script untouched.
+Everything after SCRIPT (or MODULE, COMMAND) goes to the script untouched.
 
 Under torchrun: torchrun --no-python fp16kit run train.py ARGS
 In code, the same hook: fp16kit.legacy.install_apex_alias()"""
@@ -61,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     if target[:1] == ["--"]:
         target = target[1:]
     if not target:
-        args.run_parser.error("the following arguments are required: SCRIPT (or -m MODULE)")
+        args.run_parser.error("the following arguments are required: SCRIPT (or -m MODULE, -c COMMAND)")
     name, script_args = target[0], target[1:]
     # the process ends with the script: leave what it set up (its __main__, the alias) for its
     # non-daemon threads and atexit handlers, as python does; called in-process, put it all back
