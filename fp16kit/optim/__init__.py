@@ -12,13 +12,15 @@ Each is a plain ``torch.optim.Optimizer`` (it also works inside
   ``max_grad_norm``, ``step(grads=, output_params=, scale=, grad_norms=)``).
 * :class:`Adagrad` -- with apex's decoupled ``adagrad_w_mode``.
 * :class:`SGD` -- ``torch.optim.SGD`` plus apex's ``wd_after_momentum``.
+* :class:`LARC` -- apex's layer-wise adaptive rate clipping, a wrapper around any optimizer.
 """
 
 from .adagrad import Adagrad
 from .adam import Adam
 from .lamb import LAMB
+from .larc import LARC
 from .legacy_adam import LegacyAdam
 from .novograd import NovoGrad
 from .sgd import SGD
 
-__all__ = ["Adagrad", "Adam", "LAMB", "LegacyAdam", "NovoGrad", "SGD"]
+__all__ = ["Adagrad", "Adam", "LAMB", "LARC", "LegacyAdam", "NovoGrad", "SGD"]
