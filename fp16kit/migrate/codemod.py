@@ -166,6 +166,7 @@ class _ApexRewriter(cst.CSTTransformer):
         self.megatron = megatron
         self.table = apex_map.module_map(megatron=megatron)
         self.roots: set[str] = set()
+        self.kept_roots: set[str] = set()  # root names some import that stays binds (`import megatron.mpu`)
         self.imports = 0
         self.uses = 0
         self.problems: list[tuple[cst.CSTNode, str]] = []  # (node of the parsed tree, message)
@@ -208,6 +209,8 @@ class _ApexRewriter(cst.CSTTransformer):
                     res = rewriter._resolve(dotted) if dotted else None
                     if alias.asname is None and res is not None and res.covered and not res.rest:
                         rewriter.roots.add(dotted.partition(".")[0])
+                    elif alias.asname is None and dotted:  # stays: still binds its root name
+                        rewriter.kept_roots.add(dotted.partition(".")[0])
                 return False
 
         node.visit(_Roots())
@@ -353,6 +356,10 @@ class _ApexRewriter(cst.CSTTransformer):
             return False
         res = self._resolve(dotted)
         if res is None:
+            root = dotted.partition(".")[0]
+            if root not in self.kept_roots:  # `import megatron.fp16` bound `megatron`; its rewrite does not
+                self._report(node, f"{dotted}: the name {root!r} was bound by an import that now imports fp16kit "
+                                   f"(e.g. `import {root}.fp16`): add `import {dotted.rpartition('.')[0]}` for this use")
             return False
         if not res.covered:
             self._report(node, f"{dotted}: {self._explain(res)}")

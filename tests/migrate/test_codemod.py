@@ -381,3 +381,15 @@ def test_only_the_differing_head_of_a_name_is_rewritten():
     r = migrate_source(src)
     assert r.code == expected and not r.unmigratable
     assert migrate_source(r.code).changed is False
+
+
+def test_megatron_uses_left_unbound_by_a_rewritten_import_are_reported():
+    # `import megatron.fp16` bound `megatron`; `import fp16kit.legacy.megatron` does not, so the
+    # untouched `megatron.mpu...` below became a NameError at run time, silently
+    src = "import megatron.fp16\nx = megatron.fp16.FP16_Module\nrank = megatron.mpu.get_rank()\n"
+    r = migrate_source(src, megatron=True)
+    assert r.code == "import fp16kit.legacy.megatron\nx = fp16kit.legacy.megatron.FP16_Module\nrank = megatron.mpu.get_rank()\n"
+    assert [p.line for p in r.unmigratable] == [3] and "add `import megatron.mpu`" in r.unmigratable[0].message
+    # another import still binds `megatron`: nothing to report
+    r = migrate_source("import megatron.fp16\nimport megatron.mpu\nrank = megatron.mpu.get_rank()\n", megatron=True)
+    assert r.unmigratable == []
