@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where tensors go (torch's map_location; default: cpu)")
     p.add_argument("--torch-optimizer-state", action="store_true",
                    help="move apex FusedAdam/FusedLAMB's per-group 'step' into each param's state "
-                   "(float32 tensor), as torch.optim.Adam/AdamW expect")
+                   "(float32 tensor), as torch.optim.Adam/AdamW expect; give FusedAdagrad's state the step "
+                   "and lr_decay torch.optim.Adagrad needs")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (even when it is IN)")
     p.set_defaults(func=_run)
 

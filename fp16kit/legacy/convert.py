@@ -22,6 +22,9 @@ reads, and fp16kit's loaders too (``fp16kit convert-checkpoint IN OUT``).
                                                           when it is missing); a tensor lr
                                                           (capturable) becomes a float
     legacy FusedAdam per-param int 'step'             -> float32 scalar tensor (same option)
+    FusedAdagrad state ('sum' only, no count)          -> state[p]['step'] = tensor(0.0), group
+                                                          lr_decay 0 (same option): torch's
+                                                          Adagrad needs both
     tensors stored on cuda:N                           -> on map_location (CPU by default)
 
 Each change is reported as a :class:`Conversion` (where in the checkpoint, what it was, what it
@@ -217,6 +220,17 @@ class _Converter:
         if per_param_ints:
             self.note((*path, "state"), f"per-param int 'step' of {len(per_param_ints)} params (legacy FusedAdam)",
                       "float32 scalar tensors (torch's form)")
+        # apex FusedAdagrad keeps 'sum' only; torch's Adagrad refuses a state without 'step'
+        # (KeyError in load_state_dict) and uses it only for lr_decay, which apex's lacks
+        sums = [k for k, s in state.items() if isinstance(s, dict) and set(s) == {"sum"}]
+        if sums and not grouped and len(sums) == len(state):
+            for pid in sums:
+                state[pid]["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for group in new_groups:
+                group.setdefault("lr_decay", 0.0)  # torch's Adagrad reads it at each step
+            self.note((*path, "state"), f"'sum' only, no count, for {len(sums)} params (apex FusedAdagrad)",
+                      "state[p]['step'] = tensor(0.0) and group lr_decay 0: torch.optim.Adagrad needs "
+                      "both; the count matters only with lr_decay, which apex's lacked")
         return {**sd, "state": state, "param_groups": new_groups}
 
 

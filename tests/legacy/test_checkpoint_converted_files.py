@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp16kit.legacy import load_checkpoint
-from fp16kit.legacy.convert import convert_file
+from fp16kit.legacy.convert import Conversion, convert_file
 
 LR, B1, B2, EPS, WD, STEP = 1e-3, 0.9, 0.999, 1e-8, 0.01, 57
 
@@ -243,3 +243,45 @@ def test_an_era2_scaler_pickled_before_min_loss_scale_existed_loads_without_a_fl
         fresh = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
         fresh.load_state_dict(state)
         assert fresh.loss_scale == 2.0 and fresh.state_dict()["loss_scaler"]["min_loss_scale"] is None
+
+
+# ------------------------------------------------------------------------- FusedAdagrad
+
+
+def test_fused_adagrad_state_loads_into_torchs_adagrad_after_torch_optimizer_state(tmp_path, save_on):
+    """apex FusedAdagrad's state is 'sum' only; torch's Adagrad raised KeyError 'step' in
+    load_state_dict. Rule (spec §3.5, adagrad_w_mode False, no decay): sum += g*g;
+    p -= lr * g / (sqrt(sum) + eps) -- torch's with lr_decay 0 and the count unused."""
+    lr, eps = 0.01, 1e-10
+    saved_sum = torch.tensor([0.5, 2.0, 0.25])
+    sd = {"state": {0: {"sum": saved_sum.clone()}},
+          "param_groups": [{"lr": lr, "eps": eps, "weight_decay": 0.0, "params": [0]}]}
+    path = save_on({"optimizer": sd}, tmp_path / "adagrad.pt", legacy=True)
+    plain, report = convert_file(path, tmp_path / "plain.pt"), None
+    with pytest.raises(KeyError, match="step"):  # why the option does this
+        torch.optim.Adagrad([torch.zeros(3, requires_grad=True)]).load_state_dict(
+            torch.load(tmp_path / "plain.pt", weights_only=True)["optimizer"])
+    report = convert_file(path, tmp_path / "out.pt", torch_optimizer_state=True)
+    assert [str(r) for r in report if r.path == "optimizer.state"] == [
+        "converted  optimizer.state: 'sum' only, no count, for 1 params (apex FusedAdagrad) -> state[p]['step'] = "
+        "tensor(0.0) and group lr_decay 0: torch.optim.Adagrad needs both; the count matters only with lr_decay, "
+        "which apex's lacked"]
+    p = torch.tensor([1.0, -1.0, 0.5], requires_grad=True)
+    opt = torch.optim.Adagrad([p], lr=lr, eps=eps)
+    opt.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True)["optimizer"])
+    g = [0.3, -0.7, 1.1]
+    p.grad = torch.tensor(g)
+    opt.step()
+    for j, (w, s, gj) in enumerate(zip([1.0, -1.0, 0.5], saved_sum.tolist(), g)):
+        s += gj * gj
+        assert p[j].item() == pytest.approx(w - lr * gj / (math.sqrt(s) + eps), rel=1e-6)
+    assert plain == [Conversion("(tensors)", "1 storages saved on cuda:0", "loaded to cpu")]
+
+    from fp16kit.legacy.optimizers import FusedAdagrad  # and apex's class still takes the file
+
+    q = torch.tensor([1.0, -1.0, 0.5], requires_grad=True)
+    fused = FusedAdagrad([q], lr=lr, eps=eps)
+    fused.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True)["optimizer"])
+    q.grad = torch.tensor(g)
+    fused.step()
+    assert q.tolist() == pytest.approx(p.tolist(), rel=1e-6)
