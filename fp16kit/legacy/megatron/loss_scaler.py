@@ -257,7 +257,8 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
 
 def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossScaler | DynamicLossScaler:
-    """A Megatron scaler from any saved form: this module's ``state_dict()``, the dict
+    """A Megatron scaler from any saved form: this module's ``state_dict()``, fp16kit's plain
+    apex-scaler state (a converted file's), the dict
     ``fp16kit.legacy.load_checkpoint`` makes of a pickled ``megatron.fp16.loss_scaler.*`` /
     ``fp16.loss_scaler.*`` / ``apex.fp16_utils.loss_scaler.*`` object (``{"__apex_class__":
     path, attributes...}``), or a live scaler object. Raises ``ValueError`` for anything else."""
@@ -267,6 +268,8 @@ def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossSc
         saved = {"cur_scale": saved.cur_scale}
     if not isinstance(saved, dict):
         raise ValueError(f"a {type(saved).__name__} is not a saved Megatron loss scaler")
+    if "loss_scale" in saved and "__apex_class__" not in saved:
+        saved = _from_fp16kit_form(saved)
     path = saved.get("__apex_class__")
     attrs = {k: v for k, v in saved.items() if k != "__apex_class__"}
     if path is not None and path not in SCALER_CLASSES:
@@ -278,6 +281,29 @@ def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossSc
         raise ValueError("a LossScaler needs 'cur_scale'")
     _check_number("cur_scale", attrs["cur_scale"], positive=True)
     return LossScaler(attrs["cur_scale"])
+
+
+def _from_fp16kit_form(saved: dict[str, Any]) -> dict[str, Any]:
+    """The attributes of the Megatron scaler equal to fp16kit's plain apex-scaler state (what
+    ``fp16kit convert-checkpoint`` writes for an ``apex.fp16_utils`` scaler): the same scale,
+    factor, window and floor, and the same growth phase -- ``unskipped`` clean steps since the
+    last overflow (``cur_iter - last_overflow_iter - 1``)."""
+    if not saved.get("dynamic", False):
+        return {"cur_scale": saved["loss_scale"]}
+    if saved.get("max_loss_scale") is not None:
+        raise ValueError(
+            "an apex.amp scaler (capped at max_loss_scale) cannot become a Megatron scaler, which has "
+            "no cap: load this state into fp16kit.legacy.FP16_Optimizer instead"
+        )
+    unskipped = saved.get("unskipped", 0)
+    return {
+        "cur_scale": saved["loss_scale"],
+        "cur_iter": unskipped,
+        "last_overflow_iter": -1,
+        "scale_factor": saved.get("scale_factor", 2.0),
+        "scale_window": saved.get("scale_window", 1000),
+        "min_scale": saved.get("min_loss_scale") or 1,
+    }
 
 
 def _window(value: Any) -> int:

@@ -109,3 +109,26 @@ def test_bad_checkpoints_change_nothing():
         opt.load_state_dict({k: v for k, v in good.items() if k != "overflow"})
     assert opt.loss_scaler.state_dict() == before[0]
     assert all(torch.equal(m, b) for m, b in zip(opt.fp32_from_fp16_groups[0], before[1]))
+
+
+def test_an_apex_scaler_converted_by_convert_checkpoint_continues_as_the_original():
+    # convert-checkpoint writes an apex.fp16_utils scaler in fp16kit's plain form; a Megatron
+    # optimizer reading that form must continue with the same scales as from the raw record.
+    import random
+
+    from fp16kit.legacy.checkpoint import scaler_state
+    from fp16kit.legacy.fp16_optimizer import AmpLossScaler
+    from fp16kit.legacy.megatron.loss_scaler import scaler_from_state
+
+    record = {
+        "__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+        "cur_scale": 1024.0, "cur_iter": 57, "last_overflow_iter": 50, "scale_factor": 2.0, "scale_window": 10,
+    }
+    original = scaler_from_state(dict(record))
+    converted = scaler_from_state(scaler_state(dict(record), current=AmpLossScaler(1.0).state_dict()))
+    rng = random.Random(0)
+    for _ in range(60):
+        overflow = rng.random() < 0.15
+        original.update_scale(overflow)
+        converted.update_scale(overflow)
+        assert converted.cur_scale == original.cur_scale
