@@ -114,7 +114,7 @@ def _not_provided(name: str) -> AttributeError:
 
 
 class _AmpC(types.SimpleNamespace):
-    """The ``amp_C`` stand-in: the two ops above; other apex op names raise an AttributeError
+    """The ``amp_C`` stand-in: the three ops above; other apex op names raise an AttributeError
     that says which ops there are."""
 
     def __getattr__(self, name: str) -> Any:
@@ -130,6 +130,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-#: stand-in for the ``amp_C`` extension module (the two ops above)
+#: stand-in for the ``amp_C`` extension module (the three ops above)
 amp_C = _AmpC(multi_tensor_scale=multi_tensor_scale, multi_tensor_l2norm=multi_tensor_l2norm,
               multi_tensor_adam=multi_tensor_adam)

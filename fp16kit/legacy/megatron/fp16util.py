@@ -60,6 +60,20 @@ __all__ = [
 ]
 
 
+def _read(norms: list[torch.Tensor]) -> list[float]:
+    """The 0-dim norms as Python floats, in order, with one host read per device (mpu read each
+    with ``.item()``: one sync per tensor). The values are the same: every float dtype widens
+    to float64 exactly."""
+    out: list[float] = [0.0] * len(norms)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, n in enumerate(norms):
+        by_device.setdefault(n.device, []).append(i)
+    for idx in by_device.values():
+        for i, value in zip(idx, torch.stack([norms[i].double() for i in idx]).tolist()):
+            out[i] = value
+    return out
+
+
 def _is_model_parallel(p: torch.Tensor) -> bool:
     return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
 
@@ -93,14 +107,14 @@ def clip_grad_norm(
     group = model_parallel_group if dist.is_available() and dist.is_initialized() else None
     grads = [p.grad.detach() for p in params]  # type: ignore[union-attr]
     if norm_type == math.inf:
-        largest = max(n.item() for n in kernels.norms(grads, math.inf))
+        largest = max(_read(kernels.norms(grads, math.inf)))
         total = _reduced(largest, device, "MAX", group)
     else:
         first_rank = group is None or dist.get_rank(group) == 0
         counted = [g for p, g in zip(params, grads) if _is_model_parallel(p) or first_rank]
         local = 0.0
-        for n in kernels.norms(counted, norm_type):  # mpu summed each norm**p as a Python float
-            local += n.item() ** norm_type
+        for n in _read(kernels.norms(counted, norm_type)):  # mpu summed each norm**p as a Python float
+            local += n**norm_type
         total = _reduced(local, device, "SUM", group) ** (1.0 / norm_type)
     coef = max_norm / (total + 1e-6)
     if coef < 1:

@@ -269,7 +269,7 @@ def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossSc
     if not isinstance(saved, dict):
         raise ValueError(f"a {type(saved).__name__} is not a saved Megatron loss scaler")
     if "loss_scale" in saved and "__apex_class__" not in saved:
-        saved = _from_fp16kit_form(saved)
+        saved = _from_plain_form(saved)
     path = saved.get("__apex_class__")
     attrs = {k: v for k, v in saved.items() if k != "__apex_class__"}
     if path is not None and path not in SCALER_CLASSES:
@@ -283,7 +283,7 @@ def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossSc
     return LossScaler(attrs["cur_scale"])
 
 
-def _from_fp16kit_form(saved: dict[str, Any]) -> dict[str, Any]:
+def _from_plain_form(saved: dict[str, Any]) -> dict[str, Any]:
     """The attributes of the Megatron scaler equal to fp16kit's plain apex-scaler state (what
     ``fp16kit convert-checkpoint`` writes for an ``apex.fp16_utils`` scaler): the same scale,
     factor, window and floor, and the same growth phase -- ``unskipped`` clean steps since the
