@@ -1,4 +1,5 @@
-"""``fp16kit run``: run an unmodified apex-era script with ``import apex`` resolving to fp16kit.legacy."""
+"""``fp16kit run``: run an unmodified apex-era script with ``import apex`` resolving to fp16kit.legacy
+(beside a real apex >= 25.x, which lacks amp / fp16_utils: only the modules it lacks do)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,29 @@ _CLI_LOG_FORMAT = "%(name)s: %(levelname)s: %(message)s"
 
 _DESCRIPTION = """\
 Run SCRIPT (or -m MODULE, -c COMMAND, - for stdin) exactly as `python SCRIPT ARGS` would -- same
-sys.argv, __name__ ==
-"__main__", sys.path[0], exit code and traceback -- with an import hook that makes `import apex`
-and every apex module fp16kit covers (apex.amp, apex.fp16_utils, apex.optimizers, apex.parallel,
-apex.normalization, apex.contrib.optimizers, apex.multi_tensor_apply) resolve to fp16kit.legacy.
+sys.argv, __name__ == "__main__", sys.path[0], exit code and traceback -- with an import hook
+that makes `import apex` and every apex module fp16kit covers (apex.amp, apex.fp16_utils,
+apex.optimizers, apex.parallel, apex.normalization, apex.contrib.optimizers,
+apex.multi_tensor_apply) resolve to fp16kit.legacy.
 An apex module fp16kit does not cover raises ImportError naming the closest replacement.
 Everything after SCRIPT (or MODULE, COMMAND) goes to the script untouched.
+
+Beside a real apex (importable, or a vendored apex/ package next to SCRIPT):
+  NVIDIA apex >= 25.x (NGC containers), which lacks apex.amp and apex.fp16_utils: it is
+    complemented -- `import apex` is the installed apex, every module it has stays its own
+    (apex.contrib.xentropy, apex.optimizers, apex.normalization, amp_C, ...), and only the covered
+    modules it lacks (apex.amp, apex.fp16_utils and their submodules) are fp16kit.legacy's, also
+    as attributes (`import apex; apex.amp.initialize(...)` works)
+  an apex that still has apex.amp and apex.fp16_utils (before 25.x): refused (exit 2); it does
+    not need fp16kit
+  --shadow: hide the real apex entirely; all of apex is fp16kit.legacy's
 
 Under torchrun: torchrun --no-python fp16kit run train.py ARGS
 In code, the same hook: fp16kit.legacy.install_apex_alias()"""
 
 _EPILOG = """\
 exit status: the script's (0, its sys.exit code, 1 after an uncaught exception, 130 after Ctrl-C);
-2 when SCRIPT cannot be opened or a real `apex` package is in the way (see --shadow),
+2 when SCRIPT cannot be opened or a real `apex` that has apex.amp is in the way (see --shadow),
 1 when MODULE cannot be found."""
 
 
@@ -44,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--shadow", action="store_true",
-        help="install the hook even if a real `apex` (or `fp16`) package is importable, hiding it",
+        help="hide a real `apex` (or `fp16`) package entirely: all of apex is fp16kit.legacy's (without it, an apex "
+        "lacking apex.amp / apex.fp16_utils is complemented and one that has them is refused)",
     )
     # a flag, not an option with a value: `-m MOD --lr 3` must hand `--lr 3` to MOD, as python does
     run.add_argument("-m", dest="as_module", action="store_true", help="run library module MODULE as a script")

@@ -3,7 +3,8 @@
 - :mod:`.apex_map`: the one table of apex (and Megatron-LM v1 ``fp16``) module paths -> fp16kit's;
 - :mod:`.codemod`: ``fp16kit migrate``'s import rewriter (needs libcst: ``pip install "fp16kit[migrate]"``);
 - :mod:`.files`: which files a migration walks, and rewriting them;
-- :mod:`.alias`: ``install_apex_alias()``, an opt-in import hook mapping ``apex`` onto fp16kit.legacy;
+- :mod:`.alias`: ``install_apex_alias()``, an opt-in import hook mapping ``apex`` onto fp16kit.legacy
+  (or, beside a real apex >= 25.x, only the modules it lacks: apex.amp, apex.fp16_utils);
 - :mod:`.runner`: ``fp16kit run``, a script or ``-m`` module run as python would, with the alias.
 """
 

@@ -1,14 +1,29 @@
 """An opt-in import hook: ``import apex`` (and every apex module fp16kit covers) resolves to
-fp16kit.legacy, for running apex-era code unmodified.
+fp16kit.legacy, for running apex-era code unmodified -- or, beside a real apex that lacks apex.amp /
+apex.fp16_utils (NVIDIA apex >= 25.x, as NGC containers ship it), only what that apex lacks does.
 
 Contract::
 
     install_apex_alias(megatron=False, shadow=False):
-        refuse (RuntimeError, nothing changed) if a real `apex` (or `amp_C`) is imported or importable
-            (or `fp16` with megatron=True), unless shadow=True
+        a real `apex` package imported or importable (not a namespace folder), shadow=False:
+            it has apex.amp and apex.fp16_utils (apex before 25.x: the alias is not needed)
+                                        -> refuse (RuntimeError, nothing changed), as below
+            it lacks either             -> COMPLEMENT it (one INFO line on the "fp16kit" logger names
+                                           the covered modules it lacks, outermost only):
+                `apex`, and every module the real apex provides (found by the finders after the
+                alias's, as plain python would): the real one, its own loader and spec
+                a covered module it lacks (apex.amp, apex.fp16_utils, ... and all below them):
+                    fp16kit's, as in the table below; also set as an attribute of its real parent
+                    package as soon as that is imported (or at install, if it already is), so
+                    `import apex; apex.amp.initialize(...)` works
+                an uncovered module it lacks -> ModuleNotFoundError naming the replacement
+                `amp_C`: not claimed (the real apex's compiled extension, which its code probes)
+                the real apex failing to import: its error, with a note naming shadow=True
+        otherwise refuse (RuntimeError, nothing changed) if a real `apex` (or `amp_C`) is imported
+            or importable (or `fp16` with megatron=True), unless shadow=True
         put one finder first on sys.meta_path; it claims every name under `apex` and `amp_C`
         (with megatron: `fp16`, `megatron.fp16`, and `megatron` itself when no real Megatron exists)
-    import apex.X.Y:
+    import apex.X.Y (no real apex, shadow=True, or below a module that is fp16kit's):
         apex_map says apex.X.Y is module T  -> sys.modules["apex.X.Y"] is sys.modules[T]
                                                (the same object: isinstance, pickling, state stay one)
         `apex`, `apex.contrib`              -> a synthetic package whose attributes are the covered
@@ -16,7 +31,8 @@ Contract::
                                                `from apex.contrib import xentropy` still says what to use)
         anything else under apex            -> ImportError naming fp16kit and the closest replacement
     uninstall_apex_alias():
-        remove the finder and every sys.modules entry it made; restore what shadow=True hid
+        remove the finder and every sys.modules entry it made, and every attribute it set on a real
+        package (a real apex imported meanwhile stays imported, as it is); restore what shadow=True hid
 
 fp16kit never ships or installs a package named ``apex`` (PyPI's ``apex`` is an unrelated project).
 """
@@ -87,12 +103,43 @@ class _AliasLoader(importlib.abc.Loader):
         return bool(spec and spec.submodule_search_locations is not None)
 
 
+class _RealPackageLoader(importlib.abc.Loader):
+    """The real apex's own loader for one of its packages, which then gets the covered submodules it
+    lacks (see _ApexAliasFinder.fill_in). The module's spec and __loader__ name the real loader."""
+
+    def __init__(self, finder: _ApexAliasFinder, real: Any) -> None:
+        self._finder = finder
+        self._real = real
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._real.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._real
+        module.__loader__ = self._real
+        try:
+            self._real.exec_module(module)
+        except Exception as e:
+            if module.__name__ == "apex":
+                e.add_note(
+                    "(fp16kit's apex alias left `import apex` to the installed apex, which failed; to use fp16kit.legacy "
+                    "for all of apex instead: install_apex_alias(shadow=True) or `fp16kit run --shadow`)"
+                )
+            raise
+        self._finder.fill_in(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_code, is_package, get_resource_reader, ...: the real loader's
+        return getattr(self._real, name)
+
+
 class _ApexAliasFinder(importlib.abc.MetaPathFinder):
     """The finder install_apex_alias() puts first on sys.meta_path."""
 
-    def __init__(self, *, megatron: bool, shadow: bool, synthetic_megatron: bool) -> None:
+    def __init__(self, *, megatron: bool, shadow: bool, synthetic_megatron: bool, complement: bool = False) -> None:
         self.megatron = megatron
         self.shadow = shadow
+        self.complement = complement  # a real apex is installed: fill in only what it lacks
         self.synthetic_megatron = synthetic_megatron
         self.table = apex_map.module_map(megatron=megatron)
         self.created: dict[str, types.ModuleType] = {}  # sys.modules entries this finder made
@@ -102,7 +149,8 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
     def claims(self, fullname: str) -> bool:
         root = fullname.partition(".")[0]
         if root in apex_map.ROOTS:
-            return True
+            # amp_C is the real apex's own compiled extension, which its code probes: left to it
+            return not (self.complement and root == "amp_C")
         if not self.megatron:
             return False
         if root == "fp16" or fullname == "megatron.fp16" or fullname.startswith("megatron.fp16."):
@@ -112,6 +160,49 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if not self.claims(fullname):
             return None
+        if self.complement and fullname.partition(".")[0] == "apex":
+            return self._complement_spec(fullname, path, target)
+        return self._alias_spec(fullname)
+
+    def _complement_spec(self, fullname: str, path: Any, target: Any) -> importlib.machinery.ModuleSpec | None:
+        """A real apex is installed: what it provides is its own, the covered rest is fp16kit's."""
+        parent = fullname.rpartition(".")[0]
+        if fullname == "apex" or (parent in sys.modules and parent not in self.created):  # a real package
+            spec = _find_real(fullname, path, target)
+            if spec is not None:
+                return self._watch(spec)
+            if fullname == "apex":
+                return None
+            if fullname not in self.table:
+                hint = apex_map.hint_for(fullname, megatron=self.megatron)
+                raise ModuleNotFoundError(
+                    f"No module named {fullname!r}: the installed apex does not have it, nor does fp16kit ({hint})",
+                    name=fullname,
+                )
+        return self._alias_spec(fullname)  # missing from the real apex, or below a module that is fp16kit's
+
+    def _watch(self, spec: importlib.machinery.ModuleSpec) -> importlib.machinery.ModuleSpec:
+        """A real apex package some covered submodule may be missing from: complement it once it has run."""
+        if spec.loader is not None and spec.submodule_search_locations is not None and any(
+            k.rpartition(".")[0] == spec.name for k in self.table
+        ):
+            spec.loader = _RealPackageLoader(self, spec.loader)
+        return spec
+
+    def fill_in(self, package: types.ModuleType) -> None:
+        """Import the covered submodules the real package ``package`` lacks (fp16kit's), which also sets
+        them as its attributes (undone at uninstall): `import apex; apex.amp.initialize(...)` works."""
+        name = package.__spec__.name if package.__spec__ is not None else package.__name__
+        folders = list(getattr(package, "__path__", None) or [])
+        for child in sorted(k for k in self.table if k.rpartition(".")[0] == name):
+            if child in sys.modules or _find_real(child, folders, None) is not None:
+                continue
+            try:
+                importlib.import_module(child)
+            except ImportError as e:  # one fp16kit module failing must not break `import apex`
+                logger.debug("apex alias: %s not added to the installed apex: %s", child, e)
+
+    def _alias_spec(self, fullname: str) -> importlib.machinery.ModuleSpec:
         if fullname in apex_map.CLOSED or (fullname == "megatron" and self.synthetic_megatron):
             loader = _AliasLoader(self, fullname, None)
             return importlib.machinery.ModuleSpec(fullname, loader, is_package=True)
@@ -177,6 +268,58 @@ def apex_alias_installed() -> bool:
     return _installed is not None
 
 
+def _find_real(fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    """The spec the finders after the alias's give ``fullname`` (what plain python would import)."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if isinstance(finder, _ApexAliasFinder) or find is None:
+            continue
+        spec = find(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
+def _missing_from(folders: list[str], table: Any) -> list[str]:
+    """The covered apex modules a real apex package with these folders lacks, outermost only (what
+    is below one of them is fp16kit's too)."""
+    locations = {"apex": folders}
+    missing = []
+    for name in sorted((k for k in table if k.startswith("apex.")), key=lambda k: (k.count("."), k)):
+        parent = name.rpartition(".")[0]
+        if parent not in locations:
+            continue  # below a missing module, or below a plain (non-package) module
+        spec = _find_real(name, locations[parent])
+        if spec is None:
+            missing.append(name)
+        elif spec.submodule_search_locations is not None:
+            locations[name] = list(spec.submodule_search_locations)
+    return missing
+
+
+def _complement_plan(megatron: bool) -> tuple[str, list[str]] | None:
+    """(where the real apex is, the covered modules it lacks) when the alias should complement it: a
+    real apex package without apex.amp or apex.fp16_utils (NVIDIA apex >= 25.x). None otherwise: no
+    real apex (the alias is all of apex), or one that has both (_check_no_real refuses)."""
+    imported = sys.modules.get("apex")
+    if imported is not None:
+        where = getattr(imported, "__file__", None)
+        folders = getattr(imported, "__path__", None)
+    else:
+        where = _real_module("apex")
+        try:
+            spec = importlib.util.find_spec("apex") if where is not None else None
+        except (ImportError, ValueError):
+            spec = None
+        folders = spec.submodule_search_locations if spec is not None else None
+    if where is None or folders is None:
+        return None
+    missing = _missing_from(list(folders), apex_map.module_map(megatron=megatron))
+    if "apex.amp" not in missing and "apex.fp16_utils" not in missing:
+        return None
+    return where, missing
+
+
 def _real_module(name: str) -> str | None:
     """Where a real (non-namespace) package ``name`` would be imported from, or None."""
     try:
@@ -218,11 +361,12 @@ def _check_no_real(names: tuple[str, ...], shadow: bool) -> None:
                 "to fp16kit.legacy.megatron (`fp16kit migrate --megatron`) and delete the copy."
             )
         elif name == "apex" and not _has_amp(imported, name):
-            # NVIDIA apex >= 25.x (what NGC containers ship) or PyPI's unrelated apex: the alias is what is needed
+            # a real apex package lacking them is complemented (_complement_plan); this one is not a
+            # package the alias can add submodules to (a plain module apex.py, an imported namespace)
             fix = (
-                "It has no apex.amp or apex.fp16_utils: NVIDIA apex removed them in 25.x, and PyPI's 'apex' is an "
-                "unrelated project (pip uninstall apex if it was installed by mistake). To run apex-era code with it "
-                "installed, let fp16kit's alias hide it."
+                "It is not a package with apex.amp or apex.fp16_utils, and the alias cannot add them to it (PyPI's "
+                "'apex' is an unrelated project: pip uninstall apex if it was installed by mistake). To run apex-era "
+                "code with it installed, let fp16kit's alias hide it."
             )
         else:
             fix = (
@@ -239,9 +383,12 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
     """Make ``import apex`` and its covered submodules resolve to fp16kit.legacy.
 
     ``megatron=True`` also maps Megatron-LM v1's ``fp16`` / ``megatron.fp16`` package to
-    fp16kit.legacy.megatron. Raises RuntimeError (and changes nothing) if a real ``apex`` (or
-    ``fp16``) is imported or importable, unless ``shadow=True``. Calling it again with the same
-    arguments does nothing; with others, call uninstall_apex_alias() first.
+    fp16kit.legacy.megatron. Beside a real ``apex`` that lacks ``apex.amp`` or ``apex.fp16_utils``
+    (NVIDIA apex >= 25.x), ``import apex`` stays the real one and only the covered modules it lacks
+    come from fp16kit.legacy. Raises RuntimeError (and changes nothing) if a real ``apex`` that has
+    both (apex before 25.x), an ``amp_C`` without a real apex, or ``fp16`` (megatron=True) is
+    imported or importable, unless ``shadow=True``, which hides the real one entirely. Calling it
+    again with the same arguments does nothing; with others, call uninstall_apex_alias() first.
     """
     global _installed
     with _LOCK:
@@ -253,16 +400,34 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
                 "call uninstall_apex_alias() before installing it with other arguments"
             )
         roots = (*sorted(apex_map.ROOTS), "fp16") if megatron else tuple(sorted(apex_map.ROOTS))
+        plan = None if shadow else _complement_plan(megatron)
+        if plan is not None:  # the real apex (and its amp_C) stay; only what it lacks is fp16kit's
+            roots = tuple(r for r in roots if r not in apex_map.ROOTS)
         _check_no_real(roots, shadow)
         synthetic_megatron = megatron and "megatron" not in sys.modules and _real_module("megatron") is None
-        finder = _ApexAliasFinder(megatron=megatron, shadow=shadow, synthetic_megatron=synthetic_megatron)
+        finder = _ApexAliasFinder(
+            megatron=megatron, shadow=shadow, synthetic_megatron=synthetic_megatron, complement=plan is not None
+        )
         for name in list(sys.modules):  # shadow=True: hide what is imported, give it back at uninstall
-            if finder.claims(name):
+            if finder.claims(name) and not (finder.complement and name.partition(".")[0] == "apex"):
                 finder.hidden[name] = sys.modules.pop(name)
         sys.meta_path.insert(0, finder)
         importlib.invalidate_caches()
         _installed = finder
-        logger.debug("apex alias installed (megatron=%s, shadow=%s)", megatron, shadow)
+        if plan is not None:
+            where, missing = plan
+            logger.info(
+                "apex alias: complementing the installed apex (%s): %s (missing there) come from fp16kit.legacy, "
+                "with their submodules; everything else is the installed apex's", where, ", ".join(missing),
+            )
+            try:  # a real apex imported already gets its missing submodules now
+                for name in sorted((n for n in sys.modules if n == "apex" or n.startswith("apex.")), key=len):
+                    if name not in finder.created and hasattr(sys.modules[name], "__path__"):
+                        finder.fill_in(sys.modules[name])
+            except BaseException:
+                uninstall_apex_alias()
+                raise
+        logger.debug("apex alias installed (megatron=%s, shadow=%s, complement=%s)", megatron, shadow, plan is not None)
 
 
 def uninstall_apex_alias() -> None:

@@ -21,7 +21,11 @@ Contract (what the script sees, and what the caller gets back)::
     afterwards sys.argv, sys.path[0], the __main__ module and the alias are as they were (restore=False,
         for a process that ends with the script: left in place for its threads and atexit handlers)
 
-A script that cannot be started (missing file, no such module, a real ``apex`` in the way) raises
+Beside a real apex lacking apex.amp / apex.fp16_utils (NVIDIA apex >= 25.x) the alias complements it
+(the script's ``import apex`` is the real one; only the covered modules it lacks are fp16kit's); a
+real apex that has them is in the way unless ``shadow=True`` (see :mod:`fp16kit.migrate.alias`).
+
+A script that cannot be started (missing file, no such module, a real apex with apex.amp in the way) raises
 :class:`RunError` before anything runs; the command line prints it.
 """
 

@@ -167,3 +167,50 @@ def test_c_and_stdin_as_python_runs_them(capsys, monkeypatch):
     assert 'File "<stdin>", line 3, in <module>' in captured.err and captured.err.endswith("ValueError: no\n")
     with pytest.raises(SystemExit):
         main(["run", "-m", "-c", "x"])
+
+
+@pytest.mark.slow
+def test_beside_a_new_apex_only_what_it_lacks_is_fp16kit(tmp_path):
+    # NVIDIA apex >= 25.x (NGC containers): apex.contrib.xentropy, apex.optimizers, ... but no amp or
+    # fp16_utils. `fp16kit run` refused it (exit 2) unless --shadow, which hid the real apex entirely
+    site = tmp_path / "site"
+    (site / "apex" / "contrib" / "xentropy").mkdir(parents=True)
+    (site / "apex" / "optimizers").mkdir()
+    (site / "apex" / "__init__.py").write_text("REAL = True\n")
+    (site / "apex" / "contrib" / "__init__.py").write_text("")
+    (site / "apex" / "contrib" / "xentropy" / "__init__.py").write_text("class SoftmaxCrossEntropyLoss:\n    pass\n")
+    (site / "apex" / "optimizers" / "__init__.py").write_text("class FusedAdam:\n    MARKER = 'real'\n")
+    (tmp_path / "train.py").write_text(textwrap.dedent(
+        """
+        import multiprocessing as mp
+        import apex
+        from apex import amp
+        from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+        from apex.optimizers import FusedAdam
+
+        def work(queue):
+            import apex.fp16_utils
+            queue.put((apex.REAL, apex.fp16_utils.__name__, apex.optimizers.FusedAdam.MARKER))
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            child = ctx.Process(target=work, args=(queue,))
+            child.start()
+            print(apex.REAL, amp.__name__, apex.amp.initialize.__module__, FusedAdam.MARKER,
+                  SoftmaxCrossEntropyLoss.__module__, queue.get(timeout=60))
+            child.join()
+        """
+    ))
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    run = [sys.executable, "-m", "fp16kit", "run"]
+    r = subprocess.run([*run, "train.py"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (
+        "True fp16kit.legacy.amp fp16kit.legacy.amp.frontend real apex.contrib.xentropy "
+        "(True, 'fp16kit.legacy', 'real')\n"
+    )
+    # --shadow keeps its meaning: all of apex is fp16kit's, the real one is hidden
+    r = subprocess.run([*run, "--shadow", "-c", "import apex, apex.optimizers; print(hasattr(apex, 'REAL'), "
+                        "apex.optimizers.__name__)"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert (r.returncode, r.stdout) == (0, "False fp16kit.legacy.optimizers\n"), r.stderr

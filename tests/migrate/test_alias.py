@@ -148,11 +148,20 @@ def _fake_package(tmp_path, name: str):
     return pkg
 
 
-def test_refuses_to_hide_a_real_apex(alias, tmp_path, monkeypatch):
-    _fake_package(tmp_path, "apex")
+def _old_apex(tmp_path):
+    """An apex before 25.x: it has amp/ and fp16_utils/, so the alias is not needed."""
+    pkg = _fake_package(tmp_path, "apex")
+    for sub in ("amp", "fp16_utils"):
+        (pkg / sub).mkdir()
+        (pkg / sub / "__init__.py").write_text("REAL = True\n")
+    return pkg
+
+
+def test_refuses_to_hide_a_real_apex_that_has_amp(alias, tmp_path, monkeypatch):
+    _old_apex(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     meta_path = list(sys.meta_path)
-    with pytest.raises(RuntimeError, match=r"real module named 'apex' is importable.*pip uninstall apex.*shadow=True"):
+    with pytest.raises(RuntimeError, match=r"real module named 'apex' is importable.*do not need the alias.*shadow=True"):
         alias()
     assert sys.meta_path == meta_path and not apex_alias_installed()  # nothing changed
     alias(shadow=True)
@@ -162,7 +171,7 @@ def test_refuses_to_hide_a_real_apex(alias, tmp_path, monkeypatch):
 
 
 def test_shadow_gives_an_imported_apex_back(alias, tmp_path, monkeypatch):
-    _fake_package(tmp_path, "apex")
+    _old_apex(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     import apex as real
 
@@ -208,25 +217,6 @@ def test_uninstall_forgets_what_was_imported(alias):
     uninstall_apex_alias()
     assert not [k for k in sys.modules if k.partition(".")[0] == "apex"]
     assert "fp16kit.legacy.optimizers.fused_adam" in sys.modules  # fp16kit's own stay imported
-
-
-def test_a_real_apex_without_amp_gets_the_advice_to_shadow_it(alias, tmp_path, monkeypatch):
-    # NVIDIA apex >= 25.x (NGC containers ship it) has no amp / fp16_utils: "you do not need the alias"
-    # was wrong advice there -- the alias is exactly what its user needs
-    _fake_package(tmp_path, "apex")
-    (tmp_path / "apex" / "contrib").mkdir()
-    (tmp_path / "apex" / "contrib" / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RuntimeError) as e:
-        alias()
-    message = str(e.value)
-    assert "no apex.amp or apex.fp16_utils" in message and "25.x" in message and "shadow=True" in message
-    assert "you do not need the alias" not in message and not apex_alias_installed()
-    (tmp_path / "apex" / "amp").mkdir()  # an apex that still has amp: the alias is not needed
-    (tmp_path / "apex" / "amp" / "__init__.py").write_text("")
-    importlib.invalidate_caches()
-    with pytest.raises(RuntimeError, match="you do not need the alias.*pip uninstall apex"):
-        alias()
 
 
 def test_megatrons_own_fp16_copy_gets_advice_that_works(alias, tmp_path, monkeypatch):

@@ -131,12 +131,26 @@ def test_cannot_start(script, tmp_path):
         run_script(str(tmp_path / "missing.py"), [])
     assert e.value.exit_code == 2
     path = script("import apex\n")
-    (tmp_path / "apex").mkdir()
-    (tmp_path / "apex" / "__init__.py").write_text("")  # a vendored/real apex beside the script
-    with pytest.raises(RunError, match="real module named 'apex'") as e:
+    for sub in ("", "amp", "fp16_utils"):  # a vendored apex before 25.x beside the script: not needed
+        (tmp_path / "apex" / sub).mkdir(exist_ok=True)
+        (tmp_path / "apex" / sub / "__init__.py").write_text("")
+    with pytest.raises(RunError, match="real module named 'apex'.*do not need the alias") as e:
         run_script(path, [])
     assert e.value.exit_code == 2
     assert run_script(path, [], shadow=True) == 0
+
+
+def test_a_vendored_apex_without_amp_is_complemented(script, tmp_path, capsys):
+    # apex >= 25.x copied beside the script: its own modules are used, fp16kit's fill in amp
+    path = script("import apex\nfrom apex import amp\nprint(apex.VENDORED, amp.__name__, apex.amp is amp)\n")
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("VENDORED = True\n")
+    try:
+        assert run_script(path, []) == 0
+        assert capsys.readouterr().out == "True fp16kit.legacy.amp True\n"
+        assert not hasattr(sys.modules["apex"], "amp")  # taken off again
+    finally:
+        sys.modules.pop("apex", None)
 
 
 def test_run_module(tmp_path, monkeypatch, capsys):
