@@ -3,6 +3,8 @@ visible (two real ranks: tests/legacy/parallel/test_two_ranks.py)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +27,10 @@ def world(tmp_path):
     try:
         yield
     finally:
+        # DDP objects sit in reference cycles: freed by a later gc, after their group was
+        # destroyed (and a new one built), torch's reducer hangs or aborts the whole pytest
+        # process ("terminate called after throwing an instance of 'std::system_error'")
+        gc.collect()
         dist.destroy_process_group()
 
 
