@@ -12,7 +12,10 @@ apex.optimizers import FusedAdam`, star imports, submodules, and dotted uses suc
 `apex.parallel.DistributedDataParallel(...)` -- to fp16kit.legacy, in place. Every other byte of
 the file stays as it was (comments, layout, line endings, encoding); running it twice changes
 nothing the second time. Folders are walked for Python files (hidden folders, virtual
-environments and site-packages are skipped). What cannot be migrated (apex modules fp16kit does
+environments and site-packages are skipped, and so is a vendored copy of apex itself -- a folder
+named apex with apex's own subpackages -- whose imports must stay apex's; it is listed). A file
+named on the command line that is not Python (*.py, *.pyw, *.pyi, a #!...python script) is listed
+as skipped. What cannot be migrated (apex modules fp16kit does
 not cover, importlib.import_module("apex..."), strings naming apex paths) is left as it is and
 listed as FILE:LINE: message, with the closest replacement."""
 
@@ -44,19 +47,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _migrate(args: argparse.Namespace) -> int:
     try:
-        from ..migrate.files import iter_python_files, migrate_file
+        from ..migrate.files import VENDORED_APEX, iter_python_files, migrate_file
     except ModuleNotFoundError as e:
         if e.name != "libcst":
             raise
         print('fp16kit migrate needs libcst: pip install "fp16kit[migrate]"', file=sys.stderr)
         return 2
+    skipped: list[tuple[str, str]] = []
     try:
-        files = list(iter_python_files(args.paths))
+        files = list(iter_python_files(args.paths, skipped))
     except FileNotFoundError as e:
         print(f"fp16kit migrate: {e}", file=sys.stderr)
         return 2
     write = not (args.diff or args.check)
     report = sys.stderr if args.diff else sys.stdout  # with --diff, stdout is a patch and nothing else
+    for path, why in skipped:
+        print(f"{path}: {why}", file=report)
     changed = imports = uses = left = failed = 0
     for path in files:
         outcome = migrate_file(path, megatron=args.megatron, write=write, diff=args.diff)
@@ -82,6 +88,12 @@ def _migrate(args: argparse.Namespace) -> int:
         summary += f"; {left} use{'s' * (left != 1)} of apex left for you (listed above)"
     if failed:
         summary += f"; {failed} file{'s' * (failed != 1)} could not be migrated (listed above)"
+    vendored = sum(why == VENDORED_APEX for _, why in skipped)
+    if vendored:
+        summary += f"; {vendored} vendored apex folder{'s' * (vendored != 1)} skipped (listed above)"
+    if len(skipped) > vendored:
+        others = len(skipped) - vendored
+        summary += f"; {others} named path{'s' * (others != 1)} skipped, not Python (listed above)"
     print(summary, file=report)
     if failed:
         return 3

@@ -315,6 +315,16 @@ class _ApexRewriter(cst.CSTTransformer):
         self._report(node, f"from {module} import {name}: {self._explain(res)}")
         return None, alias
 
+    def _star_imports(self, module: str) -> str:
+        """The imports that bind what `from <CLOSED module> import *` bound: its covered submodules,
+        under their apex names (apex.fp16_utils is fp16kit.legacy itself: `from fp16kit import legacy as fp16_utils`)."""
+        by_parent: dict[str, list[str]] = {}
+        for child in sorted(k for k in self.table if k.rpartition(".")[0] == module):
+            name = child.rpartition(".")[2]
+            parent, _, last = self.table[child].rpartition(".")
+            by_parent.setdefault(parent, []).append(name if last == name else f"{last} as {name}")
+        return "; ".join(f"from {parent} import {', '.join(names)}" for parent, names in by_parent.items())
+
     def _star(self, original: cst.ImportFrom, updated: cst.ImportFrom, module: str) -> cst.ImportFrom:
         res = self._resolve(module)
         if res is None:
@@ -323,8 +333,7 @@ class _ApexRewriter(cst.CSTTransformer):
             self.imports += 1
             return updated.with_changes(module=_renamed(updated.module, module, res.target))
         if module in apex_map.CLOSED:
-            subs = sorted(k.rpartition(".")[2] for k in self.table if k.rpartition(".")[0] == module)
-            message = f"from {module} import *: import what you use by name, e.g. from {res.target} import {', '.join(subs)}"
+            message = f"from {module} import *: import what you use by name, e.g. {self._star_imports(module)}"
         else:
             message = f"from {module} import *: {self._explain(res)}"
         self._report(original, message)

@@ -1,10 +1,14 @@
 """Which files ``fp16kit migrate`` rewrites, and rewriting one (the printing is the command line's).
 
     for PATH given:  a file   -> it, when it is Python (*.py, *.pyw, *.pyi, or a `#!...python` script)
-                                 and a regular file (not a FIFO, socket or device)
+                                 and a regular file (not a FIFO, socket or device); otherwise it is
+                                 skipped and, named explicitly as it was, reported as skipped
                      a folder -> every Python file below it, skipping hidden folders, virtual
                                  environments (a pyvenv.cfg inside), site-packages, __pycache__,
                                  node_modules; symlinked folders are not followed
+                                 a vendored apex source tree (a folder named apex with __init__.py
+                                 and one of apex's subpackages: amp/, optimizers/, ...) is skipped
+                                 and reported: rewriting apex's own imports would break that copy
     each file once (by its real path), in sorted order
 """
 
@@ -20,11 +24,14 @@ from dataclasses import dataclass, field
 
 from .codemod import MigrationError, MigrationResult, Unmigratable, migrate_source
 
-__all__ = ["FileOutcome", "iter_python_files", "migrate_file", "is_python_file"]
+__all__ = ["FileOutcome", "iter_python_files", "migrate_file", "is_python_file", "is_vendored_apex"]
 
 _SUFFIXES = (".py", ".pyw", ".pyi")
 _SKIP_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages", "node_modules"})
 _SHEBANG = re.compile(rb"#![^\n]*python")
+# apex's own subpackages: a folder named apex holding one of them is a copy of apex itself
+_APEX_SUBPACKAGES = ("amp", "fp16_utils", "optimizers", "parallel", "normalization", "contrib", "transformer")
+VENDORED_APEX = "a vendored apex source tree (its own imports must stay apex's); folder skipped"
 
 
 @dataclass
@@ -59,24 +66,54 @@ def _is_venv(path: str) -> bool:
     return os.path.exists(os.path.join(path, "pyvenv.cfg"))
 
 
-def iter_python_files(paths: Iterable[str]) -> Iterator[str]:
-    """The Python files under ``paths`` (see the module docstring); FileNotFoundError for a missing path."""
+def is_vendored_apex(path: str) -> bool:
+    """A folder that is a copy of apex's own package: named apex, with __init__.py and a subpackage of apex's."""
+    if os.path.basename(os.path.normpath(os.path.abspath(path))) != "apex":
+        return False
+    return os.path.isfile(os.path.join(path, "__init__.py")) and any(
+        os.path.isfile(os.path.join(path, sub, "__init__.py")) for sub in _APEX_SUBPACKAGES
+    )
+
+
+def iter_python_files(paths: Iterable[str], skipped: list[tuple[str, str]] | None = None) -> Iterator[str]:
+    """The Python files under ``paths`` (see the module docstring); FileNotFoundError for a missing path.
+    ``skipped`` (if given) gets (path, why) for each vendored apex folder and each file named in
+    ``paths`` that is not migrated."""
     seen: set[str] = set()
     for path in paths:
         if not os.path.exists(path):
             raise FileNotFoundError(f"no such file or directory: {path}")
         if os.path.isdir(path):
             found = []
+            if is_vendored_apex(path):
+                if skipped is not None:
+                    skipped.append((path, VENDORED_APEX))
+                continue
             for root, dirs, files in os.walk(path):
-                dirs[:] = sorted(
-                    d for d in dirs
-                    if not d.startswith(".") and d not in _SKIP_DIRS and not _is_venv(os.path.join(root, d))
-                )
+                kept = []
+                for d in sorted(dirs):
+                    full = os.path.join(root, d)
+                    if d.startswith(".") or d in _SKIP_DIRS or _is_venv(full):
+                        continue
+                    if is_vendored_apex(full):
+                        if skipped is not None:
+                            skipped.append((full, VENDORED_APEX))
+                        continue
+                    kept.append(d)
+                dirs[:] = kept
                 found.extend(os.path.join(root, f) for f in files if not f.startswith("."))
             # regular files only: opening a FIFO (or a device) named *.py would wait forever
             candidates = sorted(f for f in found if os.path.isfile(f) and is_python_file(f))
+        elif not os.path.isfile(path):
+            candidates = []
+            if skipped is not None:
+                skipped.append((path, "not a regular file; skipped"))
+        elif not is_python_file(path):
+            candidates = []
+            if skipped is not None:
+                skipped.append((path, "not a Python file (*.py, *.pyw, *.pyi or a #!...python script); skipped"))
         else:
-            candidates = [path] if os.path.isfile(path) and is_python_file(path) else []
+            candidates = [path]
         for candidate in candidates:
             real = os.path.realpath(candidate)
             if real not in seen:

@@ -138,3 +138,21 @@ def test_a_file_that_cannot_be_written_does_not_stop_the_run(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert f"{tmp_path / 'a.py'}: cannot write: Read-only file system; file skipped" in err and "Traceback" not in err
     assert (tmp_path / "b.py").read_text() == "from fp16kit.legacy import amp\n"
+
+
+def test_vendored_apex_and_named_non_python_files_are_said_to_be_skipped(project, capsys):
+    # `fp16kit migrate DIR` rewrote a vendored apex copy's own imports; `fp16kit migrate notes.txt` said nothing
+    vendored = project / "apex"
+    for sub in ("", "amp", "optimizers"):
+        (vendored / sub).mkdir(exist_ok=True)
+        (vendored / sub / "__init__.py").write_text("from apex.amp import initialize\n")
+    before = _snapshot(vendored)
+    assert main(["migrate", str(project), str(project / "README.md")]) == 0
+    out = capsys.readouterr().out
+    assert _snapshot(vendored) == before
+    assert f"{vendored}: a vendored apex source tree (its own imports must stay apex's); folder skipped\n" in out
+    assert f"{project / 'README.md'}: not a Python file" in out
+    assert out.rstrip().endswith(
+        "; 1 vendored apex folder skipped (listed above); 1 named path skipped, not Python (listed above)"
+    )
+    assert "1 of 2 Python files rewritten" in out

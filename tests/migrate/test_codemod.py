@@ -272,11 +272,27 @@ def test_uncovered_modules_reported_with_line_and_replacement():
     assert sorted(found) == list(range(2, 12))
 
 
-def test_star_from_apex_reported():
-    assert _report("from apex import *\n") == [
-        (1, "from apex import *: import what you use by name, e.g. from fp16kit.legacy import amp, contrib, "
-            "fp16_utils, multi_tensor_apply, normalization, optimizers, parallel")
-    ]
+def test_star_from_apex_reported_with_imports_that_work():
+    # the suggestion was `from fp16kit.legacy import ..., fp16_utils, ...`: an ImportError, since
+    # apex.fp16_utils is fp16kit.legacy itself (the codemod writes `from fp16kit import legacy as fp16_utils`)
+    import importlib
+
+    from fp16kit.migrate import apex_map
+
+    for module in ("apex", "apex.contrib"):
+        [(line, message)] = _report(f"from {module} import *\n")
+        prefix = f"from {module} import *: import what you use by name, e.g. "
+        assert line == 1 and message.startswith(prefix)
+        namespace: dict = {}
+        exec(message[len(prefix):], namespace)  # the suggested imports run, and bind what the star did
+        children = {k.rpartition(".")[2]: v for k, v in apex_map.APEX_MODULES.items() if k.rpartition(".")[0] == module}
+        assert {k: v for k, v in namespace.items() if k != "__builtins__"} == {
+            name: importlib.import_module(target) for name, target in children.items()
+        }
+    assert _report("from apex import *\n")[0][1].endswith(
+        "from fp16kit.legacy import amp, contrib, multi_tensor_apply, normalization, optimizers, parallel; "
+        "from fp16kit import legacy as fp16_utils"
+    )
 
 
 def test_dynamic_imports_strings_and_bare_names_reported():

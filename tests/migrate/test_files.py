@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("libcst")
 
+from fp16kit.migrate import files  # noqa: E402
 from fp16kit.migrate.files import is_python_file, iter_python_files, migrate_file  # noqa: E402
 
 
@@ -160,3 +161,39 @@ def test_the_diff_is_in_the_files_own_bytes_so_patch_applies_it(tmp_path, monkey
         assert data.startswith(old) or data == old
         migrate_file(name)
         assert (tmp_path / name).read_bytes() == data.replace(old, new, 1)
+
+
+def _vendored_apex(root):
+    for sub in ("", "amp", "optimizers"):
+        (root / "apex" / sub).mkdir(parents=True, exist_ok=True)
+        (root / "apex" / sub / "__init__.py").write_text("from apex.multi_tensor_apply import multi_tensor_applier\n")
+
+
+def test_a_vendored_apex_source_tree_is_skipped_and_reported(tmp_path):
+    # a checkout with a copy of apex's package: its own `from apex.x import ...` were rewritten, breaking it
+    (tmp_path / "train.py").write_text("from apex import amp\n")
+    (tmp_path / "third_party").mkdir()
+    _vendored_apex(tmp_path / "third_party")
+    (tmp_path / "third_party" / "tests").mkdir()
+    (tmp_path / "third_party" / "tests" / "test_amp.py").write_text("from apex import amp\n")
+    # a user's own folder named apex without apex's subpackages, or one of its scripts, is migrated
+    (tmp_path / "tools" / "apex").mkdir(parents=True)
+    (tmp_path / "tools" / "apex" / "__init__.py").write_text("from apex import amp\n")
+    skipped: list = []
+    found = [os.path.relpath(p, tmp_path) for p in iter_python_files([str(tmp_path)], skipped)]
+    assert found == ["third_party/tests/test_amp.py", "tools/apex/__init__.py", "train.py"]
+    assert skipped == [(str(tmp_path / "third_party" / "apex"), files.VENDORED_APEX)]
+    skipped.clear()  # named itself: skipped too
+    assert list(iter_python_files([str(tmp_path / "third_party" / "apex")], skipped)) == []
+    assert skipped == [(str(tmp_path / "third_party" / "apex"), files.VENDORED_APEX)]
+
+
+def test_a_non_python_file_named_explicitly_is_reported(tmp_path):
+    (tmp_path / "notes.txt").write_text("from apex import amp\n")
+    (tmp_path / "a.py").write_text("")
+    skipped: list = []
+    assert list(iter_python_files([str(tmp_path / "notes.txt"), str(tmp_path / "a.py")], skipped)) == [str(tmp_path / "a.py")]
+    assert skipped == [(str(tmp_path / "notes.txt"), "not a Python file (*.py, *.pyw, *.pyi or a #!...python script); skipped")]
+    skipped.clear()  # found by a walk: not named, so not reported
+    list(iter_python_files([str(tmp_path)], skipped))
+    assert skipped == []
