@@ -233,7 +233,7 @@ def _clear_master_grads(optimizer: torch.optim.Optimizer) -> None:
 def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: Any) -> Callable[..., Any]:
     old_step = optimizer.step
 
-    def step(closure: Callable[[], Any] | None = None) -> Any:
+    def step(self: Any, closure: Callable[[], Any] | None = None) -> Any:
         skip = _take_skip(optimizer)
         if skip is not None:
             if closure is not None:
@@ -265,11 +265,12 @@ def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: An
         # an LR scheduler built before initialize wrapped step(); ours calls its wrapper (so a
         # skipped step is seen as no step, and the scheduler warns, as with apex)
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    return step
+    # a bound method, as apex's patch: a scheduler built after initialize wraps step.__func__
+    return types.MethodType(step, optimizer)
 
 
 def _make_zero_grad(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
-    def zero_grad(set_to_none: bool | None = None) -> None:
+    def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
         """apex zeroed the fp16 and fp32 grads in place and set the master grads to None;
         ``set_to_none=True`` sets them all to None (FIX: apex took no argument)."""
         optimizer._amp_lazy_init()
@@ -277,13 +278,13 @@ def _make_zero_grad(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
         kernels.clear_grads_(stash.all_fp16_params + stash.all_fp32_from_fp32_params, set_to_none=bool(set_to_none))
         _clear_master_grads(optimizer)
 
-    return zero_grad
+    return types.MethodType(zero_grad, optimizer)
 
 
 def _make_add_param_group(optimizer: torch.optim.Optimizer, master_weights: bool) -> Callable[..., None]:
     old_add = optimizer.add_param_group
 
-    def add_param_group(new_group: dict[str, Any]) -> None:
+    def add_param_group(self: Any, new_group: dict[str, Any]) -> None:
         optimizer._amp_lazy_init()
         assert isinstance(new_group, dict), "param group must be a dict"
         params = new_group["params"]
@@ -308,7 +309,7 @@ def _make_add_param_group(optimizer: torch.optim.Optimizer, master_weights: bool
         stash.master_groups.adopt(optimizer.param_groups[-1])
         _record_master_lists(stash)
 
-    return add_param_group
+    return types.MethodType(add_param_group, optimizer)
 
 
 def _make_checkpointing(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., Any], Callable[..., None]]:

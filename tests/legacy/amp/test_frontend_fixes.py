@@ -167,6 +167,24 @@ def test_lr_scheduler_built_before_initialize_and_skips(recwarn):
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_lr_scheduler_built_after_initialize(opt_level, recwarn, o1_cleanup):
+    # the common order in migrated scripts; torch's scheduler wraps step.__func__, so amp's
+    # patched step must be a bound method (it was a plain function: AttributeError)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for x, y in batches(2):
+        opt.zero_grad()
+        with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as s:
+            s.backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.025
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
 def test_model_halved_before_initialize_is_refused():
     model = tiny_model().half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
