@@ -289,7 +289,14 @@ def _missing_from(folders: list[str], table: Any) -> list[str]:
         parent = name.rpartition(".")[0]
         if parent not in locations:
             continue  # below a missing module, or below a plain (non-package) module
-        spec = _find_real(name, locations[parent])
+        try:
+            spec = _find_real(name, locations[parent])
+        except KeyError:  # a namespace portion (a folder without __init__.py): PathFinder wants its parent imported
+            last = name.rpartition(".")[2]
+            portions = [os.path.join(f, last) for f in locations[parent] if os.path.isdir(os.path.join(f, last))]
+            spec = importlib.machinery.ModuleSpec(name, None, is_package=True) if portions else None
+            if spec is not None:
+                spec.submodule_search_locations = portions
         if spec is None:
             missing.append(name)
         elif spec.submodule_search_locations is not None:

@@ -157,3 +157,15 @@ def test_a_plain_module_named_apex_is_refused_not_complemented(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match=r"not a package with apex\.amp.*shadow=True"):
         install_apex_alias()
     assert not apex_alias_installed()
+
+
+def test_a_namespace_subfolder_of_a_new_apex(new_apex):
+    # apex/contrib without __init__.py: finding it at install (apex not imported yet) raised KeyError
+    (new_apex / "contrib" / "__init__.py").unlink()
+    importlib.invalidate_caches()
+    install_apex_alias()
+    from apex.contrib.optimizers import FP16_Optimizer
+    from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    assert SoftmaxCrossEntropyLoss.REAL
+    assert FP16_Optimizer is importlib.import_module("fp16kit.legacy.contrib.optimizers").FP16_Optimizer
