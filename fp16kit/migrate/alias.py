@@ -199,8 +199,9 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
                 continue
             try:
                 importlib.import_module(child)
-            except ImportError as e:  # one fp16kit module failing must not break `import apex`
-                logger.debug("apex alias: %s not added to the installed apex: %s", child, e)
+            except Exception as e:  # noqa: BLE001 -- one fp16kit module failing must not break `import apex`
+                # (importing that module by name raises the same error, with its traceback)
+                logger.debug("apex alias: %s not added to the installed apex: %r", child, e)
 
     def _alias_spec(self, fullname: str) -> importlib.machinery.ModuleSpec:
         if fullname in apex_map.CLOSED or (fullname == "megatron" and self.synthetic_megatron):
