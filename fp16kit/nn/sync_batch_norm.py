@@ -25,7 +25,6 @@ viewed channel-first for it), then ``z``/ReLU on the channel-last path.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 import torch.distributed as dist
@@ -33,17 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
+from ..core.log import log_once
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
-logger = logging.getLogger("fp16kit")
-_logged: set[str] = set()
-
-
-def _log_once(key: str, message: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.info(message)
 
 
 def _stats_dtype(device: torch.device) -> torch.dtype:
@@ -114,7 +106,7 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         last = self.channel_last or input.dim() == 2
         if not last and (z is not None or self.fuse_relu):
-            _log_once("z", "SyncBatchNorm: z and fuse_relu apply only on the channel-last path "
+            log_once(("SyncBatchNorm", "z"), "SyncBatchNorm: z and fuse_relu apply only on the channel-last path "
                            "(channel_last=True or 2-D input), as in apex; ignored for this channel-first input")
         use_batch_stats = self.training or not self.track_running_stats
         if use_batch_stats:

@@ -17,7 +17,6 @@ needed the CUDA extension).
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any, Union
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from ...nn import norm as _norm
+from ...core.log import log_once
 
 __all__ = [
     "FusedLayerNorm",
@@ -41,15 +41,12 @@ __all__ = [
     "mixed_dtype_fused_rms_norm_affine",
 ]
 
-logger = logging.getLogger("fp16kit")
-_logged: set[str] = set()
 _Shape = Union[int, Sequence[int], torch.Size]
 
 
 def _memory_efficient(cls: str, flag: bool) -> None:
-    if flag and cls not in _logged:
-        _logged.add(cls)
-        logger.info("%s(memory_efficient=True): only changed what apex's CUDA backward saved; ignored", cls)
+    if flag:
+        log_once((cls, "memory_efficient"), "%s(memory_efficient=True): only changed what apex's CUDA backward saved; ignored", cls)
 
 
 def _mixed_kwargs(cls: str, kwargs: dict[str, Any]) -> None:

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
@@ -28,17 +27,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ...distributed import ApexAllreduceState, all_reduce_mean_coalesced, apex_allreduce_hook, broadcast_coalesced
+from ...core.log import log_once
 
 __all__ = ["DistributedDataParallel", "Reducer"]
 
-logger = logging.getLogger("fp16kit")
-_logged: set[str] = set()
-
-
 def _log_once(argument: str, message: str) -> None:
-    if argument not in _logged:
-        _logged.add(argument)
-        logger.info("apex.parallel.DistributedDataParallel(%s): %s", argument, message)
+    log_once(("apex.parallel.DistributedDataParallel", argument),
+             "apex.parallel.DistributedDataParallel(%s): %s", argument, message)
 
 
 def _check_apex_arguments(delay_allreduce: bool, shared_param: Any, allreduce_trigger_params: Any,

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fp16kit.core import log as fp16kit_log
 from fp16kit.legacy import parallel
 from fp16kit.legacy.parallel import DistributedDataParallel, ReduceOp, Reducer, SyncBatchNorm
-from fp16kit.legacy.parallel import distributed as ddp_module
 from fp16kit.legacy.parallel import multiproc
 
 
@@ -64,7 +64,7 @@ def test_needs_a_process_group_and_says_how():
 
 def test_is_torch_ddp_with_apex_mapping(world, caplog):
     for key in ("delay_allreduce", "retain_allreduce_buffers", "message_size", "num_allreduce_streams"):
-        ddp_module._logged.discard(key)
+        fp16kit_log._seen.discard(("apex.parallel.DistributedDataParallel", key))
     model = _model()
     with caplog.at_level(logging.INFO, logger="fp16kit"), warnings.catch_warnings():
         warnings.simplefilter("error")  # no deprecation warning, no FutureWarning from torch
