@@ -18,11 +18,24 @@ from .. import __version__
 _COMMANDS = ("demo", "migrate", "run", "convert_checkpoint")
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse measures the commands without their indent, so a long one (convert-checkpoint)
+    pushed its summary onto the next line: count the indent, one line per command."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if action.help is not argparse.SUPPRESS:
+            for sub in self._iter_indented_subactions(action):
+                width = len(self._format_action_invocation(sub)) + self._current_indent
+                self._action_max_length = max(self._action_max_length, width)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     parser = argparse.ArgumentParser(
         prog="fp16kit",
+        formatter_class=_Formatter,
         description="Mixed-precision training for PyTorch: apex's API (fp16kit.legacy) and a "
         "torch.amp-style face (fp16kit.GradScaler, MixedPrecisionOptimizer) on one core.",
     )

@@ -27,7 +27,7 @@ with torch.load(weights_only=True), then renamed: IN is never touched unless OUT
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert-checkpoint",
-        help="rewrite an apex-era checkpoint so torch.load(weights_only=True) reads it",
+        help="make an apex checkpoint load with weights_only=True",
         description="Read IN with fp16kit.legacy.load_checkpoint (apex and Megatron-LM v1 loss scalers, "
         "argparse.Namespace args, numpy RNG state; crafted pickles are refused and nothing in them runs), "
         "convert what is not plain data and write OUT: apex scalers become fp16kit's scaler state, "

@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = DemoConfig()
     demo = sub.add_parser(
         "demo",
-        help="train a small model in fp32, apex-style and the modern way, side by side",
+        help="fp32 vs apex-style vs modern training, side by side",
         description="Train one small MLP on synthetic data with every recipe: float32; apex's "
         "FP16_Optimizer and amp O2 through fp16kit.legacy; torch.autocast + fp16kit.GradScaler; an "
         "fp16 model with fp16kit.MixedPrecisionOptimizer (fp32 masters), with synchronous and "

@@ -30,7 +30,7 @@ exit status:
 def register(sub: argparse._SubParsersAction) -> None:
     migrate = sub.add_parser(
         "migrate",
-        help="rewrite apex imports to fp16kit.legacy in place (--diff shows, --check for CI)",
+        help="rewrite apex imports to fp16kit.legacy",
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -43,7 +43,7 @@ exit status: the script's (0, its sys.exit code, 1 after an uncaught exception, 
 def register(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser(
         "run",
-        help="run an unmodified apex script with `import apex` mapped onto fp16kit.legacy",
+        help="run an unmodified apex script on fp16kit.legacy",
         description=_DESCRIPTION,
         epilog=_EPILOG,
         usage="fp16kit run [-h] [--megatron] [--shadow] (SCRIPT | -m MODULE | -c COMMAND | -) [ARGS ...]",

@@ -57,6 +57,7 @@ APEX_MODULES: Mapping[str, str] = MappingProxyType({
     "apex.fp16_utils.fp16_optimizer": f"{_L}.fp16_optimizer",
     "apex.fp16_utils.fp16util": f"{_L}.fp16util",
     "apex.fp16_utils.loss_scaler": f"{_L}.loss_scaler",
+    "apex.fp16_utils.fused_weight_norm": f"{_L}.fused_weight_norm",  # 2018
     **_same_names("apex.amp", f"{_L}.amp", ("_amp_state", "_process_optimizer", "frontend", "handle", "scaler")),
     **_same_names(
         "apex.optimizers", f"{_L}.optimizers",
