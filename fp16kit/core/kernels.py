@@ -36,6 +36,7 @@ __all__ = [
     "all_reduce_found_inf",
     "check_finite_",
     "clear_grads_",
+    "clear_overflow_buf_",
     "clip_grad_norm_",
     "combine_found_inf",
     "copy_pairs_",
@@ -50,6 +51,8 @@ __all__ = [
     "raise_flag_",
     "merge_found_inf",
     "new_found_inf",
+    "new_overflow_buf",
+    "overflow_buf_as_found_inf",
     "scale_outputs",
     "scale_to_",
     "unscale_",
@@ -99,6 +102,24 @@ def inv_scale(scale: torch.Tensor) -> torch.Tensor:
 def new_found_inf(device: torch.device | str) -> torch.Tensor:
     """A fresh, cleared found-inf flag: float32 0-dim zero on ``device``."""
     return torch.full((), 0.0, dtype=torch.float32, device=device)
+
+
+def new_overflow_buf(device: torch.device | str) -> torch.Tensor:
+    """apex amp's ``LossScaler._overflow_buf``: a cleared int32 ``[0]`` on ``device`` (the
+    ``noop_flag`` amp_C kernels set to 1 on inf/NaN)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def clear_overflow_buf_(buf: torch.Tensor) -> None:
+    """Zero an apex ``_overflow_buf`` (or any ``noop_flag``) in place."""
+    with torch.no_grad():
+        buf.zero_()
+
+
+def overflow_buf_as_found_inf(buf: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """An apex ``noop_flag`` / ``_overflow_buf`` (any dtype, any shape) as a found-inf flag on
+    ``device``: float32 0-dim, 1.0 when any element is nonzero."""
+    return (buf != 0).any().to(device=device, dtype=torch.float32)
 
 
 def group_by_device_and_dtype(

@@ -235,6 +235,9 @@ def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: An
 
     def step(self: Any, closure: Callable[[], Any] | None = None) -> Any:
         skip = _take_skip(optimizer)
+        for deferring in getattr(_amp_state, "loss_scalers", ()):  # delay_overflow_check exits
+            if hasattr(deferring, "apply_deferred"):
+                deferring.apply_deferred()
         if skip is not None:
             if closure is not None:
                 raise RuntimeError(CLOSURE_ERROR)  # the skip stays pending, as apex's patch

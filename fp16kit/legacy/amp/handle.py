@@ -3,7 +3,10 @@ API (§11): ``init``, ``AmpHandle`` / ``NoOpHandle`` and the ``wrap_optimizer`` 
 
 The overflow check and the scale update run on the device at every non-delayed exit; the
 skip is applied (and apex's line logged) when ``optimizer.step()`` runs, which reads the
-flags once. ``delay_overflow_check=True`` still checks (FIX: apex applied overflowed grads).
+flags once. ``delay_overflow_check=True`` leaves the scale alone at the exit, as apex, for the
+script's own ``scaler.update_scale()`` (NVIDIA's BERT ``run_pretraining.py``), which then counts
+the deferred flags once; a ``step()`` before any such call still skips on them and updates the
+scale then (FIX: apex applied overflowed grads).
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ def scale_loss(
         if found is not None:  # recorded before the update: a floor policy "raise" still skips
             for opt in optimizers:
                 opt._amp_stash.pending.append((loss_id, scaler, found))
-        scaler.update(found)
+        if not delay_overflow_check:
+            scaler.update(found)
+        elif found is not None:  # apex: no update here; the script's update_scale() (or step) applies it
+            scaler.defer(found)
     finally:
         _clear_cache(properties)
 

@@ -36,7 +36,14 @@ class LossScaler(AmpLossScaler):
     """apex's ``apex.amp.scaler.LossScaler`` (see the module docstring). Attributes scripts use:
     ``loss_scale()``, ``_loss_scale`` (read and write), ``_unskipped``, ``_scale_seq_len``
     (read and write), ``dynamic``, ``_min_loss_scale``, ``_max_loss_scale``,
-    ``update_scale()``, ``clear_overflow_state()``."""
+    ``update_scale()``, ``clear_overflow_state()``, ``_overflow_buf`` (read and write; see below).
+
+    ``_overflow_buf``: apex's int ``noop_flag`` buffer that ``update_scale()`` read. Here the
+    scaler's own overflow flags live elsewhere; this buffer is an extra flag that
+    ``update_scale()`` / the step's skip decision also honor (nonzero = overflow), and that
+    ``clear_overflow_state()`` zeroes. Scripts swap their own in (NVIDIA's BERT
+    ``run_pretraining.py``: ``scaler._overflow_buf = overflow_buf; scaler.update_scale()``
+    after ``multi_tensor_applier(amp_C.multi_tensor_scale, overflow_buf, ...)``)."""
 
     warned_unscaling_non_fp32_grad = False
 
@@ -59,6 +66,20 @@ class LossScaler(AmpLossScaler):
         )
         self._flags: list[dict[torch.device, torch.Tensor]] = []  # this backward's found-inf flags
         self._static_scale = None if self.dynamic else float(loss_scale)  # host copy (never updated)
+        self._overflow_buf_tensor: torch.Tensor | None = None  # apex's _overflow_buf, made on first read
+        self._deferred: list[torch.Tensor] = []  # found flags of delay_overflow_check exits, not yet applied
+
+    @property
+    def _overflow_buf(self) -> torch.Tensor:
+        if self._overflow_buf_tensor is None:
+            self._overflow_buf_tensor = kernels.new_overflow_buf(self._device())
+        return self._overflow_buf_tensor
+
+    @_overflow_buf.setter
+    def _overflow_buf(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"LossScaler._overflow_buf must be a tensor (apex's int noop_flag), got {type(value).__name__}.")
+        self._overflow_buf_tensor = value
 
     # ------------------------------------------------------------------ apex's attributes
     @property  # type: ignore[override]
@@ -135,6 +156,8 @@ class LossScaler(AmpLossScaler):
 
     def clear_overflow_state(self) -> None:
         self._flags = []
+        if self._overflow_buf_tensor is not None:
+            kernels.clear_overflow_buf_(self._overflow_buf_tensor)
 
     def take_found(self) -> torch.Tensor | None:
         """This backward's found-inf flag (a device tensor, no host read) when dynamic, None
@@ -144,6 +167,8 @@ class LossScaler(AmpLossScaler):
         if not self.dynamic:
             return None
         self._state.materialize(self._device())
+        if self._overflow_buf_tensor is not None:
+            flags.append(kernels.overflow_buf_as_found_inf(self._overflow_buf_tensor, self._device()))
         return kernels.combine_found_inf(flags, self._device())
 
     def update_async(self) -> torch.Tensor | None:
@@ -154,9 +179,31 @@ class LossScaler(AmpLossScaler):
 
     def update_scale(self) -> bool:
         """apex's ``update_scale()``: apply the rule; return whether the step must be skipped
-        (reads the flag on the host)."""
-        found = self.update_async()
+        (reads the flag on the host). Flags deferred by ``scale_loss(...,
+        delay_overflow_check=True)`` count here, once: they are consumed (zeroed in place, so the
+        optimizer's next ``step()`` does not skip for them again) -- the script that delayed the
+        check decided with this call (NVIDIA's BERT: no ``step()`` on overflow)."""
+        found = self.take_found()
+        if found is not None and self._deferred:
+            deferred, self._deferred = self._deferred, []
+            found = kernels.combine_found_inf([found, *deferred], self._device())
+            for flag in deferred:
+                kernels.clear_overflow_buf_(flag)
+        self.update(found)
         return found is not None and bool(found.item())
+
+    def defer(self, found: torch.Tensor) -> None:
+        """A ``scale_loss(..., delay_overflow_check=True)`` exit: keep its found flag for the
+        script's own ``update_scale()`` (apex: no update at that exit), or, if the script calls
+        ``step()`` first, for :meth:`apply_deferred` there (FIX: apex never updated then)."""
+        self._deferred.append(found)
+
+    def apply_deferred(self) -> None:
+        """At ``optimizer.step()``: one scale update for the flags deferred since the last update
+        (the step itself skips on them through the optimizer's pending flags)."""
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            self.update(kernels.combine_found_inf(deferred, self._device()))
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict()
