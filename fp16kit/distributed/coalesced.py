@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["all_reduce_mean_coalesced", "broadcast_coalesced"]
+__all__ = ["all_reduce_mean_coalesced", "broadcast_coalesced", "call_coalesced"]
 
 
 def _groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -29,8 +29,8 @@ def _groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _each_flat(tensors, collective) -> None:
-    for bucket in _groups(tensors):
+def _each_flat(tensors, collective, groups=None) -> None:
+    for bucket in _groups(tensors) if groups is None else groups:
         flat = _flatten_dense_tensors(bucket)
         collective(flat)
         with torch.no_grad():
@@ -55,3 +55,20 @@ def all_reduce_mean_coalesced(tensors: Iterable[torch.Tensor], group: dist.Proce
         flat /= world
 
     _each_flat(tensors, reduce)
+
+
+@torch.no_grad()
+def call_coalesced(tensors: Iterable[torch.Tensor], call, extra_args=None, *, one_bucket: bool = False) -> None:
+    """apex's ``flat_dist_call(tensors, call, extra_args)`` (``one_bucket``: its
+    ``apply_flat_dist_call(bucket, ...)``, the tensors already of one type): per (device, dtype)
+    group, ``call(flat, *extra_args)`` on the flattened group; when ``call is dist.all_reduce`` the
+    result is divided by the world size (apex's averaging); then copied back into the tensors."""
+    tensors = list(tensors)
+    extra = () if extra_args is None else tuple(extra_args)
+
+    def collective(flat: torch.Tensor) -> None:
+        call(flat, *extra)
+        if call is dist.all_reduce:
+            flat /= dist.get_world_size()
+
+    _each_flat(tensors, collective, groups=[tensors] if one_bucket and tensors else None)

@@ -13,6 +13,11 @@
                                      only tuned apex's overlap: ignored, logged once
     shared_param, bad combinations   apex's ValueErrors, before anything is built
 
+``flat_dist_call(tensors, call, extra_args=None)`` (NVIDIA's BERT broadcast its parameters with
+``flat_dist_call([p.data for p in model.parameters()], torch.distributed.broadcast, (0,))``),
+``apply_flat_dist_call``, ``split_by_type``, ``split_half_float_double``: apex's module-level
+helpers (``call`` on each type's flattened tensors; ``dist.all_reduce`` averages).
+
 ``disable_allreduce()`` / ``enable_allreduce()`` switch torch's ``require_backward_grad_sync``
 (what ``no_sync()`` does): call them before the forward whose backward they govern.
 """
@@ -26,10 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...distributed import ApexAllreduceState, all_reduce_mean_coalesced, apex_allreduce_hook, broadcast_coalesced
+from ...distributed import (ApexAllreduceState, all_reduce_mean_coalesced, apex_allreduce_hook, broadcast_coalesced,
+                            call_coalesced)
 from ...core.log import log_once
 
-__all__ = ["DistributedDataParallel", "Reducer"]
+__all__ = ["DistributedDataParallel", "Reducer", "apply_flat_dist_call", "flat_dist_call", "split_by_type",
+           "split_half_float_double"]
 
 def _log_once(argument: str, message: str) -> None:
     log_once(("apex.parallel.DistributedDataParallel", argument),
@@ -166,3 +173,35 @@ def _extract_tensors(maybe_tensor: Any, tensor_list: list[torch.Tensor]) -> None
         return
     for item in items:
         _extract_tensors(item, tensor_list)
+
+
+def apply_flat_dist_call(bucket: list[torch.Tensor], call: Any, extra_args: Any = None) -> None:
+    """apex's: ``call(flat, *extra_args)`` on the flattened ``bucket`` (one type), ÷ world size
+    when ``call is dist.all_reduce``, copied back."""
+    call_coalesced(bucket, call, extra_args, one_bucket=True)
+
+
+def split_by_type(tensors: Any) -> dict[str, list[torch.Tensor]]:
+    """apex's: ``{tensor.type(): [tensors of that type]}`` in first-seen order."""
+    buckets: dict[str, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        buckets.setdefault(tensor.type(), []).append(tensor)
+    return buckets
+
+
+def split_half_float_double(tensors: Any) -> list[list[torch.Tensor]]:
+    """apex's: the half, float and double tensors, as up to three lists in that order (apex matched
+    CUDA type names only; CPU tensors count here too)."""
+    tensors = list(tensors)
+    buckets = []
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        bucket = [t for t in tensors if t.dtype == dtype]
+        if bucket:
+            buckets.append(bucket)
+    return buckets
+
+
+def flat_dist_call(tensors: Any, call: Any, extra_args: Any = None) -> None:
+    """apex's: :func:`apply_flat_dist_call` on each :func:`split_by_type` bucket."""
+    for bucket in split_by_type(tensors).values():
+        apply_flat_dist_call(bucket, call, extra_args)
