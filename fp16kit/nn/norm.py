@@ -38,6 +38,7 @@ __all__ = [
     "MixedRMSNorm",
     "RMSNorm",
     "layer_norm",
+    "manual_rms_norm",
     "mixed_layer_norm",
     "mixed_rms_norm",
     "rms_norm",
@@ -72,18 +73,23 @@ def _layer_norm(input, shape, weight, bias, eps, mixed):
     return F.layer_norm(input, shape, weight, bias, eps)
 
 
-def _rms_norm(input, shape, weight, eps, mixed):
+def _rms_formula(input, shape, weight, eps):
     dims = tuple(range(-1, -len(shape) - 1, -1))
     ms = input.to(torch.float32).pow(2).mean(dims, keepdim=True)
     y = input * torch.rsqrt(ms + eps)
     if weight is None:
-        # apex's CPU formula returns fp32 here; its CUDA kernel returns the input's dtype
-        return y.to(input.dtype) if input.is_cuda else y
+        return y
     if weight.dtype in _LOW:
         y = y.to(weight.dtype)
-    out = weight * y
-    if input.is_cuda and not mixed:
-        return out.to(input.dtype)  # apex's non-mixed kernel wrote the input's dtype
+    return weight * y
+
+
+def _rms_norm(input, shape, weight, eps, mixed):
+    out = _rms_formula(input, shape, weight, eps)
+    # apex's CUDA kernels wrote the input's dtype (without a weight, or not mixed); its CPU
+    # formula returns what type promotion gives
+    if input.is_cuda and (weight is None or not mixed):
+        return out.to(input.dtype)
     return out
 
 
@@ -122,6 +128,13 @@ def mixed_rms_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.
                    eps: float = 1e-5) -> torch.Tensor:
     """apex's RMS norm formula; the output takes the weight's dtype."""
     return _dispatch(_rms_norm, input, normalized_shape, (weight,), eps, True)
+
+
+def manual_rms_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None,
+                    eps: float) -> torch.Tensor:
+    """apex's ``manual_rms_norm``: the plain formula of the module docstring on every device, with
+    no autocast cast and no CUDA output cast (without a weight the result is fp32)."""
+    return _rms_formula(input, _shape(normalized_shape), weight, eps)
 
 
 class MixedLayerNorm(nn.LayerNorm):

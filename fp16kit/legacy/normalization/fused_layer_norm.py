@@ -10,7 +10,8 @@
 Parameter names and state-dict keys are torch's (``weight``, ``bias``; RMS: ``weight``), so
 checkpoints move between these and ``nn.LayerNorm`` / ``nn.RMSNorm`` both ways. Under CUDA
 autocast all four cast input and params to the autocast dtype first, as apex's kernels did.
-``memory_efficient`` only changed what apex's backward saved: accepted, logged once. The
+``memory_efficient`` (classes and functional forms) only changed what apex's backward saved:
+accepted, logged once. The
 functional forms default to ``eps=1e-6`` as apex's did; they work on every device (apex's
 needed the CUDA extension).
 """
@@ -118,36 +119,42 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 def fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                             normalized_shape: _Shape, eps: float = 1e-6,
                             memory_efficient: bool = False) -> torch.Tensor:
+    _memory_efficient("fused_layer_norm_affine", memory_efficient)
     return _norm.layer_norm(input, normalized_shape, weight, bias, eps)
 
 
 def fused_layer_norm(input: torch.Tensor, normalized_shape: _Shape, eps: float = 1e-6,
                      memory_efficient: bool = False) -> torch.Tensor:
+    _memory_efficient("fused_layer_norm", memory_efficient)
     return _norm.layer_norm(input, normalized_shape, None, None, eps)
 
 
 def mixed_dtype_fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                                         normalized_shape: _Shape, eps: float = 1e-6,
                                         memory_efficient: bool = False) -> torch.Tensor:
+    _memory_efficient("mixed_dtype_fused_layer_norm_affine", memory_efficient)
     return _norm.mixed_layer_norm(input, normalized_shape, weight, bias, eps)
 
 
 def fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor, normalized_shape: _Shape,
                           eps: float = 1e-6, memory_efficient: bool = False) -> torch.Tensor:
+    _memory_efficient("fused_rms_norm_affine", memory_efficient)
     return _norm.rms_norm(input, normalized_shape, weight, eps)
 
 
 def fused_rms_norm(input: torch.Tensor, normalized_shape: _Shape, eps: float = 1e-6,
                    memory_efficient: bool = False) -> torch.Tensor:
+    _memory_efficient("fused_rms_norm", memory_efficient)
     return _norm.rms_norm(input, normalized_shape, None, eps)
 
 
 def mixed_dtype_fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor, normalized_shape: _Shape,
                                       eps: float = 1e-6, memory_efficient: bool = False) -> torch.Tensor:
+    _memory_efficient("mixed_dtype_fused_rms_norm_affine", memory_efficient)
     return _norm.mixed_rms_norm(input, normalized_shape, weight, eps)
 
 
 def manual_rms_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None,
                     eps: float) -> torch.Tensor:
-    """apex's CPU formula, exactly (``weight`` may be None)."""
-    return _norm.rms_norm(input, normalized_shape, weight, eps)
+    """apex's plain formula on every device (``weight`` may be None; no autocast or output cast)."""
+    return _norm.manual_rms_norm(input, normalized_shape, weight, eps)

@@ -132,3 +132,41 @@ def test_backward_through_the_modules():
         x = torch.randn(2, 8, requires_grad=True)
         m(x).pow(2).sum().backward()
         assert x.grad is not None and m.weight.grad is not None
+
+
+def test_manual_rms_norm_is_the_plain_formula_even_under_cuda_autocast(monkeypatch):
+    # apex's manual_rms_norm never cast for autocast nor to the input's dtype on CUDA; the
+    # fused norms do. Pretend the CUDA autocast rule applies: manual_rms_norm must not notice.
+    from fp16kit.nn import norm as nn_norm
+
+    monkeypatch.setattr(nn_norm, "_autocast_dtype", lambda input: torch.bfloat16)
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 8), torch.rand(8) + 0.5
+    out = fln.manual_rms_norm(x, (8,), w, 1e-5)
+    assert out.dtype == torch.float32 and torch.equal(out, _rms(x, (8,), w, 1e-5))
+    assert fln.fused_rms_norm_affine(x, w, (8,)).dtype == torch.bfloat16  # the fused form does cast
+    xh = x.half()
+    out = fln.manual_rms_norm(xh, 8, None, 1e-6)
+    assert out.dtype == torch.float32 and torch.equal(out, _rms(xh, (8,), None, 1e-6))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_manual_rms_norm_on_cuda_returns_what_the_formula_gives():
+    x = torch.randn(3, 8, device="cuda", dtype=torch.float16)
+    w = torch.rand(8, device="cuda") + 0.5
+    assert fln.manual_rms_norm(x, (8,), None, 1e-5).dtype == torch.float32
+    assert fln.manual_rms_norm(x, (8,), w, 1e-5).dtype == torch.float32
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert torch.equal(fln.manual_rms_norm(x, (8,), w, 1e-5), _rms(x, (8,), w, 1e-5))
+
+
+@pytest.mark.parametrize("name", ["fused_layer_norm", "fused_rms_norm"])
+def test_functional_memory_efficient_is_logged_once(caplog, name):
+    fp16kit_log._seen.discard((name, "memory_efficient"))
+    fn = getattr(fln, name)
+    x = torch.randn(2, 8)
+    with caplog.at_level(logging.INFO, logger="fp16kit"):
+        fn(x, 8, memory_efficient=True)
+        fn(x, 8, memory_efficient=True)
+        fn(x, 8)
+    assert caplog.text.count(f"{name}(memory_efficient=True)") == 1
