@@ -1,7 +1,8 @@
 """Collectives over lists of tensors, one flat buffer per (device, dtype) group: apex's
 ``flat_dist_call`` (apex.parallel.distributed), which ``apex.parallel.Reducer`` used.
 
-    for each (device, dtype) group of tensors, in first-seen order:
+    for each (device, dtype) group of tensors (kernels.group_by_device_and_dtype: devices in
+    first-seen order, then dtypes in first-seen order within a device):
         flat = cat(flattened tensors)
         broadcast_coalesced:        broadcast(flat, src)
         all_reduce_mean_coalesced:  all_reduce_sum(flat); flat /= world_size
@@ -19,14 +20,14 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..core import kernels
+
 __all__ = ["all_reduce_mean_coalesced", "broadcast_coalesced", "call_coalesced"]
 
 
 def _groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
+    return [group for per_dtype in kernels.group_by_device_and_dtype(tensors).values()
+            for group in per_dtype.values()]
 
 
 def _each_flat(tensors, collective, groups=None) -> None:

@@ -16,6 +16,9 @@ last bit, which is why this hook replaces torch's even with the default argument
     ddp.register_comm_hook(ApexAllreduceState(group), apex_allreduce_hook)
 """
 
+# No ``from __future__ import annotations`` here: torch's ``register_comm_hook`` compares the
+# hook's annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects,
+# and refuses the strings that import would make of them (hence ``Optional``: Python 3.9).
 
 from dataclasses import dataclass
 from typing import Optional

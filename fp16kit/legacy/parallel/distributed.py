@@ -12,6 +12,11 @@
     message_size, num_allreduce_streams, allreduce_communicators, allreduce_trigger_params
                                      only tuned apex's overlap: ignored, logged once
     shared_param, bad combinations   apex's ValueErrors, before anything is built
+    gradient_average_split_factor    apex's old name: used as gradient_predivide_factor (apex's
+                                     rename warning, logged once)
+
+``gradient_average``, ``gradient_predivide_factor`` and ``allreduce_always_fp32`` are properties
+over the communication hook's state: assigning one later changes the next all-reduce.
 
 ``flat_dist_call(tensors, call, extra_args=None)`` (NVIDIA's BERT broadcast its parameters with
 ``flat_dist_call([p.data for p in model.parameters()], torch.distributed.broadcast, (0,))``),
@@ -24,6 +29,8 @@ helpers (``call`` on each type's flattened tensors; ``dist.all_reduce`` averages
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import warnings
 from typing import Any
 
@@ -96,6 +103,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                  gradient_average: bool = True, gradient_predivide_factor: float = 1.0,
                  gradient_average_split_factor: Any = None, prof: bool = False) -> None:
         _check_apex_arguments(delay_allreduce, shared_param, allreduce_trigger_params, num_allreduce_streams)
+        if gradient_average_split_factor is not None:
+            log_once(("apex.parallel.DistributedDataParallel", "gradient_average_split_factor"),
+                     "Warning:  gradient_average_split_factor has been renamed to gradient_predivide_factor.  "
+                     "For now, gradient_average_split_factor will also work, but please update to "
+                     "gradient_predivide_factor instead.", level=logging.WARNING)
+            gradient_predivide_factor = gradient_average_split_factor
         hook_state = ApexAllreduceState(None, gradient_average, gradient_predivide_factor, allreduce_always_fp32)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -113,12 +126,38 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                              gradient_as_bucket_view=retain_allreduce_buffers)
         hook_state.process_group = self.process_group
         self.register_comm_hook(hook_state, apex_allreduce_hook)
-        self.allreduce_always_fp32 = allreduce_always_fp32
-        self.gradient_average = gradient_average
-        self.gradient_predivide_factor = gradient_predivide_factor
+        self._apex_hook_state = hook_state
         self.delay_allreduce = delay_allreduce
         self.retain_allreduce_buffers = retain_allreduce_buffers
         self.prof = prof
+
+    @property
+    def gradient_average(self) -> bool:
+        """Multiply the summed grads by ``predivide / world`` (apex's averaging); assignable."""
+        return self._apex_hook_state.gradient_average
+
+    @gradient_average.setter
+    def gradient_average(self, value: bool) -> None:
+        self._apex_hook_state.gradient_average = value
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        """Grads are multiplied by ``1 / factor`` before the sum (a number > 0); assignable."""
+        return self._apex_hook_state.gradient_predivide_factor
+
+    @gradient_predivide_factor.setter
+    def gradient_predivide_factor(self, value: float) -> None:
+        dataclasses.replace(self._apex_hook_state, gradient_predivide_factor=value)  # validates
+        self._apex_hook_state.gradient_predivide_factor = value
+
+    @property
+    def allreduce_always_fp32(self) -> bool:
+        """All-reduce fp16/bf16 buckets in fp32; assignable."""
+        return self._apex_hook_state.allreduce_always_fp32
+
+    @allreduce_always_fp32.setter
+    def allreduce_always_fp32(self, value: bool) -> None:
+        self._apex_hook_state.allreduce_always_fp32 = value
 
     def disable_allreduce(self) -> None:
         """Skip the all-reduce of the grads of the following forward/backward (torch's

@@ -143,3 +143,65 @@ def test_multiproc_points_to_torchrun():
     done = subprocess.run([sys.executable, "-m", "fp16kit.legacy.parallel.multiproc", "train.py"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "torchrun" in done.stderr
+
+
+def test_gradient_average_split_factor_is_apex_old_name_for_predivide(world, caplog):
+    key = ("apex.parallel.DistributedDataParallel", "gradient_average_split_factor")
+    fp16kit_log._seen.discard(key)
+    model, ref = _model(), _model()
+    with caplog.at_level(logging.INFO, logger="fp16kit"):
+        ddp = DistributedDataParallel(model, gradient_average=False, gradient_average_split_factor=4.0)
+        DistributedDataParallel(_model(), gradient_average_split_factor=2.0)
+    assert ddp.gradient_predivide_factor == 4.0
+    assert caplog.text.count("gradient_average_split_factor has been renamed to gradient_predivide_factor") == 1
+    x = torch.randn(6, 4)
+    ddp(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad.mul(1.0 / 4.0))  # predivided, never re-multiplied
+    with pytest.raises(ValueError, match="gradient_predivide_factor must be a number > 0"):
+        DistributedDataParallel(_model(), gradient_average_split_factor=0)
+
+
+def test_arithmetic_arguments_assigned_later_take_effect(world):
+    model, ref = _model(), _model()
+    ddp = DistributedDataParallel(model)
+    ddp.gradient_predivide_factor = 4.0
+    ddp.gradient_average = False
+    assert (ddp.gradient_predivide_factor, ddp.gradient_average) == (4.0, False)
+    x = torch.randn(6, 4)
+    ddp(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad.mul(1.0 / 4.0))
+    with pytest.raises(ValueError, match="gradient_predivide_factor must be a number > 0"):
+        ddp.gradient_predivide_factor = -1.0
+    assert ddp.gradient_predivide_factor == 4.0
+
+
+def test_allreduce_always_fp32_assigned_later_takes_effect(world):
+    torch.manual_seed(1)
+    model = torch.nn.Linear(16, 8).half()
+    ref = torch.nn.Linear(16, 8).half()
+    ref.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(model, gradient_predivide_factor=3.0)
+    ddp.allreduce_always_fp32 = True
+    assert ddp.allreduce_always_fp32 is True
+    x = torch.randn(32, 16).half()
+    ddp(x).float().pow(2).sum().backward()
+    ref(x).float().pow(2).sum().backward()
+    half_path = [r.grad.mul(1.0 / 3.0).mul(3.0) for r in ref.parameters()]
+    fp32_path = [r.grad.float().mul(1.0 / 3.0).mul(3.0).half() for r in ref.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(half_path, fp32_path))  # the test can tell them apart
+    for p, expected in zip(model.parameters(), fp32_path):
+        assert torch.equal(p.grad, expected)
+
+
+def test_multiproc_names_the_given_script_and_arguments():
+    with pytest.raises(RuntimeError, match=r"torchrun --nproc_per_node=NUM_GPUS train\.py --lr 0\.1 'a b'"):
+        multiproc.main(["train.py", "--lr", "0.1", "a b"])
+    with pytest.raises(RuntimeError, match=r"torchrun --nproc_per_node=NUM_GPUS train\.py ARGS"):
+        multiproc.main([])
+    done = subprocess.run([sys.executable, "-m", "fp16kit.legacy.parallel.multiproc", "main.py", "--fp16"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "torchrun --nproc_per_node=NUM_GPUS main.py --fp16" in done.stderr
