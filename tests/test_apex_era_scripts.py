@@ -26,11 +26,25 @@ CASES = {
     "bert_fused_adam.py": (["--fp16", "--num_train_steps", "30"], False),
     "megatron_v1.py": (["--fp16", "--train-iters", "30"], True),
     "imagenet_ddp_syncbn.py": (["--steps", "12"], False),
+    "imagenet_main_amp.py": (["--opt-level", "O1", "--sync_bn", "--dist", "--loss-scale", "dynamic"], False),
+    "bert_run_pretraining.py": (["--fp16", "--allreduce_post_accumulation", "--local_rank", "0"], False),
+    "hf_run_glue_fp16.py": (["--fp16", "--fp16_opt_level", "O1"], False),
+    "onmt_optimizers_fp16.py": (["-model_dtype", "fp16", "-optim", "fusedadam"], False),
+    "megatron_2020_training.py": (["--fp16"], True),
 }
 EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
     "dcgan_amp.py": [["--opt_level", "O2", "--niter", "12"]],
     "word_lm_fp16_utils.py": [["--steps", "12", "--static-loss-scale", "128"]],
     "imagenet_ddp_syncbn.py": [["--steps", "6", "--larc"]],
+    "imagenet_main_amp.py": [["--opt-level", "O2", "--keep-batchnorm-fp32", "True", "--loss-scale", "128.0"],
+                             ["--opt-level", "O3", "--keep-batchnorm-fp32", "False", "--epochs", "1"]],
+    "bert_run_pretraining.py": [["--fp16"], ["--fp16", "--loss_scale", "128", "--init_loss_scale", "128",
+                                             "--gradient_accumulation_steps", "1"]],
+    "hf_run_glue_fp16.py": [["--fp16", "--fp16_opt_level", "O2"]],
+    "onmt_optimizers_fp16.py": [["-model_dtype", "fp16", "-apex_opt_level", "O2"],
+                                ["-model_dtype", "fp16", "-optim", "fusedadam", "-fp16_impl", "optimizers",
+                                 "-loss_scale", "128"]],
+    "megatron_2020_training.py": [["--fp16", "--loss-scale", "1024"], []],
 }
 
 
