@@ -60,3 +60,37 @@ def test_a_checkpoint_with_an_unusable_scale_or_count_is_refused_before_any_chan
     with pytest.raises(ValueError, match=key):
         opt.load_state_dict(sd)
     assert opt.dynamic_loss_scale and opt.cur_scale == 2.0**16 and opt.cur_iter == 0 and not opt.state
+
+
+@pytest.mark.parametrize("key,bad", [("scale_window", None), ("scale_window", 0), ("scale_window", 2.5),
+                                     ("scale_factor", None), ("scale_factor", 0.0), ("scale_factor", float("inf")),
+                                     ("scale_factor", "2"), ("last_overflow_iter", None),
+                                     ("last_overflow_iter", -2), ("last_overflow_iter", 1.5)])
+def test_a_dynamic_checkpoint_with_unusable_scale_settings_is_refused_before_any_change(key, bad):
+    # scale_window=None raised a bare TypeError after the masters, inner state and scale were replaced
+    p = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    saved = FP16_Optimizer(FusedAdam([p], lr=1e-3, max_grad_norm=1.0), dynamic_loss_scale=True, verbose=False)
+    p.grad = torch.ones(3, dtype=torch.float16)
+    saved.step()
+    saved.cur_scale = 4.0
+    sd = saved.state_dict()
+    sd[key] = bad
+    q = torch.zeros(3, dtype=torch.float16, requires_grad=True)
+    opt = FP16_Optimizer(FusedAdam([q], lr=1e-3, max_grad_norm=1.0), dynamic_loss_scale=True, verbose=False)
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(sd)
+    assert opt.cur_scale == 2.0**16 and opt.cur_iter == 0 and not opt.state
+    assert (opt.scale_factor, opt.scale_window, opt.last_overflow_iter) == (2.0, 1000, -1)
+    assert torch.equal(opt.fp32_groups[0][0], torch.zeros(3))
+
+
+def test_a_dynamic_checkpoint_with_tensor_settings_loads_as_numbers():
+    p = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    saved = FP16_Optimizer(FusedAdam([p], lr=1e-3, max_grad_norm=1.0), dynamic_loss_scale=True, verbose=False)
+    sd = saved.state_dict()
+    sd.update(scale_factor=torch.tensor(4.0), scale_window=torch.tensor(7), last_overflow_iter=torch.tensor(-1))
+    opt = FP16_Optimizer(FusedAdam([torch.ones(3, dtype=torch.float16, requires_grad=True)], lr=1e-3),
+                         dynamic_loss_scale=True, verbose=False)
+    opt.load_state_dict(sd)
+    assert (opt.scale_factor, opt.scale_window, opt.last_overflow_iter) == (4.0, 7, -1)
+    assert type(opt.scale_factor) is float and type(opt.scale_window) is int

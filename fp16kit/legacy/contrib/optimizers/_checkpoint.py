@@ -19,7 +19,7 @@ import torch
 
 from ....core import kernels
 
-__all__ = ["check_state_dict", "masters_from_state", "optimizer_state_from"]
+__all__ = ["check_state_dict", "dynamic_settings", "masters_from_state", "optimizer_state_from"]
 
 _REQUIRED = ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict")
 
@@ -88,17 +88,35 @@ def _check_counters(sd: dict[str, Any]) -> None:
             f"FP16_Optimizer state dict: cur_scale must be a finite number > 0, got {sd['cur_scale']!r}; "
             "pass the dict FP16_Optimizer.state_dict() saved."
         )
-    for key in ("cur_iter", "last_overflow_iter"):
-        if key not in sd:
-            continue
-        count = _number(sd[key])
-        low = -1 if key == "last_overflow_iter" else 0
-        whole = isinstance(count, int) or (isinstance(count, float) and count.is_integer())
-        if isinstance(count, bool) or not whole or count < low:
-            raise ValueError(
-                f"FP16_Optimizer state dict: {key} must be a whole number >= {low}, got {sd[key]!r}; "
-                "pass the dict FP16_Optimizer.state_dict() saved."
-            )
+    _whole(sd, "cur_iter", 0)
+    if sd["dynamic_loss_scale"]:
+        dynamic_settings(sd)
+
+
+def _whole(sd: dict[str, Any], key: str, low: int) -> int:
+    count = _number(sd[key])
+    whole = isinstance(count, int) or (isinstance(count, float) and count.is_integer())
+    if isinstance(count, bool) or not whole or count < low:
+        raise ValueError(
+            f"FP16_Optimizer state dict: {key} must be a whole number >= {low}, got {sd[key]!r}; "
+            "pass the dict FP16_Optimizer.state_dict() saved."
+        )
+    return int(count)
+
+
+def dynamic_settings(sd: dict[str, Any]) -> tuple[float, int, int]:
+    """``(scale_factor, scale_window, last_overflow_iter)`` of a dynamic-scale checkpoint as
+    Python numbers (apex's defaults 2.0, 1000, -1 where absent); ValueError for values the
+    scale rule cannot use (a factor that is not a finite number > 0, a window < 1, ...)."""
+    factor = _number(sd.get("scale_factor", 2.0))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(
+            f"FP16_Optimizer state dict: scale_factor must be a finite number > 0, got {sd['scale_factor']!r}; "
+            "pass the dict FP16_Optimizer.state_dict() saved."
+        )
+    window = _whole({"scale_window": 1000, **sd}, "scale_window", 1)
+    last = _whole({"last_overflow_iter": -1, **sd}, "last_overflow_iter", -1)
+    return float(factor), window, last
 
 
 def masters_from_state(sd: dict[str, Any], fp32_groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -30,7 +30,6 @@ structure first and refuses mismatches instead of truncating.
 
 from __future__ import annotations
 
-import logging
 import math
 import types
 from collections.abc import Callable
@@ -39,15 +38,13 @@ from typing import Any
 import torch
 
 from ....core import kernels
+from ....core.log import logger
 from ....core.master import MasterParams
 from ....core.scale import LossScale
 from ....wrapping import WrappingOptimizer
-from ._checkpoint import check_state_dict, masters_from_state, optimizer_state_from
+from ._checkpoint import check_state_dict, dynamic_settings, masters_from_state, optimizer_state_from
 
 __all__ = ["FP16_Optimizer"]
-
-logger = logging.getLogger("fp16kit")
-
 
 class FP16_Optimizer(WrappingOptimizer):
     """The fused-era FP16_Optimizer (see the module docstring and spec/apex-others.md §1).
@@ -237,9 +234,7 @@ class FP16_Optimizer(WrappingOptimizer):
         self._set_mode(bool(state_dict["dynamic_loss_scale"]), float(state_dict["cur_scale"]))
         self.cur_iter = int(state_dict["cur_iter"])
         if self._scale is not None:
-            self.scale_factor = state_dict.get("scale_factor", 2.0)
-            self.scale_window = state_dict.get("scale_window", 1000)
-            self.last_overflow_iter = state_dict.get("last_overflow_iter", -1)
+            self.scale_factor, self.scale_window, self.last_overflow_iter = dynamic_settings(state_dict)
 
 
 def _refuse_sparse(grads: list[list[torch.Tensor | None]]) -> None:
