@@ -26,7 +26,7 @@ CASES = {
     "bert_fused_adam.py": (["--fp16", "--num_train_steps", "30"], False),
     "megatron_v1.py": (["--fp16", "--train-iters", "30"], True),
     "imagenet_ddp_syncbn.py": (["--steps", "12"], False),
-    "imagenet_main_amp.py": (["--opt-level", "O1", "--sync_bn", "--dist", "--loss-scale", "dynamic"], False),
+    "imagenet_main_amp.py": (["--opt-level", "O1", "--sync_bn", "--dist", "--loss-scale", "dynamic", "--lr", "3.2"], False),
     "bert_run_pretraining.py": (["--fp16", "--allreduce_post_accumulation", "--local_rank", "0"], False),
     "hf_run_glue_fp16.py": (["--fp16", "--fp16_opt_level", "O1"], False),
     "onmt_optimizers_fp16.py": (["-model_dtype", "fp16", "-optim", "fusedadam"], False),
