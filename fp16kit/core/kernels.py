@@ -20,6 +20,8 @@ Arithmetic contract (the reference is ``torch.amp.GradScaler``)::
   on CPU and CUDA alike: one launch per group, not one per tensor.
 * Nothing here reads a tensor's value on the host: no ``.item()``, ``bool(t)``, ``float(t)`` or
   ``.tolist()``. The only host work is looking at tensor metadata (device, dtype, layout).
+* Copies are ``non_blocking`` only towards an accelerator (:func:`move`): a non-blocking copy
+  onto the CPU returns before the data has arrived, and the next CPU op could read garbage.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ __all__ = [
     "l2_norms",
     "raise_flag_",
     "merge_found_inf",
+    "move",
     "new_found_inf",
     "new_overflow_buf",
+    "norms",
     "overflow_buf_as_found_inf",
     "scale_outputs",
     "scale_to_",
@@ -86,9 +90,18 @@ class PerDevice:
             if self._share and device == self.master.device:
                 t = self.master
             else:
-                t = self.master.to(device=device, non_blocking=True, copy=True)
+                t = move(self.master, device, copy=True)
             self.per_device[device] = t
         return t
+
+
+def move(
+    t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None, *, copy: bool = False
+) -> torch.Tensor:
+    """``t.to(device, dtype)``, non-blocking unless the target is the CPU (a non-blocking copy
+    from an accelerator into host memory may still be in flight when the CPU reads it)."""
+    device = torch.device(device)
+    return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu", copy=copy)
 
 
 def inv_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -275,7 +288,7 @@ def stack_flags(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     caller that must decide on the host reads them all at once)."""
     if not flags:
         return torch.zeros(0, dtype=torch.float32, device=device)
-    return torch.stack([f.to(device=device, dtype=torch.float32, non_blocking=True) for f in flags])
+    return torch.stack([move(f, device, torch.float32) for f in flags])
 
 
 def refresh_stale_masters_(model_params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
@@ -334,7 +347,7 @@ def combine_found_inf(
     The result is a new tensor, unless ``into_first=True``: then the sum accumulates into the
     first flag when it already lives on ``device`` (torch's ``update()`` sums into it; it saves
     a copy). No flags (an optimizer without grads this iteration) give a cleared flag."""
-    moved = [f.to(device=device, non_blocking=True) for f in found_infs]
+    moved = [move(f, device) for f in found_infs]
     if not moved:
         return new_found_inf(device)
     total = moved[0] if into_first else moved[0].clone()
@@ -459,7 +472,7 @@ def scale_outputs(
         scale = _as_multiplier(get_scale(outputs.device))
         if not isinstance(scale, torch.Tensor):
             return outputs * scale
-        return outputs * scale.to(device=outputs.device, non_blocking=True)
+        return outputs * move(scale, outputs.device)
 
     stash: list[Any] = []
 
@@ -522,12 +535,12 @@ def l2_norm(tensors: Sequence[torch.Tensor], device: torch.device | str | None =
     non-finite result (the overflow test of apex's fused-era FP16_Optimizer)."""
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
-    norms = l2_norms(tensors)
-    if not norms:
+    found = l2_norms(tensors)
+    if not found:
         return torch.zeros((), dtype=torch.float32, device=device)
     with torch.no_grad():
-        squares = torch.stack([n.to(device=device, dtype=torch.float32, non_blocking=True) for n in norms])
-        return squares.square().sum().sqrt()
+        stacked = torch.stack([move(n, device, torch.float32) for n in found])
+        return stacked.square().sum().sqrt()
 
 
 def scale_to_(
@@ -548,7 +561,6 @@ def scale_to_(
     if not srcs:
         return
     with torch.no_grad():
-        s = scale.detach() if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float64)
         temps: list[torch.Tensor] = []
         for src in srcs:
             acc = torch.float64 if src.dtype == torch.float64 else torch.float32
@@ -560,7 +572,11 @@ def scale_to_(
         for t in temps:
             groups.setdefault((t.device, t.dtype), []).append(t)
         for (device, dtype), ts in groups.items():
-            torch._foreach_mul_(ts, s.to(device=device, dtype=dtype))
+            if isinstance(scale, torch.Tensor):
+                s = scale.detach().to(device=device, dtype=dtype)
+            else:  # filled in on the device (no host-to-device copy): float64 -> dtype, as .to()
+                s = torch.full((), scale, dtype=torch.float64, device=device).to(dtype)
+            torch._foreach_mul_(ts, s)
         copy_to_(temps, [d.detach() for d in dsts])
         raise_flag_(flag, per_device)
 
@@ -583,9 +599,9 @@ def l2_norm_and_flag_(
     float32 tensor (empty unless ``per_tensor``) -- setting ``flag`` when the total is not
     finite. Accumulation in float32 (apex: per chunk; the last bits may differ)."""
     device = flag.device
-    norms = [n.to(device=device, dtype=torch.float32, non_blocking=True) for n in l2_norms(tensors)]
+    found = [move(n, device, torch.float32) for n in l2_norms(tensors)]
     with torch.no_grad():
-        per = torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float32, device=device)
+        per = torch.stack(found) if found else torch.zeros(0, dtype=torch.float32, device=device)
         total = per.square().sum().sqrt().reshape(1)
         raise_flag_(flag, check_finite_([total.clone()], new_found_inf(device)))
     return total, (per if per_tensor else torch.zeros(0, dtype=torch.float32, device=device))

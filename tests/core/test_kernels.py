@@ -288,3 +288,56 @@ def test_l2_norm_and_flag_matches_apex_shapes():
     assert total.tolist() == [10.0] and per.tolist() == [10.0] and flag.item() == 0.0
     total, per = kernels.l2_norm_and_flag_([torch.tensor([float("nan")])], flag)
     assert per.numel() == 0 and flag.item() == 1.0
+
+
+def test_norms_is_exported():
+    assert "norms" in kernels.__all__ and "move" in kernels.__all__
+
+
+@pytest.fixture
+def blocking_to_cpu(monkeypatch):
+    """Records every ``Tensor.to(..., non_blocking=True)`` whose target is the CPU: such a copy
+    from CUDA returns before the data arrives, and the CPU op after it may read garbage."""
+    seen = []
+    original = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if kwargs.get("non_blocking") and out.device.type == "cpu":
+            seen.append(out)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    return seen
+
+
+def test_no_non_blocking_copy_onto_the_cpu(blocking_to_cpu):
+    ts = [torch.tensor([3.0, 4.0]), torch.tensor([1.0], dtype=torch.float16)]
+    cpu = torch.device("cpu")
+    assert torch.equal(kernels.l2_norm(ts, cpu), torch.tensor(26.0).sqrt())
+    kernels.l2_norm_and_flag_(ts, torch.zeros(1, dtype=torch.int32), per_tensor=True)
+    kernels.stack_flags([torch.tensor(1.0), torch.tensor(0.0)], cpu)
+    kernels.combine_found_inf([torch.tensor(1.0), torch.tensor(0.0)], cpu)
+    kernels.PerDevice(torch.tensor(2.0)).get(cpu)
+    kernels.scale_outputs(torch.ones(2), lambda d: torch.tensor(2.0))
+    kernels.unscale_([torch.ones(2)], torch.tensor(0.5), kernels.new_found_inf(cpu))
+    assert blocking_to_cpu == []
+
+
+def test_scale_to_with_a_python_scale_makes_no_host_tensor(monkeypatch):
+    """A Python scale is filled in on each device (``torch.full``), not made on the host and
+    copied over at every call; the numbers are those of ``float64 -> dtype``, then multiply."""
+    src = [torch.tensor([1.0, 3.0, 65504.0], dtype=torch.float16), torch.tensor([0.1], dtype=torch.float64)]
+    dst = [torch.empty(3, dtype=torch.float16), torch.empty(1, dtype=torch.float64)]
+    flag = torch.zeros(1, dtype=torch.int32)
+
+    def no_host_tensor(*a, **k):
+        raise AssertionError("torch.tensor called in scale_to_")
+
+    monkeypatch.setattr(torch, "tensor", no_host_tensor)
+    kernels.scale_to_(src, dst, 1 / 3, flag)
+    monkeypatch.undo()
+    third32 = torch.tensor(1 / 3, dtype=torch.float64).float()
+    assert torch.equal(dst[0], (src[0].float() * third32).half())
+    assert torch.equal(dst[1], src[1] * (1 / 3))
+    assert flag.item() == 0
