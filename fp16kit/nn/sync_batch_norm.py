@@ -42,6 +42,10 @@ def _stats_dtype(device: torch.device) -> torch.dtype:
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
+def _as(value: float | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
+    return value.to(dtype) if isinstance(value, torch.Tensor) else value
+
+
 class _AllReduceSum(torch.autograd.Function):
     """Differentiable sum over the group: forward all-reduces a copy, backward all-reduces the
     grad (every rank's loss depends on every rank's statistics). torch.distributed.nn's
@@ -169,10 +173,19 @@ class SyncBatchNorm(_BatchNorm):
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
         self.num_batches_tracked += 1
-        m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        if self.momentum is None:  # 1 / n in double on the device: no host read of the count
+            m = 1.0 / self.num_batches_tracked.to(_stats_dtype(self.num_batches_tracked.device))
+        else:
+            m = self.momentum
         unbiased = var * n / (n - 1)
         for buf, new in ((self.running_mean, mean), (self.running_var, unbiased)):
-            buf.copy_((buf * (1 - m) + m * new.to(buf.dtype)).to(buf.dtype))
+            # each product rounded to the buffer's dtype, with m and 1 - m in the op-math dtype
+            # (what multiplying by a Python float does, so a tensor m gives the same bits)
+            op = torch.promote_types(buf.dtype, torch.float32)
+            keep = _as(1 - m, op)
+            old = (buf.to(op) * keep).to(buf.dtype)
+            added = (_as(m, op) * new.to(buf.dtype).to(op)).to(buf.dtype)
+            buf.copy_(old + added)
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None = None,

@@ -185,3 +185,29 @@ def test_gradients_are_exact_in_float64():
     x = torch.randn(5, 2, 3, dtype=torch.double, requires_grad=True)
     z = torch.randn(5, 2, 3, dtype=torch.double, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: bn(a, b), (x, z))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_cumulative_average_reads_no_count_on_the_host(monkeypatch, dtype):
+    # momentum=None took 1 / float(num_batches_tracked): a device-to-host sync every step on CUDA
+    def refuse(self, *args):
+        raise AssertionError("a tensor was read on the host in forward")
+
+    torch.manual_seed(0)
+    mine = SyncBatchNorm(3, momentum=None).to(dtype)
+    xs = [(torch.randn(6, 3) * 2 + 1).to(dtype) for _ in range(5)]
+    means, vars_ = [], []
+    for x in xs:  # apex's cumulative average, written out with Python floats
+        xf = x.float()
+        means.append(xf.mean(0).double())
+        vars_.append(xf.var(0, unbiased=True).double())
+    monkeypatch.setattr(torch.Tensor, "__float__", refuse)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    for x in xs:
+        mine(x)
+    monkeypatch.undo()
+    assert int(mine.num_batches_tracked) == 5
+    # the first step's m = 1/1 drops the initial buffers: the running stats are the averages
+    tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-5)
+    torch.testing.assert_close(mine.running_mean.double(), torch.stack(means).mean(0), atol=tol, rtol=tol)
+    torch.testing.assert_close(mine.running_var.double(), torch.stack(vars_).mean(0), atol=tol, rtol=tol)
