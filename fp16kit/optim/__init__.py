@@ -1,8 +1,11 @@
 """fp16kit.optim: the numerical optimizers torch lacks, or lacks in apex's form.
 
 Each is a plain ``torch.optim.Optimizer`` (it also works inside
-:class:`fp16kit.MixedPrecisionOptimizer`), written with torch's multi-tensor ops, grouped by
-(device, dtype), with fp32 math on fp16/bf16 params and no host reads on the step path:
+:class:`fp16kit.MixedPrecisionOptimizer`) with no host reads on the step path. LAMB, NovoGrad,
+Adam, LegacyAdam, Adagrad and SGD's own path use torch's multi-tensor ops, grouped by
+(device, dtype), with fp32 math on fp16/bf16 params; SGD on fp32/fp64 params without
+``wd_after_momentum`` is ``torch.optim.SGD.step`` itself; LARC is a per-param loop of torch
+ops in each param's dtype (apex's numbers), in front of the optimizer it wraps:
 
 * :class:`LAMB` -- apex FusedLAMB's rule (global grad-norm clipping, per-tensor trust ratio).
 * :class:`NovoGrad` -- apex FusedNovoGrad's rule (per-layer second moment).

@@ -16,14 +16,19 @@ Nothing here reads a tensor's value on the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..core import kernels
 
-__all__ = ["Bucket", "FusedStyleOptimizer", "buckets", "check_state_shapes", "keep_state_precision", "with_settings", "work_dtype"]
+__all__ = [
+    "ApexConventions", "Bucket", "FusedStyleOptimizer", "buckets", "check_hyper", "check_state_shapes",
+    "keep_state_precision", "with_settings", "work_dtype",
+]
+
+SPARSE_ERROR = "{name} does not support sparse gradients, please consider SparseAdam instead"
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,47 +75,108 @@ def buckets(
     return out
 
 
-class FusedStyleOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` with apex's conventions for its fused optimizers.
+class ApexConventions:
+    """apex's conventions shared by every optimizer of :mod:`fp16kit.optim` (a mixin before a
+    ``torch.optim.Optimizer`` base: :class:`FusedStyleOptimizer`, :class:`~fp16kit.optim.SGD`).
 
-    * ``display_name`` appears in the error texts (apex's "Fused<Name> does not support ...").
-    * ``supported_dtypes`` (None: any floating dtype) is checked at each step.
+    * ``display_name`` appears in the error texts (apex's "Fused<Name> does not support ...");
+      ``sparse_error`` is the text for a sparse grad (``{name}``: the display name).
     * ``zero_grad(set_to_none=None)``: None follows the ``set_grad_none`` given at construction
       (apex's ``zero_grad()`` took no argument); False zeroes grads in place.
+    * ``load_state_dict`` checks the state's shapes first and keeps it in the work dtype;
+      pickling / deepcopy keep the optimizer-wide settings (:func:`with_settings`).
     """
 
     display_name = "Optimizer"
+    sparse_error = SPARSE_ERROR
+    set_grad_none: bool
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if set_to_none is None:
+            set_to_none = self.set_grad_none
+        params = [p for group in self.param_groups for p in group["params"]]
+        kernels.clear_grads_(params, set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state_shapes(self, state_dict)  # type: ignore[arg-type]
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        keep_state_precision(self, state_dict)  # type: ignore[arg-type]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return with_settings(self, super().__getstate__())  # type: ignore[arg-type, misc]
+
+    def check_dtype(self, p: torch.Tensor) -> None:
+        """Refuse a param the step cannot update (nothing here; see FusedStyleOptimizer)."""
+
+    def with_grads(
+        self,
+        group: dict[str, Any],
+        grads: Sequence[torch.Tensor | None] | None = None,
+        outputs: Sequence[Any] | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
+        """The group's params that have a grad (``grads[i]`` when given and not None, else
+        ``p.grad``), those grads (detached) and their ``outputs[i]`` (None when not given).
+        Supplied lists are zipped with the params, as apex did: the shortest one decides, and
+        params past its end are not stepped. Sparse grads raise ``sparse_error``; params of an
+        unsupported dtype apex's error (:meth:`check_dtype`)."""
+        n = len(group["params"])
+        for supplied in (grads, outputs):
+            if supplied is not None:
+                n = min(n, len(supplied))
+        params, found, outs = [], [], []
+        for i, p in enumerate(group["params"][:n]):
+            g = p.grad if grads is None or grads[i] is None else grads[i]
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(self.sparse_error.format(name=self.display_name))
+            self.check_dtype(p)
+            params.append(p)
+            found.append(g.detach())
+            outs.append(None if outputs is None else outputs[i])
+        return params, found, outs
+
+    def params_with_grads(
+        self, group: dict[str, Any], grads: Sequence[torch.Tensor | None] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`with_grads` without the outputs."""
+        params, found, _ = self.with_grads(group, grads)
+        return params, found
+
+    def check_state(self, params: Iterable[torch.Tensor], keys: Sequence[str]) -> None:
+        """Before a step changes anything: each state tensor ``keys`` of ``params`` (those of
+        every group) has its param's shape, else the RuntimeError :meth:`work_state` raises."""
+        for p in params:
+            state = self.state.get(p)
+            if not state:
+                continue
+            for key in keys:
+                t = state.get(key)
+                if isinstance(t, torch.Tensor) and t.shape != p.shape:
+                    raise RuntimeError(_shape_error(self.display_name, key, t, p))
+
+
+def _shape_error(name: str, key: str, t: torch.Tensor, p: torch.Tensor) -> str:
+    return (
+        f"{name}: state[{key!r}] has shape {tuple(t.shape)} but its param has "
+        f"{tuple(p.shape)}; the loaded optimizer state belongs to other params (load the "
+        "state dict saved with these params)."
+    )
+
+
+class FusedStyleOptimizer(ApexConventions, torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` with apex's conventions for its fused optimizers
+    (:class:`ApexConventions`); ``supported_dtypes`` (None: any floating dtype) is checked at
+    each step."""
+
     supported_dtypes: tuple[torch.dtype, ...] | None = None
     dtype_error = ""
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, set_grad_none: bool = True) -> None:
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
-        if set_to_none is None:
-            set_to_none = self.set_grad_none
-        params = [p for group in self.param_groups for p in group["params"]]
-        kernels.clear_grads_(params, set_to_none=set_to_none)
-
-    def params_with_grads(
-        self, group: dict[str, Any], grads: Sequence[torch.Tensor | None] | None = None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The group's params that have a grad (``grads[i]`` when given, else ``p.grad``), and
-        those grads; sparse grads and unsupported dtypes raise apex's errors."""
-        params, found = [], []
-        for i, p in enumerate(group["params"]):
-            g = p.grad if grads is None or grads[i] is None else grads[i]
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError(
-                    f"{self.display_name} does not support sparse gradients, please consider SparseAdam instead"
-                )
-            self.check_dtype(p)
-            params.append(p)
-            found.append(g.detach())
-        return params, found
 
     def check_dtype(self, p: torch.Tensor) -> None:
         if not p.is_floating_point():
@@ -129,20 +195,8 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
         elif t.dtype != dtype or t.device != p.device:
             t = state[key] = t.to(device=p.device, dtype=dtype)
         if t.shape != p.shape:
-            raise RuntimeError(
-                f"{self.display_name}: state[{key!r}] has shape {tuple(t.shape)} but its param has "
-                f"{tuple(p.shape)}; the loaded optimizer state belongs to other params (load the "
-                "state dict saved with these params)."
-            )
+            raise RuntimeError(_shape_error(self.display_name, key, t, p))
         return t
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_state_shapes(self, state_dict)
-        super().load_state_dict(state_dict)
-        keep_state_precision(self, state_dict)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return with_settings(self, super().__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's load_state_dict installs the *saved* groups through __setstate__: a setting a
@@ -168,6 +222,20 @@ class FusedStyleOptimizer(torch.optim.Optimizer):
         steps = [self.state[p].pop("step") for p in group["params"] if "step" in self.state.get(p, {})]
         return max((int(s) for s in steps), default=0)
 
+
+def check_hyper(lr: float, betas: tuple[float, float] | None, eps: float, weight_decay: float) -> None:
+    """torch's checks and texts for the hyper-parameters, before anything is built (``betas``
+    None: an optimizer without them, Adagrad)."""
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if betas is not None and not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if betas is not None and not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
 def check_state_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._base import FusedStyleOptimizer, buckets
+from ._base import FusedStyleOptimizer, buckets, check_hyper
 
 __all__ = ["Adagrad"]
 
@@ -35,12 +35,7 @@ class Adagrad(FusedStyleOptimizer):
         *,
         set_grad_none: bool = True,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        check_hyper(lr, None, eps, weight_decay)
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), set_grad_none=set_grad_none)
         self.adagrad_w_mode = adagrad_w_mode
 
@@ -51,6 +46,7 @@ class Adagrad(FusedStyleOptimizer):
             with torch.enable_grad():
                 loss = closure()
         found = [self.params_with_grads(group) for group in self.param_groups]  # checks first
+        self.check_state((p for params, _ in found for p in params), ("sum",))
         for group, (params, grads) in zip(self.param_groups, found):
             if not params:
                 continue

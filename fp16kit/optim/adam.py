@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._base import FusedStyleOptimizer, buckets
+from ._base import FusedStyleOptimizer, buckets, check_hyper
 
 __all__ = ["Adam", "adam_update_"]
 
@@ -64,6 +64,7 @@ class Adam(FusedStyleOptimizer):
             with torch.enable_grad():
                 loss = closure()
         found = [self.params_with_grads(group) for group in self.param_groups]  # checks first
+        self.check_state((p for params, _ in found for p in params), ("exp_avg", "exp_avg_sq"))
         for group, (params, grads) in zip(self.param_groups, found):
             t = self.advance_group_step(group)  # also for groups without grads
             if params:
@@ -117,16 +118,3 @@ def adam_update_(
         torch._foreach_add_(b.p32, u, alpha=-lr)
         b.write_back()
 
-
-def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    # torch's texts, checked before anything is built
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")

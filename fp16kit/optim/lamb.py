@@ -28,8 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import FusedStyleOptimizer, buckets
-from .adam import check_hyper
+from ._base import FusedStyleOptimizer, buckets, check_hyper
 
 __all__ = ["LAMB"]
 
@@ -69,6 +68,7 @@ class LAMB(FusedStyleOptimizer):
             with torch.enable_grad():
                 loss = closure()
         found = [self.params_with_grads(group) for group in self.param_groups]
+        self.check_state((p for params, _ in found for p in params), ("exp_avg", "exp_avg_sq"))
         all_grads = [g for _, grads in found for g in grads]
         clip = self._clip_factor(all_grads)
         for group, (params, grads) in zip(self.param_groups, found):

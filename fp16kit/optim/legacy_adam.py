@@ -5,7 +5,8 @@ grads and the norms of each group's grads, unscales and clips inside the update,
 result into low-precision output params. Rule::
 
     step(closure=None, grads=None, output_params=None, scale=1., grad_norms=None)
-    per group (grads / output_params: per-group lists, or one flat list = one group):
+    per group (grads / output_params: per-group lists, or one flat list = one group; zipped
+    with the groups and each group's params as apex did: the shortest list decides):
         combined = scale
         if max_grad_norm > 0:                                   # per param group
             clip = (grad_norm/scale + 1e-6) / max_grad_norm
@@ -27,6 +28,7 @@ continues its count in each param's state instead of restarting bias correction 
 
 from __future__ import annotations
 
+import numbers
 import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -34,8 +36,7 @@ from typing import Any
 import torch
 
 from ..core import kernels
-from ._base import FusedStyleOptimizer, buckets
-from .adam import check_hyper
+from ._base import FusedStyleOptimizer, buckets, check_hyper
 
 __all__ = ["LegacyAdam", "legacy_adam_step", "per_group"]
 
@@ -110,11 +111,16 @@ def legacy_adam_step(
     grads_per = per_group(grads, len(groups))
     outs_per = per_group(output_params, len(groups))
     norms = [None] * len(groups) if grad_norms is None else list(grad_norms)
-    work = [_prepare(opt, group, g_list, o_list) for group, g_list, o_list in zip(groups, grads_per, outs_per)]
-    for group, (params, found, outs), norm in zip(groups, work, norms):  # all checked: now step
+    work = [opt.with_grads(group, g_list, o_list) for group, g_list, o_list in zip(groups, grads_per, outs_per)]
+    opt.check_state((p for params, _, _ in work for p in params), ("exp_avg", "exp_avg_sq"))
+    combined = [
+        _combined_scale(group, found, scale, norm, params[0].device) if params else None
+        for group, (params, found, _), norm in zip(groups, work, norms)
+    ]
+    for group, (params, found, outs), c in zip(groups, work, combined):  # all checked: now step
         _adopt_group_step(opt, group)
         if params:
-            _step_group(opt, group, params, found, outs, scale, norm, eps_inside_sqrt)
+            _step_group(opt, group, params, found, outs, c, eps_inside_sqrt)
 
 
 def _adopt_group_step(opt: FusedStyleOptimizer, group: dict[str, Any]) -> None:
@@ -130,31 +136,15 @@ def _adopt_group_step(opt: FusedStyleOptimizer, group: dict[str, Any]) -> None:
             state["step"] = count
 
 
-def _prepare(
-    opt: FusedStyleOptimizer, group: dict[str, Any], grads: list[Any] | None, outputs: list[Any] | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
-    """The group's params with a grad (supplied, else ``p.grad``), their grads and outputs."""
-    n = len(group["params"])
-    # apex zipped params with the supplied lists: the shorter one decides
-    grads = [None] * n if grads is None else (list(grads) + [None] * n)[:n]
-    outputs = [None] * n if outputs is None else (list(outputs) + [None] * n)[:n]
-    keep = [i for i, p in enumerate(group["params"]) if grads[i] is not None or p.grad is not None]
-    params, found = opt.params_with_grads(group, grads)
-    return params, found, [outputs[i] for i in keep]
-
-
 def _step_group(
     opt: FusedStyleOptimizer,
     group: dict[str, Any],
     params: list[torch.Tensor],
     found: list[torch.Tensor],
     outs: list[Any],
-    scale: float | torch.Tensor,
-    grad_norm: Any,
+    combined: torch.Tensor,
     eps_inside_sqrt: bool,
 ) -> None:
-    device = params[0].device
-    combined = _combined_scale(group, found, scale, grad_norm, device)
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     steps = []
@@ -192,13 +182,22 @@ def _combined_scale(
     grad_norm: Any,
     device: torch.device,
 ) -> torch.Tensor:
-    """``scale``, times the clip factor when the group clips: a float64 0-dim device tensor."""
-    s = torch.as_tensor(scale, dtype=torch.float64).to(device)
+    """``scale``, times the clip factor when the group clips: a float64 0-dim device tensor
+    (a Python number is filled in on the device: no host-to-device copy)."""
+    s = _on_device(scale, device)
     max_norm = group.get("max_grad_norm", 0.0)
     if max_norm is None or max_norm <= 0:
         return s
     if grad_norm is None:
         grad_norm = kernels.l2_norm(list(grads), device)
-    norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(device).reshape(())
+    norm = _on_device(grad_norm, device).reshape(())
     clip = (norm / s + 1e-6) / max_norm
     return torch.where(clip > 1, clip * s, s)
+
+
+def _on_device(value: Any, device: torch.device) -> torch.Tensor:
+    """``value`` as a float64 tensor on ``device``: a Python number filled in there, a tensor
+    converted (the same value as ``torch.as_tensor(value, dtype=torch.float64)``)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, torch.Tensor):
+        return torch.full((), float(value), dtype=torch.float64, device=device)
+    return torch.as_tensor(value, dtype=torch.float64).to(device)

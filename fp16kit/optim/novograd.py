@@ -25,8 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import FusedStyleOptimizer, buckets, work_dtype
-from .adam import check_hyper
+from ._base import FusedStyleOptimizer, buckets, check_hyper, work_dtype
 
 __all__ = ["NovoGrad"]
 
@@ -71,6 +70,7 @@ class NovoGrad(FusedStyleOptimizer):
             if group["norm_type"] not in (0, 2):
                 raise RuntimeError(f"{self.display_name} only support l2/inf norm now.")
             self._check_norm_layout(group, params)
+        self.check_state((p for params, _ in found for p in params), ("exp_avg",))
         for group, (params, grads) in zip(self.param_groups, found):
             t = self.advance_group_step(group)
             if params:
@@ -136,18 +136,26 @@ class NovoGrad(FusedStyleOptimizer):
         low, full = _split(params)
         saved = group["exp_avg_sq"]
         v = torch.empty(len(params), dtype=torch.float32, device=device)
-        for idx, t in ((low, saved[0]), (full, saved[1])):
-            if idx:
-                v[torch.tensor(idx, device=device)] = t.to(device=device, dtype=torch.float32)
+        for idx, t in zip(self._index_tensors(low, full, device), saved):
+            if idx.numel():
+                v[idx] = t.to(device=device, dtype=torch.float32)
         return v
 
     def _store_group_norms(self, group: dict[str, Any], params: list[torch.Tensor], v: torch.Tensor) -> None:
         low, full = _split(params)
-        device = v.device
-        group["exp_avg_sq"] = [
-            v[torch.tensor(low, dtype=torch.long, device=device)],
-            v[torch.tensor(full, dtype=torch.long, device=device)],
-        ]
+        group["exp_avg_sq"] = [v[idx] for idx in self._index_tensors(low, full, v.device)]
+
+    def _index_tensors(self, low: list[int], full: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``low`` and ``full`` as int64 tensors on ``device``, made once per group layout (the
+        params with a grad are the same at every step): no host-to-device copy per step. Not
+        pickled (a private attribute); a copy makes its own."""
+        cache = self.__dict__.setdefault("_index_cache", {})
+        key = (tuple(low), tuple(full), device)
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = (torch.tensor(low, dtype=torch.long, device=device),
+                                  torch.tensor(full, dtype=torch.long, device=device))
+        return found
 
 
 def _split(params: list[torch.Tensor]) -> tuple[list[int], list[int]]:
@@ -161,4 +169,4 @@ def _norms(grads: list[torch.Tensor], l2: bool) -> list[torch.Tensor]:
     """Each grad's L2 norm (multi-tensor, fp32 accumulation) or max-abs, as float32."""
     if l2:
         return [n.float() for n in kernels.l2_norms(grads)]
-    return [torch.linalg.vector_norm(g, float("inf")).float() for g in grads]
+    return [n.float() for n in kernels.norms(grads, float("inf"))]

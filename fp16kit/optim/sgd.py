@@ -25,16 +25,20 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import buckets, check_state_shapes, keep_state_precision, with_settings, work_dtype
+from ._base import ApexConventions, buckets, work_dtype
 
 __all__ = ["SGD", "sgd_step"]
 
 
-class SGD(torch.optim.SGD):
+class SGD(ApexConventions, torch.optim.SGD):
     """``torch.optim.SGD`` with ``wd_after_momentum`` (apex FusedSGD) and fp32 math for
     low-precision params. ``zero_grad(set_to_none=None)`` follows ``set_grad_none``."""
 
     display_name = "SGD"
+    sparse_error = (
+        "{name} does not support sparse gradients with fp16/bf16 params or wd_after_momentum: "
+        "give the sparse (fp32) params a torch.optim.SGD of their own."
+    )
 
     def __init__(
         self,
@@ -54,22 +58,12 @@ class SGD(torch.optim.SGD):
         self.wd_after_momentum = wd_after_momentum
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
-        if set_to_none is None:
-            set_to_none = self.set_grad_none
-        kernels.clear_grads_([p for g in self.param_groups for p in g["params"]], set_to_none=set_to_none)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_state_shapes(self, state_dict)
-        super().load_state_dict(state_dict)
-        keep_state_precision(self, state_dict)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return with_settings(self, super().__getstate__())
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         if not self._needs_own_path():
+            # torch's step changes group 0 before it reads group 1's buffers: check them first
+            self.check_state((p for g in self.param_groups if g["momentum"] != 0
+                              for p in g["params"] if p.grad is not None), ("momentum_buffer",))
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -88,7 +82,7 @@ class SGD(torch.optim.SGD):
 
 
 def sgd_step(
-    opt: torch.optim.Optimizer,
+    opt: SGD,
     *,
     wd_after_momentum: bool,
     grads: Sequence[Sequence[torch.Tensor | None] | None] | None = None,
@@ -99,12 +93,15 @@ def sgd_step(
     ``grads[i]`` (one list per group, or None) replace group i's params' ``.grad``;
     ``outputs[i]`` receive the updated params (rounded to their dtype), as apex's contrib
     FusedSGD's ``output_params``; ``scale``: the grads are scaled by it (they are multiplied by
-    ``1/scale``, the reciprocal taken in float64). Every group is checked (sparse grads) before
-    any param or buffer changes."""
+    ``1/scale``, the reciprocal taken in float64). Supplied lists are zipped with the groups and
+    each group's params, as apex did (the shortest decides). Every group is checked (sparse
+    grads, buffer shapes) before any param or buffer changes."""
     groups = opt.param_groups
     grads = [None] * len(groups) if grads is None else list(grads)
     outputs = [None] * len(groups) if outputs is None else list(outputs)
-    work = [_collect(opt, group, g, o) for group, g, o in zip(groups, grads, outputs)]
+    work = [opt.with_grads(group, g, o) for group, g, o in zip(groups, grads, outputs)]
+    opt.check_state((p for group, (params, _, _) in zip(groups, work) if group["momentum"] != 0
+                     for p in params), ("momentum_buffer",))
     inv_scale: float | torch.Tensor = (
         kernels.inv_scale(scale.detach()) if isinstance(scale, torch.Tensor) else 1.0 / scale
     )
@@ -113,35 +110,8 @@ def sgd_step(
             _group_step(opt, group, params, found, outs, inv_scale, wd_after_momentum)
 
 
-def _collect(
-    opt: torch.optim.Optimizer,
-    group: dict[str, Any],
-    grads: Sequence[torch.Tensor | None] | None,
-    outputs: Sequence[torch.Tensor | None] | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
-    """The group's params with a grad (supplied, else ``p.grad``), their grads and outputs."""
-    n = len(group["params"])
-    grads = [None] * n if grads is None else (list(grads) + [None] * n)[:n]
-    outputs = [None] * n if outputs is None else (list(outputs) + [None] * n)[:n]
-    params, found, outs = [], [], []
-    for p, g, o in zip(group["params"], grads, outputs):
-        g = p.grad if g is None else g
-        if g is None:
-            continue
-        if g.is_sparse:
-            raise RuntimeError(
-                f"{getattr(opt, 'display_name', 'SGD')} does not support sparse gradients with "
-                "fp16/bf16 params or wd_after_momentum: give the sparse (fp32) params a "
-                "torch.optim.SGD of their own."
-            )
-        params.append(p)
-        found.append(g.detach())
-        outs.append(o)
-    return params, found, outs
-
-
 def _group_step(
-    opt: torch.optim.Optimizer,
+    opt: SGD,
     group: dict[str, Any],
     params: list[torch.Tensor],
     found: list[torch.Tensor],
@@ -178,7 +148,7 @@ def _group_step(
         b.write_back(out)
 
 
-def _buffer(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+def _buffer(opt: SGD, p: torch.Tensor) -> torch.Tensor:
     state = opt.state[p]
     dtype = work_dtype(p.dtype)
     buf = state.get("momentum_buffer")

@@ -71,3 +71,43 @@ def test_contrib_fused_sgd_refuses_a_sparse_grad_of_a_later_group_before_any_cha
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step(grads=[[torch.ones(3).half()], [sparse]], output_params=out, scale=4.0)
     _same(before, opt, [half, other])
+
+
+STATE_CASES = CASES + [
+    (SGD, dict(lr=0.1, momentum=0.9)),  # fp32 params below: torch's own SGD.step
+    (ContribFusedSGD, dict(lr=0.1, momentum=0.9)),
+    (LegacyAdam, dict(max_grad_norm=1.0)),
+]
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+@pytest.mark.parametrize("cls,kw", STATE_CASES)
+def test_a_bad_state_shape_in_a_later_group_is_refused_before_any_change(cls, kw, fp32):
+    """A loaded state of the wrong shape in group 1 raises before group 0's params, its step
+    count or any state changes (review item 5: group 0 used to step first)."""
+    dtype = torch.float32 if fp32 else torch.float16
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(3, 2, generator=gen).to(dtype).requires_grad_()
+    second = torch.randn(4, generator=gen).to(dtype).requires_grad_()
+    params = [first, second]
+    opt = cls([{"params": [first]}, {"params": [second]}], **kw)
+
+    def step():
+        grads = [torch.randn(3, 2, generator=gen).to(dtype), torch.randn(4, generator=gen).to(dtype)]
+        if cls is ContribFusedSGD:
+            opt.step(grads=[[grads[0]], [grads[1]]], output_params=[[first], [second]], scale=2.0)
+        else:
+            first.grad, second.grad = grads
+            opt.step()
+
+    step()
+    step()
+    state = opt.state[second]
+    bad = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    assert bad, state.keys()
+    for k in bad:
+        state[k] = torch.zeros(5, dtype=state[k].dtype)
+    before = _snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="shape"):
+        step()
+    _same(before, opt, params)
