@@ -76,9 +76,18 @@ class SGD(ApexConventions, torch.optim.SGD):
         if self.wd_after_momentum and any(g["weight_decay"] != 0 for g in self.param_groups):
             return True
         return any(
-            p.grad is not None and work_dtype(p.dtype) != p.dtype
+            p.grad is not None and p.is_floating_point() and work_dtype(p.dtype) != p.dtype
             for g in self.param_groups for p in g["params"]
         )
+
+    def check_dtype(self, p: torch.Tensor) -> None:
+        # the own path's working copies are real: a complex param would lose its imaginary part
+        if not p.is_floating_point():
+            raise RuntimeError(
+                f"{self.display_name} with wd_after_momentum (or fp16/bf16 params in the same "
+                f"optimizer) steps floating-point params, got {p.dtype}: give the {p.dtype} params "
+                "a torch.optim.SGD of their own."
+            )
 
 
 def sgd_step(

@@ -111,3 +111,32 @@ def test_a_bad_state_shape_in_a_later_group_is_refused_before_any_change(cls, kw
     with pytest.raises(RuntimeError, match="shape"):
         step()
     _same(before, opt, params)
+
+
+def test_sgd_steps_complex_params_as_torch_does():
+    """A complex param went down the fp32-math path (complex64 is not its own work dtype) and
+    lost its imaginary part: torch's SGD.step handles it, exactly as torch.optim.SGD."""
+    p = torch.tensor([1 + 2j, -0.5 + 0.25j], requires_grad=True)
+    ref = p.detach().clone().requires_grad_()
+    opt, ref_opt = SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01), torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01)
+    for k in range(3):
+        p.grad = torch.tensor([1 + 1j, 2 - 3j]) * (k + 1)
+        ref.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert torch.equal(p.detach(), ref.detach())
+    assert torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[ref]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("kw,with_half", [(dict(weight_decay=0.1, wd_after_momentum=True), False), ({}, True)])
+def test_sgd_refuses_complex_params_on_its_own_path_before_any_change(kw, with_half):
+    c = torch.tensor([1 + 2j], requires_grad=True)
+    half = torch.randn(3, dtype=torch.float16, requires_grad=True)
+    params = [half, c] if with_half else [c]
+    opt = SGD(params, lr=0.1, momentum=0.9, **kw)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = _snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="complex64"):
+        opt.step()
+    _same(before, opt, params)
