@@ -38,7 +38,7 @@ import torch
 from ..core import kernels
 from ._base import FusedStyleOptimizer, buckets, check_hyper
 
-__all__ = ["LegacyAdam", "legacy_adam_step", "per_group"]
+__all__ = ["LegacyAdam", "StepWithGrads", "legacy_adam_step", "per_group"]
 
 
 class LegacyAdam(FusedStyleOptimizer):
@@ -81,6 +81,32 @@ class LegacyAdam(FusedStyleOptimizer):
                 loss = closure()
         legacy_adam_step(self, grads, output_params, scale, grad_norms, eps_inside_sqrt=self.eps_inside_sqrt)
         return loss
+
+
+class StepWithGrads:
+    """``step_with_grads(grads, output_params, scale, grad_norms)``: the step apex's fused-era
+    ``FP16_Optimizer`` calls (the legacy inner optimizers: apex.contrib FusedAdam and FusedSGD,
+    apex.optimizers.FusedAdam). It goes through ``step`` with the legacy keywords, as apex's
+    wrapper did, so that an LR scheduler or step hooks on the inner optimizer see the step.
+    While it runs, ``_driven_by_wrapper`` is True (apex.optimizers.FusedAdam accepts the legacy
+    keywords then). A flag, not a keyword of ``step``: subclasses that override ``step`` with
+    apex's fixed signature (fairseq's FusedAdamV2) keep working under the wrapper."""
+
+    _driven_by_wrapper = False
+
+    def step_with_grads(
+        self,
+        grads: Any = None,
+        output_params: Any = None,
+        scale: float | torch.Tensor = 1.0,
+        grad_norms: Sequence[Any] | None = None,
+    ) -> None:
+        self._driven_by_wrapper = True
+        try:
+            self.step(None, grads=grads, output_params=output_params, scale=scale,  # type: ignore[attr-defined]
+                      grad_norms=grad_norms)
+        finally:
+            self._driven_by_wrapper = False
 
 
 def per_group(value: Any, n_groups: int) -> list[Any]:

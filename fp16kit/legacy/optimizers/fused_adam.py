@@ -5,8 +5,8 @@
   the legacy ``step`` keywords with apex's RuntimeError.
 * Built with ``eps_inside_sqrt=`` or ``max_grad_norm=`` (what BERT-era scripts pass, and
   apex's current class refuses with TypeError), or driven by the fused-era ``FP16_Optimizer``
-  (through :meth:`FusedAdam.step_with_grads`, which calls ``step`` with the legacy keywords
-  as apex's wrapper did), it follows the legacy rule: per-param ``step``, unscale and
+  (through ``step_with_grads``, which calls ``step`` with the legacy keywords as apex's
+  wrapper did), it follows the legacy rule: per-param ``step``, unscale and
   per-group clipping inside the update (spec/apex-others.md §1.4).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...optim import Adam
-from ...optim.legacy_adam import legacy_adam_step
+from ...optim.legacy_adam import StepWithGrads, legacy_adam_step
 from ..multi_tensor_apply import multi_tensor_adam
 
 __all__ = ["FusedAdam"]
@@ -29,7 +29,7 @@ UPDATED = (
 )
 
 
-class FusedAdam(Adam):
+class FusedAdam(StepWithGrads, Adam):
     """apex.optimizers.FusedAdam (see the module docstring). ``capturable`` is accepted and
     changes nothing (same numbers as unscale-then-step); ``master_weights`` needs it, as in
     apex, and is not provided: wrap the optimizer in ``fp16kit.MixedPrecisionOptimizer``."""
@@ -93,7 +93,7 @@ class FusedAdam(Adam):
         grad_scaler: Any = None,
     ) -> Any:
         legacy_keywords = any(v is not None for v in (grads, output_params, scale, grad_norms))
-        if legacy_keywords and not (self.legacy_rule or getattr(self, "_driven_by_wrapper", False)):
+        if legacy_keywords and not (self.legacy_rule or self._driven_by_wrapper):
             raise RuntimeError(UPDATED)
         if grad_scaler is not None and self.capturable:
             raise RuntimeError(
@@ -109,20 +109,3 @@ class FusedAdam(Adam):
         legacy_adam_step(self, grads, output_params, 1.0 if scale is None else scale, grad_norms,
                          eps_inside_sqrt=self.eps_inside_sqrt)
         return loss
-
-    def step_with_grads(
-        self,
-        grads: Any = None,
-        output_params: Any = None,
-        scale: float | torch.Tensor = 1.0,
-        grad_norms: Sequence[Any] | None = None,
-    ) -> None:
-        """The legacy rule (spec §1.4) from supplied, scaled grads into ``output_params``: what
-        the fused-era ``FP16_Optimizer`` calls. It goes through :meth:`step` (apex's wrapper
-        called ``step(grads=..., ...)``), so that an LR scheduler or step hooks attached to this
-        optimizer see the step."""
-        self._driven_by_wrapper = True
-        try:
-            self.step(None, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms)
-        finally:
-            self._driven_by_wrapper = False

@@ -60,3 +60,27 @@ def test_inner_step_hooks_run_for_steps_taken_only(name):
         opt.step()
     assert len(taken) == pattern.count(False)
     assert opt.cur_iter == len(pattern)
+
+
+def test_a_subclass_with_apex_fixed_step_signature_works_under_the_wrapper():
+    """fairseq's FusedAdamV2 overrides step(closure, grads, output_params, scale, grad_norms)
+    without **kwargs: step_with_grads must not pass it private keywords (review item 11 asked
+    for one; the wrapper flag stays), and the flag is cleared after a raising step."""
+
+    class FixedSignature(CurrentFusedAdam):
+        def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None):
+            return super().step(closure, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms)
+
+    params = _params()
+    inner = FixedSignature(params, lr=1e-2)
+    opt = FP16_Optimizer(inner, static_loss_scale=8.0, verbose=False)
+    opt.backward(sum((p.float() ** 2).sum() for p in params))
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert all(not torch.equal(b, p.detach()) for b, p in zip(before, params))
+    assert inner._driven_by_wrapper is False
+    with pytest.raises(RuntimeError, match="sparse"):
+        inner.step_with_grads(grads=[torch.ones(4, 3).half().to_sparse(), torch.ones(3).half()], scale=1.0)
+    assert inner._driven_by_wrapper is False
+    with pytest.raises(RuntimeError, match="FusedAdam has been updated"):
+        inner.step(grads=[torch.ones(4, 3).half(), torch.ones(3).half()])

@@ -3,17 +3,17 @@ facade over :class:`fp16kit.optim.LegacyAdam`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ....optim import LegacyAdam
+from ....optim.legacy_adam import StepWithGrads
 
 __all__ = ["FusedAdam"]
 
 
-class FusedAdam(LegacyAdam):
+class FusedAdam(StepWithGrads, LegacyAdam):
     """apex.contrib.optimizers.FusedAdam: apex's signature; ``use_mt`` (a kernel choice) is
     accepted; ``amp_scale_adjustment`` is kept (apex applied it only under apex amp)."""
 
@@ -42,13 +42,3 @@ class FusedAdam(LegacyAdam):
                          max_grad_norm=max_grad_norm)
         self.use_mt = use_mt
         self.amp_scale_adjustment = amp_scale_adjustment
-
-    def step_with_grads(
-        self,
-        grads: Any = None,
-        output_params: Any = None,
-        scale: float | torch.Tensor = 1.0,
-        grad_norms: Sequence[Any] | None = None,
-    ) -> None:
-        """The step the fused-era ``FP16_Optimizer`` calls (the same as ``step`` with keywords)."""
-        self.step(None, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms)

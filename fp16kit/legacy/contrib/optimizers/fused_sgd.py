@@ -11,13 +11,13 @@ import torch
 from torch.optim.optimizer import required
 
 from ....optim import SGD
-from ....optim.legacy_adam import per_group
+from ....optim.legacy_adam import StepWithGrads, per_group
 from ....optim.sgd import sgd_step
 
 __all__ = ["FusedSGD"]
 
 
-class FusedSGD(SGD):
+class FusedSGD(StepWithGrads, SGD):
     """apex.contrib.optimizers.FusedSGD: ``step(closure=None, grads=None, output_params=None,
     scale=1., grad_norms=None)``; grads are multiplied by ``1/scale``, ``grad_norms`` ignored."""
 
@@ -69,13 +69,3 @@ class FusedSGD(SGD):
                  grads=per_group(grads, len(self.param_groups)),
                  outputs=per_group(output_params, len(self.param_groups)), scale=scale)
         return loss
-
-    def step_with_grads(
-        self,
-        grads: Any = None,
-        output_params: Any = None,
-        scale: float | torch.Tensor = 1.0,
-        grad_norms: Sequence[Any] | None = None,
-    ) -> None:
-        """The step the fused-era ``FP16_Optimizer`` calls."""
-        self.step(None, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms)
