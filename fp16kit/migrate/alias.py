@@ -149,8 +149,8 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
     def claims(self, fullname: str) -> bool:
         root = fullname.partition(".")[0]
         if root in apex_map.ROOTS:
-            # amp_C is the real apex's own compiled extension, which its code probes: left to it
-            return not (self.complement and root == "amp_C")
+            # amp_C / apex_C are the real apex's own compiled extensions, which its code probes: left to it
+            return not (self.complement and root in ("amp_C", "apex_C"))
         if not self.megatron:
             return False
         if root == "fp16" or fullname == "megatron.fp16" or fullname.startswith("megatron.fp16."):

@@ -74,10 +74,11 @@ APEX_MODULES: Mapping[str, str] = MappingProxyType({
     # apex's CUDA extension module of multi-tensor ops: the two scripts call (multi_tensor_scale,
     # multi_tensor_l2norm) are module-level functions of fp16kit.legacy.multi_tensor_apply
     "amp_C": f"{_L}.multi_tensor_apply",
+    "apex_C": f"{_L}.apex_c",
 })
 
 # top-level names the table speaks for without --megatron
-ROOTS = frozenset({"apex", "amp_C"})
+ROOTS = frozenset({"apex", "amp_C", "apex_C"})
 
 # Megatron-LM v1's copied fp16 package (repo-root `fp16`, later `megatron.fp16`); opt-in only
 MEGATRON_MODULES: Mapping[str, str] = MappingProxyType({
@@ -148,7 +149,6 @@ UNCOVERED: Mapping[str, str] = MappingProxyType({
     "apex.contrib.peer_memory": "apex.contrib.peer_memory is not in fp16kit: use torch.distributed (isend/irecv, all_gather)",
     "apex.contrib.nccl_p2p": "apex.contrib.nccl_p2p is not in fp16kit: use torch.distributed (isend/irecv, batch_isend_irecv)",
     # apex's CUDA extensions: top-level modules of their own (the codemod reports them; the alias leaves them alone)
-    "apex_C": "apex_C (apex's CUDA extension) is not in fp16kit: use torch._utils._flatten_dense_tensors / _unflatten_dense_tensors",
     "fused_adam_cuda": "fused_adam_cuda (apex's CUDA extension) is not in fp16kit: use fp16kit.legacy.optimizers.FusedAdam",
     "fused_layer_norm_cuda": "fused_layer_norm_cuda (apex's CUDA extension) is not in fp16kit: use torch.nn.functional.layer_norm",
     "syncbn": "syncbn (apex's CUDA extension) is not in fp16kit: use torch.nn.SyncBatchNorm",

@@ -95,7 +95,7 @@ def test_resolve_megatron_only_on_request():
         ("apex.contrib.whatever_new", "apex.contrib.optimizers"),  # closed package: nothing guessed
         ("apex.bogus", "apex.optimizers"),
         ("apex.amp.lists.functional_overrides", "register_half_function"),
-        ("apex_C.flatten", "_flatten_dense_tensors"),
+        ("fused_adam_cuda.adam", "FusedAdam"),
     ],
 )
 def test_uncovered_names_have_a_replacement(path, replacement):
