@@ -233,12 +233,7 @@ class FP16_Optimizer(WrappingOptimizer):
                 f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}."
             )
         _check_param_types(init_optimizer)
-        if dynamic_loss_args is not None:
-            unknown = sorted(set(dynamic_loss_args) - set(self.DYNAMIC_LOSS_ARGS))
-            if unknown:
-                raise TypeError(
-                    f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(self.DYNAMIC_LOSS_ARGS)}."
-                )
+        self._check_dynamic_loss_args(dynamic_loss_args)
         self.verbose = verbose
         for i, group in enumerate(init_optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {i}:")
@@ -268,9 +263,16 @@ class FP16_Optimizer(WrappingOptimizer):
         self._prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self._master_grads_reset = "keep"
         self.first_closure_call_this_step = True
-        self.clip_grad_norm = clip_grad_norm
         self._grads_since_step = False  # an update_master_grads() since the last step()
         self._warned_no_backward = False
+
+    @classmethod
+    def _check_dynamic_loss_args(cls, dynamic_loss_args: dict[str, Any] | None) -> None:
+        unknown = sorted(set(dynamic_loss_args or ()) - set(cls.DYNAMIC_LOSS_ARGS))
+        if unknown:
+            raise TypeError(
+                f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(cls.DYNAMIC_LOSS_ARGS)}."
+            )
 
     def _new_loss_scaler(
         self, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None
@@ -483,6 +485,10 @@ class FP16_Optimizer(WrappingOptimizer):
             return self._mpo.inner_step(wrapped_closure)
         finally:
             self.first_closure_call_this_step = True
+
+    def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """apex's ``clip_grad_norm`` (:mod:`fp16kit.legacy.fp16util`), what :meth:`clip_master_grads` calls."""
+        return clip_grad_norm(parameters, max_norm, norm_type)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> Any:
         """Clip the grads of every param in ``param_groups`` (the fp32 masters and fp32 params)

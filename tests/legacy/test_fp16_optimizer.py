@@ -644,3 +644,22 @@ def test_pickle_and_deepcopy_refused():
         copy.deepcopy(opt)
     with pytest.raises(RuntimeError, match=re.escape("FP16_Optimizer should be deserialized using load_state_dict().")):
         opt.__setstate__({})
+
+
+def test_clip_grad_norm_is_a_method_a_subclass_can_override():
+    # apex stored the function on the instance, which hid an override in a subclass
+    calls = []
+
+    class Recording(FP16_Optimizer):
+        def clip_grad_norm(self, parameters, max_norm, norm_type=2):
+            calls.append((max_norm, norm_type))
+            return super().clip_grad_norm(parameters, max_norm, norm_type)
+
+    model = nn.Linear(3, 2).half()
+    opt = Recording(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=4.0, verbose=False)
+    opt.backward(model(torch.ones(2, 3, dtype=torch.float16)).float().sum())
+    total = opt.clip_master_grads(0.5)
+    grads = [p.grad for p in opt.optimizer.param_groups[0]["params"]]
+    assert calls == [(0.5, 2)] and float(total) > 0.5
+    assert abs(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) - 0.5) < 1e-3
+    assert "clip_grad_norm" not in vars(opt)

@@ -37,14 +37,13 @@ import torch
 from torch import nn
 
 from ...core import kernels
+from ...core.log import logger
 from ..fp16_module import conversion_helper, fp16_to_fp32, fp32_to_fp16
 from ..fp16_optimizer import FP16_Optimizer as _FP16_Optimizer
 from .fp16util import clip_grad_norm
-from .loss_scaler import DynamicLossScaler, LossScaler, _check_number, scaler_from_state
+from .loss_scaler import DynamicLossScaler, LossScaler, check_number, scaler_from_state
 
 __all__ = ["FP16_Module", "FP16_Optimizer", "conversion_helper", "fp16_to_fp32", "fp32_to_fp16"]
-
-logger = logging.getLogger("fp16kit")
 
 MODEL_PARALLEL_ATTRIBUTES = ("model_parallel", "tensor_model_parallel", "partition_dim", "partition_stride")
 """Attributes Megatron's model-parallel layers set on their params; masters copy them."""
@@ -111,7 +110,7 @@ def _megatron_scaler(
             "dynamic_loss_scale=args.loss_scale is None); or give a number."
         )
     try:
-        _check_number("static_loss_scale", static_loss_scale, positive=True)
+        check_number("static_loss_scale", static_loss_scale, positive=True)
     except ValueError as e:
         # Megatron divided by it (0: ZeroDivisionError) or trained into NaN (inf, nan) silently
         raise ValueError(f"{e} Pass the static scale (e.g. 128.0), or dynamic_loss_scale=True.") from None
@@ -146,26 +145,29 @@ class FP16_Optimizer(_FP16_Optimizer):
         *,
         model_parallel_group: Any = None,
     ) -> None:
-        unknown = sorted(set(dynamic_loss_args or {}) - set(self.DYNAMIC_LOSS_ARGS))
-        if unknown:
-            raise TypeError(
-                f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(self.DYNAMIC_LOSS_ARGS)}."
-            )
-        # settings checked before anything changes (the parent then wraps the optimizer)
-        _megatron_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, model_parallel_group)
+        self._check_dynamic_loss_args(dynamic_loss_args)
+        # the scaler (its settings checked) is built before anything changes; the parent then
+        # wraps the optimizer and takes it from _new_loss_scaler
         self._model_parallel_group = model_parallel_group
+        self._built_scaler: LossScaler | DynamicLossScaler | None = _megatron_scaler(
+            static_loss_scale, dynamic_loss_scale, dynamic_loss_args, model_parallel_group
+        )
         super().__init__(
             init_optimizer, static_loss_scale, dynamic_loss_scale, dynamic_loss_args, verbose  # type: ignore[arg-type]
         )
-        self.clip_grad_norm = self._clip_grad_norm
         self._copy_model_parallel_attributes(self.all_fp16_params, self.all_fp32_from_fp16_params)
 
     def _new_loss_scaler(
         self, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None
     ) -> LossScaler | DynamicLossScaler:
+        scaler, self._built_scaler = self._built_scaler, None
+        if scaler is not None:
+            return scaler
         return _megatron_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, self._model_parallel_group)
 
-    def _clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2) -> float:
+    def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2) -> float:
+        """Megatron's :func:`~fp16kit.legacy.megatron.clip_grad_norm` over ``model_parallel_group``
+        (what :meth:`clip_master_grads` calls); returns the total norm, a Python float."""
         return clip_grad_norm(parameters, max_norm, norm_type, model_parallel_group=self._model_parallel_group)
 
     @staticmethod
@@ -220,7 +222,8 @@ class FP16_Optimizer(_FP16_Optimizer):
         model-parallel group if given) setting ``overflow``; only a dynamic scaler checks.
         The scale itself changes in :meth:`step`."""
         self._grads_since_step = True
-        scale = torch.tensor(float(self.loss_scaler.loss_scale), dtype=torch.float64, device=self._device)
+        # Megatron's scale is a Python number: filled in on the device, no host tensor copied
+        scale = torch.full((), float(self.loss_scaler.loss_scale), dtype=torch.float64, device=self._device)
         flags = self._mpo.grads_to_masters(
             kernels.inv_scale(scale), kernels.new_found_inf(self._device), clear_missing=True
         )

@@ -118,6 +118,25 @@ def clip_grad_norm(
         total = _reduced(local, device, "SUM", group) ** (1.0 / norm_type)
     coef = max_norm / (total + 1e-6)
     if coef < 1:
-        # the core's one in-place multiply (the flag it raises on non-finite grads is unused)
-        kernels.unscale_(grads, torch.tensor(coef, dtype=torch.float32, device=device), kernels.new_found_inf(device))
+        _multiply_(grads, coef, device)
     return total
+
+
+_CHUNK = 1 << 25
+"""Elements per :func:`kernels.scale_to_` call: it works on a float32 copy of its tensors."""
+
+
+def _multiply_(grads: list[torch.Tensor], coef: float, device: torch.device) -> None:
+    """``g *= coef`` in place, as Megatron multiplied each grad by the Python float: the product
+    in float32 (float64 for float64 grads), rounded once. Megatron never checked the clipped
+    grads, so the overflow flag the core's multiply raises is not read."""
+    flag = kernels.new_overflow_buf(device)
+    chunk: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        if chunk and size + g.numel() > _CHUNK:
+            kernels.scale_to_(chunk, chunk, coef, flag)
+            chunk, size = [], 0
+        chunk.append(g)
+        size += g.numel()
+    kernels.scale_to_(chunk, chunk, coef, flag)

@@ -119,9 +119,9 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
         model_parallel_group: Any = None,
     ) -> None:
         window = _window(scale_window)
-        _check_number("init_scale", init_scale, positive=True)
-        _check_number("scale_factor", scale_factor, positive=True)
-        _check_number("min_scale", min_scale, positive=False)
+        check_number("init_scale", init_scale, positive=True)
+        check_number("scale_factor", scale_factor, positive=True)
+        check_number("min_scale", min_scale, positive=False)
         _check_count("delayed_shift", delayed_shift)
         # (the era-1 parent's state, built here with Megatron's extra settings)
         self._state = LossScale(
@@ -157,7 +157,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
     @min_scale.setter
     def min_scale(self, value: float) -> None:
-        _check_number("min_scale", value, positive=False)
+        check_number("min_scale", value, positive=False)
         self._state.min_scale = float(value)
         self._min_scale = value
 
@@ -279,7 +279,7 @@ def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossSc
         return DynamicLossScaler.from_attributes(attrs, model_parallel_group=model_parallel_group)
     if "cur_scale" not in attrs:
         raise ValueError("a LossScaler needs 'cur_scale'")
-    _check_number("cur_scale", attrs["cur_scale"], positive=True)
+    check_number("cur_scale", attrs["cur_scale"], positive=True)
     return LossScaler(attrs["cur_scale"])
 
 
@@ -322,7 +322,8 @@ def _window(value: Any) -> int:
     return int(value)
 
 
-def _check_number(name: str, value: Any, *, positive: bool) -> None:
+def check_number(name: str, value: Any, *, positive: bool) -> None:
+    """ValueError unless ``value`` is a finite int or float > 0 (``positive``) or >= 0."""
     if (
         isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
         or value < 0 or (positive and value == 0)

@@ -347,3 +347,31 @@ def test_closure_retries_allow_for_the_hysteresis():
         ref.update_scale(True)
     assert ref.cur_scale == opt.loss_scale and ref.cur_hysteresis == opt.loss_scaler.cur_hysteresis
     assert ref.cur_iter == opt.loss_scaler.cur_iter > 40
+
+
+def test_clip_grad_norm_is_a_method_and_the_scaler_is_built_once(monkeypatch):
+    from fp16kit.legacy.megatron import fp16 as megatron_fp16
+
+    built = []
+
+    class Counting(megatron_fp16.DynamicLossScaler):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(megatron_fp16, "DynamicLossScaler", Counting)
+    calls = []
+
+    class Recording(FP16_Optimizer):
+        def clip_grad_norm(self, parameters, max_norm, norm_type=2):
+            calls.append(max_norm)
+            return super().clip_grad_norm(parameters, max_norm, norm_type)
+
+    model = FP16_Module(nn.Linear(3, 2))
+    opt = Recording(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None, dynamic_loss_scale=True,
+                    dynamic_loss_args={"init_scale": 8.0})
+    assert len(built) == 1 and isinstance(opt.loss_scaler, Counting) and opt.loss_scale == 8.0
+    opt.backward(model(torch.ones(2, 3)).sum())
+    total = opt.clip_master_grads(0.25)
+    assert calls == [0.25] and type(total) is float and total > 0.25
+    assert "clip_grad_norm" not in vars(opt)

@@ -50,7 +50,7 @@ def make_params(seed, dtype=torch.float32):
 
 @pytest.mark.parametrize("norm_type", [2, 1, 3.5, math.inf])
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_matches_megatrons_code(norm_type, max_norm, dtype):
     ours, theirs = make_params(1, dtype), make_params(1, dtype)
     total = clip_grad_norm(ours, max_norm, norm_type)
@@ -112,3 +112,13 @@ def test_model_parallel_ranks_count_shared_params_once():
         assert total == expected and grads_equal, (rank, norm_type)
     # both ranks agree on the norm (it was all-reduced)
     assert got[(0, 2)][0] == got[(1, 2)][0] and got[(0, math.inf)][0] == got[(1, math.inf)][0]
+
+
+def test_large_models_are_clipped_in_chunks_with_the_same_numbers(monkeypatch):
+    from fp16kit.legacy.megatron import fp16util
+
+    monkeypatch.setattr(fp16util, "_CHUNK", 16)  # the core's multiply works on a float32 copy
+    ours, theirs = make_params(3, torch.float16), make_params(3, torch.float16)
+    assert clip_grad_norm(ours, 0.5) == reference(theirs, 0.5)
+    for p, q in zip(ours, theirs):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
