@@ -50,10 +50,19 @@ def _signature(obj: object) -> str:
     return sig.replace("'", "")  # string annotations under `from __future__ import annotations`
 
 
+def _defined_here(cls: type, func: object) -> bool:
+    # torch's Optimizer wraps a subclass's inherited step() into the subclass on first use
+    # (profile_hook_step): a method counts only where it was written
+    func = inspect.unwrap(func)  # type: ignore[arg-type]
+    return getattr(func, "__qualname__", "").startswith(cls.__qualname__ + ".")
+
+
 def _members(cls: type) -> list[str]:
     lines = []
     for name, value in vars(cls).items():
         if name.startswith("_"):
+            continue
+        if inspect.isfunction(value) and not _defined_here(cls, value):
             continue
         if isinstance(value, property):
             lines.append(f"  - `.{name}` (property) — {_first_line(value)}")
