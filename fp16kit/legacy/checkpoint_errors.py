@@ -310,17 +310,29 @@ def _whole_object(path: str, f: Any, start: int | None) -> str:
     )
 
 
-def _protocol(opened: Any) -> str:
-    """The pickle protocol torch.save wrote the file with ("" when it cannot tell)."""
+def _zip_main_pickle(opened: Any, size: int = -1) -> bytes | None:
+    """The first ``size`` bytes (all: -1) of a zip checkpoint's ``data.pkl``, or None when the
+    file is not a zip checkpoint (the legacy format: the pickles follow one another in the file).
+    The file position is left where it was."""
     start = opened.tell()
     head = opened.read(4)
     opened.seek(start)
+    if head != b"PK\x03\x04":
+        return None
+    with zipfile.ZipFile(opened) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+        with archive.open(name) as record:
+            return record.read(size)
+
+
+def _protocol(opened: Any) -> str:
+    """The pickle protocol torch.save wrote the file with ("" when it cannot tell)."""
     try:
-        if head == b"PK\x03\x04":
-            with zipfile.ZipFile(opened) as archive:
-                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-                with archive.open(name) as record:
-                    head = record.read(2)
+        head = _zip_main_pickle(opened, 2)
+        if head is None:
+            start = opened.tell()
+            head = opened.read(2)
+            opened.seek(start)
         return str(head[1]) if head[:1] == b"\x80" else ""
     except (zipfile.BadZipFile, StopIteration, OSError, ValueError, IndexError):
         return ""
@@ -328,14 +340,10 @@ def _protocol(opened: Any) -> str:
 
 def _pickle_strings(opened: Any) -> str:
     """The strings of the checkpoint's main pickle, joined by NUL (parsed, never run)."""
-    start = opened.tell()
-    head = opened.read(4)
-    opened.seek(start)
     try:
-        if head == b"PK\x03\x04":
-            with zipfile.ZipFile(opened) as archive:
-                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-                stream: Any = io.BytesIO(archive.read(name))
+        data = _zip_main_pickle(opened)
+        if data is not None:
+            stream: Any = io.BytesIO(data)
             skip = 0
         else:
             stream, skip = opened, 3  # legacy: magic number, protocol version, sys info, then the object
