@@ -22,6 +22,7 @@ face that owns the optimizer::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,7 +31,7 @@ import torch
 
 from .core.master import LOW_PRECISION, MasterParams
 
-__all__ = ["MasterGroup", "MasterGroups", "check_master_dtypes"]
+__all__ = ["MasterGroup", "MasterGroups", "check_master_dtypes", "check_not_sharded"]
 
 LatePolicy = Literal["adopt", "refuse"]
 
@@ -55,6 +56,29 @@ def check_master_dtypes(params: Any, master_dtype: torch.dtype, *, where: str = 
                 f"With async_step=True or a master_device, every trainable param gets a "
                 f"{master_dtype} master; got a {p.dtype} param of shape {tuple(p.shape)}"
                 f"{where or ''} (index {i}). Keep it out of this optimizer or convert it to float32."
+            )
+
+
+def check_not_sharded(params: Any, all_masters: bool, master_dtype: torch.dtype, *, where: str = "") -> None:
+    """A sharded param (a DTensor, e.g. FSDP2's) that would get a master: TypeError naming the
+    rule (its kernels cannot copy into one, and FSDP2 keeps fp32 sharded params itself); changes
+    nothing. Free when torch.distributed.tensor was never imported: then no param is a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return
+    for i, p in enumerate([params] if isinstance(params, torch.Tensor) else list(params)):
+        if isinstance(p, module.DTensor) and p.requires_grad and (
+            p.dtype in LOW_PRECISION or (all_masters and p.dtype == torch.float32)
+        ):
+            raise TypeError(
+                f"MixedPrecisionOptimizer got a sharded {p.dtype} param (a DTensor, e.g. from FSDP2's "
+                f"fully_shard) of shape {tuple(p.shape)}{where} (index {i}) and would keep a "
+                f"{master_dtype} master of it. Do not combine them: FSDP2's MixedPrecisionPolicy "
+                "already keeps the sharded params in float32 and computes in float16. Shard the "
+                "float32 model with fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype="
+                "torch.float16, reduce_dtype=torch.float32)), step a plain torch optimizer on "
+                "model.parameters(), and use fp16kit.GradScaler(device, process_group=...) so "
+                "that the ranks skip steps together."
             )
 
 
@@ -95,6 +119,7 @@ class MasterGroups:
         masters, which are not the params the user holds)."""
         if self.all_masters:
             check_master_dtypes(params, self.masters.master_dtype)
+        check_not_sharded(params, self.all_masters, self.masters.master_dtype)
         if not new_group:
             return
         known = {id(p) for p in self.masters.model_params}
@@ -173,6 +198,7 @@ class MasterGroups:
         for gi, p in found:
             if self.all_masters:
                 check_master_dtypes(p, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping")
+            check_not_sharded(p, self.all_masters, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping")
         before_change()
         for gi in sorted({gi for gi, _ in found}):
             self._adopt_unfrozen(gi, [p for g, p in found if g == gi])

@@ -61,7 +61,7 @@ from .core.protocol import Flags, scaled_iterations
 from .core.thread import OptimizerThread
 from .master_checkpoint import MatchedMasters, check_state_dict
 from .master_grads import MasterGrads
-from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_master_dtypes
+from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_master_dtypes, check_not_sharded
 from .step_snapshot import StepView
 from .step_state import Stage, StepState
 from .wrapping import WrappingOptimizer
@@ -124,6 +124,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         if all_masters:
             for gi, group in enumerate(optimizer.param_groups):
                 check_master_dtypes(group["params"], master_dtype, where=f" in param group {gi}")
+        for gi, group in enumerate(optimizer.param_groups):
+            check_not_sharded(group["params"], all_masters, master_dtype, where=f" in param group {gi}")
         self._masters = MasterParams([], master_dtype=master_dtype, master_device=master_device, flat=flat)
         super().__init__(optimizer)
         self.async_step = async_step
