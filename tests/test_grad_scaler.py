@@ -7,14 +7,13 @@ test_grad_scaler_torch_scenarios.py.
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from _helpers.gloo import run_two_ranks
 
 import fp16kit
 from fp16kit import GradScaler
@@ -222,22 +221,7 @@ _WORKER = textwrap.dedent(
 
 @pytest.mark.slow
 def test_process_group_ranks_skip_together(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fp16kit.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "init"), str(tmp_path / "log")],
-        timeout=120, env=env, cwd=str(tmp_path), capture_output=True, text=True,
-    )
-    if done.returncode != 0:
-        # A rank sometimes aborts in teardown, after the logs are written ("terminate called
-        # without an active exception", about 1 run in 10 on this machine). The same loop
-        # with torch.amp.GradScaler and a plain all_reduce does it too (3 of 20 runs), so it
-        # is torch/gloo's. The behaviour under test is in the logs; any other failure fails.
-        assert "terminate called without an active exception" in done.stderr, done.stderr
-        assert all((tmp_path / f"log.{r}").exists() for r in range(2)), done.stderr
-    logs = [torch.load(tmp_path / f"log.{r}", weights_only=True) for r in range(2)]
+    logs = run_two_ranks(_WORKER, tmp_path)
     # both ranks: clean step, skipped step (rank 1's overflow), clean step; same scales
     for log in logs:
         assert [skipped for _, skipped in log] == [False, True, False]

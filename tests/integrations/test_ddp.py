@@ -20,13 +20,12 @@ The workers run the code under test and save what it produced; references are co
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from _helpers.gloo import run_two_ranks
 
 import fp16kit
 
@@ -138,20 +137,7 @@ _WORKER = textwrap.dedent(
 
 
 def _spawn(tmp_path, what):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fp16kit.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "init"), str(tmp_path / "log"), what],
-        timeout=120, env=env, cwd=str(tmp_path), capture_output=True, text=True,
-    )
-    if done.returncode != 0:
-        # A gloo rank sometimes aborts in teardown after its results are written ("terminate
-        # called without an active exception"; see tests/test_grad_scaler.py): torch/gloo's.
-        assert "terminate called without an active exception" in done.stderr, done.stderr
-        assert all((tmp_path / f"log.{r}").exists() for r in range(2)), done.stderr
-    return [torch.load(tmp_path / f"log.{r}", weights_only=True) for r in range(2)]
+    return run_two_ranks(_WORKER, tmp_path, what)
 
 
 def _net():

@@ -6,16 +6,13 @@ rounding. The checkpoint's ``module.`` keys load into the unwrapped model and ba
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-import fp16kit
+from _helpers.gloo import run_two_ranks
 
 _WORKER = textwrap.dedent(
     """
@@ -94,19 +91,7 @@ def _reference():
 
 @pytest.mark.slow
 def test_syncbn_amp_ddp_on_two_ranks_is_batchnorm_on_the_whole_batch(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fp16kit.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "init"), str(tmp_path / "log")],
-        timeout=120, env=env, cwd=str(tmp_path), capture_output=True, text=True,
-    )
-    if done.returncode != 0:
-        # gloo's known teardown abort after the results are written (see test_two_ranks.py)
-        assert "terminate called without an active exception" in done.stderr, done.stderr
-        assert all((tmp_path / f"log.{r}").exists() for r in range(2)), done.stderr
-    res = [torch.load(tmp_path / f"log.{r}", weights_only=True) for r in range(2)]
+    res = run_two_ranks(_WORKER, tmp_path)
     ref = _reference()
     for level in ("O2", "O1"):
         assert res[0][level]["bn"] == "SyncBatchNorm"

@@ -10,15 +10,12 @@ computed here, in this process, from the same seeded data.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-import fp16kit
+from _helpers.gloo import run_two_ranks
 
 _WORKER = textwrap.dedent(
     """
@@ -174,20 +171,7 @@ def _concat_bn(xs, ws, weight=None, bias=None, zs=None, relu=False, channel_last
 
 @pytest.mark.slow
 def test_two_gloo_ranks(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fp16kit.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "init"), str(tmp_path / "log")],
-        timeout=120, env=env, cwd=str(tmp_path), capture_output=True, text=True,
-    )
-    if done.returncode != 0:
-        # A gloo rank sometimes aborts in teardown after its results are written ("terminate
-        # called without an active exception"; see tests/test_grad_scaler.py): torch/gloo's.
-        assert "terminate called without an active exception" in done.stderr, done.stderr
-        assert all((tmp_path / f"log.{r}").exists() for r in range(2)), done.stderr
-    res = [torch.load(tmp_path / f"log.{r}", weights_only=True) for r in range(2)]
+    res = run_two_ranks(_WORKER, tmp_path)
 
     # -- DDP: apex's arithmetic, bit for bit, identical on both ranks
     expected_args = {
