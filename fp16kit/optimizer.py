@@ -180,10 +180,12 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     @property
     def master_params(self) -> list[torch.Tensor]:
+        """The fp32 masters, in the order of :attr:`model_params` (what the wrapped optimizer steps)."""
         return list(self._masters.masters)
 
     @property
     def model_params(self) -> list[torch.Tensor]:
+        """The model params that have masters (fp16/bf16 ones; all with async_step or master_device)."""
         return list(self._masters.model_params)
 
     @property

@@ -171,10 +171,12 @@ class LossScale:
     # ------------------------------------------------------------------ placement
     @property
     def is_materialized(self) -> bool:
+        """Whether the device state exists (after :meth:`materialize`, or the first update)."""
         return self.scale is not None
 
     @property
     def device(self) -> torch.device | None:
+        """The device the scale lives on; None before :meth:`materialize`."""
         return None if self.scale is None else self.scale.device
 
     def materialize(self, device: torch.device | str) -> None:
@@ -260,6 +262,8 @@ class LossScale:
         return int(self.growth_tracker.item())
 
     def get_hysteresis_tracker(self) -> int:
+        """Overflows still absorbed before the next back-off (a host read; before
+        materialize(), the value as it was set)."""
         if self.hysteresis_tracker is None:
             return self.init_hysteresis_tracker
         return int(self.hysteresis_tracker.item())
@@ -274,11 +278,13 @@ class LossScale:
             self.scale.fill_(value)
 
     def set_growth_tracker(self, value: int) -> None:
+        """Overwrite the growth tracker (on the device too, once materialized)."""
         self.init_growth_tracker = value
         if self.growth_tracker is not None:
             self.growth_tracker.fill_(value)
 
     def set_hysteresis_tracker(self, value: int) -> None:
+        """Overwrite the hysteresis tracker (on the device too, once materialized)."""
         self.init_hysteresis_tracker = value
         if self.hysteresis_tracker is not None:
             self.hysteresis_tracker.fill_(value)

@@ -284,6 +284,7 @@ class FP16_Optimizer(WrappingOptimizer):
 
     @property
     def async_step(self) -> bool:
+        """Whether steps run on the optimizer thread (the ``async_step=`` it was built with)."""
         return self._mpo.async_step
 
     def synchronize(self) -> None:
@@ -297,6 +298,7 @@ class FP16_Optimizer(WrappingOptimizer):
         return torch.device("cpu")
 
     def maybe_print(self, msg: str) -> None:
+        """apex's ``maybe_print``: ``msg`` at INFO on the fp16kit logger when ``verbose``."""
         if self.verbose:
             logger.info(msg)
 
@@ -423,16 +425,21 @@ class FP16_Optimizer(WrappingOptimizer):
     # The scaler <-> master-weight optimizer protocol (fp16kit.core.protocol), for a
     # FP16_Optimizer driven by fp16kit.GradScaler instead of its own loss scaler.
     def unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """The master-weight protocol (:mod:`fp16kit.core.protocol`), so an fp16kit.GradScaler
+        can drive this optimizer: the wrapped MixedPrecisionOptimizer's, and a step is pending."""
         self._grads_since_step = True
         return self._mpo.unscale_grads_(inv_scale, found_inf)
 
     def skip_decided(self) -> None:
+        """The master-weight protocol: delegated to the wrapped MixedPrecisionOptimizer."""
         self._mpo.skip_decided()
 
     def submits_steps(self) -> bool:
+        """The master-weight protocol: delegated to the wrapped MixedPrecisionOptimizer."""
         return self._mpo.submits_steps()
 
     def submit_scaled_step(self, scale: torch.Tensor, *, unscaled_flags: Any, reduce: Any) -> Any:
+        """The master-weight protocol: delegated to the wrapped MixedPrecisionOptimizer."""
         return self._mpo.submit_scaled_step(scale, unscaled_flags=unscaled_flags, reduce=reduce)
 
     def _submit_step(self, closure: Callable[[], Any] | None) -> None:
