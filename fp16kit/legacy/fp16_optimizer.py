@@ -188,7 +188,48 @@ def _check_param_types_of(params: Any) -> None:
             )
 
 
-class FP16_Optimizer(WrappingOptimizer):
+def check_dynamic_loss_args(dynamic_loss_args: dict[str, Any] | None, accepted: tuple[str, ...]) -> None:
+    """TypeError naming the accepted keys if ``dynamic_loss_args`` has others (nothing changes)."""
+    unknown = sorted(set(dynamic_loss_args or ()) - set(accepted))
+    if unknown:
+        raise TypeError(f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(accepted)}.")
+
+
+_NO_BACKWARD = (
+    "FP16_Optimizer.step() was called with no optimizer.backward(loss) since the last step, so the "
+    "fp32 master grads are not this iteration's (a plain loss.backward() leaves them untouched) and "
+    "the step applies old or zero gradients, as apex did. Call optimizer.backward(loss) instead of "
+    "loss.backward(). (Warned once.)"
+)
+
+
+class _MasterProtocolByDelegation:
+    """The scaler <-> master-weight optimizer protocol (:mod:`fp16kit.core.protocol`) for an
+    optimizer that keeps its masters in a MixedPrecisionOptimizer ``self._mpo``: an
+    ``FP16_Optimizer`` driven by ``fp16kit.GradScaler`` instead of its own loss scaler."""
+
+    _mpo: MixedPrecisionOptimizer
+    _grads_since_step: bool
+
+    def unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """The masters' :meth:`~MixedPrecisionOptimizer.unscale_grads_`; a step is now pending."""
+        self._grads_since_step = True
+        return self._mpo.unscale_grads_(inv_scale, found_inf)
+
+    def skip_decided(self) -> None:
+        """The masters' :meth:`~MixedPrecisionOptimizer.skip_decided`."""
+        self._mpo.skip_decided()
+
+    def submits_steps(self) -> bool:
+        """The masters' :meth:`~MixedPrecisionOptimizer.submits_steps`."""
+        return self._mpo.submits_steps()
+
+    def submit_scaled_step(self, scale: torch.Tensor, *, unscaled_flags: Any, reduce: Any) -> Any:
+        """The masters' :meth:`~MixedPrecisionOptimizer.submit_scaled_step`."""
+        return self._mpo.submit_scaled_step(scale, unscaled_flags=unscaled_flags, reduce=reduce)
+
+
+class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     """apex's FP16_Optimizer (era 2). See the module docstring and ``spec/apex.md``.
 
     Args:
@@ -233,7 +274,7 @@ class FP16_Optimizer(WrappingOptimizer):
                 f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}."
             )
         _check_param_types(init_optimizer)
-        self._check_dynamic_loss_args(dynamic_loss_args)
+        check_dynamic_loss_args(dynamic_loss_args, type(self).DYNAMIC_LOSS_ARGS)
         self.verbose = verbose
         for i, group in enumerate(init_optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {i}:")
@@ -247,12 +288,7 @@ class FP16_Optimizer(WrappingOptimizer):
         self._mpo = MixedPrecisionOptimizer(
             init_optimizer, async_step=async_step, master_device=master_device, unfrozen="refuse"
         )
-        self.fp16_groups = [g.model_params for g in self._mpo.groups]
-        self.fp32_from_fp16_groups = [g.masters for g in self._mpo.groups]
-        self.fp32_from_fp32_groups = [g.direct for g in self._mpo.groups]
-        self.all_fp16_params = [p for g in self.fp16_groups for p in g]
-        self.all_fp32_from_fp16_params = [p for g in self.fp32_from_fp16_groups for p in g]
-        self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
+        self._index_groups()
 
         self._device = self._scale_device()
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
@@ -265,14 +301,6 @@ class FP16_Optimizer(WrappingOptimizer):
         self.first_closure_call_this_step = True
         self._grads_since_step = False  # an update_master_grads() since the last step()
         self._warned_no_backward = False
-
-    @classmethod
-    def _check_dynamic_loss_args(cls, dynamic_loss_args: dict[str, Any] | None) -> None:
-        unknown = sorted(set(dynamic_loss_args or ()) - set(cls.DYNAMIC_LOSS_ARGS))
-        if unknown:
-            raise TypeError(
-                f"dynamic_loss_args got unknown keys {unknown}; accepted keys: {list(cls.DYNAMIC_LOSS_ARGS)}."
-            )
 
     def _new_loss_scaler(
         self, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None
@@ -414,34 +442,9 @@ class FP16_Optimizer(WrappingOptimizer):
         if self._warned_no_backward:
             return
         self._warned_no_backward = True
-        logger.warning(
-            "FP16_Optimizer.step() was called with no optimizer.backward(loss) since the last "
-            "step, so the fp32 master grads are not this iteration's (a plain loss.backward() "
-            "leaves them untouched) and the step applies old or zero gradients, as apex did. "
-            "Call optimizer.backward(loss) instead of loss.backward(). (Warned once.)"
-        )
+        logger.warning(_NO_BACKWARD)
 
     # ------------------------------------------------------------------ fp16kit.GradScaler
-    # The scaler <-> master-weight optimizer protocol (fp16kit.core.protocol), for a
-    # FP16_Optimizer driven by fp16kit.GradScaler instead of its own loss scaler.
-    def unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
-        """The master-weight protocol (:mod:`fp16kit.core.protocol`), so an fp16kit.GradScaler
-        can drive this optimizer: the wrapped MixedPrecisionOptimizer's, and a step is pending."""
-        self._grads_since_step = True
-        return self._mpo.unscale_grads_(inv_scale, found_inf)
-
-    def skip_decided(self) -> None:
-        """The master-weight protocol: delegated to the wrapped MixedPrecisionOptimizer."""
-        self._mpo.skip_decided()
-
-    def submits_steps(self) -> bool:
-        """The master-weight protocol: delegated to the wrapped MixedPrecisionOptimizer."""
-        return self._mpo.submits_steps()
-
-    def submit_scaled_step(self, scale: torch.Tensor, *, unscaled_flags: Any, reduce: Any) -> Any:
-        """The master-weight protocol: delegated to the wrapped MixedPrecisionOptimizer."""
-        return self._mpo.submit_scaled_step(scale, unscaled_flags=unscaled_flags, reduce=reduce)
-
     def _submit_step(self, closure: Callable[[], Any] | None) -> None:
         if closure is not None:
             raise RuntimeError(
@@ -543,13 +546,17 @@ class FP16_Optimizer(WrappingOptimizer):
             param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_param_types_of(param_group.get("params", []))
         self._mpo.add_param_group(param_group)
-        g = self._mpo.groups[-1]
-        self.fp16_groups.append(g.model_params)
-        self.fp32_from_fp16_groups.append(g.masters)
-        self.fp32_from_fp32_groups.append(g.direct)
-        self.all_fp16_params.extend(g.model_params)
-        self.all_fp32_from_fp16_params.extend(g.masters)
-        self.all_fp32_from_fp32_params.extend(g.direct)
+        self._index_groups()
+
+    def _index_groups(self) -> None:
+        """apex's per-group and flat lists, read off the MixedPrecisionOptimizer's groups."""
+        groups = self._mpo.groups
+        self.fp16_groups = [g.model_params for g in groups]
+        self.fp32_from_fp16_groups = [g.masters for g in groups]
+        self.fp32_from_fp32_groups = [g.direct for g in groups]
+        self.all_fp16_params = [p for g in groups for p in g.model_params]
+        self.all_fp32_from_fp16_params = [p for g in groups for p in g.masters]
+        self.all_fp32_from_fp32_params = [p for g in groups for p in g.direct]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

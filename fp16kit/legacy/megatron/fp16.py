@@ -40,6 +40,7 @@ from ...core import kernels
 from ...core.log import logger
 from ..fp16_module import conversion_helper, fp16_to_fp32, fp32_to_fp16
 from ..fp16_optimizer import FP16_Optimizer as _FP16_Optimizer
+from ..fp16_optimizer import check_dynamic_loss_args
 from .fp16util import clip_grad_norm
 from .loss_scaler import DynamicLossScaler, LossScaler, check_number, scaler_from_state
 
@@ -145,7 +146,7 @@ class FP16_Optimizer(_FP16_Optimizer):
         *,
         model_parallel_group: Any = None,
     ) -> None:
-        self._check_dynamic_loss_args(dynamic_loss_args)
+        check_dynamic_loss_args(dynamic_loss_args, self.DYNAMIC_LOSS_ARGS)
         # the scaler (its settings checked) is built before anything changes; the parent then
         # wraps the optimizer and takes it from _new_loss_scaler
         self._model_parallel_group = model_parallel_group
