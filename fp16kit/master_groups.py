@@ -31,7 +31,7 @@ import torch
 
 from .core.master import LOW_PRECISION, MasterParams
 
-__all__ = ["MasterGroup", "MasterGroups", "check_master_dtypes", "check_not_sharded"]
+__all__ = ["MasterGroup", "MasterGroups", "check_master_dtypes", "check_not_sharded", "check_params"]
 
 LatePolicy = Literal["adopt", "refuse"]
 
@@ -82,6 +82,15 @@ def check_not_sharded(params: Any, all_masters: bool, master_dtype: torch.dtype,
             )
 
 
+def check_params(params: Any, all_masters: bool, master_dtype: torch.dtype, *, where: str = "") -> None:
+    """Every check a param that may get a master must pass (at construction, in
+    add_param_group, when unfrozen later): :func:`check_master_dtypes` when every trainable
+    param gets a master, and :func:`check_not_sharded`. Changes nothing."""
+    if all_masters:
+        check_master_dtypes(params, master_dtype, where=where)
+    check_not_sharded(params, all_masters, master_dtype, where=where)
+
+
 class MasterGroups:
     """The masters of an optimizer's param groups (see the module docstring)."""
 
@@ -117,9 +126,7 @@ class MasterGroups:
         """Validate params before adopting them (nothing changes on error). ``new_group``:
         they must not be optimized already, nor listed twice (torch compares against the
         masters, which are not the params the user holds)."""
-        if self.all_masters:
-            check_master_dtypes(params, self.masters.master_dtype)
-        check_not_sharded(params, self.all_masters, self.masters.master_dtype)
+        check_params(params, self.all_masters, self.masters.master_dtype)
         if not new_group:
             return
         known = {id(p) for p in self.masters.model_params}
@@ -196,9 +203,7 @@ class MasterGroups:
                 )
             return
         for gi, p in found:
-            if self.all_masters:
-                check_master_dtypes(p, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping")
-            check_not_sharded(p, self.all_masters, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping")
+            check_params(p, self.all_masters, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping")
         before_change()
         for gi in sorted({gi for gi, _ in found}):
             self._adopt_unfrozen(gi, [p for g, p in found if g == gi])

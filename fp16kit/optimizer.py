@@ -46,9 +46,10 @@ both exactly and leaves the model params to ``model.load_state_dict``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -61,7 +62,7 @@ from .core.protocol import Flags, scaled_iterations
 from .core.thread import OptimizerThread
 from .master_checkpoint import MatchedMasters, check_state_dict
 from .master_grads import MasterGrads
-from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_master_dtypes, check_not_sharded
+from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_params
 from .step_snapshot import StepView
 from .step_state import Stage, StepState
 from .wrapping import WrappingOptimizer
@@ -121,11 +122,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         # Asynchronous steps and offloaded masters need a master for every trainable param:
         # the optimizer thread must never write a tensor the forward pass reads.
         all_masters = async_step or master_device is not None
-        if all_masters:
-            for gi, group in enumerate(optimizer.param_groups):
-                check_master_dtypes(group["params"], master_dtype, where=f" in param group {gi}")
         for gi, group in enumerate(optimizer.param_groups):
-            check_not_sharded(group["params"], all_masters, master_dtype, where=f" in param group {gi}")
+            check_params(group["params"], all_masters, master_dtype, where=f" in param group {gi}")
         self._masters = MasterParams([], master_dtype=master_dtype, master_device=master_device, flat=flat)
         super().__init__(optimizer)
         self.async_step = async_step
@@ -330,12 +328,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         if self._warned_unscaled_step.is_set() or not scaled_iterations.any_open():
             return
         self._warned_unscaled_step.set()
-        logger.warning(
-            "MixedPrecisionOptimizer.step() was called directly while a GradScaler has scaled a "
-            "loss it has not updated yet: these gradients are probably still multiplied by the "
-            "loss scale and the update is that many times too large. Call scaler.step(optimizer) "
-            "(then scaler.update()) instead of optimizer.step(). (Warned once per optimizer.)"
-        )
+        logger.warning(_SCALED_STEP)
 
     def inner_step(
         self,
@@ -352,22 +345,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         on_thread = self._async.on_optimizer_thread()
         if not on_thread:  # (a job's were applied before it was submitted)
             self._async.apply_deferred()
-        inner = self.optimizer
         groups = self._async.job().groups if on_thread else None
-        view = None if groups is None else StepView(inner, groups)
-        if view is not None:
-            inner = view.optimizer
-        if found_inf is not None or grad_scale is not None:
-            inner.grad_scale = grad_scale  # type: ignore[attr-defined]
-            inner.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
+        with _stepping(self.optimizer, groups, grad_scale, found_inf) as inner:
             ret = inner.step(closure) if closure is not None else inner.step()
-        finally:
-            for name in ("grad_scale", "found_inf"):
-                if name in inner.__dict__:
-                    delattr(inner, name)
-            if view is not None:
-                view.write_back()
         if not (on_thread and self._async.running is not None):
             self._masters.masters_to_model()
         return ret
@@ -481,10 +461,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._async.masters_changed()
 
     def __getstate__(self) -> dict[str, Any]:
-        raise RuntimeError(
-            "MixedPrecisionOptimizer cannot be pickled or deep-copied (it refers to the model's "
-            "params); save it with state_dict() and restore it with load_state_dict()."
-        )
+        raise RuntimeError(_NO_PICKLE)
 
     def __repr__(self) -> str:
         d = self._masters.describe()
@@ -493,6 +470,43 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             f"{d['master_dtype']} on {', '.join(d['devices']) or '-'}{', flat' if d['flat'] else ''}; "
             f"wrapping {self.optimizer!r})"
         )
+
+
+_NO_PICKLE = (
+    "MixedPrecisionOptimizer cannot be pickled or deep-copied (it refers to the model's params); "
+    "save it with state_dict() and restore it with load_state_dict()."
+)
+_SCALED_STEP = (
+    "MixedPrecisionOptimizer.step() was called directly while a GradScaler has scaled a loss it "
+    "has not updated yet: these gradients are probably still multiplied by the loss scale and the "
+    "update is that many times too large. Call scaler.step(optimizer) (then scaler.update()) "
+    "instead of optimizer.step(). (Warned once per optimizer.)"
+)
+
+
+@contextlib.contextmanager
+def _stepping(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]] | None,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> Iterator[torch.optim.Optimizer]:
+    """The optimizer to step: a view of ``optimizer`` on a job's snapshot ``groups`` (written
+    back after), carrying a GradScaler's ``grad_scale``/``found_inf`` for a fused optimizer
+    (removed after, whatever the step raises)."""
+    view = None if groups is None else StepView(optimizer, groups)
+    inner = optimizer if view is None else view.optimizer
+    if found_inf is not None or grad_scale is not None:
+        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+        inner.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        yield inner
+    finally:
+        for name in ("grad_scale", "found_inf"):
+            if name in inner.__dict__:
+                delattr(inner, name)
+        if view is not None:
+            view.write_back()
 
 
 def _as_dtype(value: Any) -> torch.dtype:
