@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -271,16 +271,30 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._state().reset()
 
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *,
+        params: Iterable[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Clip the unscaled grads the optimizer will use (masters and fp32 params) by their
         total norm, as ``torch.nn.utils.clip_grad_norm_``; returns the total norm. Call after
-        ``scaler.unscale_(optimizer)`` (or with no scaler, at any point after backward)."""
+        ``scaler.unscale_(optimizer)`` (or with no scaler, at any point after backward).
+
+        ``params`` (default: everything this optimizer steps) restricts the clip to those
+        tensors, each model param standing for its master: ``params=model.parameters()``
+        clips what ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would under
+        torch.amp (tensors this optimizer does not step are clipped as they are)."""
         state = self._state()
         self._refresh()
         self._grads.ensure(state)
-        params = [p for g in self.param_groups for p in g["params"]]
-        return kernels.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        if params is None:
+            tensors = [p for g in self.param_groups for p in g["params"]]
+        else:
+            master_of = {id(p): m for p, m in zip(self._masters.model_params, self._masters.masters)}
+            tensors = [master_of.get(id(p), p) for p in ([params] if isinstance(params, torch.Tensor) else params)]
+        return kernels.clip_grad_norm_(tensors, max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
