@@ -15,6 +15,7 @@ FACES = (
     "fp16kit.async_step", "fp16kit.master_groups", "fp16kit.master_grads", "fp16kit.step_state",
     "fp16kit.step_snapshot", "fp16kit.master_checkpoint", "fp16kit.wrapping", "fp16kit.cli",
     "fp16kit.demo", "fp16kit.optim", "fp16kit.nn", "fp16kit.distributed", "fp16kit.migrate",
+    "fp16kit.integrations",
 )
 
 
@@ -84,7 +85,7 @@ def test_legacy_holds_no_tensor_math():
 
 
 def test_faces_import_downwards_only():
-    modern = [*PKG.glob("*.py"), *(p for d in ("optim", "nn", "distributed") for p in (PKG / d).rglob("*.py"))]
+    modern = [*PKG.glob("*.py"), *(p for d in ("optim", "nn", "distributed", "integrations") for p in (PKG / d).rglob("*.py"))]
     for path in modern:  # the modern face never imports the legacy one
         bad = {n for n in _imports(path) if n.startswith("fp16kit.legacy")}
         assert not bad, f"{path.name} imports the legacy face: {sorted(bad)}"
