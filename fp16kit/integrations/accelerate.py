@@ -1,0 +1,333 @@
+"""``MasterWeightsAccelerator``: HF Accelerate with an fp16/bf16 model and fp32 master weights
+("O2 without apex"), on :class:`fp16kit.MixedPrecisionOptimizer` and :class:`fp16kit.GradScaler`.
+
+::
+
+    from fp16kit.integrations.accelerate import MasterWeightsAccelerator
+
+    accelerator = MasterWeightsAccelerator(mixed_precision="fp16")    # or "bf16"
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model(x), y))
+            if accelerator.sync_gradients:
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the unscaled norm
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    accelerator.save_state("ckpt")         # scaler.pt + the masters in optimizer.bin
+
+``mixed_precision`` names the dtype the *model* is cast to; the optimizer steps fp32 masters.
+What each Accelerate hook does here (Accelerate 1.15):
+
+* ``__init__``: Accelerate's, then no autocast (``native_amp`` off: the model already computes
+  in its own dtype -- Accelerate's autocast would also cast the outputs to fp32 and change the
+  numbers) and ``scaler`` = a :class:`fp16kit.GradScaler` for fp16 (built from a
+  ``GradScalerKwargs`` handler if given), None for bf16. Accelerate itself refuses
+  ``mixed_precision="fp16"`` scaling on CPU (no scaler, no autocast); this class works there.
+* ``prepare(...)``: every model first -- cast to the dtype (``model.to(dtype)``; params keep
+  their identity, so optimizers built on them stay valid), then Accelerate's placement and DDP
+  wrapping; then every optimizer is wrapped in a MixedPrecisionOptimizer (``async_step``,
+  ``master_device``, ``master_dtype``; one you built yourself is used as is) and in
+  :class:`~fp16kit.integrations.accelerate_optimizer.MasterWeightsAcceleratedOptimizer`;
+  schedulers as Accelerate's (they do not step when the optimizer step was skipped).
+* ``backward(loss)``: Accelerate's -- ``scaler.scale(loss / accumulation_steps).backward()``.
+* ``unscale_gradients()`` / ``clip_grad_norm_(params, max_norm)`` / ``clip_grad_value_``:
+  ``scaler.unscale_`` puts the unscaled grads into the masters, and the clip acts there -- each
+  model param stands for its master (``MixedPrecisionOptimizer.clip_grad_norm_(params=...)``);
+  the returned norm is the unscaled one. Params of several prepared optimizers give one total
+  norm over all of them.
+* ``optimizer.step()`` / ``step_was_skipped`` / ``optimizer_step_was_skipped``: see
+  :mod:`fp16kit.integrations.accelerate_optimizer` (the scaler's flag; one host read per query).
+* ``save_state`` / ``load_state``: Accelerate's. ``optimizer.bin`` holds the wrapped optimizer's
+  state and the exact fp32 masters (plain data), ``scaler.pt`` the scaler's state (plain data:
+  Accelerate reloads both with ``weights_only=True``). With ``async_step`` the optimizer's
+  ``state_dict`` waits for the step in flight; the saved model params are then one step behind
+  the saved masters, exactly as in the running model, and the resumed run lands them at the
+  same step the uninterrupted one does (bit for bit).
+* ``accumulate(model)``: Accelerate's; micro-steps neither step nor zero the grads.
+
+Not supported (refused at construction): DeepSpeed, FSDP (Accelerate's plugin: FSDP keeps its
+own sharded fp32 params), Megatron-LM, tensor/context parallelism, fp8, ``mixed_precision``
+other than "fp16"/"bf16". Closures in ``optimizer.step``.
+"""
+
+from __future__ import annotations
+
+from ._requires import require
+
+require("accelerate", extra="accelerate", tested=("1.15", "1.16"))
+
+import math  # noqa: E402
+import os  # noqa: E402
+from collections.abc import Iterable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
+from accelerate.utils import DistributedType, GradScalerKwargs  # noqa: E402
+
+from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
+from ..core import kernels  # noqa: E402
+from .accelerate_optimizer import MasterWeightsAcceleratedOptimizer, UnscaledThisIteration  # noqa: E402
+
+__all__ = ["MasterWeightsAccelerator", "MasterWeightsAcceleratedOptimizer"]
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_UNSUPPORTED_KWARGS = ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config")
+_UNSUPPORTED_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM")
+_SUPPORTED_TYPES = (
+    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU,
+    DistributedType.MULTI_NPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
+)
+
+
+class MasterWeightsAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` that trains an fp16/bf16 model through fp32 master weights
+    (see the module docstring for what happens at each hook).
+
+    Args:
+        mixed_precision: ``"fp16"`` or ``"bf16"``: the dtype ``prepare`` casts the model to.
+        async_step, master_device, master_dtype: for the :class:`fp16kit.MixedPrecisionOptimizer`
+            ``prepare`` wraps each optimizer in (``async_step=True``: a one-step delayed update
+            on the optimizer thread; call ``optimizer.optimizer.synchronize()`` -- or
+            :meth:`synchronize` -- before evaluating).
+        scaler: the :class:`fp16kit.GradScaler` for fp16 (default: ``GradScaler(device)`` with
+            the arguments of a ``GradScalerKwargs`` handler, if one is given). None for bf16.
+        cast_model: False leaves the model's dtypes to you (e.g. norms kept in fp32); the
+            optimizer's fp16/bf16 params get masters, others are stepped as they are.
+        **kwargs: ``accelerate.Accelerator``'s (``gradient_accumulation_steps``,
+            ``kwargs_handlers``, ``cpu``, ``project_dir``, ...).
+    """
+
+    def __init__(
+        self,
+        mixed_precision: str = "fp16",
+        *,
+        async_step: bool = False,
+        master_device: torch.device | str | None = None,
+        master_dtype: torch.dtype = torch.float32,
+        scaler: GradScaler | None = None,
+        cast_model: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        dtype = _check_arguments(mixed_precision, scaler, kwargs)
+        super().__init__(mixed_precision=mixed_precision, **kwargs)
+        if self.distributed_type not in _SUPPORTED_TYPES:
+            raise ValueError(
+                f"MasterWeightsAccelerator does not support Accelerate's {self.distributed_type} "
+                "(from your accelerate config or environment): use DDP (multi-GPU/CPU), or the "
+                "plain Accelerator with that backend's own mixed precision."
+            )
+        self.model_dtype = dtype
+        self.cast_model = cast_model
+        self.master_options: dict[str, Any] = {
+            "async_step": async_step, "master_device": master_device, "master_dtype": master_dtype,
+        }
+        # Accelerate's autocast (and its fp32 outputs) would change an fp16/bf16 model's numbers.
+        self.native_amp = False
+        if dtype is torch.float16 and scaler is None:
+            handler = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+            scaler = GradScaler(self.device.type, **handler)
+        self.scaler = scaler
+        self._unscaled = UnscaledThisIteration()
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Accelerate's ``prepare``, with every model cast and placed before any optimizer is
+        wrapped (whatever the order of ``args``): the masters are made from the final params."""
+        for obj in args:
+            if isinstance(obj, torch.nn.Module):
+                self._cast(obj)
+        order = sorted(range(len(args)), key=lambda i: not isinstance(args[i], torch.nn.Module))
+        placement = None if device_placement is None else [device_placement[i] for i in order]
+        if device_placement is not None and len(device_placement) != len(args):
+            placement = device_placement  # Accelerate raises its own error for this
+        result = super().prepare(*(args[i] for i in order), device_placement=placement)
+        result = result if len(args) > 1 else (result,)
+        out: list[Any] = [None] * len(args)
+        for j, i in enumerate(order):
+            out[i] = result[j]
+        return tuple(out) if len(args) > 1 else out[0]
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
+        """Cast the model to ``mixed_precision``'s dtype, then Accelerate's ``prepare_model``."""
+        self._cast(model)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        """Wrap ``optimizer`` in a MixedPrecisionOptimizer (unless it is one) and in
+        :class:`MasterWeightsAcceleratedOptimizer`. ``device_placement`` is ignored: the masters
+        live where the params (or ``master_device``) are."""
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement)
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            _check_user_built(optimizer)
+            mixed = optimizer
+        else:
+            self._check_plain(optimizer)
+            mixed = MixedPrecisionOptimizer(optimizer, **self.master_options)
+        prepared = MasterWeightsAcceleratedOptimizer(mixed, self.scaler, self._unscaled)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """Accelerate's, matching a scheduler built on the plain torch optimizer to the
+        prepared optimizer that wraps it (so it skips with that optimizer's skipped steps)."""
+        if getattr(scheduler, "_is_accelerate_prepared", False):
+            return super().prepare_scheduler(scheduler)
+        target = getattr(scheduler, "optimizer", None)
+        optimizers: Any = self._optimizers
+        for opt in self._optimizers:
+            if target is opt.optimizer or target is getattr(opt.optimizer, "optimizer", None):
+                optimizers = opt
+                break
+        prepared = AcceleratedScheduler(
+            scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+        )
+        self._schedulers.append(prepared)
+        return prepared
+
+    # ------------------------------------------------------------------ unscale and clip
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """``scaler.unscale_`` on the prepared optimizers (default: all): the unscaled grads go
+        into the masters. Once per optimizer per iteration (a second call does nothing);
+        only on a sync step. A no-op for bf16 (no scaler)."""
+        self._check_sync_step("unscale_gradients")
+        if self.scaler is None:
+            return
+        for opt in self._mixed_optimizers(optimizer):
+            self._unscaled.unscale(self.scaler, opt)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale, then clip the unscaled grads the optimizers will use for ``parameters``
+        (each model param standing for its master) by their total norm; returns that norm."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        owners = self._owners(params)
+        self.unscale_gradients(owners)
+        if len(owners) == 1:
+            return owners[0].clip_grad_norm_(max_norm, norm_type, params=params)
+        return kernels.clip_grad_norm_(self._masters_of(owners, params), max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Unscale, then clamp the unscaled grads the optimizers will use for ``parameters``
+        (each model param standing for its master) to ``[-clip_value, clip_value]``."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        owners = self._owners(params)
+        self.unscale_gradients(owners)
+        torch.nn.utils.clip_grad_value_(self._masters_of(owners, params), clip_value)
+
+    def synchronize(self) -> None:
+        """Wait for every prepared optimizer's step in flight and copy its masters into the
+        model (``async_step=True``: call before evaluating or exporting; a no-op otherwise)."""
+        for opt in self._mixed_optimizers(None):
+            opt.synchronize()
+
+    # ------------------------------------------------------------------ helpers
+    def _cast(self, model: torch.nn.Module) -> None:
+        if self.cast_model and not getattr(model, "_is_accelerate_prepared", False):
+            model.to(self.model_dtype)
+
+    def _mixed_optimizers(self, optimizer: Any) -> list[MixedPrecisionOptimizer]:
+        chosen = self._optimizers if optimizer is None else optimizer
+        chosen = chosen if isinstance(chosen, (list, tuple)) else [chosen]
+        out = []
+        for opt in chosen:
+            while not isinstance(opt, MixedPrecisionOptimizer) and hasattr(opt, "optimizer"):
+                opt = opt.optimizer
+            if not isinstance(opt, MixedPrecisionOptimizer):
+                raise TypeError(f"{type(opt).__name__} was not prepared by this MasterWeightsAccelerator.")
+            out.append(opt)
+        return out
+
+    def _owners(self, params: list[torch.Tensor]) -> list[MixedPrecisionOptimizer]:
+        """The prepared optimizers that step any of ``params`` (all of them if none does)."""
+        ids = {id(p) for p in params}
+        mixed = self._mixed_optimizers(None)
+        owners = [
+            opt for opt in mixed
+            if any(id(p) in ids for p in opt.model_params)
+            or any(id(p) in ids for g in opt.param_groups for p in g["params"])
+        ]
+        return owners or mixed
+
+    @staticmethod
+    def _masters_of(owners: list[MixedPrecisionOptimizer], params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` with each model param replaced by its master, once every owner has read
+        this step's grads into its masters (a clip of nothing reads them: it is public API)."""
+        master_of: dict[int, torch.Tensor] = {}
+        for opt in owners:
+            opt.clip_grad_norm_(math.inf, params=())
+            master_of.update({id(p): m for p, m in zip(opt.model_params, opt.master_params)})
+        return [master_of.get(id(p), p) for p in params]
+
+    def _check_sync_step(self, what: str) -> None:
+        if not self.sync_gradients:
+            raise RuntimeError(
+                f"accelerator.{what}() on a gradient-accumulation micro-step: the grads are not "
+                "complete yet, and unscaling them now would move them out of the model. Call it "
+                "under `if accelerator.sync_gradients:`."
+            )
+
+    def _check_plain(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"prepare() got {type(optimizer).__name__}; expected a torch.optim.Optimizer.")
+        trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        low = {p.dtype for p in trainable if p.dtype in (torch.float16, torch.bfloat16)}
+        if low - {self.model_dtype}:
+            raise TypeError(
+                f"The optimizer holds {sorted(map(str, low))} params but mixed_precision casts to "
+                f"{self.model_dtype}: build MasterWeightsAccelerator(mixed_precision=...) matching the model."
+            )
+        if trainable and not low and self.master_options["master_device"] is None and not self.master_options["async_step"]:
+            raise TypeError(
+                "The optimizer's params are not fp16/bf16, so there is nothing to keep fp32 masters of: "
+                "pass the model to the same accelerator.prepare(model, optimizer, ...) call (it casts "
+                "the model first), or cast the model before building the optimizer."
+            )
+
+
+def _check_arguments(mixed_precision: Any, scaler: Any, kwargs: dict[str, Any]) -> torch.dtype:
+    """Everything that can be checked before Accelerate's (global) state is touched."""
+    if str(mixed_precision) not in _DTYPES:
+        raise ValueError(
+            f"MasterWeightsAccelerator(mixed_precision={mixed_precision!r}): use 'fp16' or 'bf16' (the dtype "
+            "the model is cast to). For fp8 or fp32 autocast training use accelerate.Accelerator."
+        )
+    dtype = _DTYPES[str(mixed_precision)]
+    if scaler is not None and dtype is torch.bfloat16:
+        raise ValueError("bf16 needs no loss scaling: drop scaler= (bf16 has fp32's exponent range).")
+    if scaler is not None and not isinstance(scaler, GradScaler):
+        raise TypeError(
+            f"scaler must be an fp16kit.GradScaler (got {type(scaler).__name__}): torch's GradScaler "
+            "cannot unscale into fp32 master weights."
+        )
+    handlers = kwargs.get("kwargs_handlers") or []
+    if scaler is not None and any(isinstance(h, GradScalerKwargs) for h in handlers):
+        raise ValueError("Pass either scaler= or a GradScalerKwargs handler, not both.")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"MasterWeightsAccelerator does not support {name}: DeepSpeed, FSDP and Megatron-LM "
+                "keep their own fp32 params and loss scaling. Use accelerate.Accelerator with that "
+                "plugin's mixed precision, or DDP with this class."
+            )
+    for name in _UNSUPPORTED_ENV:
+        if os.environ.get(name, "false").lower() == "true":
+            raise ValueError(
+                f"MasterWeightsAccelerator does not support {name}=true (set by `accelerate launch` "
+                "or your accelerate config): DeepSpeed, FSDP and Megatron-LM keep their own fp32 params "
+                "and loss scaling. Launch with a multi-GPU/CPU (DDP) config."
+            )
+    return dtype
+
+
+def _check_user_built(optimizer: MixedPrecisionOptimizer) -> None:
+    low = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in (torch.float16, torch.bfloat16)]
+    if low:
+        raise TypeError(
+            "This MixedPrecisionOptimizer steps fp16/bf16 params directly (it was built before the "
+            "model was cast, so they got no masters): pass the plain torch optimizer to "
+            "accelerator.prepare() (it wraps it), or cast the model before building the "
+            "MixedPrecisionOptimizer."
+        )

@@ -1,0 +1,143 @@
+"""The optimizer :class:`~fp16kit.integrations.accelerate.MasterWeightsAccelerator` prepares:
+Accelerate's ``AcceleratedOptimizer`` around a :class:`fp16kit.MixedPrecisionOptimizer`, whose
+step and skipped-step signal go through fp16kit's scaler.
+
+Accelerate 1.15 (``accelerate/optimizer.py``: ``AcceleratedOptimizer.step``,
+``patch_optimizer_step``) decides that a step was skipped when ``scaler.step(optimizer)`` did
+not call the optimizer's (temporarily patched) ``step``. With ``async_step=True`` the scaler
+hands every step to the optimizer thread without calling ``step()`` on the main thread, so
+that test reads "skipped" for every step, or "stepped" for one the thread will skip. Here the
+answer is the scaler's own flag instead. At each hook:
+
+* ``step()`` on a micro-step of gradient accumulation (Accelerate's
+  ``GradientState.sync_gradients`` is False): nothing, as Accelerate (the grads keep
+  accumulating in the model's fp16/bf16 ``.grad``).
+* ``step()`` on a sync step, fp16 (a :class:`fp16kit.GradScaler`)::
+
+      scaler.step(mixed_precision_optimizer)    # unscale into the fp32 masters (unless a clip
+                                                # did), skip on inf/NaN, step, masters -> model
+      scaler.update()                           # once per iteration: see below
+      flag = scaler.last_step_skipped_tensor()  # a device tensor: no host sync here
+
+  Accelerate updates the scaler after every optimizer's step. When several optimizers were
+  unscaled together this iteration (one ``accelerator.clip_grad_norm_`` over all their
+  params), the update waits for the last of them to step -- torch.amp's rule (unscale all,
+  clip, step all, update once); an update in between would make the next optimizer unscale
+  its grads again, undoing the clip.
+* ``step()`` on a sync step, bf16 (no scaler): ``flag`` = a non-finite check of the grads the
+  step will use (model grads, and in a synchronous step the masters' if a clip read them
+  already), then ``MixedPrecisionOptimizer.step()`` -- which skips the step on exactly that
+  condition.
+* ``step_was_skipped`` (read by Accelerate's ``AcceleratedScheduler`` and
+  ``accelerator.optimizer_step_was_skipped``): ``flag.item()``, one host read per call, and no
+  wait for an asynchronous step: the flag is computed on the main thread before the step is
+  handed off. False before the first step and after a micro-step.
+* ``zero_grad()``: Accelerate's (only on sync steps).
+"""
+
+from __future__ import annotations
+
+from ._requires import require
+
+require("accelerate", extra="accelerate", tested=("1.15", "1.16"))
+
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+
+from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
+from ..core import kernels  # noqa: E402
+
+__all__ = ["MasterWeightsAcceleratedOptimizer", "UnscaledThisIteration"]
+
+
+class UnscaledThisIteration:
+    """The prepared optimizers a clip unscaled this iteration and that have not stepped yet;
+    shared by one accelerator's optimizers (main thread only)."""
+
+    def __init__(self) -> None:
+        self._pending: set[int] = set()
+
+    def unscale(self, scaler: GradScaler, optimizer: MixedPrecisionOptimizer) -> None:
+        """``scaler.unscale_(optimizer)`` once per iteration (a second clip reuses it)."""
+        if id(optimizer) not in self._pending:
+            scaler.unscale_(optimizer)
+            self._pending.add(id(optimizer))
+
+    def stepped(self, optimizer: MixedPrecisionOptimizer) -> bool:
+        """Record the step of ``optimizer``; True when no unscaled optimizer still has to step
+        (the scaler may update now)."""
+        self._pending.discard(id(optimizer))
+        return not self._pending
+
+
+class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
+    """``AcceleratedOptimizer`` whose ``step`` runs ``scaler.step``/``scaler.update`` on a
+    :class:`fp16kit.MixedPrecisionOptimizer` and whose ``step_was_skipped`` reads the scaler's
+    flag (see the module docstring). ``optimizer.optimizer`` is the MixedPrecisionOptimizer;
+    ``optimizer.optimizer.optimizer`` the torch optimizer it steps on the masters."""
+
+    def __init__(
+        self,
+        optimizer: MixedPrecisionOptimizer,
+        scaler: GradScaler | None,
+        unscaled: UnscaledThisIteration,
+    ) -> None:
+        # No scaler for the base class: it would patch optimizer.step (the test this class
+        # replaces). No device placement: the masters and their state were made on the
+        # params' device, after prepare placed the model.
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self.scaler = scaler
+        self._unscaled = unscaled
+        self._skipped: torch.Tensor | None = None
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """Step on a sync step (see the module docstring); a no-op on an accumulation micro-step."""
+        if not self.gradient_state.sync_gradients:
+            return
+        if closure is not None:
+            raise RuntimeError(
+                "MasterWeightsAccelerator's optimizer.step() takes no closure (torch's GradScaler "
+                "refuses closures too). For LBFGS-style optimizers use fp16kit.MixedPrecisionOptimizer "
+                "without Accelerate."
+            )
+        opt = self.optimizer
+        if self.scaler is not None:
+            self.scaler.step(opt)
+            if self._unscaled.stepped(opt):
+                self.scaler.update()
+            self._skipped = self.scaler.last_step_skipped_tensor()
+        else:
+            self._skipped = _nonfinite(opt)
+            opt.step()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last sync step was skipped for inf/NaN gradients (a host read)."""
+        return bool(self._skipped is not None and self._skipped.item())
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise RuntimeError(
+            "A prepared MixedPrecisionOptimizer cannot be pickled (it refers to the model's params); "
+            "use accelerator.save_state(dir) / accelerator.load_state(dir)."
+        )
+
+
+def _nonfinite(opt: MixedPrecisionOptimizer) -> torch.Tensor:
+    """0-dim bool device tensor: does any grad this step uses hold inf/NaN? No host sync, and
+    the grads are only read (an in-place check would count as an edit of the model grads).
+
+    The model grads always (bf16 grads are finite exactly when their fp32 copies are); the
+    optimizer's own (masters, fp32 params) only in a synchronous step, where a clip may have
+    read the grads into them already -- with ``async_step`` they belong to the step in flight.
+    The max-abs norm of a tensor is non-finite exactly when one of its values is."""
+    tensors = [p.grad for p in opt.model_params if p.grad is not None]
+    if not opt.async_step:
+        tensors += [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    if not tensors:
+        return torch.zeros((), dtype=torch.bool)
+    device = tensors[0].device
+    maxima = [kernels.move(n, device, torch.float32) for n in kernels.norms(tensors, float("inf"))]
+    return torch.stack(maxima).isfinite().all().logical_not()
