@@ -1,0 +1,374 @@
+"""Lightning precision plugin for fp32 master weights: ``MasterWeightsPrecision``.
+
+::
+
+    from fp16kit.integrations.lightning import MasterWeightsPrecision
+    trainer = L.Trainer(plugins=[MasterWeightsPrecision("16-true")], gradient_clip_val=1.0)
+    trainer.fit(model)            # fp16 model, fp32 masters, fp16kit.GradScaler
+
+The model is kept in fp16 (``"16-true"``) or bf16 (``"bf16-true"``), as Lightning's
+``HalfPrecision`` keeps it; every optimizer from ``configure_optimizers`` is wrapped in
+:class:`fp16kit.MixedPrecisionOptimizer` (one returned already wrapped is used as it is), so
+the optimizer steps fp32 masters. What happens at each Lightning hook:
+
+* ``convert_module`` / ``module_init_context`` / ``forward_context`` / ``convert_input``: the
+  model, tensors created during ``__init__`` and the forward, and floating inputs are fp16/bf16.
+* ``connect`` (after ``configure_optimizers``): wrap the optimizers (LR schedulers built on the
+  inner optimizer keep working: they share its ``param_groups``); fp16 gets an
+  ``fp16kit.GradScaler`` (the one passed as ``scaler=`` -- e.g. with ``hysteresis`` -- or a
+  default one on the model's device), bf16 none.
+* ``pre_backward``: ``loss * scale`` (fp16).
+* ``optimizer_step``: run the closure (forward, backward); :meth:`unscale_gradients` puts
+  ``float(model.grad) / scale`` into the master grads (bf16: at scale 1, with the same
+  inf/NaN check); ``on_before_optimizer_step`` and gradient clipping run (both see the unscaled
+  master grads); ``scaler.step(opt)`` skips the step on inf/NaN, ``scaler.update()`` halves the
+  scale then. bf16 skips a non-finite step too (``MixedPrecisionOptimizer.step`` does).
+* ``clip_gradients`` (``gradient_clip_val``, also ``self.clip_gradients`` in manual
+  optimization): clips the masters (``main_params`` are the param groups' params, i.e. the
+  masters); by norm it records the unscaled total norm in :attr:`last_grad_norm`.
+* ``val/test/predict_step_context``, ``state_dict`` (checkpoint saving) and ``teardown`` (end of
+  fit): with ``async_step=True`` the step in flight lands first (``opt.synchronize()``), so they
+  see -- and checkpoints hold -- the model after the last step, consistent with the masters.
+  Landing early is what a plain loop's ``synchronize()`` does: the next forward then uses the
+  newest weights (a resumed run lands at the same point, so resume stays bit for bit).
+* Checkpoints: the masters and the inner optimizer's state are the optimizer state
+  (``MixedPrecisionOptimizer.state_dict``); the scaler state is this plugin's entry. A checkpoint
+  without masters (a plain ``"16-true"``/``"16-mixed"`` run) loads with a warning: the masters
+  are rebuilt from the checkpoint's model weights (exact for a ``"16-mixed"`` run's fp32
+  weights), a ``MixedPrecision`` scaler state is taken over.
+
+Not supported (refused with an error naming the fix): a ``torch.amp.GradScaler`` (it cannot
+unscale into masters), a scaler with bf16, plugin options for masters together with an
+optimizer the user wrapped already, LBFGS-style closure optimizers. Limitation: Lightning's
+``Strategy.teardown`` moves optimizer state to the CPU on GPU runs before this plugin's
+``teardown``; a second ``fit`` with the same objects re-places it on the masters' devices.
+"""
+
+from __future__ import annotations
+
+from ._requires import require
+
+require("lightning.pytorch", extra="lightning", tested=("2.6", "2.7"))
+
+import contextlib  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable, Generator, Iterator  # noqa: E402
+from typing import Any, Literal  # noqa: E402
+
+import torch  # noqa: E402
+from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+from lightning_utilities import apply_to_collection  # noqa: E402
+
+from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
+from ..core import kernels  # noqa: E402
+from .lightning_checkpoint import adopt_plain_checkpoint  # noqa: E402
+
+__all__ = ["MasterWeightsPrecision", "grad_norm"]
+
+logger = logging.getLogger("fp16kit")
+
+_DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
+
+
+class MasterWeightsPrecision(Precision):
+    """fp16/bf16 model, fp32 master weights, ``fp16kit.GradScaler`` (see the module docstring).
+
+    Args:
+        precision: ``"16-true"`` (fp16 model, loss scaling) or ``"bf16-true"`` (no scaler).
+        scaler: an :class:`fp16kit.GradScaler` for fp16 (default: one on the model's device,
+            made at ``connect``); refused with bf16.
+        async_step, master_device, master_dtype, flat: passed to each
+            :class:`fp16kit.MixedPrecisionOptimizer` this plugin builds.
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-true", "bf16-true"] = "16-true",
+        *,
+        scaler: GradScaler | None = None,
+        async_step: bool = False,
+        master_device: torch.device | str | None = None,
+        master_dtype: torch.dtype = torch.float32,
+        flat: bool = False,
+    ) -> None:
+        if precision not in _DTYPES:
+            raise ValueError(
+                f"MasterWeightsPrecision(precision={precision!r}): use '16-true' (fp16 model) or "
+                "'bf16-true' (bf16 model); for autocast with an fp32 model use Lightning's "
+                "MixedPrecision('16-mixed', device, scaler=fp16kit.GradScaler(device))."
+            )
+        if scaler is not None and precision == "bf16-true":
+            raise ValueError(
+                "MasterWeightsPrecision('bf16-true') takes no scaler: bf16 has float32's exponent "
+                "range, so losses need no scaling (non-finite steps are still skipped). Drop "
+                "scaler=, or use '16-true' for an fp16 model."
+            )
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError(
+                f"scaler must be an fp16kit.GradScaler, got {type(scaler).__name__}: torch's "
+                "GradScaler unscales param.grad in place and cannot reach the fp32 masters. Pass "
+                "fp16kit.GradScaler(device, ...) (same arguments)."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.dtype = _DTYPES[precision]
+        self.scaler: GradScaler | None = scaler
+        self._mpo_options: dict[str, Any] = {
+            "async_step": async_step, "master_device": master_device, "master_dtype": master_dtype, "flat": flat,
+        }
+        self._custom_options = bool(async_step or master_device is not None or flat or master_dtype != torch.float32)
+        self.optimizers: list[MixedPrecisionOptimizer] = []
+        self.last_grad_norm: torch.Tensor | None = None
+        self._unscaled: dict[int, dict[torch.device, torch.Tensor]] = {}  # id(opt) -> flags, this iteration
+        self._last_flags: dict[torch.device, torch.Tensor] | None = None  # bf16: the last step's
+        self._replace_state = False
+        self._trainer: Any = None
+
+    # ------------------------------------------------------------------ dtype
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self.dtype)
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        return _default_dtype(self.dtype)
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return _default_dtype(self.dtype)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return _default_dtype(self.dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_collection(data, torch.Tensor, self._cast)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if torch.is_floating_point(t) else t
+
+    # ------------------------------------------------------------------ setup
+    def connect(self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, ...]:
+        """Wrap the optimizers in MixedPrecisionOptimizer (all checked before any is wrapped)."""
+        for i, opt in enumerate(optimizers):
+            if isinstance(opt, MixedPrecisionOptimizer) and self._custom_options:
+                raise ValueError(
+                    f"configure_optimizers returned a MixedPrecisionOptimizer (optimizer {i}) and "
+                    "MasterWeightsPrecision was given options for the masters it builds "
+                    f"({self._mpo_options}). Set them in one place: return the plain optimizer, or "
+                    "drop the plugin's options."
+                )
+            inner = opt.optimizer if isinstance(opt, MixedPrecisionOptimizer) else opt
+            if isinstance(inner, torch.optim.LBFGS):
+                raise TypeError(
+                    "MasterWeightsPrecision does not support LBFGS (a closure optimizer re-evaluates "
+                    "the model inside its step). Use a first-order optimizer, or train in float32."
+                )
+        self.optimizers = [
+            o if isinstance(o, MixedPrecisionOptimizer) else MixedPrecisionOptimizer(o, **self._mpo_options)
+            for o in optimizers
+        ]
+        if self.dtype == torch.float16 and self.scaler is None:
+            device = next((p.device.type for p in model.parameters()), "cpu")
+            self.scaler = GradScaler(device)
+        self._trainer = getattr(model, "_trainer", None) or getattr(getattr(model, "module", None), "_trainer", None)
+        self._replace_state = True  # a second fit: Strategy.teardown moved the state to the CPU
+        return model, list(self.optimizers), lr_schedulers
+
+    # ------------------------------------------------------------------ backward, step
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """Put this iteration's unscaled grads into the masters (``scaler.unscale_``; bf16 at
+        scale 1). Idempotent until the step."""
+        opt = _master_optimizer(optimizer)
+        if id(opt) in self._unscaled:
+            return
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+            self._unscaled[id(opt)] = {}
+        else:
+            device = next((m.device for m in opt.master_params), torch.device("cpu"))
+            self._unscaled[id(opt)] = opt.unscale_grads_(kernels.one(device), kernels.new_found_inf(device))
+
+    def unscaled(self, optimizer: Any) -> bool:
+        """Whether the master grads hold this iteration's unscaled grads (from
+        :meth:`unscale_gradients` to the step)."""
+        return id(_master_optimizer(optimizer)) in self._unscaled
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Closure (forward/backward), unscale into the masters, hooks and clipping, step."""
+        opt = _master_optimizer(optimizer)
+        if self._replace_state:
+            _state_to_masters(opt)
+        try:
+            closure_result = closure()
+            # training_step returned None: no backward ran, no step (as Lightning's MixedPrecision)
+            skip = closure_result is None and model.automatic_optimization
+            if not skip:
+                self.unscale_gradients(opt)
+            # Precision._after_closure (lightning 2.6.6, used by its MixedPrecision too): the
+            # on_before_optimizer_step hooks, then configure_gradient_clipping -> clip_gradients.
+            self._after_closure(model, optimizer)
+            if skip:
+                return closure_result
+            if self.scaler is not None:
+                out = self.scaler.step(opt, **kwargs)
+                self.scaler.update()
+                return out
+            self._last_flags = self._unscaled.get(id(opt))
+            return opt.step(**kwargs)
+        finally:
+            self._unscaled.pop(id(opt), None)
+
+    def last_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped for inf/NaN gradients (a host read)."""
+        if self.scaler is not None:
+            return self.scaler.last_step_skipped()
+        return any(bool(f.item()) for f in (self._last_flags or {}).values())
+
+    # ------------------------------------------------------------------ clipping
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip the unscaled master grads; by norm, :attr:`last_grad_norm` is the total norm."""
+        if clip_val <= 0:
+            return
+        opt = _master_optimizer(optimizer)
+        self.unscale_gradients(opt)  # manual optimization clips before opt.step()
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            torch.nn.utils.clip_grad_value_(list(self.main_params(opt)), clip_value=clip_val)
+        else:
+            self.last_grad_norm = opt.clip_grad_norm_(clip_val)
+
+    # ------------------------------------------------------------------ landing async steps
+    def _synchronize(self) -> None:
+        for opt in self.optimizers:
+            opt.synchronize()
+
+    def _landing(self, context: Callable[[], Any]) -> Generator[None, None, None]:
+        self._synchronize()
+        with context():
+            yield
+
+    @contextlib.contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        yield from self._landing(super().val_step_context)
+
+    @contextlib.contextmanager
+    def test_step_context(self) -> Generator[None, None, None]:
+        yield from self._landing(super().test_step_context)
+
+    @contextlib.contextmanager
+    def predict_step_context(self) -> Generator[None, None, None]:
+        yield from self._landing(super().predict_step_context)
+
+    def teardown(self) -> None:
+        """End of fit/validate/...: land the step in flight (the model is current)."""
+        failing = sys.exc_info()[1] is not None  # Lightning tears down inside its except block
+        try:
+            self._synchronize()
+        except Exception:
+            if not failing:
+                raise
+            logger.warning("The asynchronous step in flight failed during teardown", exc_info=True)
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``{"precision", "scaler"}`` (plain data). Lands a step in flight first: the checkpoint's
+        model weights are the ones after the last step (see :meth:`on_save_checkpoint`)."""
+        self._synchronize()
+        return {"precision": self.precision, "scaler": None if self.scaler is None else self.scaler.state_dict()}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning dumps the model state dict before the optimizers and this plugin; a step
+        # that landed in state_dict() wrote the params in place. Read them again rather than
+        # rely on the dumped tensors aliasing the params.
+        if self._trainer is not None and any(o.async_step for o in self.optimizers) and "state_dict" in checkpoint:
+            checkpoint["state_dict"] = self._trainer.strategy.lightning_module_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("scaler")
+        if saved is not None and self.scaler is not None:
+            self.scaler.load_state_dict(saved)
+        elif saved is None and self.scaler is not None:
+            logger.warning("The checkpoint has no loss-scaler state (a bf16 run?): the fp16 scaler starts fresh.")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint without masters or without this plugin's entry: see the module docstring."""
+        self._replace_state = True  # Lightning moves loaded optimizer state to the root device
+        module = self._trainer.lightning_module if self._trainer is not None else None
+        adopt_plain_checkpoint(checkpoint, self.optimizers, module, self.scaler, own_key=type(self).__qualname__)
+
+
+def _master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
+    opt = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+    if not isinstance(opt, MixedPrecisionOptimizer):
+        raise TypeError(
+            f"MasterWeightsPrecision steps MixedPrecisionOptimizers, got {type(opt).__name__}: it "
+            "wraps the optimizers from configure_optimizers at setup; an optimizer made after "
+            "that must be wrapped by you (fp16kit.MixedPrecisionOptimizer(opt))."
+        )
+    return opt
+
+
+def _state_to_masters(opt: MixedPrecisionOptimizer) -> None:
+    """Move optimizer state back next to the masters when something moved it (Lightning's
+    ``_optimizer_to_device`` after loading, or its teardown): torch's load_state_dict re-places
+    each param's floating state on its param's device, as MixedPrecisionOptimizer's own
+    constructor does."""
+    inner = opt.optimizer
+    moved = any(
+        isinstance(v, torch.Tensor) and k != "step" and v.device != p.device
+        for p, s in inner.state.items() if isinstance(p, torch.Tensor) and isinstance(s, dict)
+        for k, v in s.items()
+    )
+    if moved:
+        inner.load_state_dict(inner.state_dict())
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
+    """Drop-in for ``lightning.pytorch.utilities.grad_norm`` that reads the unscaled master
+    grads: call it in ``on_before_optimizer_step`` (the fp16 model grads are still multiplied by
+    the loss scale there). Same keys and arithmetic as Lightning's; a param without a master
+    (not stepped by a MixedPrecisionOptimizer) contributes its own grad."""
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    trainer = getattr(module, "_trainer", None)
+    plugin = trainer.precision_plugin if trainer is not None else None
+    master_of: dict[int, torch.Tensor] = {}
+    for opt in (trainer.optimizers if trainer is not None else []):
+        opt = getattr(opt, "_optimizer", opt)
+        if isinstance(opt, MixedPrecisionOptimizer):
+            if isinstance(plugin, MasterWeightsPrecision) and not plugin.unscaled(opt):
+                raise RuntimeError(
+                    "fp16kit grad_norm reads the unscaled master grads, which exist from "
+                    "MasterWeightsPrecision's unscale to the optimizer step: call it in "
+                    "on_before_optimizer_step (or after trainer.precision_plugin.unscale_gradients(opt))."
+                )
+            master_of.update({id(p): m for p, m in zip(opt.model_params, opt.master_params)})
+    norms = {}
+    for name, p in module.named_parameters():
+        grad = master_of[id(p)].grad if id(p) in master_of else p.grad
+        if grad is not None:
+            norms[f"grad_{norm_type}_norm{group_separator}{name}"] = grad.data.norm(norm_type)
+    if norms:
+        norms[f"grad_{norm_type}_norm_total"] = torch.tensor(list(norms.values())).norm(norm_type)
+    return norms

@@ -1,0 +1,185 @@
+"""fp16kit.integrations.lightning: MasterWeightsPrecision against the plain fp16kit loop.
+
+The reference is written out here: ``model.half()`` (or bf16), MixedPrecisionOptimizer,
+fp16kit.GradScaler, torch's clip_grad_norm_ on the masters, on the same seed and batches.
+Lightning adds no arithmetic except ``loss / accumulate_grad_batches`` (the reference does the
+same division), so params and masters must be equal bit for bit (torch.equal).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("lightning", reason="the Lightning adapter needs lightning: pip install 'fp16kit[lightning]'")
+
+import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
+
+import fp16kit  # noqa: E402
+from fp16kit.core import kernels  # noqa: E402
+from fp16kit.integrations.lightning import MasterWeightsPrecision, grad_norm  # noqa: E402
+
+LR, CLIP, N_BATCHES, INF_CALL = 0.05, 0.5, 6, 2
+DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
+
+
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def batches(n: int = N_BATCHES, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)) for _ in range(n)]
+
+
+def loader(data) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(data, batch_size=None)  # each item is a batch, as it is
+
+
+def make_inner(params, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=LR / 10, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor, call: int, inf_call: int | None) -> torch.Tensor:
+    loss = (out.float() - y.float()).pow(2).mean()
+    return loss * float("inf") if call == inf_call else loss
+
+
+class Net(L.LightningModule):
+    def __init__(self, kind: str = "sgd", *, inf_call: int | None = None, sched: bool = False,
+                 wrap: bool = False, log_norm: bool = False) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.kind, self.inf_call, self.sched, self.wrap, self.log_norm = kind, inf_call, sched, wrap, log_norm
+        self.calls = 0
+        self.record: list[dict] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = loss_of(self.net(x), y, self.calls, self.inf_call)
+        self.calls += 1
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.log_norm:
+            self.record.append({"grad_norm": grad_norm(self, 2)["grad_2.0_norm_total"]})
+
+    def configure_optimizers(self):
+        inner = make_inner(self.parameters(), self.kind)
+        opt = fp16kit.MixedPrecisionOptimizer(inner) if self.wrap else inner
+        if self.sched:
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)}
+        return opt
+
+
+class Recorder(L.Callback):
+    """Per optimizer step: skipped?, the scale, the clip norm the plugin recorded."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[bool, float | None, torch.Tensor | None]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        plugin = trainer.precision_plugin
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 and isinstance(plugin, MasterWeightsPrecision):
+            scale = plugin.scaler.get_scale() if plugin.scaler is not None else None
+            self.steps.append((plugin.last_step_skipped(), scale, plugin.last_grad_norm))
+
+
+def trainer(plugin, **kw) -> L.Trainer:
+    opts = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    opts.update(kw)
+    return L.Trainer(plugins=[plugin] if plugin is not None else None, **opts)
+
+
+def fit(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async_step=False, inf_call=None,
+        sched=False, data=None, **plugin_kw):
+    model = Net(kind, inf_call=inf_call, sched=sched)
+    plugin = MasterWeightsPrecision(precision, async_step=async_step, **plugin_kw)
+    rec = Recorder()
+    t = trainer(plugin, gradient_clip_val=clip, accumulate_grad_batches=accumulate, callbacks=[rec])
+    t.fit(model, train_dataloaders=loader(data if data is not None else batches()))
+    return model, plugin, rec
+
+
+def reference(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async_step=False, inf_call=None,
+              sched=False, data=None, scaler=None):
+    """The plain fp16kit loop, written out (Lightning's call order: forward, zero_grad on the
+    first batch of an accumulation window, backward of loss / accumulate, step)."""
+    model = make_net().to(DTYPES[precision])
+    inner = make_inner(model.parameters(), kind)
+    opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step)
+    sch = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5) if sched else None
+    if scaler is None and precision == "16-true":
+        scaler = fp16kit.GradScaler("cpu")
+    steps = []
+    for k, (x, y) in enumerate(data if data is not None else batches()):
+        loss = loss_of(model(x.to(DTYPES[precision])), y.to(DTYPES[precision]), k, inf_call) / accumulate
+        if k % accumulate == 0:
+            opt.zero_grad()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if (k + 1) % accumulate:
+            continue
+        norm = None
+        if scaler is not None:
+            if clip:
+                scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(opt.master_params, clip)
+            scaler.step(opt)
+            scaler.update()
+            steps.append((scaler.last_step_skipped(), scaler.get_scale(), norm))
+        else:
+            if clip:
+                norm = opt.clip_grad_norm_(clip)  # moves the bf16 grads into the masters first
+            opt.step()
+            steps.append((None, None, norm))
+        if sch is not None:
+            sch.step()
+    opt.synchronize()
+    return model, opt, steps
+
+
+def assert_same(model: Net, plugin: MasterWeightsPrecision, ref_model, ref_opt) -> None:
+    for p, q in zip(model.net.parameters(), ref_model.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q)
+    (opt,) = plugin.optimizers
+    for m, r in zip(opt.master_params, ref_opt.master_params):
+        assert m.dtype == torch.float32 and torch.equal(m, r)
+
+
+CASES = [
+    # precision, kind, clip, accumulate, async_step
+    ("16-true", "sgd", None, 1, False),
+    ("16-true", "sgd", CLIP, 1, False),
+    ("16-true", "adamw", CLIP, 2, False),
+    ("16-true", "sgd", CLIP, 1, True),
+    ("16-true", "adamw", None, 2, True),
+    ("bf16-true", "sgd", CLIP, 1, False),
+    ("bf16-true", "adamw", None, 2, True),
+    ("bf16-true", "sgd", CLIP, 2, True),
+]
+
+
+@pytest.mark.parametrize("precision,kind,clip,accumulate,async_step", CASES)
+def test_equals_plain_loop_bit_for_bit(precision, kind, clip, accumulate, async_step):
+    inf_call = INF_CALL if precision == "16-true" else None
+    model, plugin, rec = fit(precision, kind=kind, clip=clip, accumulate=accumulate, async_step=async_step,
+                             inf_call=inf_call)
+    ref_model, ref_opt, ref_steps = reference(precision, kind=kind, clip=clip, accumulate=accumulate,
+                                              async_step=async_step, inf_call=inf_call)
+    assert_same(model, plugin, ref_model, ref_opt)
+    assert len(rec.steps) == len(ref_steps) == N_BATCHES // accumulate
+    for (skipped, scale, norm), (r_skipped, r_scale, r_norm) in zip(rec.steps, ref_steps):
+        if precision == "16-true":
+            assert (skipped, scale) == (r_skipped, r_scale)
+        if clip and r_norm is not None and torch.isfinite(r_norm):
+            assert torch.equal(norm, r_norm)  # the unscaled norm, the same computation
+    if precision == "16-true":  # the overflow: one skipped step, the scale halved once
+        assert plugin.scaler.skipped_steps() == 1
+        assert [s for s, _, _ in rec.steps].count(True) == 1
+        assert plugin.scaler.get_scale() == 65536.0 / 2
