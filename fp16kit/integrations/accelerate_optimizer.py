@@ -31,7 +31,8 @@ answer is the scaler's own flag instead. At each hook:
 * ``step_was_skipped`` (read by Accelerate's ``AcceleratedScheduler`` and
   ``accelerator.optimizer_step_was_skipped``): ``flag.item()``, one host read per call, and no
   wait for an asynchronous step: the flag is computed on the main thread before the step is
-  handed off. False before the first step and after a micro-step.
+  handed off. False before the first step; micro-steps keep the last sync step's answer (as
+  Accelerate's flag does).
 * ``zero_grad()``: Accelerate's (only on sync steps).
 """
 
