@@ -56,14 +56,13 @@ class Net(L.LightningModule):
         super().__init__()
         self.net = make_net()
         self.kind, self.inf_call, self.sched, self.wrap, self.log_norm = kind, inf_call, sched, wrap, log_norm
-        self.calls = 0
         self.record: list[dict] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = loss_of(self.net(x), y, self.calls, self.inf_call)
-        self.calls += 1
-        return loss
+        # the index of this batch over all epochs (survives a resume, unlike a counter)
+        return loss_of(self.net(x), y, self.current_epoch * self.trainer.num_training_batches + batch_idx,
+                       self.inf_call)
 
     def on_before_optimizer_step(self, optimizer):
         if self.log_norm:
@@ -73,7 +72,8 @@ class Net(L.LightningModule):
         inner = make_inner(self.parameters(), self.kind)
         opt = fp16kit.MixedPrecisionOptimizer(inner) if self.wrap else inner
         if self.sched:
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5)}
+            return {"optimizer": opt, "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5), "interval": "step"}}
         return opt
 
 
@@ -98,17 +98,18 @@ def trainer(plugin, **kw) -> L.Trainer:
 
 
 def fit(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async_step=False, inf_call=None,
-        sched=False, data=None, **plugin_kw):
-    model = Net(kind, inf_call=inf_call, sched=sched)
+        sched=False, data=None, algo="norm", log_norm=False, **plugin_kw):
+    model = Net(kind, inf_call=inf_call, sched=sched, log_norm=log_norm)
     plugin = MasterWeightsPrecision(precision, async_step=async_step, **plugin_kw)
     rec = Recorder()
-    t = trainer(plugin, gradient_clip_val=clip, accumulate_grad_batches=accumulate, callbacks=[rec])
+    t = trainer(plugin, gradient_clip_val=clip, gradient_clip_algorithm=algo if clip else None,
+                accumulate_grad_batches=accumulate, callbacks=[rec])
     t.fit(model, train_dataloaders=loader(data if data is not None else batches()))
     return model, plugin, rec
 
 
 def reference(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async_step=False, inf_call=None,
-              sched=False, data=None, scaler=None):
+              sched=False, data=None, scaler=None, algo="norm"):
     """The plain fp16kit loop, written out (Lightning's call order: forward, zero_grad on the
     first batch of an accumulation window, backward of loss / accumulate, step)."""
     model = make_net().to(DTYPES[precision])
@@ -129,7 +130,10 @@ def reference(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async
         if scaler is not None:
             if clip:
                 scaler.unscale_(opt)
-                norm = torch.nn.utils.clip_grad_norm_(opt.master_params, clip)
+                if algo == "value":
+                    torch.nn.utils.clip_grad_value_(opt.master_params, clip)
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(opt.master_params, clip)
             scaler.step(opt)
             scaler.update()
             steps.append((scaler.last_step_skipped(), scaler.get_scale(), norm))
@@ -183,3 +187,81 @@ def test_equals_plain_loop_bit_for_bit(precision, kind, clip, accumulate, async_
         assert plugin.scaler.skipped_steps() == 1
         assert [s for s, _, _ in rec.steps].count(True) == 1
         assert plugin.scaler.get_scale() == 65536.0 / 2
+
+
+def test_user_scaler_value_clip_and_scheduler():
+    # a user scaler with extras (hysteresis: the first overflow does not halve the scale), clip
+    # by value, an LR scheduler built on the inner optimizer (they share param_groups)
+    def scaler():
+        return fp16kit.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, hysteresis=2)
+
+    model, plugin, rec = fit(clip=0.01, algo="value", inf_call=INF_CALL, sched=True, scaler=scaler())
+    ref_model, ref_opt, ref_steps = reference(clip=0.01, algo="value", inf_call=INF_CALL, sched=True, scaler=scaler())
+    assert_same(model, plugin, ref_model, ref_opt)
+    assert [s[:2] for s in rec.steps] == [s[:2] for s in ref_steps]
+    assert rec.steps[INF_CALL][0] and plugin.scaler.skipped_steps() == 1
+    assert plugin.optimizers[0].param_groups[0]["lr"] == LR * 0.5**N_BATCHES
+
+
+def test_bf16_overflow_is_skipped():
+    model, plugin, rec = fit("bf16-true", inf_call=INF_CALL)
+    ref_model, ref_opt, _ = reference("bf16-true", inf_call=INF_CALL)
+    assert_same(model, plugin, ref_model, ref_opt)
+    assert [s[0] for s in rec.steps] == [k == INF_CALL for k in range(N_BATCHES)]
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+def test_grad_norm_reads_the_unscaled_master_grads(async_step):
+    model, plugin, _ = fit(log_norm=True, async_step=async_step)
+    ref_model, ref_opt = make_net().half(), None
+    opt = fp16kit.MixedPrecisionOptimizer(make_inner(ref_model.parameters(), "sgd"), async_step=async_step)
+    scaler = fp16kit.GradScaler("cpu")
+    expected = []
+    for x, y in batches():
+        opt.zero_grad()
+        scaler.scale(loss_of(ref_model(x.half()), y.half(), 0, None)).backward()
+        scaler.unscale_(opt)
+        expected.append(torch.nn.utils.get_total_norm([m.grad for m in opt.master_params]))
+        scaler.step(opt)
+        scaler.update()
+    logged = torch.stack([r["grad_norm"] for r in model.record])
+    # the same per-tensor fp32 norms, combined in another order: a few ulps
+    torch.testing.assert_close(logged, torch.stack(expected), rtol=1e-6, atol=0)
+    assert logged.max() < 100  # (the scaled fp16 grads' norm is ~65536 times larger)
+
+
+def test_grad_norm_outside_the_step_names_the_hook():
+    class Early(Net):
+        def on_after_backward(self):
+            grad_norm(self, 2)
+
+    with pytest.raises(RuntimeError, match="on_before_optimizer_step"):
+        trainer(MasterWeightsPrecision()).fit(Early(), train_dataloaders=loader(batches(2)))
+
+
+def test_wrong_use_is_refused_before_anything_changes():
+    with pytest.raises(ValueError, match="16-true"):
+        MasterWeightsPrecision("16-mixed")
+    with pytest.raises(ValueError, match="no scaler"):
+        MasterWeightsPrecision("bf16-true", scaler=fp16kit.GradScaler("cpu"))
+    with pytest.raises(TypeError, match="fp16kit.GradScaler"):
+        MasterWeightsPrecision(scaler=torch.amp.GradScaler("cpu"))
+    model = Net(wrap=True)  # the user wrapped it, and asked the plugin for async masters too
+    with pytest.raises(ValueError, match="one place"):
+        trainer(MasterWeightsPrecision(async_step=True)).fit(model, train_dataloaders=loader(batches(2)))
+
+    class Lbfgs(Net):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters())
+
+    with pytest.raises(TypeError, match="LBFGS"):
+        trainer(MasterWeightsPrecision()).fit(Lbfgs(), train_dataloaders=loader(batches(2)))
+
+
+def test_user_wrapped_optimizer_is_used_as_is():
+    model = Net(wrap=True)
+    plugin = MasterWeightsPrecision()
+    trainer(plugin, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()))
+    assert plugin.optimizers == [model.trainer.optimizers[0]]
+    ref_model, ref_opt, _ = reference(clip=CLIP)
+    assert_same(model, plugin, ref_model, ref_opt)
