@@ -1,0 +1,289 @@
+"""Fine-tune "O2 style" through the Transformers ``Trainer``: fp16/bf16 weights, fp32 masters.
+
+``pip install "fp16kit[transformers]"``. The recipe is one ``Trainer`` subclass::
+
+    args = TrainingArguments(output_dir, fp16=True, max_grad_norm=1.0, save_steps=100)
+    trainer = MasterWeightsTrainer(model=model, args=args, train_dataset=ds)   # async_step=...,
+    trainer.train()                                                            # master_device=...
+    trainer.train(resume_from_checkpoint=True)    # masters, scaler, optimizer, LR, RNG restored
+
+``args.fp16=True`` trains the model's weights in float16 behind :class:`fp16kit.GradScaler`,
+``args.bf16=True`` in bfloat16 (no scaler); either way the optimizer steps fp32 master weights
+(:class:`fp16kit.MixedPrecisionOptimizer`). The flags keep their Trainer meaning -- "train in
+this precision" -- but select fp16kit's master-weight mode instead of the Trainer's autocast mode:
+a ``MasterWeightsTrainer`` never falls back to autocast. The model may be given in float32 (it is
+cast when the Trainer prepares it) or already in the chosen dtype.
+
+What happens at each Trainer hook (transformers 5.24):
+
+* ``create_accelerator_and_postprocess`` (Trainer construction) builds a
+  :class:`~fp16kit.integrations.accelerate.MasterWeightsAccelerator` from the same arguments
+  the Trainer builds its ``Accelerator`` from, plus ``async_step``, ``master_device``,
+  ``master_dtype`` and ``scaler``. Everything below is that accelerator's work:
+* ``accelerator.prepare(model, optimizer)`` (start of ``train()``): the model is cast to
+  fp16/bf16; the Trainer's optimizer (``args.optim``; or the one passed in ``optimizers=``) is
+  wrapped in a ``MixedPrecisionOptimizer`` -- one you built yourself is used as is.
+* ``training_step`` -> ``accelerator.backward(loss)``: the loss (divided by the accumulation
+  steps by the Trainer unless the model normalises it by ``num_items_in_batch``) is scaled by
+  the fp16 scaler and back-propagated into the fp16 grads, which accumulate across micro-batches.
+* ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)``: unscales the fp16 grads
+  into the fp32 master grads and clips *those*; the returned (and logged) ``grad_norm`` is the
+  unscaled norm. ``max_grad_norm=0`` still reports the norm, clipping nothing.
+* ``optimizer.step()``: ``scaler.step`` + ``scaler.update``; on an overflow the step is skipped,
+  the scale backs off and ``accelerator.optimizer_step_was_skipped`` is True, so the Trainer
+  does not step the LR scheduler (its own rule).
+* Checkpoints (``save_steps``): ``optimizer.pt`` is the ``MixedPrecisionOptimizer`` state dict
+  (inner optimizer state + fp32 masters), ``scaler.pt`` the scaler's (fp16 only), both plain
+  data the Trainer reloads with ``torch.load(weights_only=True)``; the model weights are saved
+  in their training dtype (an fp16 model saves fp16 safetensors). ``resume_from_checkpoint``
+  loads the model weights, then the masters, optimizer, scheduler, scaler and RNG states: the
+  resumed run continues bit for bit.
+
+``async_step=True`` (:mod:`fp16kit.async_step`): each optimizer step runs on the optimizer
+thread while the next forward/backward runs, a one-step delayed update. Whatever reads the
+weights waits for the step in flight first (``optimizer.synchronize()``): ``evaluate``,
+``predict``, ``save_model`` (so every checkpoint's weights match its masters) and the end of
+training (after the last step, before ``on_train_end`` callbacks). Each such wait lands the step
+early, so the next forward sees weights one step fresher than with no wait: a run's trajectory
+depends on its save/eval steps, and a resumed run continues exactly the run that saved the
+checkpoint. Logging reads no weights and does not wait.
+
+Refused, before any state changes (``ValueError``/``TypeError`` naming the fix): neither or both
+of ``fp16``/``bf16``; DeepSpeed or FSDP (they keep their own fp32 params and scaler); LOMO
+optimizers (they fuse the update into backward); more than one GPU without ``torchrun``
+(``nn.DataParallel``); ``fp16_full_eval``/``bf16_full_eval`` naming the other dtype (it would
+cast the trained weights in place); a model already in the other half dtype or already wrapped
+(DDP, DataParallel); ``async_step``/``master_device``/``master_dtype`` beside a
+``MixedPrecisionOptimizer`` you built (set them on it).
+
+After ``load_best_model_at_end`` the model holds the best checkpoint's weights while the
+optimizer keeps the last step's masters: build a new trainer (or resume) to train on from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from ._requires import require
+
+require("transformers", extra="transformers", tested=("5.24", "5.25"))
+
+import torch  # noqa: E402
+import transformers.trainer as _trainer_module  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from ..optimizer import MixedPrecisionOptimizer  # noqa: E402
+from .accelerate import MasterWeightsAccelerator  # noqa: E402
+
+__all__ = ["MasterWeightsTrainer"]
+
+logger = logging.getLogger("fp16kit")
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class MasterWeightsTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains fp16/bf16 weights through fp32 master weights.
+
+    Takes the ``Trainer``'s arguments unchanged, plus (keyword-only):
+
+    Args:
+        async_step: run each optimizer step on fp16kit's optimizer thread (one-step delayed
+            update); see the module docstring for where the trainer waits for it.
+        master_device: device of the masters and optimizer state (e.g. ``"cpu"`` for a CUDA
+            model); default: each param's device.
+        master_dtype: dtype of the masters (default ``torch.float32``).
+        scaler: an :class:`fp16kit.GradScaler` to use for ``fp16`` (e.g. with another
+            ``init_scale``); default: a new one. Refused with ``bf16``.
+
+    ``args.fp16`` or ``args.bf16`` (exactly one) chooses the weights' dtype. See the module
+    docstring for the algorithm at each Trainer hook and what is refused.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        async_step: bool = False,
+        master_device: torch.device | str | None = None,
+        master_dtype: torch.dtype = torch.float32,
+        scaler: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        bound = inspect.signature(Trainer.__init__).bind(self, *args, **kwargs).arguments
+        mixed_precision = _check_arguments(
+            bound, async_step=async_step, master_device=master_device, master_dtype=master_dtype
+        )
+        self.fp16kit_options: dict[str, Any] = {
+            "async_step": async_step,
+            "master_device": master_device,
+            "master_dtype": master_dtype,
+            "scaler": scaler,
+        }
+        self.fp16kit_mixed_precision = mixed_precision
+        callbacks = list(bound.get("callbacks") or [])
+        kwargs_out = dict(bound)
+        kwargs_out.pop("self")
+        kwargs_out["callbacks"] = [_SynchronizeAtTrainEnd(self), *callbacks]
+        super().__init__(**kwargs_out)
+
+    # ------------------------------------------------------------------ construction
+    def create_accelerator_and_postprocess(self) -> None:
+        """Build a :class:`MasterWeightsAccelerator` where the Trainer builds its ``Accelerator``.
+
+        transformers 5.24's ``Trainer.create_accelerator_and_postprocess`` computes the
+        accelerator's arguments and then calls ``Accelerator(**args)`` by the module-level name
+        ``transformers.trainer.Accelerator``, with no hook to choose the class; the name is
+        rebound for that call only (checked after it, and by
+        ``test_transformers.py::test_trainer_builds_master_weights_accelerator``)."""
+        factory = functools.partial(
+            _build_accelerator, precision=self.fp16kit_mixed_precision, options=self.fp16kit_options
+        )
+        with _rebind(_trainer_module, "Accelerator", factory):
+            super().create_accelerator_and_postprocess()
+        if not isinstance(self.accelerator, MasterWeightsAccelerator):
+            raise RuntimeError(
+                "MasterWeightsTrainer could not install its accelerator: this transformers version "
+                f"({_trainer_module.__name__}) no longer builds it through "
+                "transformers.trainer.Accelerator. Use transformers 5.24-5.25, or report it to fp16kit."
+            )
+
+    # ------------------------------------------------------------------ reads of the weights
+    def synchronize(self) -> None:
+        """Wait for an optimizer step in flight (``async_step=True``) and copy its masters into
+        the model; a no-op otherwise, or before ``train()`` created the optimizer."""
+        opt = _master_optimizer(self.optimizer)
+        if opt is not None:
+            opt.synchronize()
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """``Trainer.evaluate`` on the weights after the last optimizer step."""
+        self.synchronize()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.predict`` on the weights after the last optimizer step."""
+        self.synchronize()
+        return super().predict(*args, **kwargs)
+
+    def save_model(self, *args: Any, **kwargs: Any) -> None:
+        """``Trainer.save_model`` of the weights after the last optimizer step (also what a
+        checkpoint saves, so its weights match its masters)."""
+        self.synchronize()
+        super().save_model(*args, **kwargs)
+
+
+class _SynchronizeAtTrainEnd(TrainerCallback):
+    """Lands the last step in flight when training ends, before the callbacks that follow see the
+    model (this callback comes right after the Trainer's defaults): at the step that reaches
+    ``max_steps`` and at ``on_train_end`` (training stopped early)."""
+
+    def __init__(self, trainer: MasterWeightsTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step >= state.max_steps:
+            self.trainer.synchronize()
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.synchronize()
+
+
+def _master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer | None:
+    """The ``MixedPrecisionOptimizer`` under Accelerate's ``AcceleratedOptimizer`` wrapper(s)."""
+    while optimizer is not None and not isinstance(optimizer, MixedPrecisionOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+def _build_accelerator(*, precision: str, options: dict[str, Any], **accelerator_args: Any) -> Any:
+    # the Trainer passes args.mixed_precision, which also reads ACCELERATE_MIXED_PRECISION;
+    # the choice checked in __init__ (args.fp16 / args.bf16) wins
+    accelerator_args["mixed_precision"] = precision
+    return MasterWeightsAccelerator(**accelerator_args, **options)
+
+
+@contextlib.contextmanager
+def _rebind(module: Any, name: str, value: Any) -> Iterator[None]:
+    if not hasattr(module, name):
+        raise RuntimeError(
+            f"MasterWeightsTrainer expects {module.__name__}.{name} (transformers 5.24-5.25); "
+            "this transformers version changed how the Trainer builds its accelerator."
+        )
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _check_arguments(
+    bound: dict[str, Any], *, async_step: bool, master_device: Any, master_dtype: torch.dtype
+) -> str:
+    """Every refusal of the module docstring, before the Trainer is built; returns "fp16"/"bf16"."""
+    args = bound.get("args")
+    if args is None or bool(args.fp16) == bool(args.bf16):
+        raise ValueError(
+            "MasterWeightsTrainer trains fp16 or bf16 weights with fp32 masters: pass "
+            "TrainingArguments(fp16=True) or TrainingArguments(bf16=True) (exactly one). For fp32 "
+            "training or autocast, use transformers.Trainer."
+        )
+    mixed_precision = "fp16" if args.fp16 else "bf16"
+    dtype = _DTYPES[mixed_precision]
+    if args.deepspeed:
+        raise ValueError(
+            "MasterWeightsTrainer does not combine with DeepSpeed, which keeps its own fp32 master "
+            "weights and loss scaler: drop `deepspeed` from the TrainingArguments, or use "
+            "transformers.Trainer with DeepSpeed's fp16/bf16 config."
+        )
+    if args.fsdp:
+        raise ValueError(
+            "MasterWeightsTrainer does not combine with FSDP, whose sharded params would get "
+            "redundant fp32 masters: drop `fsdp`, or use transformers.Trainer with FSDP's "
+            "MixedPrecisionPolicy (see fp16kit's README, 'Use with FSDP2')."
+        )
+    if "lomo" in str(args.optim).lower():
+        raise ValueError(
+            f"MasterWeightsTrainer cannot use optim={args.optim!r}: LOMO fuses the update into "
+            "backward, so there is no optimizer step to run on fp32 masters. Choose another optim."
+        )
+    other_eval = "bf16_full_eval" if mixed_precision == "fp16" else "fp16_full_eval"
+    if getattr(args, other_eval):
+        raise ValueError(
+            f"{other_eval}=True would cast the {mixed_precision} weights being trained to another "
+            f"dtype in place; the model already evaluates in {mixed_precision}: drop {other_eval}."
+        )
+    if args.n_gpu > 1:
+        raise ValueError(
+            "MasterWeightsTrainer does not support nn.DataParallel (several GPUs in one process): "
+            "launch with torchrun for DDP, or set CUDA_VISIBLE_DEVICES to one GPU."
+        )
+    model = bound.get("model")
+    if model is not None:
+        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            raise TypeError(
+                f"MasterWeightsTrainer got a model wrapped in {type(model).__name__}: pass the "
+                "unwrapped model; the Trainer wraps it for distributed training itself."
+            )
+        other = {torch.float16, torch.bfloat16} - {dtype}
+        wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype in other})
+        if wrong:
+            raise ValueError(
+                f"The model has {', '.join(wrong)} parameters but the TrainingArguments ask for "
+                f"{mixed_precision}: set {'bf16' if mixed_precision == 'fp16' else 'fp16'}=True, or "
+                "give the model in float32 (it is cast when training starts)."
+            )
+    optimizer = (bound.get("optimizers") or (None, None))[0]
+    if isinstance(_master_optimizer(optimizer), MixedPrecisionOptimizer):
+        if async_step or master_device is not None or master_dtype != torch.float32:
+            raise ValueError(
+                "The optimizer is already a MixedPrecisionOptimizer, which fixes async_step, "
+                "master_device and master_dtype: set them on it, not on MasterWeightsTrainer "
+                "(or pass the plain optimizer and let the trainer wrap it)."
+            )
+    return mixed_precision
