@@ -34,7 +34,12 @@ What each Accelerate hook does here (Accelerate 1.15):
   ``scaler.unscale_`` puts the unscaled grads into the masters, and the clip acts there -- each
   model param stands for its master (``MixedPrecisionOptimizer.clip_grad_norm_(params=...)``);
   the returned norm is the unscaled one. Params of several prepared optimizers give one total
-  norm over all of them.
+  norm over all of them. Call them on sync steps only (``if accelerator.sync_gradients:``).
+* Several optimizers: those unscaled together (one clip over all their params, or
+  ``accelerator.unscale_gradients()``) update the scaler once, after the last of them steps
+  (torch.amp's rule). Stepped without unscaling, each step updates the scaler as in Accelerate
+  -- then an overflow halves the scale before the next optimizer unscales its grads, so
+  call ``accelerator.unscale_gradients()`` first when several optimizers step per iteration.
 * ``optimizer.step()`` / ``step_was_skipped`` / ``optimizer_step_was_skipped``: see
   :mod:`fp16kit.integrations.accelerate_optimizer` (the scaler's flag; one host read per query).
 * ``save_state`` / ``load_state``: Accelerate's. ``optimizer.bin`` holds the wrapped optimizer's

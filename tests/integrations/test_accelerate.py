@@ -338,6 +338,17 @@ def test_user_built_mixed_precision_optimizer_is_used_as_is():
     assert not opt.step_was_skipped
 
 
+def test_prepare_order_does_not_matter():
+    # the model is cast and placed before the optimizer is wrapped, whatever the order
+    acc = make_accelerator("bf16")
+    model = net()
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    sched, opt, model, again = acc.prepare(schedule(sgd), sgd, model, model)
+    assert opt.optimizer.optimizer is sgd and sched.scheduler.optimizer is sgd and again is model
+    assert len(opt.optimizer.master_params) == 4 and model[0].weight.dtype == torch.bfloat16
+    assert sched.optimizers == [opt]
+
+
 # ---------------------------------------------------------------------------- wrong use
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"mixed_precision": "fp8"}, ValueError, "'fp16' or 'bf16'"),
