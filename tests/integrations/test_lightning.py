@@ -265,3 +265,116 @@ def test_user_wrapped_optimizer_is_used_as_is():
     assert plugin.optimizers == [model.trainer.optimizers[0]]
     ref_model, ref_opt, _ = reference(clip=CLIP)
     assert_same(model, plugin, ref_model, ref_opt)
+
+
+# ---------------------------------------------------------------------- Lightning's own MixedPrecision
+def autocast_reference(model: torch.nn.Module, opt, scaler, clip_params) -> None:
+    """The torch.amp loop Lightning's MixedPrecision runs (autocast without cache)."""
+    for k, (x, y) in enumerate(batches()):
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = loss_of(model(x), y, k, INF_CALL)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(clip_params(), CLIP)
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_hand_assembled_autocast_path_with_fp16kit_scaler():
+    model = Net(inf_call=INF_CALL)
+    plugin = L.plugins.MixedPrecision("16-mixed", "cpu", scaler=fp16kit.GradScaler("cpu"))
+    trainer(plugin, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()))
+    ref = make_net()
+    opt, scaler = make_inner(ref.parameters(), "sgd"), fp16kit.GradScaler("cpu")
+    autocast_reference(ref, opt, scaler, ref.parameters)
+    assert all(torch.equal(p, q) for p, q in zip(model.net.parameters(), ref.parameters()))
+    assert plugin.scaler.skipped_steps() == scaler.skipped_steps() == 1
+
+
+def test_hand_assembled_half_model_with_user_mpo():
+    # a .half() model whose configure_optimizers returns a MixedPrecisionOptimizer, trained
+    # through Lightning's MixedPrecision: gradient_clip_val reaches the masters (its
+    # main_params are the param groups' params, which are the masters)
+    model = Net(wrap=True, inf_call=INF_CALL).half()
+    plugin = L.plugins.MixedPrecision("16-mixed", "cpu", scaler=fp16kit.GradScaler("cpu"))
+    trainer(plugin, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()))
+    ref = make_net().half()
+    opt, scaler = fp16kit.MixedPrecisionOptimizer(make_inner(ref.parameters(), "sgd")), fp16kit.GradScaler("cpu")
+    autocast_reference(ref, opt, scaler, lambda: opt.master_params)
+    assert all(torch.equal(p, q) for p, q in zip(model.net.parameters(), ref.parameters()))
+    (user_opt,) = model.trainer.optimizers
+    assert all(torch.equal(m, r) for m, r in zip(user_opt.master_params, opt.master_params))
+
+
+# ---------------------------------------------------------------------- async landing
+def test_async_validation_and_fit_end_see_the_last_step():
+    class Val(Net):
+        def validation_step(self, batch, batch_idx):
+            (opt,) = self.trainer.precision_plugin.optimizers
+            self.record.append([torch.equal(p, m.to(p.dtype)) for p, m in zip(opt.model_params, opt.master_params)])
+
+    model = Val()
+    plugin = MasterWeightsPrecision(async_step=True)
+    trainer(plugin, max_epochs=2).fit(model, train_dataloaders=loader(batches()), val_dataloaders=loader(batches(2)))
+    assert len(model.record) == 4 and all(all(r) for r in model.record)
+    (opt,) = plugin.optimizers
+    assert all(torch.equal(p, m.half()) for p, m in zip(opt.model_params, opt.master_params))
+
+
+# ---------------------------------------------------------------------- checkpoints
+def ckpt_trainer(plugin, root, epochs: int, **kw) -> L.Trainer:
+    cb = L.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    return trainer(plugin, max_epochs=epochs, enable_checkpointing=True, callbacks=[cb], default_root_dir=root, **kw)
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+def test_resume_continues_bit_for_bit(tmp_path, async_step):
+    def run(root, ckpt=None):
+        model = Net("adamw", inf_call=INF_CALL, sched=True)
+        scaler = fp16kit.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, hysteresis=2)
+        plugin = MasterWeightsPrecision(scaler=scaler, async_step=async_step)
+        ckpt_trainer(plugin, root, 2, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()),
+                                                                  ckpt_path=ckpt)
+        return model, plugin
+
+    a_model, a_plugin = run(tmp_path / "a")
+    ckpt = tmp_path / "a" / "epoch=0.ckpt"
+    saved = torch.load(ckpt, weights_only=True)  # plain data
+    masters = saved["optimizer_states"][0]["masters"][0]
+    names = [n for n, _ in a_model.named_parameters()]
+    # consistent: the saved weights are the saved masters rounded (async: the step in flight landed)
+    assert all(torch.equal(saved["state_dict"][n], m.half()) for n, m in zip(names, masters))
+    assert saved["MasterWeightsPrecision"]["scaler"]["hysteresis"] == 2  # the user's scaler, with its extras
+    b_model, b_plugin = run(tmp_path / "b", ckpt)
+    assert all(torch.equal(p, q) for p, q in zip(a_model.parameters(), b_model.parameters()))
+    for m, r in zip(a_plugin.optimizers[0].master_params, b_plugin.optimizers[0].master_params):
+        assert torch.equal(m, r)
+    assert a_plugin.scaler.state_dict() == b_plugin.scaler.state_dict()
+    assert a_plugin.scaler.skipped_steps() == 1  # the overflow was in epoch 0, before the checkpoint
+
+
+@pytest.mark.parametrize("precision", ["16-true", "16-mixed"])
+def test_checkpoint_without_masters_rebuilds_them(tmp_path, precision, caplog):
+    first = L.plugins.MixedPrecision("16-mixed", "cpu", scaler=fp16kit.GradScaler("cpu", init_scale=1024.0)) \
+        if precision == "16-mixed" else L.plugins.HalfPrecision("16-true")
+    ckpt_trainer(first, tmp_path, 1).fit(Net(), train_dataloaders=loader(batches()))
+    saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
+
+    seen = {}
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["masters"] = [m.clone() for m in trainer.precision_plugin.optimizers[0].master_params]
+            seen["scale"] = trainer.precision_plugin.scaler.get_scale()
+
+    model, plugin = Net(), MasterWeightsPrecision()
+    with caplog.at_level(logging.WARNING, logger="fp16kit"):
+        trainer(plugin, max_epochs=2, callbacks=[AtStart()]).fit(
+            model, train_dataloaders=loader(batches()), ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert "no fp32 master weights" in caplog.text
+    names = [n for n, _ in model.named_parameters()]
+    # exact: a 16-mixed run's fp32 weights become the masters as they are
+    assert all(torch.equal(m, saved["state_dict"][n].float()) for n, m in zip(names, seen["masters"]))
+    assert seen["scale"] == (1024.0 if precision == "16-mixed" else 65536.0)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
