@@ -133,6 +133,12 @@ class MasterWeightsAccelerator(Accelerator):
         if dtype is torch.float16 and scaler is None:
             handler = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
             scaler = GradScaler(self.device.type, **handler)
+        elif scaler is not None and torch.device(scaler._device).type != self.device.type:
+            # (``_device``: torch.amp.GradScaler's attribute; Accelerate 1.15 reads it too)
+            raise ValueError(
+                f"scaler is a GradScaler for {scaler._device!r} but the accelerator trains on "
+                f"{self.device.type!r}: build it as fp16kit.GradScaler({self.device.type!r}, ...)."
+            )
         self.scaler = scaler
         self._unscaled = UnscaledThisIteration()
 
@@ -199,7 +205,7 @@ class MasterWeightsAccelerator(Accelerator):
         into the masters. Once per optimizer per iteration (a second call does nothing);
         only on a sync step. A no-op for bf16 (no scaler)."""
         self._check_sync_step("unscale_gradients")
-        if self.scaler is None:
+        if self.scaler is None or not self.scaler.is_enabled():
             return
         for opt in self._mixed_optimizers(optimizer):
             self._unscaled.unscale(self.scaler, opt)

@@ -24,7 +24,7 @@ answer is the scaler's own flag instead. At each hook:
   params), the update waits for the last of them to step -- torch.amp's rule (unscale all,
   clip, step all, update once); an update in between would make the next optimizer unscale
   its grads again, undoing the clip.
-* ``step()`` on a sync step, bf16 (no scaler): ``flag`` = a non-finite check of the grads the
+* ``step()`` on a sync step, bf16 (no scaler; or a disabled one): ``flag`` = a non-finite check of the grads the
   step will use (model grads, and in a synchronous step the masters' if a clip read them
   already), then ``MixedPrecisionOptimizer.step()`` -- which skips the step on exactly that
   condition.
@@ -105,7 +105,7 @@ class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
                 "without Accelerate."
             )
         opt = self.optimizer
-        if self.scaler is not None:
+        if self.scaler is not None and self.scaler.is_enabled():
             self.scaler.step(opt)
             if self._unscaled.stepped(opt):
                 self.scaler.update()

@@ -291,6 +291,9 @@ def test_save_state_load_state_resumes_bit_for_bit(mp, async_step, tmp_path):
     whole = accelerated_loop(mp, async_step=async_step, overflow_at=4, save_at=2, save_dir=ckpt)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+    assert_same(whole, accelerated_loop(mp, async_step=async_step, overflow_at=4))  # saving changed nothing
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
     # fresh objects (another init seed: everything must come from the checkpoint)
     resumed = accelerated_loop(mp, async_step=async_step, overflow_at=4, start=3, load_dir=ckpt, seed=7)
     assert_same(resumed, whole, history=False)
@@ -364,6 +367,26 @@ def test_refused_settings_fail_before_touching_accelerate_state(kwargs, error, m
     with pytest.raises(error, match=match):
         MasterWeightsAccelerator(cpu=True, **kwargs)
     assert AcceleratorState._shared_state == {}
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+def test_scaler_for_another_device_is_refused():
+    with pytest.raises(ValueError, match=r"fp16kit.GradScaler\('cpu'"):
+        MasterWeightsAccelerator("fp16", cpu=True, scaler=fp16kit.GradScaler("cuda"))
+
+
+def test_disabled_scaler_still_reports_skipped_steps():
+    acc = MasterWeightsAccelerator("fp16", cpu=True, kwargs_handlers=[GradScalerKwargs(enabled=False)])
+    model = net()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    skipped = []
+    for step in range(2):
+        acc.backward(loss_of(model, step, 0, torch.float16, overflow_at=1))
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.step_was_skipped)
+    assert skipped == [False, True]
 
 
 def test_refused_launch_environment(monkeypatch):
