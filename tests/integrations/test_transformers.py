@@ -388,5 +388,5 @@ def test_example_runs(tmp_path):
     done = subprocess.run([sys.executable, str(script), "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "skipped steps: 1" in done.stdout
+    assert "skipped steps: 2" in done.stdout
     assert "resume: bit-identical" in done.stdout
