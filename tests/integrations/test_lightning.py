@@ -9,6 +9,11 @@ same division), so params and masters must be equal bit for bit (torch.equal).
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +23,6 @@ import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
 
 import fp16kit  # noqa: E402
-from fp16kit.core import kernels  # noqa: E402
 from fp16kit.integrations.lightning import MasterWeightsPrecision, grad_norm  # noqa: E402
 
 LR, CLIP, N_BATCHES, INF_CALL = 0.05, 0.5, 6, 2
@@ -378,3 +382,18 @@ def test_checkpoint_without_masters_rebuilds_them(tmp_path, precision, caplog):
     assert all(torch.equal(m, saved["state_dict"][n].float()) for n, m in zip(names, seen["masters"]))
     assert seen["scale"] == (1024.0 if precision == "16-mixed" else 65536.0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------- the example
+def test_example_runs():
+    root = pathlib.Path(fp16kit.__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "integrations" / "lightning_master_weights.py"), "--epochs", "3"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr
+    losses = [float(v) for v in re.findall(r"epoch \d+: loss (\d+\.\d+)", done.stdout)]
+    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0]
+    assert "model dtype torch.float16, masters dtype torch.float32" in done.stdout
+    skipped = int(re.search(r"skipped steps (\d+)", done.stdout).group(1))
+    assert skipped >= 1  # the scale calibrated down from 2**20
