@@ -86,6 +86,16 @@ _SUPPORTED_TYPES = (
 )
 
 
+# Accelerate internals this class relies on (read in 1.15; tests/integrations/test_accelerate.py
+# fails if they change): ``native_amp`` gates prepare_model's autocast wrapping
+# (test_no_autocast_on_the_cast_model); ``scaler`` is what backward/save_state/load_state use,
+# ``scaler_handler`` holds a GradScalerKwargs (same test); ``_optimizers``/``_schedulers`` are
+# the lists save_state/load_state walk (test_save_state_load_state_resumes_bit_for_bit);
+# AcceleratedOptimizer(optimizer, device_placement, scaler) and AcceleratedScheduler(scheduler,
+# optimizers, step_with_optimizer, split_batches) construct as in prepare_optimizer /
+# prepare_scheduler, the latter reading ``step_was_skipped`` (the training tests' LR history).
+
+
 class MasterWeightsAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` that trains an fp16/bf16 model through fp32 master weights
     (see the module docstring for what happens at each hook).
