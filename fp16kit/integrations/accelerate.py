@@ -21,8 +21,8 @@ What each Accelerate hook does here (Accelerate 1.15):
 * ``__init__``: Accelerate's, then no autocast (``native_amp`` off: the model already computes
   in its own dtype -- Accelerate's autocast would also cast the outputs to fp32 and change the
   numbers) and ``scaler`` = a :class:`fp16kit.GradScaler` for fp16 (built from a
-  ``GradScalerKwargs`` handler if given), None for bf16. Accelerate itself refuses
-  ``mixed_precision="fp16"`` scaling on CPU (no scaler, no autocast); this class works there.
+  ``GradScalerKwargs`` handler if given), None for bf16. (Accelerate itself silently gives
+  ``mixed_precision="fp16"`` on CPU neither a scaler nor autocast; this class scales there too.)
 * ``prepare(...)``: every model first -- cast to the dtype (``model.to(dtype)``; params keep
   their identity, so optimizers built on them stay valid), then Accelerate's placement and DDP
   wrapping; then every optimizer is wrapped in a MixedPrecisionOptimizer (``async_step``,
