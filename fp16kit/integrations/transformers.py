@@ -65,7 +65,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,8 +80,6 @@ from ..optimizer import MixedPrecisionOptimizer  # noqa: E402
 from .accelerate import MasterWeightsAccelerator  # noqa: E402
 
 __all__ = ["MasterWeightsTrainer"]
-
-logger = logging.getLogger("fp16kit")
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -118,13 +115,13 @@ class MasterWeightsTrainer(Trainer):
         mixed_precision = _check_arguments(
             bound, async_step=async_step, master_device=master_device, master_dtype=master_dtype
         )
-        self.fp16kit_options: dict[str, Any] = {
+        self._fp16kit_options: dict[str, Any] = {
             "async_step": async_step,
             "master_device": master_device,
             "master_dtype": master_dtype,
             "scaler": scaler,
         }
-        self.fp16kit_mixed_precision = mixed_precision
+        self._fp16kit_precision = mixed_precision
         callbacks = list(bound.get("callbacks") or [])
         kwargs_out = dict(bound)
         kwargs_out.pop("self")
@@ -141,7 +138,7 @@ class MasterWeightsTrainer(Trainer):
         rebound for that call only (checked after it, and by
         ``test_transformers.py::test_trainer_builds_master_weights_accelerator``)."""
         factory = functools.partial(
-            _build_accelerator, precision=self.fp16kit_mixed_precision, options=self.fp16kit_options
+            _build_accelerator, precision=self._fp16kit_precision, options=self._fp16kit_options
         )
         with _rebind(_trainer_module, "Accelerator", factory):
             super().create_accelerator_and_postprocess()

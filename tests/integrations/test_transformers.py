@@ -103,11 +103,11 @@ class InfTrainer(MasterWeightsTrainer):
 
 
 def run_trainer(out: Path, precision: str, *, max_steps: int, inf_step=None, resume=None, seed=0,
-                async_step=False, **kw):
+                async_step=False, eval_dataset=None, **kw):
     rec = Recorder()
     trainer = InfTrainer(
         model=tiny_model(seed), args=training_args(out, precision, max_steps=max_steps, **kw),
-        train_dataset=dataset(), callbacks=[rec], async_step=async_step,
+        train_dataset=dataset(), eval_dataset=eval_dataset, callbacks=[rec], async_step=async_step,
     )
     trainer.inf_step, trainer._injected, trainer.losses, rec.trainer = inf_step, {}, [], trainer
     trainer.train(resume_from_checkpoint=resume)
@@ -120,7 +120,7 @@ def linear_lambda(max_steps: int):
 
 
 def reference(precision: str, *, max_steps: int, accum: int = 1, inf_step=None, max_norm=0.5,
-              async_step=False, sync_at=()):
+              async_step=False, sync_at=(), eval_batch=None):
     """The plain fp16kit loop on the Trainer's batches; returns what the tests compare."""
     model = tiny_model(0).to(DTYPES[precision])
     inner = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
@@ -160,7 +160,13 @@ def reference(precision: str, *, max_steps: int, accum: int = 1, inf_step=None, 
             sched.step()
         model.zero_grad()
         if step + 1 in sync_at or step + 1 == max_steps:
+            if eval_batch is not None:  # the loss on the weights an eval without the wait would see
+                with torch.no_grad():
+                    out.setdefault("stale_eval", []).append(model(**eval_batch).loss.item())
             opt.synchronize()
+            if eval_batch is not None:
+                with torch.no_grad():
+                    out.setdefault("eval", []).append(model(**eval_batch).loss.item())
     out.update(model=model, opt=opt, scaler=scaler)
     return out
 
@@ -271,9 +277,11 @@ def test_bf16_matches_plain_loop_and_skips_nonfinite(tmp_path):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
-    trainer, rec = run_trainer(out, "fp16", max_steps=4, async_step=True,
-                               save_strategy="steps", save_steps=2)
-    ref = reference("fp16", max_steps=4, async_step=True, sync_at=(2,))
+    trainer, rec = run_trainer(out, "fp16", max_steps=4, async_step=True, save_strategy="steps",
+                               save_steps=2, eval_strategy="steps", eval_steps=2,
+                               eval_dataset=dataset(BATCH), per_device_eval_batch_size=BATCH)
+    eval_batch = {k: torch.stack([row[k] for row in dataset(BATCH)]) for k in ("input_ids", "labels")}
+    ref = reference("fp16", max_steps=4, async_step=True, sync_at=(2,), eval_batch=eval_batch)
     return out, trainer, rec, ref
 
 
@@ -281,6 +289,12 @@ def test_async_matches_plain_async_loop(async_run):
     out, trainer, rec, ref = async_run
     assert_same_training(trainer, rec, ref)
     opt = trainer.optimizer.optimizer
+    # evaluate waited for the step in flight: it saw step 2's weights, not step 1's. (The
+    # Trainer averages per-sample copies of the batch loss in numpy: equal to a few ulps.)
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 2 and len(ref["eval"]) == 2
+    for got, fresh, stale in zip(evals, ref["eval"], ref["stale_eval"]):
+        assert math.isclose(got, fresh, rel_tol=1e-6) and not math.isclose(got, stale, rel_tol=1e-4)
     # landed at the end of training: the model holds the last step's masters
     for p, m in zip(opt.model_params, opt.master_params):
         assert torch.equal(p, m.to(p.dtype))
@@ -316,6 +330,7 @@ def test_trainer_builds_master_weights_accelerator(tmp_path):
     assert isinstance(trainer.accelerator, MasterWeightsAccelerator)
     assert trainer.accelerator.mixed_precision == "fp16"
     assert isinstance(trainer.accelerator.scaler, fp16kit.GradScaler)
+    assert not trainer.accelerator.native_amp  # no autocast: the Trainer's own fp16 mode is off
     assert trainer_module.Accelerator is accelerate.Accelerator  # restored
 
 
