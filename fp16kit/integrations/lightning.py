@@ -53,10 +53,12 @@ require("lightning.pytorch", extra="lightning", tested=("2.6", "2.7"))
 import contextlib  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
+import weakref  # noqa: E402
 from collections.abc import Callable, Generator, Iterator  # noqa: E402
 from typing import Any, Literal  # noqa: E402
 
 import torch  # noqa: E402
+import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning_utilities import apply_to_collection  # noqa: E402
@@ -119,6 +121,7 @@ class MasterWeightsPrecision(Precision):
         }
         self._custom_options = bool(async_step or master_device is not None or flat or master_dtype != torch.float32)
         self.optimizers: list[MixedPrecisionOptimizer] = []
+        self._built: weakref.WeakSet[MixedPrecisionOptimizer] = weakref.WeakSet()  # wrapped here
         self.last_grad_norm: torch.Tensor | None = None
         self._unscaled: dict[int, dict[torch.device, torch.Tensor]] = {}  # id(opt) -> flags, this iteration
         self._last_flags: dict[torch.device, torch.Tensor] | None = None  # bf16: the last step's
@@ -148,7 +151,7 @@ class MasterWeightsPrecision(Precision):
     def connect(self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, ...]:
         """Wrap the optimizers in MixedPrecisionOptimizer (all checked before any is wrapped)."""
         for i, opt in enumerate(optimizers):
-            if isinstance(opt, MixedPrecisionOptimizer) and self._custom_options:
+            if isinstance(opt, MixedPrecisionOptimizer) and self._custom_options and opt not in self._built:
                 raise ValueError(
                     f"configure_optimizers returned a MixedPrecisionOptimizer (optimizer {i}) and "
                     "MasterWeightsPrecision was given options for the masters it builds "
@@ -161,14 +164,16 @@ class MasterWeightsPrecision(Precision):
                     "MasterWeightsPrecision does not support LBFGS (a closure optimizer re-evaluates "
                     "the model inside its step). Use a first-order optimizer, or train in float32."
                 )
+        # validate/test/predict after fit get the optimizers wrapped then: used as they are
         self.optimizers = [
             o if isinstance(o, MixedPrecisionOptimizer) else MixedPrecisionOptimizer(o, **self._mpo_options)
             for o in optimizers
         ]
+        self._built.update(o for o in self.optimizers if o not in optimizers)
         if self.dtype == torch.float16 and self.scaler is None:
             device = next((p.device.type for p in model.parameters()), "cpu")
             self.scaler = GradScaler(device)
-        self._trainer = getattr(model, "_trainer", None) or getattr(getattr(model, "module", None), "_trainer", None)
+        self._trainer = _trainer_of(model)
         self._replace_state = True  # a second fit: Strategy.teardown moved the state to the CPU
         return model, list(self.optimizers), lr_schedulers
 
@@ -307,6 +312,19 @@ class MasterWeightsPrecision(Precision):
         adopt_plain_checkpoint(checkpoint, self.optimizers, module, self.scaler, own_key=type(self).__qualname__)
 
 
+def _trainer_of(model: Any) -> Any:
+    """The Trainer of a LightningModule, possibly inside a strategy's wrappers (DDP's
+    ``.module``, Lightning's ``_forward_module``); None if none is attached."""
+    for _ in range(4):
+        if isinstance(model, pl.LightningModule):
+            try:
+                return model.trainer
+            except RuntimeError:  # not attached to a Trainer
+                return None
+        model = getattr(model, "module", None) or getattr(model, "_forward_module", None)
+    return None
+
+
 def _master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
     opt = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
     if not isinstance(opt, MixedPrecisionOptimizer):
@@ -351,7 +369,7 @@ def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separ
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    trainer = getattr(module, "_trainer", None)
+    trainer = _trainer_of(module)
     plugin = trainer.precision_plugin if trainer is not None else None
     master_of: dict[int, torch.Tensor] = {}
     for opt in (trainer.optimizers if trainer is not None else []):

@@ -358,6 +358,31 @@ def test_resume_continues_bit_for_bit(tmp_path, async_step):
     assert a_plugin.scaler.skipped_steps() == 1  # the overflow was in epoch 0, before the checkpoint
 
 
+def test_resume_from_a_save_with_a_step_in_flight(tmp_path):
+    # every_n_train_steps saves right after an asynchronous step was submitted; Lightning resumes
+    # mid-epoch at the saved batch_idx, but a plain DataLoader restarts from its first batch: the
+    # module takes its batch by index so both runs see the same data (as a stateful loader would)
+    data = batches()
+
+    class ByIndex(Net):
+        def training_step(self, batch, batch_idx):
+            x, y = (t.to(self.net[0].weight.dtype) for t in data[batch_idx])
+            return loss_of(self.net(x), y, self.current_epoch * N_BATCHES + batch_idx, self.inf_call)
+
+    def run(root, ckpt=None):
+        model, plugin = ByIndex("adamw", inf_call=INF_CALL), MasterWeightsPrecision(async_step=True)
+        cb = L.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_train_steps=2, filename="{step}")
+        trainer(plugin, max_epochs=2, enable_checkpointing=True, callbacks=[cb], accumulate_grad_batches=2,
+                gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(data), ckpt_path=ckpt)
+        return model, plugin
+
+    a_model, a_plugin = run(tmp_path / "a")
+    b_model, b_plugin = run(tmp_path / "b", tmp_path / "a" / "step=4.ckpt")  # mid-epoch 1
+    assert all(torch.equal(p, q) for p, q in zip(a_model.parameters(), b_model.parameters()))
+    for m, r in zip(a_plugin.optimizers[0].master_params, b_plugin.optimizers[0].master_params):
+        assert torch.equal(m, r)
+
+
 @pytest.mark.parametrize("precision", ["16-true", "16-mixed"])
 def test_checkpoint_without_masters_rebuilds_them(tmp_path, precision, caplog):
     first = L.plugins.MixedPrecision("16-mixed", "cpu", scaler=fp16kit.GradScaler("cpu", init_scale=1024.0)) \
