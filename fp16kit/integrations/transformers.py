@@ -115,13 +115,13 @@ class MasterWeightsTrainer(Trainer):
         mixed_precision = _check_arguments(
             bound, async_step=async_step, master_device=master_device, master_dtype=master_dtype
         )
-        self._fp16kit_options: dict[str, Any] = {
+        self._master_options: dict[str, Any] = {
             "async_step": async_step,
             "master_device": master_device,
             "master_dtype": master_dtype,
             "scaler": scaler,
         }
-        self._fp16kit_precision = mixed_precision
+        self._weights_precision = mixed_precision
         callbacks = list(bound.get("callbacks") or [])
         kwargs_out = dict(bound)
         kwargs_out.pop("self")
@@ -138,7 +138,7 @@ class MasterWeightsTrainer(Trainer):
         rebound for that call only (checked after it, and by
         ``test_transformers.py::test_trainer_builds_master_weights_accelerator``)."""
         factory = functools.partial(
-            _build_accelerator, precision=self._fp16kit_precision, options=self._fp16kit_options
+            _build_accelerator, precision=self._weights_precision, options=self._master_options
         )
         with _rebind(_trainer_module, "Accelerator", factory):
             super().create_accelerator_and_postprocess()
