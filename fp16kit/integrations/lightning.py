@@ -125,7 +125,7 @@ class MasterWeightsPrecision(Precision):
         self.last_grad_norm: torch.Tensor | None = None
         self._unscaled: dict[int, dict[torch.device, torch.Tensor]] = {}  # id(opt) -> flags, this iteration
         self._last_flags: dict[torch.device, torch.Tensor] | None = None  # bf16: the last step's
-        self._replace_state = False
+        self._check_state: set[int] = set()  # id(opt): state may have been moved off its masters
         self._trainer: Any = None
 
     # ------------------------------------------------------------------ dtype
@@ -174,7 +174,8 @@ class MasterWeightsPrecision(Precision):
             device = next((p.device.type for p in model.parameters()), "cpu")
             self.scaler = GradScaler(device)
         self._trainer = _trainer_of(model)
-        self._replace_state = True  # a second fit: Strategy.teardown moved the state to the CPU
+        # a second fit: Strategy.teardown moved the state to the CPU (GPU runs)
+        self._check_state = {id(o) for o in self.optimizers}
         return model, list(self.optimizers), lr_schedulers
 
     # ------------------------------------------------------------------ backward, step
@@ -206,7 +207,8 @@ class MasterWeightsPrecision(Precision):
     ) -> Any:
         """Closure (forward/backward), unscale into the masters, hooks and clipping, step."""
         opt = _master_optimizer(optimizer)
-        if self._replace_state:
+        if id(opt) in self._check_state:
+            self._check_state.discard(id(opt))
             _state_to_masters(opt)
         try:
             closure_result = closure()
@@ -307,7 +309,7 @@ class MasterWeightsPrecision(Precision):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint without masters or without this plugin's entry: see the module docstring."""
-        self._replace_state = True  # Lightning moves loaded optimizer state to the root device
+        self._check_state = {id(o) for o in self.optimizers}  # Lightning moves loaded state to the root device
         module = self._trainer.lightning_module if self._trainer is not None else None
         adopt_plain_checkpoint(checkpoint, self.optimizers, module, self.scaler, own_key=type(self).__qualname__)
 

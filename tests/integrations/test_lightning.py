@@ -326,6 +326,47 @@ def test_async_validation_and_fit_end_see_the_last_step():
     assert all(torch.equal(p, m.half()) for p, m in zip(opt.model_params, opt.master_params))
 
 
+def test_validate_test_predict_after_an_async_fit_reuse_its_optimizers():
+    class Eval(Net):
+        def validation_step(self, batch, batch_idx):
+            return None
+
+        def test_step(self, batch, batch_idx):
+            return None
+
+        def predict_step(self, batch, batch_idx):
+            return self.net(batch[0])
+
+    model, plugin = Eval(), MasterWeightsPrecision(async_step=True)
+    t = trainer(plugin)
+    t.fit(model, train_dataloaders=loader(batches()))
+    (opt,) = plugin.optimizers
+    t.validate(model, dataloaders=loader(batches(2)))
+    t.test(model, dataloaders=loader(batches(2)))
+    out = t.predict(model, dataloaders=loader(batches(2)))
+    assert out[0].dtype == torch.float16 and plugin.optimizers == [opt]
+
+
+def test_manual_optimization_clips_the_masters():
+    class Manual(Net):
+        def __init__(self) -> None:
+            super().__init__(inf_call=INF_CALL)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            opt.zero_grad()
+            self.manual_backward(loss_of(self.net(x), y, batch_idx, self.inf_call))
+            self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")  # unscales first
+            opt.step()
+
+    model, plugin = Manual(), MasterWeightsPrecision()
+    trainer(plugin).fit(model, train_dataloaders=loader(batches()))
+    ref_model, ref_opt, _ = reference(clip=CLIP, inf_call=INF_CALL)
+    assert_same(model, plugin, ref_model, ref_opt)
+
+
 # ---------------------------------------------------------------------- checkpoints
 def ckpt_trainer(plugin, root, epochs: int, **kw) -> L.Trainer:
     cb = L.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
