@@ -19,9 +19,11 @@ same grads, takes the same skip decision (an inf on one rank reaches all ranks' 
 all-reduce) and steps the same masters. So the scaler needs no ``process_group`` under DDP.
 ``--overflow-step K`` multiplies rank 1's loss by inf at step K to show both ranks skipping;
 ``--async-step`` runs each optimizer step on fp16kit's optimizer thread (a one-step-delayed
-update; ``opt.synchronize()`` before reading the weights).
+update; ``opt.synchronize()`` before reading the weights). ``--accumulate N`` accumulates N
+micro-batches per step under ``ddp.no_sync()`` (one all-reduce per step). A bf16 model trains the
+same way without a scaler: ``loss.backward(); opt.clip_grad_norm_(1.0); opt.step()``.
 
-    python examples/integrations/ddp_master_weights.py [--steps 8] [--overflow-step 3] [--async-step]
+    python examples/integrations/ddp_master_weights.py [--steps 8] [--overflow-step 3] [--accumulate 2] [--async-step]
 
 On this machine torch/gloo sometimes aborts a rank while it exits ("terminate called without an
 active exception"), after all its work is done; the same happens with torch.amp and a plain
@@ -31,6 +33,7 @@ all_reduce. The lines printed before are valid.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 
 import torch
@@ -66,13 +69,18 @@ def train(rank: int, port: int, args: argparse.Namespace) -> None:
     scaler = fp16kit.GradScaler("cpu", init_scale=2.0**14)
 
     for step in range(args.steps):
-        x, y = batch(step, rank)
         opt.zero_grad()
-        loss = (ddp(x.half()).float() - y).pow(2).mean()
-        shown = loss.detach().clone()
-        if step == args.overflow_step and rank == 1:
-            loss = loss * float("inf")  # only rank 1 overflows
-        scaler.scale(loss).backward()
+        shown = torch.zeros(())
+        for micro in range(args.accumulate):
+            x, y = batch(step * args.accumulate + micro, rank)
+            last = micro == args.accumulate - 1
+            # accumulation: DDP all-reduces once, in the last micro-batch's backward
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                loss = (ddp(x.half()).float() - y).pow(2).mean() / args.accumulate
+                shown += loss.detach()
+                if step == args.overflow_step and rank == 1 and last:
+                    loss = loss * float("inf")  # only rank 1 overflows
+                scaler.scale(loss).backward()  # the scaled fp16 grads add up in the model's .grad
         scaler.unscale_(opt)
         norm = opt.clip_grad_norm_(1.0)  # the fp32 master grads, unscaled
         scaler.step(opt)
@@ -118,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--overflow-step", type=int, default=3, help="-1: none")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--async-step", action="store_true")
     args = parser.parse_args()
     mp.spawn(train, args=(free_port(), args), nprocs=WORLD)

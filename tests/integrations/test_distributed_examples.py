@@ -2,8 +2,9 @@
 them -- ``python <script>``, which spawns 2 gloo ranks on 127.0.0.1 itself -- and print what they
 claim. The DDP example's printed losses and grad norms are checked against the plain fp16kit loop
 written out here: one process on both ranks' batches concatenated (equal halves, so the mean loss
-and the mean grad are the ranks' averages), same model, optimizer, clipping, scheduler and the
-same overflow step skipped. DDP averages two fp16 grads where one backward over the whole batch
+and the mean grad are the ranks' averages), same model, optimizer, clipping, scheduler, gradient
+accumulation and the same overflow step skipped; synchronous, and async_step=True with 2
+micro-batches under ddp.no_sync() (the plain async loop, with the same one-step delay). DDP averages two fp16 grads where one backward over the whole batch
 sums in another order, so the grads differ by fp16 roundings: the comparison allows half an fp16
 ulp (5e-4, relative for the norms; measured: <= 7e-5) where the print has 1e-5 resolution.
 tests/integrations/test_ddp.py tests the same behaviour bit for bit between the ranks."""
@@ -55,7 +56,7 @@ def _example_module(name: str):
     return module
 
 
-def _plain_loop(async_step: bool, steps: int, overflow_step: int) -> list[tuple[float, float, float, bool]]:
+def _plain_loop(async_step: bool, accumulate: int, steps: int, overflow_step: int) -> list[tuple]:
     ex = _example_module("ddp_master_weights.py")
     model = ex.build_model().half()
     opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), async_step=async_step)
@@ -63,13 +64,15 @@ def _plain_loop(async_step: bool, steps: int, overflow_step: int) -> list[tuple[
     scaler = fp16kit.GradScaler("cpu", init_scale=2.0**14)
     log = []
     for step in range(steps):
-        (x0, y0), (x1, y1) = ex.batch(step, 0), ex.batch(step, 1)
         opt.zero_grad()
-        loss = (model(torch.cat([x0, x1]).half()).float() - torch.cat([y0, y1])).pow(2).mean()
-        shown = loss.item()
-        if step == overflow_step:
-            loss = loss * float("inf")
-        scaler.scale(loss).backward()
+        shown = 0.0
+        for micro in range(accumulate):
+            (x0, y0), (x1, y1) = (ex.batch(step * accumulate + micro, r) for r in range(2))
+            loss = (model(torch.cat([x0, x1]).half()).float() - torch.cat([y0, y1])).pow(2).mean() / accumulate
+            shown += loss.item()
+            if step == overflow_step and micro == accumulate - 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
         scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(opt.master_params, 1.0)  # torch's, on the masters
         scaler.step(opt)
@@ -81,16 +84,16 @@ def _plain_loop(async_step: bool, steps: int, overflow_step: int) -> list[tuple[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
-def test_ddp_example_ranks_identical_and_matches_plain_loop(async_step):
-    out = _run("ddp_master_weights.py", "--steps", "6", "--overflow-step", "2",
+@pytest.mark.parametrize("async_step, accumulate", [(False, 1), (True, 2)], ids=["sync", "async-accumulate"])
+def test_ddp_example_ranks_identical_and_matches_plain_loop(async_step, accumulate):
+    out = _run("ddp_master_weights.py", "--steps", "6", "--overflow-step", "2", "--accumulate", str(accumulate),
                *(["--async-step"] if async_step else []))
     assert "ranks' params and masters bit-identical: True" in out, out
     assert "skipped steps per rank: [1, 1]" in out  # rank 1's inf made both ranks skip
     assert "model params ['torch.float16']" in out
     got = _steps(out)
     assert [s[0] for s in got] == list(range(6))
-    want = _plain_loop(async_step, 6, 2)
+    want = _plain_loop(async_step, accumulate, 6, 2)
     for (step, loss, norm, scale, skipped), (ref_loss, ref_norm, ref_scale, ref_skipped) in zip(got, want):
         assert (scale, skipped) == (ref_scale, ref_skipped), step
         assert skipped == (step == 2)
