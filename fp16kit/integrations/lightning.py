@@ -58,7 +58,8 @@ from collections.abc import Callable, Generator, Iterator  # noqa: E402
 from typing import Any, Literal  # noqa: E402
 
 import torch  # noqa: E402
-import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning_utilities import apply_to_collection  # noqa: E402
@@ -66,6 +67,7 @@ from lightning_utilities import apply_to_collection  # noqa: E402
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
 from .lightning_checkpoint import adopt_plain_checkpoint  # noqa: E402
+from .lightning_grad_norm import grad_norm, trainer_of  # noqa: E402
 
 __all__ = ["MasterWeightsPrecision", "grad_norm"]
 
@@ -173,10 +175,20 @@ class MasterWeightsPrecision(Precision):
         if self.dtype == torch.float16 and self.scaler is None:
             device = next((p.device.type for p in model.parameters()), "cpu")
             self.scaler = GradScaler(device)
-        self._trainer = _trainer_of(model)
+        self._trainer = trainer_of(model)
+        self._land_at_train_end()
         # a second fit: Strategy.teardown moved the state to the CPU (GPU runs)
         self._check_state = {id(o) for o in self.optimizers}
         return model, list(self.optimizers), lr_schedulers
+
+    def _land_at_train_end(self) -> None:
+        # Strategy.teardown (lightning 2.6.6) moves the optimizer state to the CPU *before* it
+        # calls this plugin's teardown: a step still in flight there would write state that was
+        # just copied away (GPU runs). No precision-plugin hook runs at the end of training, so
+        # a callback (trainer.callbacks is public) lands the step at on_train_end.
+        callbacks = getattr(self._trainer, "callbacks", None)
+        if isinstance(callbacks, list) and not any(isinstance(c, _LandAtTrainEnd) and c.plugin is self for c in callbacks):
+            callbacks.append(_LandAtTrainEnd(self))
 
     # ------------------------------------------------------------------ backward, step
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
@@ -254,7 +266,7 @@ class MasterWeightsPrecision(Precision):
             self.last_grad_norm = opt.clip_grad_norm_(clip_val)
 
     # ------------------------------------------------------------------ landing async steps
-    def _synchronize(self) -> None:
+    def _synchronize(self) -> None:  # (also called by _LandAtTrainEnd)
         for opt in self.optimizers:
             opt.synchronize()
 
@@ -314,21 +326,18 @@ class MasterWeightsPrecision(Precision):
         adopt_plain_checkpoint(checkpoint, self.optimizers, module, self.scaler, own_key=type(self).__qualname__)
 
 
-def _trainer_of(model: Any) -> Any:
-    """The Trainer of a LightningModule, possibly inside a strategy's wrappers (DDP's
-    ``.module``, Lightning's ``_forward_module``); None if none is attached."""
-    for _ in range(4):
-        if isinstance(model, pl.LightningModule):
-            try:
-                return model.trainer
-            except RuntimeError:  # not attached to a Trainer
-                return None
-        model = getattr(model, "module", None) or getattr(model, "_forward_module", None)
-    return None
+class _LandAtTrainEnd(Callback):
+    """Lands a MasterWeightsPrecision's step in flight when training ends (see ``connect``)."""
+
+    def __init__(self, plugin: MasterWeightsPrecision) -> None:
+        self.plugin = plugin
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.plugin._synchronize()
 
 
 def _master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
-    opt = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+    opt = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
     if not isinstance(opt, MixedPrecisionOptimizer):
         raise TypeError(
             f"MasterWeightsPrecision steps MixedPrecisionOptimizers, got {type(opt).__name__}: it "
@@ -361,34 +370,3 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(before)
-
-
-def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
-    """Drop-in for ``lightning.pytorch.utilities.grad_norm`` that reads the unscaled master
-    grads: call it in ``on_before_optimizer_step`` (the fp16 model grads are still multiplied by
-    the loss scale there). Same keys and arithmetic as Lightning's; a param without a master
-    (not stepped by a MixedPrecisionOptimizer) contributes its own grad."""
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    trainer = _trainer_of(module)
-    plugin = trainer.precision_plugin if trainer is not None else None
-    master_of: dict[int, torch.Tensor] = {}
-    for opt in (trainer.optimizers if trainer is not None else []):
-        opt = getattr(opt, "_optimizer", opt)
-        if isinstance(opt, MixedPrecisionOptimizer):
-            if isinstance(plugin, MasterWeightsPrecision) and not plugin.unscaled(opt):
-                raise RuntimeError(
-                    "fp16kit grad_norm reads the unscaled master grads, which exist from "
-                    "MasterWeightsPrecision's unscale to the optimizer step: call it in "
-                    "on_before_optimizer_step (or after trainer.precision_plugin.unscale_gradients(opt))."
-                )
-            master_of.update({id(p): m for p, m in zip(opt.model_params, opt.master_params)})
-    norms = {}
-    for name, p in module.named_parameters():
-        grad = master_of[id(p)].grad if id(p) in master_of else p.grad
-        if grad is not None:
-            norms[f"grad_{norm_type}_norm{group_separator}{name}"] = grad.data.norm(norm_type)
-    if norms:
-        norms[f"grad_{norm_type}_norm_total"] = torch.tensor(list(norms.values())).norm(norm_type)
-    return norms

@@ -318,10 +318,18 @@ def test_async_validation_and_fit_end_see_the_last_step():
             (opt,) = self.trainer.precision_plugin.optimizers
             self.record.append([torch.equal(p, m.to(p.dtype)) for p, m in zip(opt.model_params, opt.master_params)])
 
+        def on_train_end(self):  # before Strategy.teardown moves the optimizer state
+            self.validation_step(None, 0)
+
     model = Val()
     plugin = MasterWeightsPrecision(async_step=True)
-    trainer(plugin, max_epochs=2).fit(model, train_dataloaders=loader(batches()), val_dataloaders=loader(batches(2)))
-    assert len(model.record) == 4 and all(all(r) for r in model.record)
+    t = trainer(plugin, max_epochs=2)
+    t.fit(model, train_dataloaders=loader(batches()), val_dataloaders=loader(batches(2)))
+    assert len(model.record) == 5 and all(all(r) for r in model.record)
+    t.fit_loop.max_epochs = 3
+    t.fit(model, train_dataloaders=loader(batches()))  # one more epoch, no validation before on_train_end
+    assert len(model.record) == 6 and all(model.record[-1])
+    assert sum(type(c).__name__ == "_LandAtTrainEnd" for c in t.callbacks) == 1
     (opt,) = plugin.optimizers
     assert all(torch.equal(p, m.half()) for p, m in zip(opt.model_params, opt.master_params))
 
