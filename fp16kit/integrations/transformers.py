@@ -44,9 +44,10 @@ thread while the next forward/backward runs, a one-step delayed update. Whatever
 weights waits for the step in flight first (``optimizer.synchronize()``): ``evaluate``,
 ``predict``, ``save_model`` (so every checkpoint's weights match its masters) and the end of
 training (after the last step, before ``on_train_end`` callbacks). Each such wait lands the step
-early, so the next forward sees weights one step fresher than with no wait: a run's trajectory
-depends on its save/eval steps, and a resumed run continues exactly the run that saved the
-checkpoint. Logging reads no weights and does not wait.
+early, so the next forward sees weights one step fresher than with no wait: the save and eval
+steps are part of an asynchronous run's trajectory, and a run resumed with the same ones
+continues bit for bit. Logging reads no weights and does not wait. :meth:`synchronize` is
+there for your own reads (e.g. a callback that inspects the weights).
 
 Refused, before any state changes (``ValueError``/``TypeError`` naming the fix): neither or both
 of ``fp16``/``bf16``; DeepSpeed or FSDP (they keep their own fp32 params and scaler); LOMO
@@ -111,9 +112,13 @@ class MasterWeightsTrainer(Trainer):
         scaler: Any = None,
         **kwargs: Any,
     ) -> None:
-        bound = inspect.signature(Trainer.__init__).bind(self, *args, **kwargs).arguments
+        # the next __init__ in the MRO: Trainer's, or a Trainer subclass's mixed in after this one
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        var_kw = next((n for n, p in bound.signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        extra = bound.arguments.get(var_kw, {}) if var_kw else {}
+        named = {**bound.arguments, **extra}
         mixed_precision = _check_arguments(
-            bound, async_step=async_step, master_device=master_device, master_dtype=master_dtype
+            named, async_step=async_step, master_device=master_device, master_dtype=master_dtype
         )
         self._master_options: dict[str, Any] = {
             "async_step": async_step,
@@ -122,11 +127,12 @@ class MasterWeightsTrainer(Trainer):
             "scaler": scaler,
         }
         self._weights_precision = mixed_precision
-        callbacks = list(bound.get("callbacks") or [])
-        kwargs_out = dict(bound)
-        kwargs_out.pop("self")
-        kwargs_out["callbacks"] = [_SynchronizeAtTrainEnd(self), *callbacks]
-        super().__init__(**kwargs_out)
+        callbacks = [_SynchronizeAtTrainEnd(self), *(named.get("callbacks") or [])]
+        if "callbacks" in bound.signature.parameters:
+            bound.arguments["callbacks"] = callbacks
+        else:
+            bound.arguments[var_kw] = {**extra, "callbacks": callbacks}
+        super().__init__(*bound.args, **bound.kwargs)
 
     # ------------------------------------------------------------------ construction
     def create_accelerator_and_postprocess(self) -> None:

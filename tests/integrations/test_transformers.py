@@ -120,7 +120,7 @@ def linear_lambda(max_steps: int):
 
 
 def reference(precision: str, *, max_steps: int, accum: int = 1, inf_step=None, max_norm=0.5,
-              async_step=False, sync_at=(), eval_batch=None):
+              async_step=False, sync_at=(), eval_batch=None, eval_at=()):
     """The plain fp16kit loop on the Trainer's batches; returns what the tests compare."""
     model = tiny_model(0).to(DTYPES[precision])
     inner = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
@@ -160,11 +160,12 @@ def reference(precision: str, *, max_steps: int, accum: int = 1, inf_step=None, 
             sched.step()
         model.zero_grad()
         if step + 1 in sync_at or step + 1 == max_steps:
-            if eval_batch is not None:  # the loss on the weights an eval without the wait would see
+            evaluate = step + 1 in eval_at
+            if evaluate:  # the loss on the weights an eval without the wait would see
                 with torch.no_grad():
                     out.setdefault("stale_eval", []).append(model(**eval_batch).loss.item())
             opt.synchronize()
-            if eval_batch is not None:
+            if evaluate:
                 with torch.no_grad():
                     out.setdefault("eval", []).append(model(**eval_batch).loss.item())
     out.update(model=model, opt=opt, scaler=scaler)
@@ -274,14 +275,18 @@ def test_bf16_matches_plain_loop_and_skips_nonfinite(tmp_path):
     assert not (tmp_path / "checkpoint-3" / "scaler.pt").exists()
 
 
+# save at 2, evaluate at 3 (and, the Trainer's rule, at the end)
+ASYNC_RUN = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=3,
+                 eval_dataset=dataset(BATCH), per_device_eval_batch_size=BATCH)
+
+
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
-    trainer, rec = run_trainer(out, "fp16", max_steps=4, async_step=True, save_strategy="steps",
-                               save_steps=2, eval_strategy="steps", eval_steps=2,
-                               eval_dataset=dataset(BATCH), per_device_eval_batch_size=BATCH)
+    trainer, rec = run_trainer(out, "fp16", max_steps=4, async_step=True, **ASYNC_RUN)
     eval_batch = {k: torch.stack([row[k] for row in dataset(BATCH)]) for k in ("input_ids", "labels")}
-    ref = reference("fp16", max_steps=4, async_step=True, sync_at=(2,), eval_batch=eval_batch)
+    # the trainer waits for the step in flight at the save (2), the eval (3) and the end (4)
+    ref = reference("fp16", max_steps=4, async_step=True, sync_at=(2, 3), eval_batch=eval_batch, eval_at=(3, 4))
     return out, trainer, rec, ref
 
 
@@ -289,7 +294,7 @@ def test_async_matches_plain_async_loop(async_run):
     out, trainer, rec, ref = async_run
     assert_same_training(trainer, rec, ref)
     opt = trainer.optimizer.optimizer
-    # evaluate waited for the step in flight: it saw step 2's weights, not step 1's. (The
+    # evaluate waited for the step in flight: it saw step 3's weights, not step 2's. (The
     # Trainer averages per-sample copies of the batch loss in numpy: equal to a few ulps.)
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     assert len(evals) == 2 and len(ref["eval"]) == 2
@@ -312,8 +317,9 @@ def test_async_matches_plain_async_loop(async_run):
 
 def test_async_resume_continues_bit_for_bit(async_run):
     out, trainer, rec, ref = async_run
+    # the same save/eval steps: each wait lands a step early, so they are part of the trajectory
     resumed, rec2 = run_trainer(out, "fp16", max_steps=4, async_step=True, seed=7,
-                                resume=str(out / "checkpoint-2"))
+                                resume=str(out / "checkpoint-2"), **ASYNC_RUN)
     assert_same_training(resumed, rec2, ref, steps=2)
 
 
@@ -394,6 +400,28 @@ def test_user_built_optimizer_is_used_as_is(tmp_path):
     trainer.train()
     assert trainer.optimizer.optimizer is opt
     assert trainer.state.global_step == 1
+
+
+class OtherTrainer(transformers.Trainer):
+    """Stands for a Trainer subclass from another library (its own keyword arguments)."""
+
+    def __init__(self, model, args, *, extra_option=0, **kwargs):
+        self.extra_option = extra_option
+        super().__init__(model=model, args=args, **kwargs)
+
+
+def test_mixes_into_trainer_subclass_and_lands_last_async_step(tmp_path):
+    class Mixed(MasterWeightsTrainer, OtherTrainer):
+        pass
+
+    trainer = Mixed(tiny_model(), training_args(tmp_path, "fp16", max_steps=2), train_dataset=dataset(),
+                    extra_option=5, async_step=True)  # no callbacks= given: the wait is still installed
+    trainer.train()
+    assert trainer.extra_option == 5
+    opt = trainer.optimizer.optimizer
+    assert opt.master_params[0].dtype == torch.float32
+    for p, m in zip(opt.model_params, opt.master_params):
+        assert torch.equal(p, m.to(p.dtype))
 
 
 # ---------------------------------------------------------------------------- example
