@@ -103,8 +103,9 @@ def train(rank: int, port: int, args: argparse.Namespace) -> None:
         flags.append(scaler.last_step_skipped_tensor())  # no host sync in the loop
         shown = loss.detach().clone()
         dist.all_reduce(shown)  # for printing only
+        norm = norm.full_tensor()  # replicated already; every rank calls it in case it is not
         if rank == 0:
-            print(f"step {step}  loss {shown.item() / WORLD:.5f}  grad-norm {norm.full_tensor().item():.4g}  "
+            print(f"step {step}  loss {shown.item() / WORLD:.5f}  grad-norm {norm.item():.4g}  "
                   f"scale {scaler.get_scale():g}  skipped {scaler.last_step_skipped()}", flush=True)
 
     mine = torch.stack([f.float() for f in flags])
