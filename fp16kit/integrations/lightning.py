@@ -38,10 +38,21 @@ the optimizer steps fp32 masters. What happens at each Lightning hook:
   weights), a ``MixedPrecision`` scaler state is taken over.
 
 Not supported (refused with an error naming the fix): a ``torch.amp.GradScaler`` (it cannot
-unscale into masters), a scaler with bf16, plugin options for masters together with an
-optimizer the user wrapped already, LBFGS-style closure optimizers. Limitation: Lightning's
-``Strategy.teardown`` moves optimizer state to the CPU on GPU runs before this plugin's
-``teardown``; a second ``fit`` with the same objects re-places it on the masters' devices.
+unscale into masters), a scaler with bf16 (bf16 has float32's range: nothing to scale),
+plugin options for masters together with an optimizer the user wrapped already, LBFGS-style
+closure optimizers. Limits, documented rather than refused:
+
+* ``async_step=True``: a weights-only save (``ModelCheckpoint(save_weights_only=True)``) runs
+  no precision-plugin hook, so it holds the weights the next forward uses (one step behind the
+  masters); full checkpoints land first. Training ends landed (a callback this plugin adds to
+  ``trainer.callbacks`` at ``connect`` runs ``on_train_end``, before ``Strategy.teardown``
+  moves the optimizer state to the CPU).
+* Tested with the single-device strategy on CPU (Lightning 2.6). DDP should work (the
+  optimizers stay plain MixedPrecisionOptimizers; DDP all-reduces the grads so ranks skip
+  together) but is not tested here; FSDP/DeepSpeed strategies bring their own precision
+  plugins and cannot take this one.
+* ``pytorch_lightning`` (the old package name) has its own ``Precision`` class: its Trainer
+  refuses this plugin (``MisconfigurationException: Found invalid type for plugin``).
 """
 
 from __future__ import annotations
