@@ -266,7 +266,8 @@ class MasterWeightsPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip the unscaled master grads; by norm, :attr:`last_grad_norm` is the total norm."""
+        """Clip the unscaled master grads; by norm, :attr:`last_grad_norm` is the total norm
+        (unscaled, before clipping; a 0-dim tensor on the masters' device: no host sync)."""
         if clip_val <= 0:
             return
         opt = _master_optimizer(optimizer)
@@ -277,12 +278,14 @@ class MasterWeightsPrecision(Precision):
             self.last_grad_norm = opt.clip_grad_norm_(clip_val)
 
     # ------------------------------------------------------------------ landing async steps
-    def _synchronize(self) -> None:  # (also called by _LandAtTrainEnd)
+    def synchronize(self) -> None:
+        """Land every optimizer's step in flight (``opt.synchronize()``): the model params then
+        hold the masters' values. The hooks below call it; a no-op without ``async_step``."""
         for opt in self.optimizers:
             opt.synchronize()
 
     def _landing(self, context: Callable[[], Any]) -> Generator[None, None, None]:
-        self._synchronize()
+        self.synchronize()
         with context():
             yield
 
@@ -302,7 +305,7 @@ class MasterWeightsPrecision(Precision):
         """End of fit/validate/...: land the step in flight (the model is current)."""
         failing = sys.exc_info()[1] is not None  # Lightning tears down inside its except block
         try:
-            self._synchronize()
+            self.synchronize()
         except Exception:
             if not failing:
                 raise
@@ -313,7 +316,7 @@ class MasterWeightsPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         """``{"precision", "scaler"}`` (plain data). Lands a step in flight first: the checkpoint's
         model weights are the ones after the last step (see :meth:`on_save_checkpoint`)."""
-        self._synchronize()
+        self.synchronize()
         return {"precision": self.precision, "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -344,7 +347,7 @@ class _LandAtTrainEnd(Callback):
         self.plugin = plugin
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.plugin._synchronize()
+        self.plugin.synchronize()
 
 
 def _master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
