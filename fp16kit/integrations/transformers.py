@@ -71,7 +71,7 @@ from typing import Any
 
 from ._requires import require
 
-require("transformers", extra="transformers", tested=("5.24", "5.25"))
+transformers = require("transformers", extra="transformers", tested=("5.24", "5.25"))
 
 import torch  # noqa: E402
 import transformers.trainer as _trainer_module  # noqa: E402
@@ -150,9 +150,9 @@ class MasterWeightsTrainer(Trainer):
             super().create_accelerator_and_postprocess()
         if not isinstance(self.accelerator, MasterWeightsAccelerator):
             raise RuntimeError(
-                "MasterWeightsTrainer could not install its accelerator: this transformers version "
-                f"({_trainer_module.__name__}) no longer builds it through "
-                "transformers.trainer.Accelerator. Use transformers 5.24-5.25, or report it to fp16kit."
+                "MasterWeightsTrainer could not install its accelerator: transformers "
+                f"{transformers.__version__} no longer builds it through transformers.trainer.Accelerator. "
+                "Use transformers 5.24-5.25, or report it to fp16kit."
             )
 
     # ------------------------------------------------------------------ reads of the weights

@@ -340,11 +340,15 @@ def test_trainer_builds_master_weights_accelerator(tmp_path):
     assert trainer_module.Accelerator is accelerate.Accelerator  # restored
 
 
-def _bad(tmp_path, **change):
-    args = training_args(tmp_path, change.pop("precision", "fp16"))
-    for key, value in change.pop("args", {}).items():
-        setattr(args, key, value)
-    return args
+def test_says_so_when_the_trainer_stops_building_through_that_name(tmp_path, monkeypatch):
+    import accelerate
+
+    def builds_its_own(self):  # a future Trainer that builds its Accelerator another way
+        self.accelerator = accelerate.Accelerator(cpu=True)
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", builds_its_own)
+    with pytest.raises(RuntimeError, match="no longer builds it through transformers.trainer.Accelerator"):
+        MasterWeightsTrainer(model=tiny_model(), args=training_args(tmp_path, "fp16"), train_dataset=dataset(8))
 
 
 @pytest.mark.parametrize(
