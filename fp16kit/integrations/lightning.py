@@ -14,7 +14,9 @@ the optimizer steps fp32 masters. What happens at each Lightning hook:
 * ``convert_module`` / ``module_init_context`` / ``forward_context`` / ``convert_input``: the
   model, tensors created during ``__init__`` and the forward, and floating inputs are fp16/bf16.
 * ``connect`` (after ``configure_optimizers``): wrap the optimizers (LR schedulers built on the
-  inner optimizer keep working: they share its ``param_groups``); fp16 gets an
+  inner optimizer keep working: they share its ``param_groups``; an optimizer returned already
+  wrapped takes its scheduler built on the wrapper, since Lightning checks that a scheduler's
+  optimizer is one ``configure_optimizers`` returned); fp16 gets an
   ``fp16kit.GradScaler`` (the one passed as ``scaler=`` -- e.g. with ``hysteresis`` -- or a
   default one on the model's device), bf16 none.
 * ``pre_backward``: ``loss * scale`` (fp16).

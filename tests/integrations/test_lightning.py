@@ -75,9 +75,9 @@ class Net(L.LightningModule):
     def configure_optimizers(self):
         inner = make_inner(self.parameters(), self.kind)
         opt = fp16kit.MixedPrecisionOptimizer(inner) if self.wrap else inner
-        if self.sched:
+        if self.sched:  # on what is returned: Lightning checks that (the plugin wraps it later)
             return {"optimizer": opt, "lr_scheduler": {
-                "scheduler": torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5), "interval": "step"}}
+                "scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), "interval": "step"}}
         return opt
 
 
@@ -266,11 +266,13 @@ def test_wrong_use_is_refused_before_anything_changes():
 
 
 def test_user_wrapped_optimizer_is_used_as_is():
-    model = Net(wrap=True)
+    # (its scheduler is built on the MixedPrecisionOptimizer: Lightning refuses one built on
+    # an optimizer configure_optimizers did not return)
+    model = Net(wrap=True, sched=True)
     plugin = MasterWeightsPrecision()
     trainer(plugin, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()))
     assert plugin.optimizers == [model.trainer.optimizers[0]]
-    ref_model, ref_opt, _ = reference(clip=CLIP)
+    ref_model, ref_opt, _ = reference(clip=CLIP, sched=True)
     assert_same(model, plugin, ref_model, ref_opt)
 
 
