@@ -1,0 +1,132 @@
+"""Lightning Fabric precision plugin for fp32 master weights: ``MasterWeightsFabricPrecision``.
+
+::
+
+    fabric = L.Fabric(accelerator="cpu", plugins=[MasterWeightsFabricPrecision("16-true")])
+    with fabric.init_module():
+        model = Net()                                  # fp16 params
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
+    model, opt = fabric.setup(model, opt)
+    ...
+    fabric.backward(loss)                              # loss * scale
+    fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)  # the masters
+    opt.step()                                         # scaler.step + scaler.update
+
+Fabric has no hook that sees the optimizers before the loop (Lightning's ``connect``), so the
+user wraps the optimizer in :class:`fp16kit.MixedPrecisionOptimizer` -- built on the fp16/bf16
+params, i.e. after ``fabric.init_module()`` or ``fabric.setup_module(model)``; one built on the
+fp32 params before ``fabric.setup`` casts them would have no masters, and its first step
+raises saying so. What happens at each Fabric hook:
+
+* ``convert_module`` / ``init_module`` / ``forward_context`` / inputs and outputs: as Fabric's
+  ``HalfPrecision`` (fp16/bf16 model and inputs; outputs back to the default dtype).
+* ``backward``: ``loss * scale`` (fp16), then backward.
+* ``unscale_gradients`` (``fabric.clip_gradients`` calls it): ``scaler.unscale_(opt)`` -- the
+  unscaled grads land in the masters, which are ``main_params`` (the param groups' params), so
+  Fabric's clipping clips the masters and returns the unscaled norm. bf16: the grads move into
+  the masters at scale 1 (``opt.unscale_grads_``, the scaler protocol's call).
+* ``optimizer_step`` (``opt.step()``): ``scaler.step(opt)`` (skips on inf/NaN) and
+  ``scaler.update()``; bf16: ``opt.step()`` (skips a non-finite step itself).
+* ``state_dict`` / ``load_state_dict``: the scaler's (Fabric saves it when the plugin's state is
+  part of what you save: ``state = {"model": model, "optimizer": opt, "scaler": plugin.scaler}``);
+  the masters are in ``opt.state_dict()``.
+
+With ``async_step=True`` call ``opt.synchronize()`` before evaluating or saving, as in a plain loop.
+"""
+
+from __future__ import annotations
+
+from ._requires import require
+
+require("lightning.fabric", extra="lightning", tested=("2.6", "2.7"))
+
+from typing import Any, Literal  # noqa: E402
+
+import torch  # noqa: E402
+from lightning.fabric.plugins.precision import HalfPrecision  # noqa: E402
+
+from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
+from ..core import kernels  # noqa: E402
+from ..core.master import LOW_PRECISION  # noqa: E402
+
+__all__ = ["MasterWeightsFabricPrecision"]
+
+
+class MasterWeightsFabricPrecision(HalfPrecision):
+    """Fabric's ``HalfPrecision`` plus fp32 masters behind ``fp16kit.GradScaler`` (see the module
+    docstring). ``scaler``: an :class:`fp16kit.GradScaler` for fp16 (default
+    ``GradScaler(device)``); refused with bf16."""
+
+    def __init__(
+        self, precision: Literal["16-true", "bf16-true"] = "16-true", *, scaler: GradScaler | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if precision not in ("16-true", "bf16-true"):
+            raise ValueError(f"MasterWeightsFabricPrecision(precision={precision!r}): use '16-true' or 'bf16-true'.")
+        if scaler is not None and precision == "bf16-true":
+            raise ValueError("MasterWeightsFabricPrecision('bf16-true') takes no scaler: bf16 needs no loss scaling.")
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError(
+                f"scaler must be an fp16kit.GradScaler, got {type(scaler).__name__}: torch's GradScaler "
+                "cannot unscale into the fp32 masters."
+            )
+        super().__init__(precision)
+        self.scaler = scaler if scaler is not None or precision == "bf16-true" else GradScaler(device)
+        self._unscaled: set[int] = set()  # id(opt) unscaled since its last step
+        self._checked: set[int] = set()  # id(opt) whose params were checked (see _checked)
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        super().backward(tensor, model, *args, **kwargs)
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        opt = self._check(optimizer)
+        if id(opt) in self._unscaled:
+            return
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        else:  # bf16: the grads into the masters at scale 1 (with the inf/NaN check), so
+            # that clipping main_params (the masters) sees them; the step then uses them as they are
+            device = next((m.device for m in opt.master_params), torch.device("cpu"))
+            opt.unscale_grads_(kernels.one(device), kernels.new_found_inf(device))
+        self._unscaled.add(id(opt))
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        opt = self._check(optimizer)
+        self._unscaled.discard(id(opt))
+        if self.scaler is None:
+            return opt.step(**kwargs)
+        out = self.scaler.step(opt, **kwargs)
+        self.scaler.update()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+    def _check(self, optimizer: Any) -> MixedPrecisionOptimizer:
+        """The MixedPrecisionOptimizer (Fabric passes it unwrapped); one without masters for the
+        model's fp16/bf16 params is refused at its first unscale or step, before anything changes."""
+        if id(optimizer) not in self._checked:
+            _check_masters(optimizer)
+            self._checked.add(id(optimizer))
+        return optimizer
+
+
+def _check_masters(optimizer: Any) -> None:
+    if not isinstance(optimizer, MixedPrecisionOptimizer):
+        raise TypeError(
+            f"MasterWeightsFabricPrecision steps a fp16kit.MixedPrecisionOptimizer, got "
+            f"{type(optimizer).__name__}: wrap it -- fp16kit.MixedPrecisionOptimizer(opt) -- built on "
+            "the fp16/bf16 params (after fabric.init_module() or fabric.setup_module(model))."
+        )
+    if any(p.dtype in LOW_PRECISION for g in optimizer.param_groups for p in g["params"]):
+        raise TypeError(
+            "The MixedPrecisionOptimizer steps fp16/bf16 params directly (it was built on the "
+            "fp32 params, which fabric.setup then cast): build it after the model is fp16/bf16 -- "
+            "inside fabric.init_module() or after fabric.setup_module(model)."
+        )
