@@ -141,6 +141,7 @@ class MasterWeightsPrecision(Precision):
         self._unscaled: dict[int, dict[torch.device, torch.Tensor]] = {}  # id(opt) -> flags, this iteration
         self._last_flags: dict[torch.device, torch.Tensor] | None = None  # bf16: the last step's
         self._check_state: set[int] = set()  # id(opt): state may have been moved off its masters
+        self._skipping = False  # in optimizer_step, for a training_step that returned None
         self._trainer: Any = None
 
     # ------------------------------------------------------------------ dtype
@@ -242,7 +243,9 @@ class MasterWeightsPrecision(Precision):
             if not skip:
                 self.unscale_gradients(opt)
             # Precision._after_closure (lightning 2.6.6, used by its MixedPrecision too): the
-            # on_before_optimizer_step hooks, then configure_gradient_clipping -> clip_gradients.
+            # on_before_optimizer_step hooks, then configure_gradient_clipping -> clip_gradients
+            # (which, on a skipped step, must not unscale: no scaler.update() would follow).
+            self._skipping = skip
             self._after_closure(model, optimizer)
             if skip:
                 return closure_result
@@ -254,6 +257,7 @@ class MasterWeightsPrecision(Precision):
             return opt.step(**kwargs)
         finally:
             self._unscaled.pop(id(opt), None)
+            self._skipping = False
 
     def last_step_skipped(self) -> bool:
         """Whether the last optimizer step was skipped for inf/NaN gradients (a host read)."""
@@ -270,7 +274,7 @@ class MasterWeightsPrecision(Precision):
     ) -> None:
         """Clip the unscaled master grads; by norm, :attr:`last_grad_norm` is the total norm
         (unscaled, before clipping; a 0-dim tensor on the masters' device: no host sync)."""
-        if clip_val <= 0:
+        if clip_val <= 0 or self._skipping:  # (training_step returned None: no grads)
             return
         opt = _master_optimizer(optimizer)
         self.unscale_gradients(opt)  # manual optimization clips before opt.step()

@@ -237,6 +237,18 @@ def test_grad_norm_reads_the_unscaled_master_grads(async_step):
     assert logged.max() < 100  # (the scaled fp16 grads' norm is ~65536 times larger)
 
 
+def test_training_step_returning_none_skips_the_step():
+    class Skip(Net):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+    model, plugin = Skip(), MasterWeightsPrecision()
+    trainer(plugin, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()))
+    data = batches()
+    ref_model, ref_opt, _ = reference(clip=CLIP, data=data[:1] + data[2:])
+    assert_same(model, plugin, ref_model, ref_opt)
+
+
 def test_grad_norm_outside_the_step_names_the_hook():
     class Early(Net):
         def on_after_backward(self):
