@@ -3,7 +3,13 @@
 The reference is written out here: ``model.half()`` (or bf16), MixedPrecisionOptimizer,
 fp16kit.GradScaler, torch's clip_grad_norm_ on the masters, on the same seed and batches.
 Lightning adds no arithmetic except ``loss / accumulate_grad_batches`` (the reference does the
-same division), so params and masters must be equal bit for bit (torch.equal).
+same division), so params and masters must be equal bit for bit (torch.equal): sync and async,
+fp16 and bf16, clip by norm (active at every step: the norms are 0.8-1.7 > CLIP) and by value,
+accumulation, an LR scheduler, an overflow (skipped, scale halved), manual optimization,
+resume from Lightning checkpoints. One tolerance: fp16kit's grad_norm combines the same
+per-tensor fp32 norms in another order than torch's get_total_norm (rtol 1e-6).
+Also: Lightning's own MixedPrecision with fp16kit.GradScaler (autocast; a .half() model with a
+user MixedPrecisionOptimizer), wrong use, and the example script.
 """
 
 from __future__ import annotations
