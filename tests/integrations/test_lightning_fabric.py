@@ -141,3 +141,33 @@ def test_save_and_load_resume_bit_for_bit(tmp_path):
     train(model, opt, range(3, STEPS))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), full[0].parameters()))
     assert all(torch.equal(m, r) for m, r in zip(opt.master_params, full[1].master_params))
+
+
+def test_fabric_mixed_precision_with_half_model_and_user_mpo():
+    # the hand-assembled path: Fabric's own MixedPrecision (autocast) with fp16kit.GradScaler; a
+    # .half() model and a MixedPrecisionOptimizer: fabric.clip_gradients reaches the masters
+    from lightning.fabric.plugins import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=fp16kit.GradScaler("cpu"))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = net().half()
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+    model, opt = fabric.setup(model, opt)
+    ref = net().half()
+    ref_opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9))
+    scaler = fp16kit.GradScaler("cpu")
+    for k, (x, y) in enumerate(batches()):
+        opt.zero_grad()
+        fabric.backward(loss_of(model(x), y, k))
+        fabric.clip_gradients(model, opt, max_norm=CLIP, error_if_nonfinite=False)
+        opt.step()
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(ref(x.half()), y, k)  # (Fabric converts the inputs to fp16 too)
+        scaler.scale(loss).backward()
+        scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref_opt.master_params, CLIP)
+        scaler.step(ref_opt)
+        scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert plugin.scaler.skipped_steps() == 1
