@@ -119,12 +119,12 @@ def fit(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async_step=
 
 
 def reference(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async_step=False, inf_call=None,
-              sched=False, data=None, scaler=None, algo="norm"):
+              sched=False, data=None, scaler=None, algo="norm", **mpo_kw):
     """The plain fp16kit loop, written out (Lightning's call order: forward, zero_grad on the
     first batch of an accumulation window, backward of loss / accumulate, step)."""
     model = make_net().to(DTYPES[precision])
     inner = make_inner(model.parameters(), kind)
-    opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step)
+    opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step, **mpo_kw)
     sch = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5) if sched else None
     if scaler is None and precision == "16-true":
         scaler = fp16kit.GradScaler("cpu")
@@ -200,6 +200,14 @@ def test_equals_plain_loop_bit_for_bit(precision, kind, clip, accumulate, async_
         assert plugin.scaler.skipped_steps() == 1
         assert [s for s, _, _ in rec.steps].count(True) == 1
         assert plugin.scaler.get_scale() == 65536.0 / 2
+
+
+@pytest.mark.parametrize("options", [{"flat": True}, {"master_device": "cpu", "async_step": True}])
+def test_master_options_reach_the_optimizer(options):
+    model, plugin, _ = fit(clip=CLIP, inf_call=INF_CALL, **options)
+    ref_model, ref_opt, _ = reference(clip=CLIP, inf_call=INF_CALL, **options)
+    assert_same(model, plugin, ref_model, ref_opt)
+    assert plugin.optimizers[0].async_step == options.get("async_step", False)
 
 
 def test_user_scaler_value_clip_and_scheduler():
