@@ -26,7 +26,7 @@ c. **Asynchronous steps** -- milliseconds per training step, synchronous vs ``as
    intra-op threads, split between the two threads, and one each. The headline figure is the
    fastest synchronous configuration over the fastest asynchronous one: on small ops extra
    intra-op threads can cost more than they give, so comparing both at torch's default would
-   flatter (or wrong) the asynchronous side. On a CPU the optimizer thread and the intra-op
+   flatter the asynchronous side. On a CPU the optimizer thread and the intra-op
    threads share the same few cores, memory bandwidth and the GIL between ops (a forward/
    backward slows by about 1.6x here while AdamW runs on another thread), so the gain stays
    below the bound 1/max(step share, 1 - step share); on CUDA the step overlaps GPU work instead
