@@ -32,7 +32,7 @@ c. **Asynchronous steps** -- milliseconds per training step, synchronous vs ``as
    below the bound 1/max(step share, 1 - step share); on CUDA the step overlaps GPU work instead
    (not measurable here).
 
-    python benchmarks/integrations.py             # the full run: a few minutes on 2 cores
+    python benchmarks/integrations.py             # the full run: about a minute on 2 idle cores
     python benchmarks/integrations.py --quick     # tiny sizes, seconds (the test runs this)
     python benchmarks/integrations.py --json out.json
 
