@@ -4,9 +4,10 @@ claim. The DDP example's printed losses and grad norms are checked against the p
 written out here: one process on both ranks' batches concatenated (equal halves, so the mean loss
 and the mean grad are the ranks' averages), same model, optimizer, clipping, scheduler, gradient
 accumulation and the same overflow step skipped; synchronous, and async_step=True with 2
-micro-batches under ddp.no_sync() (the plain async loop, with the same one-step delay). DDP averages two fp16 grads where one backward over the whole batch
-sums in another order, so the grads differ by fp16 roundings: the comparison allows half an fp16
-ulp (5e-4, relative for the norms; measured: <= 7e-5) where the print has 1e-5 resolution.
+micro-batches under ddp.no_sync() (the plain async loop, with the same one-step delay). DDP
+averages two fp16 grads where one backward over the whole batch sums in another order, so the
+grads differ by fp16 roundings: the comparison allows half an fp16 ulp (5e-4, relative for the
+norms; measured: <= 7e-5) where the print has 1e-5 resolution.
 The FSDP2 example's printed losses and norms are checked against FSDP2's arithmetic written out
 (fp16 copies of the fp32 params per rank, fp32 grad average, unscale, clip, AdamW), within the
 same half fp16 ulp. tests/integrations/test_ddp.py tests the same behaviour bit for bit between
