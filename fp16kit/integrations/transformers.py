@@ -42,8 +42,9 @@ What happens at each Trainer hook (transformers 5.24):
 ``async_step=True`` (:mod:`fp16kit.async_step`): each optimizer step runs on the optimizer
 thread while the next forward/backward runs, a one-step delayed update. Whatever reads the
 weights waits for the step in flight first (``optimizer.synchronize()``): ``evaluate``,
-``predict``, ``save_model`` (so every checkpoint's weights match its masters) and the end of
-training (after the last step, before ``on_train_end`` callbacks). Each such wait lands the step
+``predict``, ``save_model`` (so every checkpoint's weights match its masters), the end of
+training (after the last step, before ``on_train_end`` callbacks) and ``load_best_model_at_end``
+(before the best checkpoint is loaded, so no step lands over it). Each such wait lands the step
 early, so the next forward sees weights one step fresher than with no wait: the save and eval
 steps are part of an asynchronous run's trajectory, and a run resumed with the same ones
 continues bit for bit. Logging reads no weights and does not wait. :meth:`synchronize` is
@@ -178,6 +179,15 @@ class MasterWeightsTrainer(Trainer):
         checkpoint saves, so its weights match its masters)."""
         self.synchronize()
         super().save_model(*args, **kwargs)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: land the step in flight first, or the end-of-training wait
+        would copy its masters over the best checkpoint's weights (training stopped by a callback
+        at a step with no eval/save leaves one in flight). ``Trainer._load_best_model`` is a
+        transformers 5.24 internal (called by ``_finalize_training``), guarded by
+        ``test_transformers_user_paths.py::test_load_best_model_at_end_keeps_the_best_weights``."""
+        self.synchronize()
+        super()._load_best_model()
 
 
 class _SynchronizeAtTrainEnd(TrainerCallback):

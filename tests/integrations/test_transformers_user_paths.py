@@ -1,0 +1,254 @@
+"""MasterWeightsTrainer on the paths a user moving a real fine-tuning script takes.
+
+Each numeric check compares against an independent reference: the plain fp16kit loop written out
+below (``model.to(dtype)``, ``MixedPrecisionOptimizer`` over fused AdamW, ``fp16kit.GradScaler``
+for fp16, the masters clipped through ``clip_grad_norm_(params=model.parameters())``, the linear
+schedule not stepping after a skipped step) on the Trainer's sequential batches -- grouped into
+optimizer steps with the last accumulation window short, the loss normalised as the Trainer does
+(``num_items_in_batch`` for models taking loss kwargs, ``/ len(window)`` for the others). The
+Trainer adds no arithmetic of its own, so everything is compared bit for bit (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers: pip install 'fp16kit[transformers]'")
+pytest.importorskip("accelerate", reason="needs accelerate: pip install 'fp16kit[transformers]'")
+
+import safetensors.torch  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
+
+import fp16kit  # noqa: E402
+from fp16kit.integrations.transformers import MasterWeightsTrainer  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+VOCAB, BATCH, LR = 64, 4, 1e-3
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------- models and data
+def gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    """lm_head.weight is tied to transformer.wte.weight."""
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    ))
+    model.loss_type = "ForCausalLM"  # see test_transformers.tiny_model
+    return model
+
+
+def bert(seed: int = 0) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=16, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))
+
+
+class BNNet(torch.nn.Module):
+    """A user's own module: BatchNorm (fp16 running stats), LayerNorm, a frozen embedding, and a
+    forward without ``**kwargs`` (so the Trainer divides the loss by the accumulation steps)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.fc = torch.nn.Linear(16, 32)
+        self.bn = torch.nn.BatchNorm1d(32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 3)
+        self.emb.weight.requires_grad_(False)
+
+    def forward(self, input_ids, labels=None):
+        h = self.ln(torch.relu(self.bn(self.fc(self.emb(input_ids).mean(1)))))
+        logits = self.head(h)
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def lm_data(n: int = 32) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (n, 8), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def cls_data(n: int = 20) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(0, VOCAB, (n, 8), generator=g), torch.randint(0, 3, (n,), generator=g)
+    return [{"input_ids": x, "labels": y} for x, y in zip(ids, labels)]
+
+
+def targs(out, precision: str | None = "fp16", **kw) -> TrainingArguments:
+    base = dict(
+        output_dir=str(out), use_cpu=True, report_to="none", disable_tqdm=True,
+        per_device_train_batch_size=BATCH, train_sampling_strategy="sequential",
+        dataloader_num_workers=0, logging_steps=1, learning_rate=LR, seed=0,
+        save_strategy="no", max_grad_norm=0.5,
+    )
+    base.update(kw)
+    if precision:
+        base[precision] = True
+    return TrainingArguments(**base)
+
+
+# ---------------------------------------------------------------------------- the reference loop
+def windows(data, accum: int, epochs: int):
+    """The Trainer's sequential micro-batches, grouped into optimizer steps (last window short)."""
+    out = []
+    for _ in range(epochs):
+        micro = [data[i:i + BATCH] for i in range(0, len(data), BATCH)]
+        micro = [{k: torch.stack([row[k] for row in rows]) for k in rows[0]} for rows in micro]
+        out += [micro[i:i + accum] for i in range(0, len(micro), accum)]
+    return out
+
+
+def reference(model, data, precision: str, *, accum: int = 1, epochs: int = 1, loss_kwargs: bool = True,
+              causal: bool = False, max_norm: float = 0.5):
+    model = model.to(DTYPES[precision])
+    params = [p for p in model.parameters() if p.requires_grad]
+    inner = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
+    opt = fp16kit.MixedPrecisionOptimizer(inner)
+    scaler = fp16kit.GradScaler("cpu") if precision == "fp16" else None
+    steps = windows(data, accum, epochs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (len(steps) - s) / max(1, len(steps))))
+    out = {"norms": [], "lrs": []}
+    for window in steps:
+        n_items = sum((b["labels"][..., 1:] if causal else b["labels"]).ne(-100).sum() for b in window)
+        for b in window:
+            loss = model(**b, num_items_in_batch=n_items).loss if loss_kwargs else model(**b).loss / len(window)
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        norm = opt.clip_grad_norm_(max_norm, params=model.parameters())
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            skipped = scaler.last_step_skipped()
+        else:
+            skipped = not all(torch.isfinite(p.grad).all() for p in params)
+            opt.step()
+        out["norms"].append(norm.item())
+        out["lrs"].append(opt.param_groups[0]["lr"])
+        if not skipped:
+            sched.step()
+        model.zero_grad()
+    out.update(model=model, opt=opt, scaler=scaler)
+    return out
+
+
+def assert_same(trainer, ref) -> None:
+    for (name, p), q in zip(trainer.model.named_parameters(), ref["model"].parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), name
+    for (name, b), c in zip(trainer.model.named_buffers(), ref["model"].buffers()):
+        assert b.dtype == c.dtype and torch.equal(b, c), name
+    logged = [h for h in trainer.state.log_history if "grad_norm" in h]
+    norms = [h["grad_norm"] for h in logged]  # nan on an overflow step
+    assert len(norms) == len(ref["norms"])
+    assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(norms, ref["norms"]))
+    assert [h["learning_rate"] for h in logged] == ref["lrs"]
+
+
+# ---------------------------------------------------------------------------- what held up
+@pytest.mark.parametrize("which, precision", [("bert", "fp16"), ("bnnet", "fp16"), ("bnnet", "bf16")])
+def test_two_epochs_with_a_short_last_accumulation_window(tmp_path, precision, which):
+    # 20 samples = 5 micro-batches an epoch: windows of 2, 2, 1; the schedule spans both epochs
+    factory, loss_kwargs = (bert, True) if which == "bert" else (BNNet, False)
+    trainer = MasterWeightsTrainer(
+        model=factory(), args=targs(tmp_path, precision, gradient_accumulation_steps=2, num_train_epochs=2),
+        train_dataset=cls_data(),
+    )
+    trainer.train()
+    assert trainer.state.global_step == 6 and trainer.model_accepts_loss_kwargs is loss_kwargs
+    ref = reference(factory(), cls_data(), precision, accum=2, epochs=2, loss_kwargs=loss_kwargs)
+    assert_same(trainer, ref)
+    if which == "bnnet":  # frozen: not in the optimizer, cast, untouched
+        assert trainer.model.emb.weight.dtype == DTYPES[precision]
+        assert torch.equal(trainer.model.emb.weight, BNNet().emb.weight.to(DTYPES[precision]))
+        assert trainer.model.bn.num_batches_tracked.item() == 10
+
+
+def test_user_param_groups_and_scheduler(tmp_path):
+    """An optimizer with two LRs and a StepLR built on the fp32 model, passed as optimizers=."""
+
+    def build(model):
+        top = [p for n, p in model.named_parameters() if n.startswith("transformer.h.1")]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("transformer.h.1")]
+        opt = torch.optim.AdamW([{"params": rest, "lr": 1e-4}, {"params": top, "lr": 1e-3}], fused=True)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    model = gpt2()
+    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=3), train_dataset=lm_data(),
+                                   optimizers=build(model))
+    trainer.train()
+
+    ref_model = gpt2().half()
+    inner, _ = build(ref_model)
+    opt = fp16kit.MixedPrecisionOptimizer(inner)
+    sched, scaler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), fp16kit.GradScaler("cpu")
+    for (batch,) in windows(lm_data(), 1, 1)[:3]:
+        n_items = batch["labels"][..., 1:].ne(-100).sum()
+        scaler.scale(ref_model(**batch, num_items_in_batch=n_items).loss).backward()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(0.5, params=ref_model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        if not scaler.last_step_skipped():
+            sched.step()
+        ref_model.zero_grad()
+    for p, q in zip(trainer.model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [g["lr"] for g in opt.param_groups] == [1.25e-5, 1.25e-4]
+
+
+# ---------------------------------------------------------------------------- defects found
+class StopAt(TrainerCallback):
+    """A user's budget callback: stop training at ``step`` (not an eval/save step)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+def test_load_best_model_at_end_keeps_the_best_weights(tmp_path, async_step):
+    # Was: with async_step, training stopped by a callback left the last step in flight; the
+    # Trainer loaded the best checkpoint, then the end-of-training wait landed that step's masters
+    # over it -- the "best" model was the last step's. Now the step lands before the best loads.
+    args = targs(tmp_path, max_steps=12, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                 load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
+                 per_device_eval_batch_size=BATCH)
+    trainer = MasterWeightsTrainer(model=gpt2(), args=args, train_dataset=lm_data(64), eval_dataset=lm_data(8),
+                                   callbacks=[StopAt(5)], async_step=async_step)
+    trainer.train()
+    assert trainer.state.global_step == 5
+    best = trainer.state.best_model_checkpoint
+    assert best.endswith("checkpoint-2")  # the highest eval loss: the first one
+    saved = safetensors.torch.load_file(os.path.join(best, "model.safetensors"))
+    weights = trainer.model.state_dict()
+    for name, value in saved.items():
+        assert torch.equal(weights[name], value), name
+    # and it stays so: the trainer's waits after training land nothing over it
+    trainer.evaluate()
+    trainer.save_model(str(tmp_path / "final"))
+    final = safetensors.torch.load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert all(torch.equal(final[name], value) for name, value in saved.items())
