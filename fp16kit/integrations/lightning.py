@@ -48,7 +48,12 @@ closure optimizers. Limits, documented rather than refused:
   no precision-plugin hook, so it holds the weights the next forward uses (one step behind the
   masters); full checkpoints land first. Training ends landed (a callback this plugin adds to
   ``trainer.callbacks`` at ``connect`` runs ``on_train_end``, before ``Strategy.teardown``
-  moves the optimizer state to the CPU).
+  moves the optimizer state to the CPU); it is the first callback, so a user's ``on_train_end``
+  that loads other weights (SWA's average, an EMA) keeps them. Callbacks that read the weights
+  during training (an EMA at batch end) see the ones the next forward uses, one step behind
+  the masters: call ``trainer.precision_plugin.synchronize()`` first for the newest.
+* ``BaseFinetuning`` callbacks (``BackboneFinetuning``) name param groups by module param:
+  adapted at ``connect`` to the masters (:mod:`.lightning_finetuning`), resume included.
 * Tested with the single-device strategy on CPU (Lightning 2.6). DDP should work (the
   optimizers stay plain MixedPrecisionOptimizers; DDP all-reduces the grads so ranks skip
   together) but is not tested here; FSDP/DeepSpeed strategies bring their own precision
@@ -80,6 +85,7 @@ from lightning_utilities import apply_to_collection  # noqa: E402
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
 from .lightning_checkpoint import adopt_plain_checkpoint  # noqa: E402
+from .lightning_finetuning import adapt_finetuning  # noqa: E402
 from .lightning_grad_norm import grad_norm, trainer_of  # noqa: E402
 
 __all__ = ["MasterWeightsPrecision", "grad_norm"]
@@ -191,6 +197,7 @@ class MasterWeightsPrecision(Precision):
             self.scaler = GradScaler(device)
         self._trainer = trainer_of(model)
         self._land_at_train_end()
+        adapt_finetuning(getattr(self._trainer, "callbacks", None), lambda: self.optimizers)
         # a second fit: Strategy.teardown moved the state to the CPU (GPU runs)
         self._check_state = {id(o) for o in self.optimizers}
         return model, list(self.optimizers), lr_schedulers
@@ -199,10 +206,11 @@ class MasterWeightsPrecision(Precision):
         # Strategy.teardown (lightning 2.6.6) moves the optimizer state to the CPU *before* it
         # calls this plugin's teardown: a step still in flight there would write state that was
         # just copied away (GPU runs). No precision-plugin hook runs at the end of training, so
-        # a callback (trainer.callbacks is public) lands the step at on_train_end.
+        # a callback (trainer.callbacks is public) lands the step at on_train_end -- the first
+        # one: a user's on_train_end that loads other weights (SWA's average, EMA) comes after.
         callbacks = getattr(self._trainer, "callbacks", None)
         if isinstance(callbacks, list) and not any(isinstance(c, _LandAtTrainEnd) and c.plugin is self for c in callbacks):
-            callbacks.append(_LandAtTrainEnd(self))
+            callbacks.insert(0, _LandAtTrainEnd(self))
 
     # ------------------------------------------------------------------ backward, step
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
