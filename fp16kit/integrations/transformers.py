@@ -56,7 +56,10 @@ optimizers (they fuse the update into backward); more than one GPU without ``tor
 (``nn.DataParallel``); ``fp16_full_eval``/``bf16_full_eval`` naming the other dtype (it would
 cast the trained weights in place); a model already in the other half dtype or already wrapped
 (DDP, DataParallel); ``async_step``/``master_device``/``master_dtype`` beside a
-``MixedPrecisionOptimizer`` you built (set them on it).
+``MixedPrecisionOptimizer`` you built (set them on it); at ``train()``, resuming a checkpoint
+saved by ``transformers.Trainer`` (its ``optimizer.pt`` has no fp32 masters). A bf16 run may
+resume an fp16 checkpoint (its ``scaler.pt`` is ignored), and an fp16 run a bf16 one (a new
+scaler).
 
 After ``load_best_model_at_end`` the model holds the best checkpoint's weights while the
 optimizer keeps the last step's masters: build a new trainer (or resume) to train on from there.
@@ -67,6 +70,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,6 +82,7 @@ transformers = require("transformers", extra="transformers", tested=("5.24", "5.
 import torch  # noqa: E402
 import transformers.trainer as _trainer_module  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from ..optimizer import MixedPrecisionOptimizer  # noqa: E402
 from .accelerate import MasterWeightsAccelerator  # noqa: E402
@@ -84,6 +90,7 @@ from .accelerate import MasterWeightsAccelerator  # noqa: E402
 __all__ = ["MasterWeightsTrainer"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_log = logging.getLogger("fp16kit")
 
 
 class MasterWeightsTrainer(Trainer):
@@ -156,6 +163,27 @@ class MasterWeightsTrainer(Trainer):
                 "Use transformers 5.24-5.25, or report it to fp16kit."
             )
 
+    # ------------------------------------------------------------------ resume
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None, **kwargs: Any,
+    ) -> Any:
+        """``Trainer.train``; a checkpoint to resume is checked first (before any state changes):
+        one saved by ``transformers.Trainer`` holds no fp32 master weights and is refused."""
+        _check_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """The Trainer's, except that a bf16 run resuming an fp16 checkpoint ignores its
+        ``scaler.pt`` (bf16 has no scaler; the Trainer would call ``None.load_state_dict``).
+        ``Trainer._load_scaler`` is a transformers 5.24 internal, guarded by
+        ``test_transformers_user_paths.py::test_bf16_resumes_an_fp16_checkpoint``."""
+        if self.accelerator.scaler is None:
+            if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, _trainer_module.SCALER_NAME)):
+                _log.info("bf16 run resuming %s: its fp16 loss-scaler state is not used", checkpoint)
+            return
+        super()._load_scaler(checkpoint)
+
     # ------------------------------------------------------------------ reads of the weights
     def synchronize(self) -> None:
         """Wait for an optimizer step in flight (``async_step=True``) and copy its masters into
@@ -204,6 +232,26 @@ class _SynchronizeAtTrainEnd(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.synchronize()
+
+
+def _check_checkpoint(checkpoint: str | bool | None, output_dir: str | None) -> None:
+    """Refuse a checkpoint whose optimizer.pt is a plain torch optimizer's state (no masters)."""
+    if checkpoint is True and output_dir is not None and os.path.isdir(output_dir):
+        checkpoint = get_last_checkpoint(output_dir)
+    if not isinstance(checkpoint, str):
+        return  # None, False, or True with no checkpoint: the Trainer's own handling
+    path = os.path.join(checkpoint, _trainer_module.OPTIMIZER_NAME)
+    if not os.path.isfile(path):
+        return  # save_only_model, or not a checkpoint: the Trainer's own handling
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if isinstance(state, dict) and "param_groups" in state and "masters" not in state:
+        raise ValueError(
+            f"{checkpoint} was saved by transformers.Trainer: its optimizer.pt holds no fp32 master "
+            "weights, so MasterWeightsTrainer cannot resume it. Finish that run with "
+            "transformers.Trainer, or start a new MasterWeightsTrainer run from its weights "
+            "(model=AutoModel...from_pretrained(checkpoint), train() without resume_from_checkpoint: "
+            "a new optimizer state and LR schedule)."
+        )
 
 
 def _master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer | None:

@@ -252,3 +252,45 @@ def test_load_best_model_at_end_keeps_the_best_weights(tmp_path, async_step):
     trainer.save_model(str(tmp_path / "final"))
     final = safetensors.torch.load_file(str(tmp_path / "final" / "model.safetensors"))
     assert all(torch.equal(final[name], value) for name, value in saved.items())
+
+
+def test_resuming_a_plain_trainer_checkpoint_is_refused_before_anything_changes(tmp_path):
+    # Was: the model was loaded from the checkpoint, then MixedPrecisionOptimizer.load_state_dict
+    # raised about its own dict keys -- no fix named, and the trainer's model already replaced.
+    Trainer(model=gpt2(), args=targs(tmp_path, None, max_steps=2, save_strategy="steps", save_steps=2),
+            train_dataset=lm_data()).train()
+    model = gpt2(5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=4), train_dataset=lm_data())
+    for resume in (str(tmp_path / "checkpoint-2"), True):
+        with pytest.raises(ValueError, match="saved by transformers.Trainer.*from_pretrained"):
+            trainer.train(resume_from_checkpoint=resume)
+    assert trainer.optimizer is None and trainer.state.global_step == 0
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+
+
+class RecordMasters(TrainerCallback):
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.masters = [m.clone() for m in optimizer.optimizer.master_params]
+
+
+def test_bf16_resumes_an_fp16_checkpoint(tmp_path):
+    # Was: AttributeError 'NoneType' object has no attribute 'load_state_dict' (the Trainer
+    # loads scaler.pt into the accelerator's scaler, which bf16 has not). Now scaler.pt is ignored.
+    MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
+                         train_dataset=lm_data()).train()
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / "scaler.pt").exists()
+    rec = RecordMasters()
+    trainer = MasterWeightsTrainer(
+        model=gpt2(5), train_dataset=lm_data(), callbacks=[rec],
+        args=targs(tmp_path / "bf16", "bf16", max_steps=3, save_strategy="steps", save_steps=3),
+    )
+    trainer.train(resume_from_checkpoint=str(ckpt))
+    assert trainer.state.global_step == 3 and trainer.model.dtype == torch.bfloat16
+    saved = [m for group in torch.load(ckpt / "optimizer.pt", weights_only=True)["masters"] for m in group]
+    assert len(saved) == len(rec.masters) and all(torch.equal(a, b) for a, b in zip(saved, rec.masters))
+    # and back: an fp16 run resumes the bf16 checkpoint (no scaler.pt) with a new scaler
+    fp16 = MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path / "fp16", max_steps=4), train_dataset=lm_data())
+    fp16.train(resume_from_checkpoint=str(tmp_path / "bf16" / "checkpoint-3"))
+    assert fp16.state.global_step == 4 and fp16.model.dtype == torch.float16
