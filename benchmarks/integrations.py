@@ -35,7 +35,7 @@ c. **Asynchronous steps** -- milliseconds per training step, synchronous vs ``as
 
     python benchmarks/integrations.py             # the full run: about a minute on 2 idle cores
     python benchmarks/integrations.py --quick     # tiny sizes, seconds (the test runs this)
-    python benchmarks/integrations.py --json out.json
+    python benchmarks/integrations.py --only async --json out.json
 
 Not run in CI; tests/integrations/test_benchmark_integrations.py runs ``--quick`` and checks the
 exact byte counts and the precision ordering, never timings.
@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the test")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--only", choices=["memory", "precision", "async"], action="append",
+                        help="run only this part (repeatable; default: all three)")
     args = parser.parse_args(argv)
     q = args.quick
     mem = dict(width=64, layers=2) if q else dict(width=1024, layers=4)
@@ -366,12 +368,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} intra-op threads, "
           f"load average {load[0]:.2f} at start")
 
-    results: dict[str, Any] = {"memory": memory_table(**mem)}
-    print_memory(results["memory"])
-    results["precision"] = precision_table(**prec)
-    print_precision(results["precision"], **prec)
-    results["async"] = async_table(**asy)
-    print_async(results["async"], asy["width"], asy["layers"], asy["batch"], asy["rounds"])
+    only = set(args.only or ["memory", "precision", "async"])
+    results: dict[str, Any] = {}
+    if "memory" in only:
+        results["memory"] = memory_table(**mem)
+        print_memory(results["memory"])
+    if "precision" in only:
+        results["precision"] = precision_table(**prec)
+        print_precision(results["precision"], **prec)
+    if "async" in only:
+        results["async"] = async_table(**asy)
+        print_async(results["async"], asy["width"], asy["layers"], asy["batch"], asy["rounds"])
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
     if args.json:
         with open(args.json, "w") as f:
