@@ -48,6 +48,11 @@ What each Accelerate hook does here (Accelerate 1.15):
   ``state_dict`` waits for the step in flight; the saved model params are then one step behind
   the saved masters, exactly as in the running model, and the resumed run lands them at the
   same step the uninterrupted one does (bit for bit).
+* ``save_model`` / ``get_state_dict(model)``: with ``async_step``, the last step's weights
+  (the masters rounded; the step in flight is waited for, not landed). ``model.state_dict()``,
+  ``unwrap_model(model).save_pretrained(...)`` and evaluation read the model itself, one step
+  behind until ``accelerator.synchronize()``: call it first (or pass
+  ``state_dict=accelerator.get_state_dict(model)``).
 * ``accumulate(model)``: Accelerate's; micro-steps neither step nor zero the grads.
 
 Not supported (refused at construction): DeepSpeed, FSDP (Accelerate's plugin: FSDP keeps its
@@ -192,14 +197,14 @@ class MasterWeightsAccelerator(Accelerator):
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
-        """Accelerate's, matching a scheduler built on the plain torch optimizer to the
-        prepared optimizer that wraps it (so it skips with that optimizer's skipped steps)."""
+        """Accelerate's, matching a scheduler built on the plain torch optimizer (or on the
+        prepared one) to that prepared optimizer (so it skips with its skipped steps only)."""
         if getattr(scheduler, "_is_accelerate_prepared", False):
             return super().prepare_scheduler(scheduler)
         target = getattr(scheduler, "optimizer", None)
         optimizers: Any = self._optimizers
         for opt in self._optimizers:
-            if target is opt.optimizer or target is getattr(opt.optimizer, "optimizer", None):
+            if target is opt or target is opt.optimizer or target is getattr(opt.optimizer, "optimizer", None):
                 optimizers = opt
                 break
         prepared = AcceleratedScheduler(
@@ -237,6 +242,29 @@ class MasterWeightsAccelerator(Accelerator):
         owners = self._owners(params)
         self.unscale_gradients(owners)
         torch.nn.utils.clip_grad_value_(self._masters_of(owners, params), clip_value)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Any:
+        """Accelerate's. With ``unwrap`` (``save_model``, exporting) and ``async_step``: the
+        weights of the last step, even while it is still in flight -- it waits for the step
+        and gives each param with a master that master rounded to the param's dtype (what the
+        model holds once the step lands), without landing it, so training goes on exactly as
+        without the call. ``unwrap=False`` (``save_state``'s) is Accelerate's as is: the saved
+        model is then one step behind the saved masters, as the running one."""
+        state = super().get_state_dict(model, unwrap=unwrap)
+        mixed = [opt for opt in self._mixed_optimizers(None) if opt.async_step]
+        if not unwrap or not mixed:
+            return state
+        master_of: dict[int, torch.Tensor] = {}
+        for opt in mixed:
+            opt.wait_for_step()
+            master_of.update({id(p): m for p, m in zip(opt.model_params, opt.master_params)})
+        landed: dict[int, torch.Tensor] = {}  # one tensor per param: tied weights stay shared
+        for name, p in self.unwrap_model(model).named_parameters(remove_duplicate=False):
+            if name in state and id(p) in master_of:
+                if id(p) not in landed:
+                    landed[id(p)] = master_of[id(p)].detach().to(p.device, p.dtype, copy=True)
+                state[name] = landed[id(p)]
+        return state
 
     def synchronize(self) -> None:
         """Wait for every prepared optimizer's step in flight and copy its masters into the
