@@ -86,6 +86,9 @@ from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
 from .lightning_checkpoint import adopt_plain_checkpoint  # noqa: E402
 from .lightning_finetuning import adapt_finetuning  # noqa: E402
+from .lightning_wrapping import master_optimizer as _master_optimizer  # noqa: E402
+from .lightning_wrapping import state_to_masters as _state_to_masters  # noqa: E402
+from .lightning_wrapping import wrap, wrapped_before  # noqa: E402
 from .lightning_grad_norm import grad_norm, trainer_of  # noqa: E402
 
 __all__ = ["MasterWeightsPrecision", "grad_norm"]
@@ -181,6 +184,8 @@ class MasterWeightsPrecision(Precision):
                     "drop the plugin's options."
                 )
             inner = opt.optimizer if isinstance(opt, MixedPrecisionOptimizer) else opt
+            if inner is opt:
+                wrapped_before(opt, self._mpo_options)  # (raises if other options wrapped it)
             if isinstance(inner, torch.optim.LBFGS):
                 raise TypeError(
                     "MasterWeightsPrecision does not support LBFGS (a closure optimizer re-evaluates "
@@ -188,8 +193,7 @@ class MasterWeightsPrecision(Precision):
                 )
         # validate/test/predict after fit get the optimizers wrapped then: used as they are
         self.optimizers = [
-            o if isinstance(o, MixedPrecisionOptimizer) else MixedPrecisionOptimizer(o, **self._mpo_options)
-            for o in optimizers
+            o if isinstance(o, MixedPrecisionOptimizer) else wrap(o, self._mpo_options) for o in optimizers
         ]
         self._built.update(o for o in self.optimizers if o not in optimizers)
         if self.dtype == torch.float16 and self.scaler is None:
@@ -362,32 +366,6 @@ class _LandAtTrainEnd(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.plugin.synchronize()
-
-
-def _master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
-    opt = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-    if not isinstance(opt, MixedPrecisionOptimizer):
-        raise TypeError(
-            f"MasterWeightsPrecision steps MixedPrecisionOptimizers, got {type(opt).__name__}: it "
-            "wraps the optimizers from configure_optimizers at setup; an optimizer made after "
-            "that must be wrapped by you (fp16kit.MixedPrecisionOptimizer(opt))."
-        )
-    return opt
-
-
-def _state_to_masters(opt: MixedPrecisionOptimizer) -> None:
-    """Move optimizer state back next to the masters when something moved it (Lightning's
-    ``_optimizer_to_device`` after loading, or its teardown): torch's load_state_dict re-places
-    each param's floating state on its param's device, as MixedPrecisionOptimizer's own
-    constructor does."""
-    inner = opt.optimizer
-    moved = any(
-        isinstance(v, torch.Tensor) and k != "step" and v.device != p.device
-        for p, s in inner.state.items() if isinstance(p, torch.Tensor) and isinstance(s, dict)
-        for k, v in s.items()
-    )
-    if moved:
-        inner.load_state_dict(inner.state_dict())
 
 
 @contextlib.contextmanager

@@ -168,3 +168,59 @@ def test_stochastic_weight_averaging_leaves_the_average_async():
     assert same(model.parameters(), (p.half() for p in swa._average_model.parameters()))
     (opt,) = plugin.optimizers
     assert not same(model.parameters(), (m.half() for m in opt.master_params))
+
+
+# ---------------------------------------------------------------------- fitting again
+class Cached(Backbone):
+    """Builds its optimizer once (``setup``) and returns it from every ``configure_optimizers``:
+    ``trainer.fit`` again continues with its state."""
+
+    def setup(self, stage):
+        if not hasattr(self, "opt"):
+            self.opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+    def configure_optimizers(self):
+        return self.opt
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
+def test_fit_again_with_the_same_optimizer_continues(precision):
+    # was: the optimizer, whose groups already held the masters, was wrapped a second time, in
+    # a wrapper without masters: fp16 raised "No inf checks were recorded for this optimizer",
+    # bf16 trained nothing more, silently
+    dtype = torch.float16 if precision == "16-true" else torch.bfloat16
+    model, plugin = Cached(), MasterWeightsPrecision(precision)
+    t = trainer(plugin)
+    t.fit(model, train_dataloaders=loader(batches()))
+    (first,) = plugin.optimizers
+    t.fit_loop.max_epochs = 2
+    t.fit(model, train_dataloaders=loader(batches()))  # the same Trainer, one more epoch
+    other = MasterWeightsPrecision(precision)
+    trainer(other).fit(model, train_dataloaders=loader(batches()))  # a new Trainer, one more
+    assert plugin.optimizers == other.optimizers == [first]
+
+    net = make_net().to(dtype)
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+    scaler = fp16kit.GradScaler("cpu") if precision == "16-true" else None
+    for _ in range(3):
+        for x, y in batches():
+            opt.zero_grad()
+            loss = loss_of(net(x.to(dtype)), y.to(dtype))
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    assert same(model.net.parameters(), net.parameters())
+    assert same(first.master_params, opt.master_params)
+
+
+def test_fit_again_with_other_master_options_is_refused():
+    model = Cached()
+    trainer(MasterWeightsPrecision()).fit(model, train_dataloaders=loader(batches()))
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="same options"):
+        trainer(MasterWeightsPrecision(async_step=True)).fit(model, train_dataloaders=loader(batches()))
+    assert same(model.parameters(), before)
