@@ -56,7 +56,8 @@ optimizers (they fuse the update into backward); more than one GPU without ``tor
 (``nn.DataParallel``); ``fp16_full_eval``/``bf16_full_eval`` naming the other dtype (it would
 cast the trained weights in place); a model already in the other half dtype or already wrapped
 (DDP, DataParallel); ``async_step``/``master_device``/``master_dtype`` beside a
-``MixedPrecisionOptimizer`` you built (set them on it); at ``train()``, resuming a checkpoint
+``MixedPrecisionOptimizer`` you built (set them on it), or one you built on the float32 model
+(it has no masters of the params the trainer casts: pass the plain optimizer); at ``train()``, resuming a checkpoint
 saved by ``transformers.Trainer`` (its ``optimizer.pt`` has no fp32 masters). A bf16 run may
 resume an fp16 checkpoint (its ``scaler.pt`` is ignored), and an fp16 run a bf16 one (a new
 scaler).
@@ -340,7 +341,20 @@ def _check_arguments(
                 "give the model in float32 (it is cast when training starts)."
             )
     optimizer = (bound.get("optimizers") or (None, None))[0]
-    if isinstance(_master_optimizer(optimizer), MixedPrecisionOptimizer):
+    master_optimizer = _master_optimizer(optimizer)
+    if master_optimizer is not None and model is not None:
+        # Built before the cast: it steps the model's own params (no masters), which
+        # the trainer is about to cast to fp16/bf16.
+        ids = {id(p) for p in model.parameters() if p.dtype not in (torch.float16, torch.bfloat16)}
+        if any(id(p) in ids for g in master_optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                f"The MixedPrecisionOptimizer was built on the float32 model, so it keeps no fp32 masters "
+                f"of the params the trainer casts to {mixed_precision}: pass the plain optimizer, "
+                "optimizers=(torch.optim.AdamW(model.parameters(), ...), scheduler) -- the trainer wraps "
+                f"it --, or cast the model first (model.to({dtype})) and build the "
+                "MixedPrecisionOptimizer on it."
+            )
+    if isinstance(master_optimizer, MixedPrecisionOptimizer):
         if async_step or master_device is not None or master_dtype != torch.float32:
             raise ValueError(
                 "The optimizer is already a MixedPrecisionOptimizer, which fixes async_step, "

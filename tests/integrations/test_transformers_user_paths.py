@@ -294,3 +294,14 @@ def test_bf16_resumes_an_fp16_checkpoint(tmp_path):
     fp16 = MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path / "fp16", max_steps=4), train_dataset=lm_data())
     fp16.train(resume_from_checkpoint=str(tmp_path / "bf16" / "checkpoint-3"))
     assert fp16.state.global_step == 4 and fp16.model.dtype == torch.float16
+
+
+def test_mixed_precision_optimizer_built_on_the_fp32_model_is_refused_at_construction(tmp_path):
+    # Was: accepted; train() then cast the model to fp16 and Accelerate's check raised, naming
+    # accelerator.prepare() -- the model already cast, the trainer unusable.
+    model = gpt2()
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match=r"built on the float32 model.*optimizers=\(torch.optim.AdamW"):
+        MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=1), train_dataset=lm_data(),
+                             optimizers=(opt, None))
+    assert model.dtype == torch.float32 and not any(tmp_path.iterdir())
