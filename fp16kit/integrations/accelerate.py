@@ -182,10 +182,14 @@ class MasterWeightsAccelerator(Accelerator):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """Wrap ``optimizer`` in a MixedPrecisionOptimizer (unless it is one) and in
-        :class:`MasterWeightsAcceleratedOptimizer`. ``device_placement`` is ignored: the masters
-        live where the params (or ``master_device``) are."""
+        :class:`MasterWeightsAcceleratedOptimizer`; one this accelerator prepared already gives
+        the same prepared optimizer again. ``device_placement`` is ignored: the masters live
+        where the params (or ``master_device``) are."""
         if getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement)
+        for prepared in self._optimizers:  # prepared before: its params are masters by now
+            if optimizer is prepared.optimizer or optimizer is getattr(prepared.optimizer, "optimizer", None):
+                return prepared
         if isinstance(optimizer, MixedPrecisionOptimizer):
             _check_user_built(optimizer)
             mixed = optimizer

@@ -196,3 +196,20 @@ def test_scheduler_built_on_the_prepared_optimizer_follows_its_own_skips():
         history.append((o1.step_was_skipped, o2.step_was_skipped, o1.param_groups[0]["lr"], o2.param_groups[0]["lr"]))
     assert s1.optimizers == [o1] and s2.optimizers == [o2]
     assert history == [(False, False, 0.05, 0.05), (False, True, 0.025, 0.05), (False, False, 0.0125, 0.025)]
+
+
+# ---------------------------------------------------------------------------- prepare twice
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_preparing_an_optimizer_again_gives_the_prepared_one(async_step):
+    # Defect: a torch optimizer prepared a second time (a helper that calls prepare again)
+    # got a second MixedPrecisionOptimizer around its masters with async_step (masters of
+    # masters, two optimizers stepping the same weights), or a misleading TypeError without.
+    acc = accelerator("fp16", async_step=async_step)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, sgd)
+    assert acc.prepare(sgd) is opt and acc.prepare(opt.optimizer) is opt and acc.prepare(opt) is opt
+    assert acc._optimizers == [opt] and len(opt.optimizer.master_params) == 4
+    user_built = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    again = acc.prepare(user_built)
+    assert acc.prepare(user_built) is again and acc._optimizers == [opt, again]
