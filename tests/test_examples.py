@@ -28,6 +28,12 @@ def test_every_example_is_tested():
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
+def test_every_integration_example_is_run_by_an_integration_test():
+    tests = "".join(p.read_text() for p in (pathlib.Path(__file__).parent / "integrations").glob("test_*.py"))
+    untested = [p.name for p in (EXAMPLES / "integrations").glob("*.py") if p.name not in tests]
+    assert not untested, f"examples/integrations without a test that runs them: {untested}"
+
+
 def test_apex_script_with_changed_imports_trains_and_resumes():
     r = _run("apex_fp16_optimizer.py", "--steps", "60")
     assert r.returncode == 0, r.stderr
