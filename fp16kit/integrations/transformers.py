@@ -29,6 +29,10 @@ What happens at each Trainer hook (transformers 5.24):
 * ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)``: unscales the fp16 grads
   into the fp32 master grads and clips *those*; the returned (and logged) ``grad_norm`` is the
   unscaled norm. ``max_grad_norm=0`` still reports the norm, clipping nothing.
+* ``on_pre_optimizer_step`` callbacks: the unscaled, clipped grads the step will use are the
+  masters' (``optimizer.optimizer.master_params``, paired with ``.model_params``): read or edit
+  those. The model's ``.grad`` still holds the *scaled* fp16/bf16 grads (with the Trainer's own
+  fp16 mode they would be unscaled by now); editing them raises.
 * ``optimizer.step()``: ``scaler.step`` + ``scaler.update``; on an overflow the step is skipped,
   the scale backs off and ``accelerator.optimizer_step_was_skipped`` is True, so the Trainer
   does not step the LR scheduler (its own rule).

@@ -305,3 +305,33 @@ def test_mixed_precision_optimizer_built_on_the_fp32_model_is_refused_at_constru
         MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=1), train_dataset=lm_data(),
                              optimizers=(opt, None))
     assert model.dtype == torch.float32 and not any(tmp_path.iterdir())
+
+
+class FreezeHeadThisStep(TrainerCallback):
+    """A user's on_pre_optimizer_step edit, done the documented way: on the master grads."""
+
+    def __init__(self) -> None:
+        self.ratios: list[float] = []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
+        mpo = optimizer.optimizer
+        master = dict(zip(map(id, mpo.model_params), mpo.master_params))[id(model.head.weight)]
+        # the model's .grad still holds the scaled fp16 grads; the masters the unscaled ones
+        if torch.isfinite(master.grad).all():
+            self.ratios.append((model.head.weight.grad.float().norm() / master.grad.norm()).item())
+        master.grad.zero_()
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+def test_callback_edits_master_grads_at_on_pre_optimizer_step(tmp_path, async_step):
+    model = BNNet()
+    head = model.head.weight.detach().half()
+    cb = FreezeHeadThisStep()
+    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=3, optim="sgd", max_grad_norm=0.0),
+                                   train_dataset=cls_data(),
+                                   callbacks=[cb], async_step=async_step)
+    trainer.train()
+    assert torch.equal(trainer.model.head.weight, head)
+    assert not torch.equal(trainer.model.fc.weight, BNNet().fc.weight.half())
+    scales = [32768.0, 32768.0]  # step 1 overflows at 65536 (BatchNorm's backward): skipped
+    assert len(cb.ratios) == 2 and all(math.isclose(r, s, rel_tol=1e-2) for r, s in zip(cb.ratios, scales))
