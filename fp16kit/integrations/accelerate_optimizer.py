@@ -33,7 +33,9 @@ answer is the scaler's own flag instead. At each hook:
   wait for an asynchronous step: the flag is computed on the main thread before the step is
   handed off. False before the first step; micro-steps keep the last sync step's answer (as
   Accelerate's flag does).
-* ``zero_grad()``: Accelerate's (only on sync steps).
+* ``zero_grad()``: Accelerate's (only on sync steps). After a clip unscaled the grads of a
+  step the user then skipped (no ``step()``; e.g. on a non-finite norm): the step counts as
+  skipped and the scaler updates (see :meth:`MasterWeightsAcceleratedOptimizer.zero_grad`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class UnscaledThisIteration:
         if id(optimizer) not in self._pending:
             scaler.unscale_(optimizer)
             self._pending.add(id(optimizer))
+
+    def pending(self, optimizer: MixedPrecisionOptimizer) -> bool:
+        """Was ``optimizer`` unscaled this iteration, with its step still to come?"""
+        return id(optimizer) in self._pending
 
     def stepped(self, optimizer: MixedPrecisionOptimizer) -> bool:
         """Record the step of ``optimizer``; True when no unscaled optimizer still has to step
@@ -113,6 +119,20 @@ class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
         else:
             self._skipped = _nonfinite(opt)
             opt.step()
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Accelerate's. On a sync step whose grads a clip unscaled but that never stepped (the
+        user skipped it, e.g. on a non-finite clipped norm): that step counts as skipped, and
+        the scaler updates once no unscaled optimizer is left to step -- what torch.amp's
+        ``scaler.update()`` after ``unscale_`` does: the scale halves if the grads held
+        inf/NaN. (Left pending, the next iteration would reuse this one's unscale and its
+        inf flag: a scaled norm and a lost step.)"""
+        opt = self.optimizer
+        if self.gradient_state.sync_gradients and self._unscaled.pending(opt):
+            if self._unscaled.stepped(opt) and self.scaler is not None:
+                self.scaler.update()
+            self._skipped = torch.ones((), dtype=torch.bool)
+        super().zero_grad(set_to_none)
 
     @property
     def step_was_skipped(self) -> bool:

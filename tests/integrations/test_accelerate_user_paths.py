@@ -213,3 +213,65 @@ def test_preparing_an_optimizer_again_gives_the_prepared_one(async_step):
     user_built = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     again = acc.prepare(user_built)
     assert acc.prepare(user_built) is again and acc._optimizers == [opt, again]
+
+
+# ---------------------------------------------------------------------------- user-skipped steps
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_user_skipping_a_non_finite_norm_step_equals_torch_amp_rule(async_step):
+    # Defect: `norm = accelerator.clip_grad_norm_(...); if not torch.isfinite(norm):
+    # optimizer.zero_grad(); continue` left the unscale pending: the next iteration skipped its
+    # unscale, reported a norm * scale and skipped its (clean) step on the old inf flag.
+    # Reference: torch.amp's version of the same loop (scaler.update() on the skip path).
+    def plain():
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).half()
+        opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=async_step)
+        scaler = plain_scaler("fp16")
+        log = []
+        for step in range(5):
+            scaler.scale(mlp_loss(model, step, overflow_at=1)).backward()
+            scaler.unscale_(opt)
+            norm = opt.clip_grad_norm_(0.5, params=model.parameters())
+            if not torch.isfinite(norm):
+                scaler.update()
+                opt.zero_grad()
+                log.append((float(norm), True, scaler.get_scale()))
+                continue
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            log.append((float(norm), scaler.last_step_skipped(), scaler.get_scale()))
+        opt.synchronize()
+        return log, [p.detach().clone() for p in model.parameters()]
+
+    def accelerated():
+        acc = accelerator("fp16", async_step=async_step)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        log = []
+        for step in range(5):
+            acc.backward(mlp_loss(model, step, overflow_at=1))
+            norm = acc.clip_grad_norm_(model.parameters(), 0.5)
+            if not torch.isfinite(norm):
+                opt.zero_grad()
+                log.append((float(norm), opt.step_was_skipped, acc.scaler.get_scale()))
+                continue
+            opt.step()
+            opt.zero_grad()
+            log.append((float(norm), opt.step_was_skipped, acc.scaler.get_scale()))
+        acc.synchronize()
+        return log, [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    ref = plain()
+    torch.manual_seed(0)
+    got = accelerated()
+    assert repr(got[0]) == repr(ref[0])  # (nan == nan in repr)
+    assert [s for _, s, _ in got[0]] == [False, True, False, False, False]
+    assert got[0][1][2] == SCALE / 2 and 0 < got[0][2][0] < 100  # halved; the next norm unscaled
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1], strict=True))
+
+
+def mlp_loss(model: torch.nn.Module, step: int, overflow_at: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 6, generator=g).half(), torch.randn(8, 3, generator=g).half()
+    return torch.nn.functional.mse_loss(model(x), y) * (math.inf if step == overflow_at else 1.0)
