@@ -28,6 +28,11 @@ the optimizer steps fp32 masters. What happens at each Lightning hook:
 * ``clip_gradients`` (``gradient_clip_val``, also ``self.clip_gradients`` in manual
   optimization): clips the masters (``main_params`` are the param groups' params, i.e. the
   masters); by norm it records the unscaled total norm in :attr:`last_grad_norm`.
+* An iteration that unscaled and never stepped -- an exception or Ctrl-C between the unscale
+  and the step, or (manual optimization) ``clip_gradients`` with no ``opt.step()`` before the
+  next backward -- is closed with the scale and its trackers unchanged (``scaler.update(
+  new_scale=<the scale>)``), at that backward or at ``teardown``; with ``async_step`` a
+  backward after such a clip raises (the unscale handed the grads to the step).
 * ``val/test/predict_step_context``, ``state_dict`` (checkpoint saving) and ``teardown`` (end of
   fit): with ``async_step=True`` the step in flight lands first (``opt.synchronize()``), so they
   see -- and checkpoints hold -- the model after the last step, consistent with the masters.
@@ -218,6 +223,8 @@ class MasterWeightsPrecision(Precision):
 
     # ------------------------------------------------------------------ backward, step
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        if self._unscaled:  # manual optimization: clip_gradients (unscaled), then no opt.step()
+            self._unscaled_without_step()
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
@@ -248,6 +255,7 @@ class MasterWeightsPrecision(Precision):
         if id(opt) in self._check_state:
             self._check_state.discard(id(opt))
             _state_to_masters(opt)
+        stepping = False
         try:
             closure_result = closure()
             # training_step returned None: no backward ran, no step (as Lightning's MixedPrecision)
@@ -261,15 +269,43 @@ class MasterWeightsPrecision(Precision):
             self._after_closure(model, optimizer)
             if skip:
                 return closure_result
+            stepping = True
             if self.scaler is not None:
                 out = self.scaler.step(opt, **kwargs)
                 self.scaler.update()
                 return out
             self._last_flags = self._unscaled.get(id(opt))
             return opt.step(**kwargs)
+        except BaseException:
+            if not stepping:  # e.g. Ctrl-C in on_before_optimizer_step
+                self._discard_iteration()
+            raise
         finally:
             self._unscaled.pop(id(opt), None)
             self._skipping = False
+
+    def _unscaled_without_step(self) -> None:
+        # A new backward: the iteration that unscaled is over. Synchronous steps: closed as if
+        # it had not begun; the next unscale re-reads the model grads (zeroed, or -- no
+        # zero_grad -- accumulated: both as in a plain loop that unscales once). Asynchronous
+        # steps handed the grads off at the unscale: accumulating would lose them.
+        if any(o.async_step for o in self.optimizers if id(o) in self._unscaled):
+            raise RuntimeError(
+                "MasterWeightsPrecision(async_step=True): clip_gradients unscaled an optimizer's "
+                "gradients (handing them to its step) and another backward followed without "
+                "opt.step(). Call opt.step() after clip_gradients in every iteration (it skips a "
+                "non-finite step itself), and clip only after the last backward of a step."
+            )
+        self._discard_iteration()
+
+    def _discard_iteration(self) -> None:
+        # Unscaled, never stepped (an exception between): the scaler would hold this
+        # optimizer's iteration open, and its next unscale_ -- a fit after a Ctrl-C -- raise
+        # "unscale_() has already been called". update(new_scale=the scale) closes it with
+        # the scale and its trackers unchanged, as if the iteration had not begun.
+        if self._unscaled and self.scaler is not None:
+            self.scaler.update(new_scale=self.scaler.get_scale())
+        self._unscaled.clear()
 
     def last_step_skipped(self) -> bool:
         """Whether the last optimizer step was skipped for inf/NaN gradients (a host read)."""
@@ -322,6 +358,7 @@ class MasterWeightsPrecision(Precision):
     def teardown(self) -> None:
         """End of fit/validate/...: land the step in flight (the model is current)."""
         failing = sys.exc_info()[1] is not None  # Lightning tears down inside its except block
+        self._discard_iteration()  # (manual optimization: unscaled by clip_gradients, no step)
         try:
             self.synchronize()
         except Exception:

@@ -224,3 +224,144 @@ def test_fit_again_with_other_master_options_is_refused():
     with pytest.raises(ValueError, match="same options"):
         trainer(MasterWeightsPrecision(async_step=True)).fit(model, train_dataloaders=loader(batches()))
     assert same(model.parameters(), before)
+
+
+# ---------------------------------------------------------------------- Ctrl-C
+class Interrupt(L.Callback):
+    """Ctrl-C once, at the given hook of optimizer step ``at``; records the batches stepped."""
+
+    def __init__(self, hook: str, at: int) -> None:
+        self.hook, self.at, self.fired, self.stepped = hook, at, False, []
+
+    def _maybe(self, trainer, hook):
+        if hook == self.hook and trainer.global_step == self.at and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._maybe(trainer, "batch_start")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._maybe(trainer, "before_optimizer_step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.stepped.append(batch_idx)
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+@pytest.mark.parametrize("hook", ["before_optimizer_step", "batch_start"])
+def test_fit_again_after_ctrl_c(hook, async_step):
+    # was (before_optimizer_step): the scaler kept the interrupted iteration open and the next
+    # fit with the same optimizer raised "unscale_() has already been called on this optimizer"
+    model, plugin, stop = Cached(), MasterWeightsPrecision(async_step=async_step), Interrupt(hook, 2)
+    t = trainer(plugin, callbacks=[stop], gradient_clip_val=CLIP)
+    with pytest.raises(SystemExit):  # Lightning's graceful shutdown after a KeyboardInterrupt
+        t.fit(model, train_dataloaders=loader(batches()))
+    (opt,) = plugin.optimizers
+    # consistent after the interrupt: the model holds the masters of the last step, nothing
+    # in flight, the interrupted iteration left no trace in the scaler
+    assert same(opt.model_params, (m.half() for m in opt.master_params))
+    assert (plugin.scaler.get_scale(), plugin.scaler.skipped_steps()) == (65536.0, 0)
+    t.fit(model, train_dataloaders=loader(batches()))
+    assert plugin.optimizers == [opt]
+
+    net = make_net().half()
+    ref = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9), async_step=async_step)
+    scaler, data = fp16kit.GradScaler("cpu"), batches()
+    for k, i in enumerate(stop.stepped):  # (the second fit starts the epoch over: 0, 1, 0, 1, 2, 3)
+        x, y = data[i]
+        ref.zero_grad()
+        scaler.scale(loss_of(net(x.half()), y.half())).backward()
+        scaler.unscale_(ref)
+        torch.nn.utils.clip_grad_norm_(ref.master_params, CLIP)
+        scaler.step(ref)
+        scaler.update()
+        if async_step and k == 1:
+            ref.synchronize()  # the interrupted fit's teardown landed the step in flight
+    ref.synchronize()
+    assert len(stop.stepped) > N_BATCHES
+    assert same(model.net.parameters(), net.parameters())
+    assert same(opt.master_params, ref.master_params)
+
+
+def test_manual_optimization_error_between_clip_and_step_then_fit_again():
+    # the unscale (self.clip_gradients) happened outside optimizer_step: teardown closes it
+    class Manual(Cached):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization, self.failed = False, False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            opt.zero_grad()
+            inf = float("inf") if self.failed and batch_idx == 0 else 1.0  # the refit's first batch overflows
+            self.manual_backward(loss_of(self.net(x), y) * inf)
+            self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+            if batch_idx == 1 and not self.failed:
+                self.failed = True
+                raise RuntimeError("user error")
+            opt.step()
+
+    model, plugin = Manual(), MasterWeightsPrecision()
+    t = trainer(plugin)
+    with pytest.raises(RuntimeError, match="user error"):
+        t.fit(model, train_dataloaders=loader(batches()))
+    t.fit(model, train_dataloaders=loader(batches()))
+    # the overflow is seen (not the interrupted iteration's stale finite check) and skipped
+    assert plugin.scaler.skipped_steps() == 1 and plugin.scaler.get_scale() == 32768.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------- manual optimization
+class ManualSkip(Backbone):
+    """Clips every batch, steps only some: ``skip`` batches are looked at and dropped (after
+    zero_grad), ``accumulate`` batches add to the next one's grads (no zero_grad)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.automatic_optimization, self.mode = False, mode
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        if self.mode == "skip" or batch_idx % 2 == 0:
+            opt.zero_grad()
+        inf = float("inf") if self.mode == "skip" and batch_idx == 2 else 1.0  # after the dropped batch
+        self.manual_backward(loss_of(self.net(x), y) * inf)
+        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        if (self.mode == "skip" and batch_idx != 1) or (self.mode == "accumulate" and batch_idx % 2 == 1):
+            opt.step()
+
+
+@pytest.mark.parametrize("mode", ["skip", "accumulate"])
+def test_manual_clip_without_a_step(mode):
+    # was: the unscale stayed recorded for the next iteration: "skip" stepped the next batch's
+    # overflow into the model (inf params); "accumulate" raised at the step
+    model, plugin = ManualSkip(mode), MasterWeightsPrecision()
+    trainer(plugin).fit(model, train_dataloaders=loader(batches()))
+    net = make_net().half()
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+    scaler = fp16kit.GradScaler("cpu")
+    for i, (x, y) in enumerate(batches()):
+        if mode == "skip" and i == 1:
+            continue
+        if mode == "skip" or i % 2 == 0:
+            opt.zero_grad()
+        inf = float("inf") if mode == "skip" and i == 2 else 1.0
+        scaler.scale(loss_of(net(x.half()), y.half()) * inf).backward()
+        if mode == "accumulate" and i % 2 == 0:
+            continue
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(opt.master_params, CLIP)
+        scaler.step(opt)
+        scaler.update()
+    assert same(model.net.parameters(), net.parameters())
+    assert (plugin.scaler.skipped_steps(), plugin.scaler.get_scale()) == (scaler.skipped_steps(), scaler.get_scale())
+
+
+def test_manual_clip_then_backward_without_a_step_async_is_refused():
+    # the unscale handed the grads to the asynchronous step: accumulating would lose them
+    model, plugin = ManualSkip("accumulate"), MasterWeightsPrecision(async_step=True)
+    with pytest.raises(RuntimeError, match="opt.step\\(\\) after clip_gradients"):
+        trainer(plugin).fit(model, train_dataloaders=loader(batches()))
