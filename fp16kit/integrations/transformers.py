@@ -32,7 +32,8 @@ What happens at each Trainer hook (transformers 5.24):
 * ``on_pre_optimizer_step`` callbacks: the unscaled, clipped grads the step will use are the
   masters' (``optimizer.optimizer.master_params``, paired with ``.model_params``): read or edit
   those. The model's ``.grad`` still holds the *scaled* fp16/bf16 grads (with the Trainer's own
-  fp16 mode they would be unscaled by now); editing them raises.
+  fp16 mode they would be unscaled by now); a callback that edits them gets a RuntimeError
+  naming the masters (after the callbacks, before the step).
 * ``optimizer.step()``: ``scaler.step`` + ``scaler.update``; on an overflow the step is skipped,
   the scale backs off and ``accelerator.optimizer_step_was_skipped`` is True, so the Trainer
   does not step the LR scheduler (its own rule).
@@ -87,6 +88,7 @@ transformers = require("transformers", extra="transformers", tested=("5.24", "5.
 import torch  # noqa: E402
 import transformers.trainer as _trainer_module  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.trainer_callback import CallbackHandler  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from ..optimizer import MixedPrecisionOptimizer  # noqa: E402
@@ -146,6 +148,10 @@ class MasterWeightsTrainer(Trainer):
         else:
             bound.arguments[var_kw] = {**extra, "callbacks": callbacks}
         super().__init__(*bound.args, **bound.kwargs)
+        old = self.callback_handler
+        self.callback_handler = _CheckedCallbackHandler(
+            self, old.callbacks, old.model, old.processing_class, old.optimizer, old.lr_scheduler
+        )
 
     # ------------------------------------------------------------------ construction
     def create_accelerator_and_postprocess(self) -> None:
@@ -237,6 +243,32 @@ class _SynchronizeAtTrainEnd(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.synchronize()
+
+
+class _CheckedCallbackHandler(CallbackHandler):
+    """The Trainer's ``CallbackHandler``; at ``on_pre_optimizer_step`` (after the clip, before
+    the step) a callback that changed a model param's ``.grad`` is an error: the step uses the
+    masters' grads, read at the clip (fp16: the scaler would raise a generic error at the step;
+    bf16: the step would read the edited grads again, unclipped, silently)."""
+
+    def __init__(self, trainer: MasterWeightsTrainer, *args: Any) -> None:
+        super().__init__(*args)
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
+        opt = _master_optimizer(self.trainer.optimizer)
+        grads = [] if opt is None else [p.grad for p in opt.model_params]
+        versions = [None if g is None else g._version for g in grads]
+        control = super().on_pre_optimizer_step(args, state, control, **kwargs)
+        for p, g, v in zip(opt.model_params if opt is not None else (), grads, versions):
+            if p.grad is not g or (g is not None and g._version != v):
+                raise RuntimeError(
+                    "A callback changed the model's gradients at on_pre_optimizer_step. "
+                    "MasterWeightsTrainer has unscaled and clipped them into the fp32 master weights "
+                    "already, and the optimizer steps those: edit the masters' grads instead "
+                    "(kwargs['optimizer'].optimizer.master_params, paired with .model_params)."
+                )
+        return control
 
 
 def _check_checkpoint(checkpoint: str | bool | None, output_dir: str | None) -> None:

@@ -335,3 +335,43 @@ def test_callback_edits_master_grads_at_on_pre_optimizer_step(tmp_path, async_st
     assert not torch.equal(trainer.model.fc.weight, BNNet().fc.weight.half())
     scales = [32768.0, 32768.0]  # step 1 overflows at 65536 (BatchNorm's backward): skipped
     assert len(cb.ratios) == 2 and all(math.isclose(r, s, rel_tol=1e-2) for r, s in zip(cb.ratios, scales))
+
+
+class ZeroHeadModelGrad(TrainerCallback):
+    """A callback ported from a plain Trainer script: edits the model's grads."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        model.head.weight.grad.zero_()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_callback_editing_model_grads_at_on_pre_optimizer_step_is_an_error(tmp_path, precision):
+    # Was (bf16): the step read the edited model grads again, unclipped -- the clip silently
+    # lost (a 1000x larger update here); (fp16) a generic scaler error. Now both name the masters.
+    model = BNNet()
+    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, precision, max_steps=2, max_grad_norm=0.01),
+                                   train_dataset=cls_data(), callbacks=[ZeroHeadModelGrad()])
+    with pytest.raises(RuntimeError, match=r"changed the model's gradients at on_pre_optimizer_step.*master_params"):
+        trainer.train()
+    assert trainer.state.global_step == 0  # raised before the first step
+    assert torch.equal(trainer.model.fc.weight, BNNet().fc.weight.to(DTYPES[precision]))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core (fp16kit/master_grads.py MasterGrads.ensure): without a scaler, model grads changed after "
+    "clip_grad_norm_(params=...) are read again at the step, unclipped -- the clip is silently lost "
+    "(with a scaler the same edit raises)"))
+def test_core_bf16_edit_after_clip_keeps_the_clip_or_raises():
+    model = BNNet().bfloat16()
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+    batch = windows(cls_data(), 1, 1)[0][0]
+    model(**batch).loss.backward()
+    opt.clip_grad_norm_(0.01, params=model.parameters())
+    model.head.weight.grad.zero_()  # an edit, after the clip
+    before = [m.detach().clone() for m in opt.master_params]
+    try:
+        opt.step()
+    except RuntimeError:
+        return  # refusing the edit is fine too
+    update = torch.stack([(m - b).norm() for m, b in zip(opt.master_params, before)]).norm()
+    assert update <= 0.1 * 0.01 * 1.001  # lr * max_norm: the clip held
