@@ -218,6 +218,18 @@ class MasterWeightsAccelerator(Accelerator):
         self._schedulers.append(prepared)
         return prepared
 
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Accelerate's (``scaler.scale(loss / accumulation_steps).backward()``); refused, before
+        anything changes, while a clip's unscaled grads wait for ``optimizer.step()``."""
+        if self._unscaled.any_pending():
+            raise RuntimeError(
+                "accelerator.backward() after accelerator.clip_grad_norm_/clip_grad_value_/"
+                "unscale_gradients() and before optimizer.step(): the grads of this iteration are "
+                "unscaled already. Run every backward of an iteration before clipping; to skip a "
+                "step (e.g. on a non-finite norm) call optimizer.zero_grad() instead of step()."
+            )
+        super().backward(loss, **kwargs)
+
     # ------------------------------------------------------------------ unscale and clip
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """``scaler.unscale_`` on the prepared optimizers (default: all): the unscaled grads go

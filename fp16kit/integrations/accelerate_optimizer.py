@@ -69,6 +69,10 @@ class UnscaledThisIteration:
             scaler.unscale_(optimizer)
             self._pending.add(id(optimizer))
 
+    def any_pending(self) -> bool:
+        """Is any optimizer unscaled this iteration and not stepped (or zeroed) yet?"""
+        return bool(self._pending)
+
     def pending(self, optimizer: MixedPrecisionOptimizer) -> bool:
         """Was ``optimizer`` unscaled this iteration, with its step still to come?"""
         return id(optimizer) in self._pending

@@ -275,3 +275,23 @@ def mlp_loss(model: torch.nn.Module, step: int, overflow_at: int | None = None) 
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(8, 6, generator=g).half(), torch.randn(8, 3, generator=g).half()
     return torch.nn.functional.mse_loss(model(x), y) * (math.inf if step == overflow_at else 1.0)
+
+
+def test_backward_after_a_clip_without_step_is_refused_before_anything_changes():
+    # the same skip written without zero_grad (`continue` jumps over it): the next backward
+    # would add to unscaled-away grads; refused with the fix named, grads left as they were
+    acc = accelerator("fp16")
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(mlp_loss(model, 0, overflow_at=0))
+    assert not torch.isfinite(acc.clip_grad_norm_(model.parameters(), 0.5))
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"call optimizer.zero_grad\(\) instead of step\(\)"):
+        acc.backward(mlp_loss(model, 1))
+    assert all(same(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+    opt.zero_grad()  # the fix: the step counts as skipped, the scale halves
+    assert opt.step_was_skipped and acc.scaler.get_scale() == SCALE / 2
+    acc.backward(mlp_loss(model, 1))
+    assert 0 < float(acc.clip_grad_norm_(model.parameters(), 0.5)) < 100
+    opt.step()
+    assert not opt.step_was_skipped
