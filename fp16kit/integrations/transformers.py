@@ -93,6 +93,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from ..optimizer import MixedPrecisionOptimizer  # noqa: E402
 from .accelerate import MasterWeightsAccelerator  # noqa: E402
+from .accelerate_optimizer import MasterWeightsAcceleratedOptimizer  # noqa: E402
 
 __all__ = ["MasterWeightsTrainer"]
 
@@ -182,7 +183,23 @@ class MasterWeightsTrainer(Trainer):
         """``Trainer.train``; a checkpoint to resume is checked first (before any state changes):
         one saved by ``transformers.Trainer`` holds no fp32 master weights and is refused."""
         _check_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        except BaseException:
+            self._discard_interrupted_iteration()
+            raise
+
+    def _discard_interrupted_iteration(self) -> None:
+        """Training interrupted (Ctrl-C, an exception from a callback) between the clip and
+        ``optimizer.step()`` leaves this iteration's grads unscaled, waiting for a step, and the
+        next ``train()`` would refuse its first backward: drop them, as a skipped step
+        (``optimizer.zero_grad()``), so that the trainer trains on or resumes."""
+        opt = self.optimizer
+        if isinstance(opt, MasterWeightsAcceleratedOptimizer) and opt.gradient_state.sync_gradients:
+            try:
+                opt.zero_grad()
+            except Exception:  # the original error propagates; this one is only logged
+                _log.warning("could not drop the interrupted iteration's gradients", exc_info=True)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         """The Trainer's, except that a bf16 run resuming an fp16 checkpoint ignores its

@@ -375,3 +375,39 @@ def test_core_bf16_edit_after_clip_keeps_the_clip_or_raises():
         return  # refusing the edit is fine too
     update = torch.stack([(m - b).norm() for m, b in zip(opt.master_params, before)]).norm()
     assert update <= 0.1 * 0.01 * 1.001  # lr * max_norm: the clip held
+
+
+class CtrlCBeforeStep(TrainerCallback):
+    """Ctrl-C once, between the clip (grads unscaled into the masters) and optimizer.step()."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.fired = step, False
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == self.step and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+def test_ctrl_c_between_clip_and_step_then_rerun_resumes_bit_for_bit(tmp_path, async_step):
+    # Was (fp16): the rerun train(resume_from_checkpoint=True) on the same trainer (a notebook
+    # cell run again) failed at its first backward -- "the grads of this iteration are unscaled
+    # already" -- the trainer unusable. Now the interrupted iteration is dropped as a skipped step.
+    kw = dict(max_steps=5, save_strategy="steps", save_steps=2)
+    trainer = MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path / "a", **kw), train_dataset=lm_data(),
+                                   callbacks=[CtrlCBeforeStep(3)], async_step=async_step)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer.state.global_step == 3
+    trainer.train(resume_from_checkpoint=True)
+    whole = MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path / "b", **kw), train_dataset=lm_data(),
+                                 async_step=async_step)
+    whole.train()
+    for p, q in zip(trainer.model.parameters(), whole.model.parameters()):
+        assert torch.equal(p, q)
+    for m, n in zip(trainer.optimizer.optimizer.master_params, whole.optimizer.optimizer.master_params):
+        assert torch.equal(m, n)
+    assert trainer.accelerator.scaler.state_dict() == whole.accelerator.scaler.state_dict()
+    norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h][-3:] for t in (trainer, whole)]
+    assert norms[0] == norms[1]
