@@ -255,7 +255,6 @@ class MasterWeightsPrecision(Precision):
         if id(opt) in self._check_state:
             self._check_state.discard(id(opt))
             _state_to_masters(opt)
-        stepping = False
         try:
             closure_result = closure()
             # training_step returned None: no backward ran, no step (as Lightning's MixedPrecision)
@@ -269,16 +268,14 @@ class MasterWeightsPrecision(Precision):
             self._after_closure(model, optimizer)
             if skip:
                 return closure_result
-            stepping = True
             if self.scaler is not None:
                 out = self.scaler.step(opt, **kwargs)
                 self.scaler.update()
                 return out
             self._last_flags = self._unscaled.get(id(opt))
             return opt.step(**kwargs)
-        except BaseException:
-            if not stepping:  # e.g. Ctrl-C in on_before_optimizer_step
-                self._discard_iteration()
+        except BaseException:  # e.g. Ctrl-C in on_before_optimizer_step, an error refusing the step
+            self._discard_iteration()
             raise
         finally:
             self._unscaled.pop(id(opt), None)

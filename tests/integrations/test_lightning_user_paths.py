@@ -396,3 +396,23 @@ def test_core_param_groups_assignment_with_new_fp16_params():
     scaler.update()
     # adopted: every param the inner optimizer steps is an fp32 master
     assert all(p.dtype == torch.float32 for g in opt.optimizer.param_groups for p in g["params"])
+
+
+def test_clipping_the_model_grads_in_a_hook_names_the_fix_and_fit_again_works():
+    # torch's clip_grad_norm_(self.parameters()) in on_before_optimizer_step edits the scaled
+    # fp16 grads after the unscale: the step refuses it (core: names the masters); the
+    # iteration is closed, so the corrected module trains on with the same optimizer
+    class Clip(Cached):
+        wrong = True
+
+        def on_before_optimizer_step(self, optimizer):
+            if self.wrong:
+                torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+    model, plugin = Clip(), MasterWeightsPrecision()
+    t = trainer(plugin)
+    with pytest.raises(RuntimeError, match="masters"):
+        t.fit(model, train_dataloaders=loader(batches()))
+    model.wrong = False
+    t.fit(model, train_dataloaders=loader(batches()))
+    assert plugin.scaler.skipped_steps() == 0
