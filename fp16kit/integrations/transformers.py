@@ -88,7 +88,6 @@ transformers = require("transformers", extra="transformers", tested=("5.24", "5.
 import torch  # noqa: E402
 import transformers.trainer as _trainer_module  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from transformers.trainer_callback import CallbackHandler  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from ..optimizer import MixedPrecisionOptimizer  # noqa: E402
@@ -149,9 +148,11 @@ class MasterWeightsTrainer(Trainer):
         else:
             bound.arguments[var_kw] = {**extra, "callbacks": callbacks}
         super().__init__(*bound.args, **bound.kwargs)
-        old = self.callback_handler
-        self.callback_handler = _CheckedCallbackHandler(
-            self, old.callbacks, old.model, old.processing_class, old.optimizer, old.lr_scheduler
+        # wraps the handler's method on the instance: keeps its class (a subclass's own handler)
+        # and its attributes
+        handler = self.callback_handler
+        handler.on_pre_optimizer_step = functools.partial(
+            _checked_pre_optimizer_step, self, handler.on_pre_optimizer_step
         )
 
     # ------------------------------------------------------------------ construction
@@ -262,30 +263,27 @@ class _SynchronizeAtTrainEnd(TrainerCallback):
         self.trainer.synchronize()
 
 
-class _CheckedCallbackHandler(CallbackHandler):
-    """The Trainer's ``CallbackHandler``; at ``on_pre_optimizer_step`` (after the clip, before
-    the step) a callback that changed a model param's ``.grad`` is an error: the step uses the
-    masters' grads, read at the clip (fp16: the scaler would raise a generic error at the step;
-    bf16: the step would read the edited grads again, unclipped, silently)."""
-
-    def __init__(self, trainer: MasterWeightsTrainer, *args: Any) -> None:
-        super().__init__(*args)
-        self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
-        opt = _master_optimizer(self.trainer.optimizer)
-        grads = [] if opt is None else [p.grad for p in opt.model_params]
-        versions = [None if g is None else g._version for g in grads]
-        control = super().on_pre_optimizer_step(args, state, control, **kwargs)
-        for p, g, v in zip(opt.model_params if opt is not None else (), grads, versions):
-            if p.grad is not g or (g is not None and g._version != v):
-                raise RuntimeError(
-                    "A callback changed the model's gradients at on_pre_optimizer_step. "
-                    "MasterWeightsTrainer has unscaled and clipped them into the fp32 master weights "
-                    "already, and the optimizer steps those: edit the masters' grads instead "
-                    "(kwargs['optimizer'].optimizer.master_params, paired with .model_params)."
-                )
-        return control
+def _checked_pre_optimizer_step(
+    trainer: MasterWeightsTrainer, call: Any, args: TrainingArguments, state: Any, control: Any, **kwargs: Any
+) -> Any:
+    """The Trainer's ``callback_handler.on_pre_optimizer_step`` (``call``, after the clip, before
+    the step), then: a callback that changed a model param's ``.grad`` is an error -- the step
+    uses the masters' grads, read at the clip (fp16: the scaler would raise a generic error at
+    the step; bf16: the step would read the edited grads again, unclipped, silently)."""
+    opt = _master_optimizer(trainer.optimizer)
+    params = [] if opt is None else list(opt.model_params)
+    grads = [p.grad for p in params]
+    versions = [None if g is None else g._version for g in grads]
+    control = call(args, state, control, **kwargs)
+    for p, g, v in zip(params, grads, versions):
+        if p.grad is not g or (g is not None and g._version != v):
+            raise RuntimeError(
+                "A callback changed the model's gradients at on_pre_optimizer_step. "
+                "MasterWeightsTrainer has unscaled and clipped them into the fp32 master weights "
+                "already, and the optimizer steps those: edit the masters' grads instead "
+                "(kwargs['optimizer'].optimizer.master_params, paired with .model_params)."
+            )
+    return control
 
 
 def _check_checkpoint(checkpoint: str | bool | None, output_dir: str | None) -> None:
