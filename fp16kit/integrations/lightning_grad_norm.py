@@ -44,25 +44,34 @@ def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separ
     """Drop-in for ``lightning.pytorch.utilities.grad_norm`` that reads the unscaled master
     grads: call it in ``on_before_optimizer_step`` (the fp16 model grads are still multiplied by
     the loss scale there). Same keys and arithmetic as Lightning's; a param without a master
-    (not stepped by a MixedPrecisionOptimizer) contributes its own grad."""
+    (not stepped by a MixedPrecisionOptimizer) contributes its own grad. With several
+    optimizers (manual optimization), the params of the one being stepped count; those of the
+    others are left out (their grads are still scaled: not this step's)."""
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
     trainer = trainer_of(module)
     plugin = trainer.precision_plugin if trainer is not None else None
+    unscaled = getattr(plugin, "unscaled", None)  # MasterWeightsPrecision's
     master_of: dict[int, torch.Tensor] = {}
-    for opt in (trainer.optimizers if trainer is not None else []):
-        if isinstance(opt, MixedPrecisionOptimizer):
-            unscaled = getattr(plugin, "unscaled", None)  # MasterWeightsPrecision's
-            if unscaled is not None and not unscaled(opt):
-                raise RuntimeError(
-                    "fp16kit grad_norm reads the unscaled master grads, which exist from "
-                    "MasterWeightsPrecision's unscale to the optimizer step: call it in "
-                    "on_before_optimizer_step (or after trainer.precision_plugin.unscale_gradients(opt))."
-                )
+    skip: set[int] = set()  # params of optimizers not being stepped now: their grads are still scaled
+    ours = [o for o in (trainer.optimizers if trainer is not None else []) if isinstance(o, MixedPrecisionOptimizer)]
+    stepping = [o for o in ours if unscaled is None or unscaled(o)]
+    for opt in ours:
+        if opt in stepping:
             master_of.update({id(p): m for p, m in zip(opt.model_params, opt.master_params)})
+        else:
+            skip.update(id(p) for p in opt.model_params)
+    if ours and not stepping:
+        raise RuntimeError(
+            "fp16kit grad_norm reads the unscaled master grads, which exist from "
+            "MasterWeightsPrecision's unscale to the optimizer step: call it in "
+            "on_before_optimizer_step (or after trainer.precision_plugin.unscale_gradients(opt))."
+        )
     norms = {}
     for name, p in module.named_parameters():
+        if id(p) in skip and id(p) not in master_of:
+            continue
         grad = master_of[id(p)].grad if id(p) in master_of else p.grad
         if grad is not None:
             norms[f"grad_{norm_type}_norm{group_separator}{name}"] = grad.data.norm(norm_type)

@@ -416,3 +416,49 @@ def test_clipping_the_model_grads_in_a_hook_names_the_fix_and_fit_again_works():
     model.wrong = False
     t.fit(model, train_dataloaders=loader(batches()))
     assert plugin.scaler.skipped_steps() == 0
+
+
+# ---------------------------------------------------------------------- grad_norm, two optimizers
+def test_grad_norm_with_two_optimizers_manual():
+    # was: RuntimeError "call it in on_before_optimizer_step" -- from on_before_optimizer_step,
+    # because the other optimizer was not unscaled; now: the stepped optimizer's params
+    from fp16kit.integrations.lightning import grad_norm
+
+    class Two(Backbone):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization, self.norms = False, []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            for opt in self.optimizers():
+                opt.zero_grad()
+                self.manual_backward(loss_of(self.net(x), y))
+                opt.step()
+
+        def on_before_optimizer_step(self, optimizer):
+            self.norms.append(grad_norm(self, 2))
+
+        def configure_optimizers(self):
+            return (torch.optim.SGD(self.net[0].parameters(), lr=LR),
+                    torch.optim.AdamW(self.net[2].parameters(), lr=LR / 10))
+
+    model = Two()
+    trainer(MasterWeightsPrecision()).fit(model, train_dataloaders=loader(batches()))
+    net = make_net().half()
+    opts = [fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net[0].parameters(), lr=LR)),
+            fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(net[2].parameters(), lr=LR / 10))]
+    scaler, expected = fp16kit.GradScaler("cpu"), []
+    for x, y in batches():
+        for opt in opts:
+            opt.zero_grad()
+            scaler.scale(loss_of(net(x.half()), y.half())).backward()
+            scaler.unscale_(opt)
+            expected.append(torch.tensor([m.grad.norm(2) for m in opt.master_params]).norm(2))
+            scaler.step(opt)
+            scaler.update()
+    assert [sorted(n) for n in model.norms[:2]] == [
+        ["grad_2.0_norm/net.0.bias", "grad_2.0_norm/net.0.weight", "grad_2.0_norm_total"],
+        ["grad_2.0_norm/net.2.bias", "grad_2.0_norm/net.2.weight", "grad_2.0_norm_total"]]
+    assert same([n["grad_2.0_norm_total"] for n in model.norms], expected)
+    assert same(model.net.parameters(), net.parameters())
