@@ -295,7 +295,10 @@ def _check_checkpoint(checkpoint: str | bool | None, output_dir: str | None) -> 
     path = os.path.join(checkpoint, _trainer_module.OPTIMIZER_NAME)
     if not os.path.isfile(path):
         return  # save_only_model, or not a checkpoint: the Trainer's own handling
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # unreadable here: the Trainer's own load reports it
+        return
     if isinstance(state, dict) and "param_groups" in state and "masters" not in state:
         raise ValueError(
             f"{checkpoint} was saved by transformers.Trainer: its optimizer.pt holds no fp32 master "

@@ -411,3 +411,53 @@ def test_ctrl_c_between_clip_and_step_then_rerun_resumes_bit_for_bit(tmp_path, a
     assert trainer.accelerator.scaler.state_dict() == whole.accelerator.scaler.state_dict()
     norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h][-3:] for t in (trainer, whole)]
     assert norms[0] == norms[1]
+
+
+# ---------------------------------------------------------------------------- more that held up
+class NonFiniteFor(MasterWeightsTrainer):
+    """The loss is multiplied by ``factor`` (inf or nan) for the first ``steps`` optimizer steps."""
+
+    steps, factor = 0, math.inf
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss * self.factor if self.state.global_step < self.steps else loss
+
+
+@pytest.mark.parametrize("precision, factor, steps", [("fp16", math.inf, 5), ("bf16", math.nan, 4)])
+def test_overflow_storm_and_nan_from_the_start(tmp_path, precision, factor, steps):
+    model = gpt2()
+    start = [p.detach().to(DTYPES[precision]) for p in model.parameters()]
+    trainer = NonFiniteFor(model=model, args=targs(tmp_path, precision, max_steps=steps + 1), train_dataset=lm_data())
+    trainer.steps, trainer.factor = steps, factor
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "grad_norm" in h]
+    lrs = [h["learning_rate"] for h in logged]
+    assert lrs == [LR] * (steps + 1)  # the schedule waits for the first real step
+    assert all(math.isnan(h["grad_norm"]) or math.isinf(h["grad_norm"]) for h in logged[:steps])
+    assert math.isfinite(logged[-1]["grad_norm"])
+    scaler = trainer.accelerator.scaler
+    if precision == "fp16":
+        assert scaler.skipped_steps() == steps and scaler.get_scale() == 65536.0 / 2**steps
+    # only the last step moved the weights
+    masters = trainer.optimizer.optimizer
+    assert trainer.lr_scheduler.last_epoch == 1 and masters.optimizer.state[masters.master_params[0]]["step"] == 1
+    assert not all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), start))
+
+
+def test_final_model_for_inference_and_predict(tmp_path):
+    trainer = MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path, max_steps=3, per_device_eval_batch_size=BATCH),
+                                   train_dataset=lm_data(), async_step=True)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
+    assert loaded.dtype == torch.float16 and loaded.lm_head.weight is loaded.transformer.wte.weight
+    opt = trainer.optimizer.optimizer
+    name_of = {id(p): n for n, p in trainer.model.named_parameters()}
+    weights = dict(loaded.named_parameters())
+    for p, master in zip(opt.model_params, opt.master_params):
+        assert torch.equal(weights[name_of[id(p)]], master.half())  # the masters, rounded
+    out = trainer.predict(lm_data(8))
+    with torch.no_grad():
+        batch = windows(lm_data(8), 1, 1)[0][0]
+        assert torch.equal(torch.from_numpy(out.predictions[:BATCH]), loaded.eval()(**batch).logits)
