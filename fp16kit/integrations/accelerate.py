@@ -26,7 +26,8 @@ What each Accelerate hook does here (Accelerate 1.15):
 * ``prepare(...)``: every model first -- cast to the dtype (``model.to(dtype)``; params keep
   their identity, so optimizers built on them stay valid), then Accelerate's placement and DDP
   wrapping; then every optimizer is wrapped in a MixedPrecisionOptimizer (``async_step``,
-  ``master_device``, ``master_dtype``; one you built yourself is used as is) and in
+  ``master_device``, ``master_dtype``; one you built yourself is used as is, and
+  these three must then be set on it, not here: refused otherwise) and in
   :class:`~fp16kit.integrations.accelerate_optimizer.MasterWeightsAcceleratedOptimizer`;
   schedulers as Accelerate's (they do not step when the optimizer step was skipped).
 * ``backward(loss)``: Accelerate's -- ``scaler.scale(loss / accumulation_steps).backward()``.
@@ -191,7 +192,7 @@ class MasterWeightsAccelerator(Accelerator):
             if optimizer is prepared.optimizer or optimizer is getattr(prepared.optimizer, "optimizer", None):
                 return prepared
         if isinstance(optimizer, MixedPrecisionOptimizer):
-            _check_user_built(optimizer)
+            _check_user_built(optimizer, self.master_options)
             mixed = optimizer
         else:
             self._check_plain(optimizer)
@@ -387,7 +388,14 @@ def _check_arguments(mixed_precision: Any, scaler: Any, kwargs: dict[str, Any]) 
     return dtype
 
 
-def _check_user_built(optimizer: MixedPrecisionOptimizer) -> None:
+def _check_user_built(optimizer: MixedPrecisionOptimizer, options: dict[str, Any]) -> None:
+    if options["async_step"] or options["master_device"] is not None or options["master_dtype"] != torch.float32:
+        # (the user-built optimizer is used as is: these options would be silently ignored)
+        raise ValueError(
+            "The optimizer is already a MixedPrecisionOptimizer, which fixes async_step, master_device "
+            "and master_dtype: set them on it, not on MasterWeightsAccelerator -- or pass the plain "
+            "torch optimizer to accelerator.prepare() (it wraps it with the accelerator's options)."
+        )
     low = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in (torch.float16, torch.bfloat16)]
     if low:
         raise TypeError(

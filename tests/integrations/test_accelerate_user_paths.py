@@ -210,9 +210,26 @@ def test_preparing_an_optimizer_again_gives_the_prepared_one(async_step):
     model, opt = acc.prepare(model, sgd)
     assert acc.prepare(sgd) is opt and acc.prepare(opt.optimizer) is opt and acc.prepare(opt) is opt
     assert acc._optimizers == [opt] and len(opt.optimizer.master_params) == 4
-    user_built = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    user_built = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=async_step)
+    if async_step:  # the accelerator's options beside a user-built optimizer: refused
+        with pytest.raises(ValueError, match="set them on it"):
+            acc.prepare(user_built)
+        assert acc._optimizers == [opt]
+        return
     again = acc.prepare(user_built)
     assert acc.prepare(user_built) is again and acc._optimizers == [opt, again]
+
+
+@pytest.mark.parametrize("option", [{"async_step": True}, {"master_device": "cpu"}, {"master_dtype": torch.float64}])
+def test_master_options_beside_a_user_built_optimizer_are_refused(option):
+    # Before: silently ignored (the user-built optimizer is used as is), e.g. async_step=True
+    # on the accelerator trained synchronously. Same rule as MasterWeightsTrainer.
+    acc = accelerator("fp16", **option)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).half()
+    user_built = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="set them on it, not on MasterWeightsAccelerator"):
+        acc.prepare(model, user_built)
+    assert acc._optimizers == [] and not user_built.async_step
 
 
 # ---------------------------------------------------------------------------- user-skipped steps
