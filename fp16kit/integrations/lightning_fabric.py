@@ -72,10 +72,12 @@ class MasterWeightsFabricPrecision(HalfPrecision):
             )
         super().__init__(precision)
         self.scaler = scaler if scaler is not None or precision == "bf16-true" else GradScaler(device)
-        self._unscaled: set[int] = set()  # id(opt) unscaled since its last step
+        self._unscaled: dict[int, MixedPrecisionOptimizer] = {}  # unscaled since their last step
         self._checked: set[int] = set()  # id(opt) whose params were checked (see _checked)
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if self._unscaled:
+            self._unscaled_without_step()
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         super().backward(tensor, model, *args, **kwargs)
@@ -90,16 +92,33 @@ class MasterWeightsFabricPrecision(HalfPrecision):
             # that clipping main_params (the masters) sees them; the step then uses them as they are
             device = next((m.device for m in opt.master_params), torch.device("cpu"))
             opt.unscale_grads_(kernels.one(device), kernels.new_found_inf(device))
-        self._unscaled.add(id(opt))
+        self._unscaled[id(opt)] = opt
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         opt = self._check(optimizer)
-        self._unscaled.discard(id(opt))
+        self._unscaled.pop(id(opt), None)
         if self.scaler is None:
             return opt.step(**kwargs)
         out = self.scaler.step(opt, **kwargs)
         self.scaler.update()
         return out
+
+    def _unscaled_without_step(self) -> None:
+        # fabric.clip_gradients unscaled, no opt.step() followed (a batch dropped after looking
+        # at its norm, Ctrl-C caught, or clipping before each accumulated backward): the
+        # scaler's iteration is closed with the scale and its trackers unchanged, and the next
+        # unscale re-reads the model grads (zeroed, or accumulated: both as a plain loop that
+        # unscales once). Asynchronous steps took the grads at the unscale: refused.
+        if any(o.async_step for o in self._unscaled.values()):
+            raise RuntimeError(
+                "MasterWeightsFabricPrecision: fabric.clip_gradients unscaled the gradients of an "
+                "async_step optimizer (handing them to its step) and another backward followed "
+                "without opt.step(). Call opt.step() after clipping in every iteration (it skips a "
+                "non-finite step itself), and clip only after the last backward of a step."
+            )
+        if self.scaler is not None:
+            self.scaler.update(new_scale=self.scaler.get_scale())
+        self._unscaled.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

@@ -462,3 +462,73 @@ def test_grad_norm_with_two_optimizers_manual():
         ["grad_2.0_norm/net.2.bias", "grad_2.0_norm/net.2.weight", "grad_2.0_norm_total"]]
     assert same([n["grad_2.0_norm_total"] for n in model.norms], expected)
     assert same(model.net.parameters(), net.parameters())
+
+
+# ---------------------------------------------------------------------- Fabric
+@pytest.mark.parametrize("mode", ["skip", "accumulate"])
+def test_fabric_clip_without_a_step(mode):
+    # was: "skip" (a batch dropped after fabric.clip_gradients) -> the next iteration's unscale
+    # was skipped as done: RuntimeError "internal: a skip was decided for grads that were not
+    # unscaled"; "accumulate" (clip after each backward) -> the step raised
+    import lightning as L_
+
+    from fp16kit.integrations.lightning_fabric import MasterWeightsFabricPrecision
+
+    def run(fabric_run: bool):
+        scaler = fp16kit.GradScaler("cpu")
+        if fabric_run:
+            plugin = MasterWeightsFabricPrecision("16-true", scaler=scaler)
+            fabric = L_.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+            with fabric.init_module():
+                net = make_net()
+            net = fabric.setup_module(net)
+            opt = fabric.setup_optimizers(fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR,
+                                                                                           momentum=0.9)))
+        else:
+            net = make_net().half()
+            opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+        for i, (x, y) in enumerate(batches()):
+            if mode == "skip" or i % 2 == 0:
+                opt.zero_grad()
+            inf = float("inf") if mode == "skip" and i == 2 else 1.0
+            loss = loss_of(net(x.half()), y.half()) * inf
+            if fabric_run:
+                fabric.backward(loss)
+                fabric.clip_gradients(net, opt, max_norm=CLIP, error_if_nonfinite=False)  # every batch
+            else:
+                if mode == "skip" and i == 1:
+                    continue
+                scaler.scale(loss).backward()
+                if mode == "accumulate" and i % 2 == 0:
+                    continue
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(opt.master_params, CLIP)
+            if (mode == "skip" and i != 1) or (mode == "accumulate" and i % 2 == 1):
+                if fabric_run:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
+        return net, scaler
+
+    (net, scaler), (ref, ref_scaler) = run(True), run(False)
+    assert same(net.parameters(), ref.parameters())
+    assert (scaler.skipped_steps(), scaler.get_scale()) == (ref_scaler.skipped_steps(), ref_scaler.get_scale())
+
+
+def test_fabric_clip_then_backward_without_a_step_async_is_refused():
+    import lightning as L_
+
+    from fp16kit.integrations.lightning_fabric import MasterWeightsFabricPrecision
+
+    fabric = L_.Fabric(accelerator="cpu", devices=1, plugins=[MasterWeightsFabricPrecision("16-true")])
+    with fabric.init_module():
+        net = make_net()
+    net = fabric.setup_module(net)
+    opt = fabric.setup_optimizers(fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR),
+                                                                   async_step=True))
+    (x, y), (x2, y2) = batches(2)
+    fabric.backward(loss_of(net(x), y))
+    fabric.clip_gradients(net, opt, max_norm=CLIP)
+    with pytest.raises(RuntimeError, match="opt.step\\(\\) after clipping"):
+        fabric.backward(loss_of(net(x2), y2))
