@@ -75,7 +75,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
-from accelerate.utils import DistributedType, GradScalerKwargs  # noqa: E402
+from accelerate.utils import SCALER_NAME, DistributedType, GradScalerKwargs  # noqa: E402
 
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
@@ -282,6 +282,20 @@ class MasterWeightsAccelerator(Accelerator):
                     landed[id(p)] = master_of[id(p)].detach().to(p.device, p.dtype, copy=True)
                 state[name] = landed[id(p)]
         return state
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """Accelerate's; an fp16 accelerator refuses, before loading anything, a checkpoint
+        directory without ``scaler.pt`` (saved by a bf16 run), which Accelerate would report as a
+        missing file after the model and the masters were overwritten."""
+        if input_dir is not None and self.scaler is not None:
+            folder = os.path.expanduser(input_dir)
+            if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, SCALER_NAME)):
+                raise ValueError(
+                    f"{input_dir} holds no {SCALER_NAME}: it was saved without a loss scaler (a bf16 "
+                    "run?). Resume it with MasterWeightsAccelerator(mixed_precision='bf16'), the "
+                    "precision it was trained in."
+                )
+        super().load_state(input_dir, load_kwargs, **kwargs)
 
     def synchronize(self) -> None:
         """Wait for every prepared optimizer's step in flight and copy its masters into the

@@ -312,3 +312,23 @@ def test_backward_after_a_clip_without_step_is_refused_before_anything_changes()
     assert 0 < float(acc.clip_grad_norm_(model.parameters(), 0.5)) < 100
     opt.step()
     assert not opt.step_was_skipped
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def test_bf16_checkpoint_into_an_fp16_accelerator_is_refused_before_loading(tmp_path):
+    # Before: Accelerate's FileNotFoundError for scaler.pt, after the model and the masters
+    # had been overwritten by the bf16 run's.
+    acc = accelerator("bf16")
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.save_state(tmp_path / "bf16")
+    reset()
+    acc = accelerator("fp16")
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in (*model.parameters(), *opt.optimizer.master_params)]
+    with pytest.raises(ValueError, match=r"mixed_precision='bf16'"):
+        acc.load_state(str(tmp_path / "bf16"))
+    after = [*model.parameters(), *opt.optimizer.master_params]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
