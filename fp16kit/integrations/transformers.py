@@ -12,7 +12,10 @@
 (:class:`fp16kit.MixedPrecisionOptimizer`). The flags keep their Trainer meaning -- "train in
 this precision" -- but select fp16kit's master-weight mode instead of the Trainer's autocast mode:
 a ``MasterWeightsTrainer`` never falls back to autocast. The model may be given in float32 (it is
-cast when the Trainer prepares it) or already in the chosen dtype.
+cast when the Trainer prepares it) or already converted: a model with params in the chosen dtype
+keeps its dtypes -- e.g. ``T5ForConditionalGeneration.from_pretrained(..., dtype=torch.float16)``
+keeps its ``_keep_in_fp32_modules`` in fp32 --, and its fp32 params are stepped as they are (no
+masters needed). (A float32 model is cast whole: load it in the half dtype to keep such modules.)
 
 What happens at each Trainer hook (transformers 5.24):
 
@@ -135,11 +138,16 @@ class MasterWeightsTrainer(Trainer):
         mixed_precision = _check_arguments(
             named, async_step=async_step, master_device=master_device, master_dtype=master_dtype
         )
+        model = named.get("model")
         self._master_options: dict[str, Any] = {
             "async_step": async_step,
             "master_device": master_device,
             "master_dtype": master_dtype,
             "scaler": scaler,
+            # a model given with params in the chosen dtype was converted by the user (e.g.
+            # from_pretrained(dtype=torch.float16), which keeps _keep_in_fp32_modules in fp32):
+            # its dtypes are kept, and its fp32 params stepped as they are
+            "cast_model": model is None or not any(p.dtype == _DTYPES[mixed_precision] for p in model.parameters()),
         }
         self._weights_precision = mixed_precision
         callbacks = [_SynchronizeAtTrainEnd(self), *(named.get("callbacks") or [])]

@@ -461,3 +461,42 @@ def test_final_model_for_inference_and_predict(tmp_path):
     with torch.no_grad():
         batch = windows(lm_data(8), 1, 1)[0][0]
         assert torch.equal(torch.from_numpy(out.predictions[:BATCH]), loaded.eval()(**batch).logits)
+
+
+def test_fp32_modules_of_a_model_loaded_in_fp16_are_kept(tmp_path):
+    # Was: T5 loaded with from_pretrained(dtype=torch.float16) keeps its `wo` layers in fp32
+    # (_keep_in_fp32_modules, against fp16 overflow); the trainer cast them to fp16 silently.
+    # Now a model given with params in the chosen dtype keeps its dtypes; fp32 params are
+    # stepped as they are. Compared with the plain loop on the same mixed model.
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(str(tmp_path / "t5"))
+
+    def load():
+        return T5ForConditionalGeneration.from_pretrained(str(tmp_path / "t5"), dtype=torch.float16)
+
+    fp32 = {n for n, p in load().named_parameters() if p.dtype == torch.float32}
+    assert fp32 and all(".wo." in n for n in fp32)
+    trainer = MasterWeightsTrainer(model=load(), args=targs(tmp_path / "out", max_steps=3), train_dataset=lm_data())
+    trainer.train()
+    assert {n for n, p in trainer.model.named_parameters() if p.dtype == torch.float32} == fp32
+
+    model = load()
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    opt, scaler = fp16kit.MixedPrecisionOptimizer(inner), fp16kit.GradScaler("cpu")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (3 - s) / 3))
+    for (batch,) in windows(lm_data(), 1, 1)[:3]:
+        loss = model(**batch, num_items_in_batch=batch["labels"].ne(-100).sum()).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(0.5, params=model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        if not scaler.last_step_skipped():
+            sched.step()
+        model.zero_grad()
+    for (name, p), q in zip(trainer.model.named_parameters(), model.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), name
