@@ -288,9 +288,9 @@ def test_user_skipping_a_non_finite_norm_step_equals_torch_amp_rule(async_step):
     assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1], strict=True))
 
 
-def mlp_loss(model: torch.nn.Module, step: int, overflow_at: int | None = None) -> torch.Tensor:
+def mlp_loss(model: torch.nn.Module, step: int, overflow_at: int | None = None, dtype=torch.float16) -> torch.Tensor:
     g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(8, 6, generator=g).half(), torch.randn(8, 3, generator=g).half()
+    x, y = torch.randn(8, 6, generator=g).to(dtype), torch.randn(8, 3, generator=g).to(dtype)
     return torch.nn.functional.mse_loss(model(x), y) * (math.inf if step == overflow_at else 1.0)
 
 
@@ -332,3 +332,144 @@ def test_bf16_checkpoint_into_an_fp16_accelerator_is_refused_before_loading(tmp_
         acc.load_state(str(tmp_path / "bf16"))
     after = [*model.parameters(), *opt.optimizer.master_params]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+# ---------------------------------------------------------------------------- held up (guards)
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def plain_step(opt, scaler, model, max_norm):
+    """One optimizer step of the plain loop: unscale, clip on the masters, step, update."""
+    if scaler:
+        scaler.unscale_(opt)
+    norm = opt.clip_grad_norm_(max_norm, params=model.parameters())
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
+    return norm
+
+
+@pytest.mark.parametrize("mp,async_step", [("fp16", True), ("bf16", False)])
+def test_short_last_accumulation_window_of_a_prepared_dataloader(mp, async_step):
+    # 5 batches, gradient_accumulation_steps=2, two epochs: the 5th batch syncs alone (end of
+    # the dataloader); Accelerate still divides its loss by 2. StepLR stepped per sync step.
+    dtype = DTYPES[mp]
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g))
+    acc = accelerator(mp, async_step=async_step, gradient_accumulation_steps=2)
+    model = mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    model, opt, loader, sched = acc.prepare(model, sgd, loader, torch.optim.lr_scheduler.StepLR(sgd, 1, 0.5))
+    syncs, norms = [], []
+    for _ in range(2):
+        for x, y in loader:
+            with acc.accumulate(model):
+                acc.backward(torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)))
+                syncs.append(acc.sync_gradients)
+                if acc.sync_gradients:
+                    norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
+                opt.step(), sched.step(), opt.zero_grad()
+    acc.synchronize()
+
+    ref = mlp().to(dtype)
+    ref_sgd = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_sgd, 1, 0.5)
+    ref_opt = fp16kit.MixedPrecisionOptimizer(ref_sgd, async_step=async_step)
+    scaler, ref_norms = plain_scaler(mp), []
+    for _ in range(2):
+        for i in range(5):
+            x, y = data[8 * i:8 * i + 8]
+            loss = torch.nn.functional.mse_loss(ref(x.to(dtype)), y.to(dtype)) / 2
+            (scaler.scale(loss) if scaler else loss).backward()
+            if i % 2 == 1 or i == 4:
+                ref_norms.append(plain_step(ref_opt, scaler, ref, 0.5))
+                ref_sched.step()
+    ref_opt.synchronize()
+    assert syncs == [False, True, False, True, True] * 2
+    assert all(same(a, b) for a, b in zip(norms, ref_norms, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+    assert sgd.param_groups[0]["lr"] == ref_sgd.param_groups[0]["lr"] == 0.1 * 0.5 ** 6
+
+
+@pytest.mark.parametrize("mp,async_step", [("fp16", False), ("fp16", True), ("bf16", True)])
+def test_unfreezing_a_layer_mid_training_with_fused_adamw(mp, async_step):
+    # fine-tuning schedule: layer 0 frozen, then unfrozen in a new param group with its own LR;
+    # fused AdamW (the HF Trainer's default optimizer) steps on the device with found_inf.
+    def run(accelerated):
+        model = mlp()
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+        adamw = torch.optim.AdamW(model[2].parameters(), lr=1e-2, fused=True)
+        if accelerated:
+            acc = accelerator(mp, async_step=async_step)
+            model, opt = acc.prepare(model, adamw)
+        else:
+            model = model.to(DTYPES[mp])
+            opt, scaler = fp16kit.MixedPrecisionOptimizer(adamw, async_step=async_step), plain_scaler(mp)
+        norms = []
+        for step in range(5):
+            if step == 2:
+                for p in model[0].parameters():
+                    p.requires_grad_(True)
+                opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+            loss = mlp_loss(model, step, overflow_at=3, dtype=DTYPES[mp])
+            if accelerated:
+                acc.backward(loss)
+                norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
+                opt.step(), opt.zero_grad()
+            else:
+                (scaler.scale(loss) if scaler else loss).backward()
+                norms.append(plain_step(opt, scaler, model, 0.5))
+        (acc if accelerated else opt).synchronize()
+        return norms, [p.detach().clone() for p in model.parameters()]
+
+    got, ref = run(True), run(False)
+    assert all(same(a, b) for a, b in zip(got[0], ref[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1], strict=True))
+    assert not torch.equal(got[1][0], mlp().to(DTYPES[mp])[0].weight)  # the unfrozen layer moved
+
+
+@pytest.mark.parametrize("where", ["after_backward", "after_clip", "after_step"])
+def test_ctrl_c_mid_step_then_save_resume_equals_the_uninterrupted_run(where, tmp_path):
+    # KeyboardInterrupt raised at three points of step 4 (async fp16), caught by the user's
+    # `except KeyboardInterrupt: accelerator.save_state(...)`; fresh objects resume.
+    def steps(acc, model, opt, todo, interrupt_at=None):
+        for step in todo:
+            acc.backward(mlp_loss(model, step, overflow_at=3))
+            if step == interrupt_at and where == "after_backward":
+                raise KeyboardInterrupt
+            acc.clip_grad_norm_(model.parameters(), 0.5)
+            if step == interrupt_at and where == "after_clip":
+                raise KeyboardInterrupt
+            opt.step()
+            if step == interrupt_at and where == "after_step":
+                raise KeyboardInterrupt
+            opt.zero_grad()
+
+    def fresh(seed):
+        reset()
+        acc = accelerator("fp16", async_step=True)
+        model = mlp(seed)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return acc, model, opt
+
+    acc, model, opt = fresh(0)
+    with pytest.raises(KeyboardInterrupt):
+        steps(acc, model, opt, range(8), interrupt_at=4)
+    acc.save_state(tmp_path / "interrupted")
+    acc, model, opt = fresh(7)
+    acc.load_state(str(tmp_path / "interrupted"))
+    steps(acc, model, opt, range(5 if where == "after_step" else 4, 8))
+    acc.synchronize()
+    whole = fresh(0)
+    steps(*whole, range(8))
+    whole[0].synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole[1].parameters(), strict=True))
+    assert acc.scaler.get_scale() == whole[0].scaler.get_scale()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("fp16kit")] in ([], ["fp16kit-optimizer"])
