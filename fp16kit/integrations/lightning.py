@@ -61,7 +61,8 @@ closure optimizers. Limits, documented rather than refused:
   adapted at ``connect`` to the masters (:mod:`.lightning_finetuning`), resume included.
 * Tested with the single-device strategy on CPU (Lightning 2.6). DDP should work (the
   optimizers stay plain MixedPrecisionOptimizers; DDP all-reduces the grads so ranks skip
-  together) but is not tested here; FSDP/DeepSpeed strategies bring their own precision
+  together); ``strategy="ddp_spawn"`` on 2 CPU processes runs (the plugin pickles; a test
+  checks it trains, not its numbers); FSDP/DeepSpeed strategies bring their own precision
   plugins and cannot take this one.
 * ``pytorch_lightning`` (the old package name) has its own ``Precision`` class: its Trainer
   refuses this plugin (``MisconfigurationException: Found invalid type for plugin``).
@@ -157,6 +158,17 @@ class MasterWeightsPrecision(Precision):
         self._check_state: set[int] = set()  # id(opt): state may have been moved off its masters
         self._skipping = False  # in optimizer_step, for a training_step that returned None
         self._trainer: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``strategy="ddp_spawn"`` sends the Trainer to its processes): the options
+        and the scaler travel; what a fit attached (optimizers, trainer) does not -- each
+        process's fit wraps its own at ``connect``."""
+        state = self.__dict__.copy()
+        state.update(optimizers=[], _built=None, _unscaled={}, _last_flags=None, _check_state=set(), _trainer=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _built=weakref.WeakSet())
 
     # ------------------------------------------------------------------ dtype
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:

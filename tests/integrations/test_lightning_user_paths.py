@@ -532,3 +532,35 @@ def test_fabric_clip_then_backward_without_a_step_async_is_refused():
     fabric.clip_gradients(net, opt, max_norm=CLIP)
     with pytest.raises(RuntimeError, match="opt.step\\(\\) after clipping"):
         fabric.backward(loss_of(net(x2), y2))
+
+
+# ---------------------------------------------------------------------- pickling (ddp_spawn)
+def test_plugin_pickles_and_the_copy_trains_the_same():
+    # was: "Can't pickle local object 'WeakSet.__init__.<locals>._remove'" -- what
+    # Trainer(strategy="ddp_spawn") does to send the Trainer to its processes
+    import pickle
+
+    def scaler():
+        return fp16kit.GradScaler("cpu", init_scale=2.0**10, hysteresis=2)
+
+    used = MasterWeightsPrecision(scaler=scaler())
+    trainer(used).fit(Backbone(), train_dataloaders=loader(batches()))  # a fitted one pickles too
+    fitted = pickle.loads(pickle.dumps(used))
+    assert fitted.optimizers == [] and fitted.scaler.state_dict() == used.scaler.state_dict()
+    copy = pickle.loads(pickle.dumps(MasterWeightsPrecision(scaler=scaler())))
+    a, b = Backbone(), Backbone()
+    trainer(copy, gradient_clip_val=CLIP).fit(a, train_dataloaders=loader(batches()))
+    trainer(MasterWeightsPrecision(scaler=scaler()), gradient_clip_val=CLIP).fit(b, train_dataloaders=loader(batches()))
+    assert same(a.parameters(), b.parameters())
+    assert copy.scaler.state_dict()["hysteresis"] == 2
+
+
+@pytest.mark.slow
+def test_ddp_spawn_trains(tmp_path):
+    model, plugin = Backbone(), MasterWeightsPrecision()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer(plugin, strategy="ddp_spawn", devices=2, default_root_dir=tmp_path).fit(
+        model, train_dataloaders=loader(batches()))
+    # the main process gets rank 0's weights back (Lightning's spawn): trained, finite
+    assert not same(model.parameters(), before)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
