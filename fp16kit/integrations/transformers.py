@@ -65,8 +65,8 @@ optimizers (they fuse the update into backward); more than one GPU without ``tor
 cast the trained weights in place); a model already in the other half dtype or already wrapped
 (DDP, DataParallel); ``async_step``/``master_device``/``master_dtype`` beside a
 ``MixedPrecisionOptimizer`` you built (set them on it), or one you built on the float32 model
-(it has no masters of the params the trainer casts: pass the plain optimizer); at ``train()``, resuming a checkpoint
-saved by ``transformers.Trainer`` (its ``optimizer.pt`` has no fp32 masters). A bf16 run may
+(it has no masters of the params the trainer casts: pass the plain optimizer); at ``train()``,
+resuming a checkpoint saved by ``transformers.Trainer`` (its ``optimizer.pt`` has no masters). A bf16 run may
 resume an fp16 checkpoint (its ``scaler.pt`` is ignored), and an fp16 run a bf16 one (a new
 scaler).
 
@@ -147,7 +147,7 @@ class MasterWeightsTrainer(Trainer):
             # a model given with params in the chosen dtype was converted by the user (e.g.
             # from_pretrained(dtype=torch.float16), which keeps _keep_in_fp32_modules in fp32):
             # its dtypes are kept, and its fp32 params stepped as they are
-            "cast_model": model is None or not any(p.dtype == _DTYPES[mixed_precision] for p in model.parameters()),
+            "cast_model": _casts_model(model, _DTYPES[mixed_precision]),
         }
         self._weights_precision = mixed_precision
         callbacks = [_SynchronizeAtTrainEnd(self), *(named.get("callbacks") or [])]
@@ -317,6 +317,11 @@ def _check_checkpoint(checkpoint: str | bool | None, output_dir: str | None) -> 
         )
 
 
+def _casts_model(model: torch.nn.Module | None, dtype: torch.dtype) -> bool:
+    """Does the accelerator cast the model? Not one given with params in ``dtype`` already."""
+    return model is None or not any(p.dtype == dtype for p in model.parameters())
+
+
 def _master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer | None:
     """The ``MixedPrecisionOptimizer`` under Accelerate's ``AcceleratedOptimizer`` wrapper(s)."""
     while optimizer is not None and not isinstance(optimizer, MixedPrecisionOptimizer):
@@ -404,7 +409,7 @@ def _check_arguments(
             )
     optimizer = (bound.get("optimizers") or (None, None))[0]
     master_optimizer = _master_optimizer(optimizer)
-    if master_optimizer is not None and model is not None:
+    if master_optimizer is not None and model is not None and _casts_model(model, dtype):
         # Built before the cast: it steps the model's own params (no masters), which
         # the trainer is about to cast to fp16/bf16.
         ids = {id(p) for p in model.parameters() if p.dtype not in (torch.float16, torch.bfloat16)}

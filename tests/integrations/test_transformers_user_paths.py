@@ -500,3 +500,7 @@ def test_fp32_modules_of_a_model_loaded_in_fp16_are_kept(tmp_path):
         model.zero_grad()
     for (name, p), q in zip(trainer.model.named_parameters(), model.parameters()):
         assert p.dtype == q.dtype and torch.equal(p, q), name
+    # a MixedPrecisionOptimizer built on such a model (fp32 params stepped directly) is accepted
+    model = load()
+    mine = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
+    MasterWeightsTrainer(model=model, args=targs(tmp_path / "out"), train_dataset=lm_data(), optimizers=(mine, None))
