@@ -108,6 +108,8 @@ class MasterWeightsAccelerator(Accelerator):
 
     Args:
         mixed_precision: ``"fp16"`` or ``"bf16"``: the dtype ``prepare`` casts the model to.
+            Default: ``accelerate launch --mixed_precision`` / the accelerate config
+            (``ACCELERATE_MIXED_PRECISION``) when it says fp16 or bf16, else ``"fp16"``.
         async_step, master_device, master_dtype: for the :class:`fp16kit.MixedPrecisionOptimizer`
             ``prepare`` wraps each optimizer in (``async_step=True``: a one-step delayed update
             on the optimizer thread; call ``optimizer.optimizer.synchronize()`` -- or
@@ -122,7 +124,7 @@ class MasterWeightsAccelerator(Accelerator):
 
     def __init__(
         self,
-        mixed_precision: str = "fp16",
+        mixed_precision: str | None = None,
         *,
         async_step: bool = False,
         master_device: torch.device | str | None = None,
@@ -131,6 +133,7 @@ class MasterWeightsAccelerator(Accelerator):
         cast_model: bool = True,
         **kwargs: Any,
     ) -> None:
+        mixed_precision = _precision(mixed_precision)
         dtype = _check_arguments(mixed_precision, scaler, kwargs)
         super().__init__(mixed_precision=mixed_precision, **kwargs)
         if self.distributed_type not in _SUPPORTED_TYPES:
@@ -365,6 +368,24 @@ class MasterWeightsAccelerator(Accelerator):
                 "pass the model to the same accelerator.prepare(model, optimizer, ...) call (it casts "
                 "the model first), or cast the model before building the optimizer."
             )
+
+
+def _precision(mixed_precision: str | None) -> str:
+    """The argument if given; else ``accelerate launch``'s ``--mixed_precision`` / accelerate
+    config (``ACCELERATE_MIXED_PRECISION``, as ``Accelerator()`` reads it), "fp16" when that is
+    unset or "no" (this class trains in half precision)."""
+    if mixed_precision is not None:
+        return mixed_precision
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if launched in ("no", ""):
+        return "fp16"
+    if launched not in _DTYPES:
+        raise ValueError(
+            f"MasterWeightsAccelerator: ACCELERATE_MIXED_PRECISION={launched!r} (accelerate launch "
+            "--mixed_precision or your accelerate config) is not 'fp16' or 'bf16': launch with "
+            "--mixed_precision fp16/bf16, or pass MasterWeightsAccelerator(mixed_precision=...)."
+        )
+    return launched
 
 
 def _check_arguments(mixed_precision: Any, scaler: Any, kwargs: dict[str, Any]) -> torch.dtype:

@@ -494,3 +494,27 @@ def test_core_bf16_grad_edit_after_accelerator_clip_keeps_the_clip_or_raises():
         return  # refusing the edit is fine too
     update = torch.stack([(m - b).norm() for m, b in zip(opt.optimizer.master_params, before)]).norm()
     assert update <= 0.1 * 0.01 * 1.001  # lr * max_norm: the clip held
+
+
+# ---------------------------------------------------------------------------- accelerate launch
+@pytest.mark.parametrize("launched,explicit,expected", [
+    ("bf16", None, "bf16"), ("fp16", None, "fp16"), ("no", None, "fp16"), (None, None, "fp16"),
+    ("bf16", "fp16", "fp16"),  # an explicit argument wins, as in Accelerator
+])
+def test_accelerate_launch_mixed_precision_is_honoured(monkeypatch, launched, explicit, expected):
+    # Before: `accelerate launch --mixed_precision bf16 train.py` with MasterWeightsAccelerator()
+    # silently trained in fp16 (the argument's default replaced the launcher's choice).
+    if launched is None:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    else:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    acc = MasterWeightsAccelerator(explicit, cpu=True)
+    assert acc.mixed_precision == expected and acc.model_dtype == DTYPES[expected]
+    assert (acc.scaler is None) == (expected == "bf16")
+
+
+def test_accelerate_launch_fp8_is_refused_before_touching_accelerate_state(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ValueError, match="--mixed_precision fp16/bf16"):
+        MasterWeightsAccelerator(cpu=True)
+    assert AcceleratorState._shared_state == {}
