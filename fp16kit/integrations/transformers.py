@@ -63,7 +63,8 @@ of ``fp16``/``bf16``; DeepSpeed or FSDP (they keep their own fp32 params and sca
 optimizers (they fuse the update into backward); more than one GPU without ``torchrun``
 (``nn.DataParallel``); ``fp16_full_eval``/``bf16_full_eval`` naming the other dtype (it would
 cast the trained weights in place); a model already in the other half dtype or already wrapped
-(DDP, DataParallel); ``async_step``/``master_device``/``master_dtype`` beside a
+(DDP, DataParallel); ``fp16_full_eval``/``bf16_full_eval`` on a model given with fp32 params
+it keeps (it would cast them in place); ``async_step``/``master_device``/``master_dtype`` beside a
 ``MixedPrecisionOptimizer`` you built (set them on it), or one you built on the float32 model
 (it has no masters of the params the trainer casts: pass the plain optimizer); at ``train()``,
 resuming a checkpoint saved by ``transformers.Trainer`` (its ``optimizer.pt`` has no masters). A bf16 run may
@@ -393,6 +394,15 @@ def _check_arguments(
             "launch with torchrun for DDP, or set CUDA_VISIBLE_DEVICES to one GPU."
         )
     model = bound.get("model")
+    full_eval = f"{mixed_precision}_full_eval"
+    if getattr(args, full_eval) and model is not None and not _casts_model(model, dtype):
+        kept = sorted({str(p.dtype) for p in model.parameters() if p.dtype != dtype})
+        if kept:
+            raise ValueError(
+                f"{full_eval}=True would cast the model's {', '.join(kept)} params (kept as given, "
+                f"e.g. _keep_in_fp32_modules) to {mixed_precision} in place at evaluation: drop "
+                f"{full_eval} (the model evaluates in the dtypes it trains in)."
+            )
     if model is not None:
         if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
             raise TypeError(

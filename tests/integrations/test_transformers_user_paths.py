@@ -504,3 +504,7 @@ def test_fp32_modules_of_a_model_loaded_in_fp16_are_kept(tmp_path):
     model = load()
     mine = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
     MasterWeightsTrainer(model=model, args=targs(tmp_path / "out"), train_dataset=lm_data(), optimizers=(mine, None))
+    # fp16_full_eval would cast the kept fp32 params in place at evaluation: refused
+    with pytest.raises(ValueError, match="fp16_full_eval=True would cast the model's torch.float32 params"):
+        MasterWeightsTrainer(model=model, args=targs(tmp_path / "out", fp16_full_eval=True), train_dataset=lm_data())
+    assert {n for n, p in model.named_parameters() if p.dtype == torch.float32} == fp32
