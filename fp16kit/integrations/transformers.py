@@ -61,15 +61,14 @@ there for your own reads (e.g. a callback that inspects the weights).
 Refused, before any state changes (``ValueError``/``TypeError`` naming the fix): neither or both
 of ``fp16``/``bf16``; DeepSpeed or FSDP (they keep their own fp32 params and scaler); LOMO
 optimizers (they fuse the update into backward); more than one GPU without ``torchrun``
-(``nn.DataParallel``); ``fp16_full_eval``/``bf16_full_eval`` naming the other dtype (it would
-cast the trained weights in place); a model already in the other half dtype or already wrapped
-(DDP, DataParallel); ``fp16_full_eval``/``bf16_full_eval`` on a model given with fp32 params
-it keeps (it would cast them in place); ``async_step``/``master_device``/``master_dtype`` beside a
-``MixedPrecisionOptimizer`` you built (set them on it), or one you built on the float32 model
-(it has no masters of the params the trainer casts: pass the plain optimizer); at ``train()``,
-resuming a checkpoint saved by ``transformers.Trainer`` (its ``optimizer.pt`` has no masters). A bf16 run may
-resume an fp16 checkpoint (its ``scaler.pt`` is ignored), and an fp16 run a bf16 one (a new
-scaler).
+(``nn.DataParallel``); ``fp16_full_eval``/``bf16_full_eval`` naming the other dtype, or on a
+model given with fp32 params it keeps (either would cast weights in place); a model already in
+the other half dtype or already wrapped (DDP, DataParallel); ``async_step``/``master_device``/
+``master_dtype`` beside a ``MixedPrecisionOptimizer`` you built (set them on it), or one you
+built on the float32 model (no masters of the params the trainer casts: pass the plain
+optimizer); at ``train()``, resuming a checkpoint saved by ``transformers.Trainer`` (its
+``optimizer.pt`` has no masters). A bf16 run may resume an fp16 checkpoint (its ``scaler.pt``
+is ignored), and an fp16 run a bf16 one (a new scaler).
 
 After ``load_best_model_at_end`` the model holds the best checkpoint's weights while the
 optimizer keeps the last step's masters: build a new trainer (or resume) to train on from there.
