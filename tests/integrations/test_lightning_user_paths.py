@@ -83,12 +83,12 @@ def finetuning() -> BackboneFinetuning:
     return BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.0)
 
 
-def finetuning_reference(epochs: int):
+def finetuning_reference(epochs: int, async_step: bool):
     net = make_net().half()
     for p in net[0].parameters():
         p.requires_grad_(False)
     opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=LR,
-                                                           momentum=0.9))
+                                                           momentum=0.9), async_step=async_step)
     scaler = fp16kit.GradScaler("cpu")
     for epoch in range(epochs):
         if epoch == 1:
@@ -102,16 +102,18 @@ def finetuning_reference(epochs: int):
             torch.nn.utils.clip_grad_norm_(opt.master_params, CLIP)
             scaler.step(opt)
             scaler.update()
+    opt.synchronize()
     return net, opt
 
 
-def test_backbone_finetuning_unfreezes_into_the_masters():
+@pytest.mark.parametrize("async_step", [False, True])
+def test_backbone_finetuning_unfreezes_into_the_masters(async_step):
     # was: KeyError(<master tensor>) in BaseFinetuning._store (it names the param groups' params
     # through pl_module.named_parameters(); the groups hold the fp32 masters)
-    model, plugin = Backbone(), MasterWeightsPrecision()
+    model, plugin = Backbone(), MasterWeightsPrecision(async_step=async_step)
     trainer(plugin, max_epochs=3, callbacks=[finetuning()], gradient_clip_val=CLIP).fit(
         model, train_dataloaders=loader(batches()))
-    ref, ref_opt = finetuning_reference(3)
+    ref, ref_opt = finetuning_reference(3, async_step)
     assert same(model.net.parameters(), ref.parameters())
     (opt,) = plugin.optimizers
     assert [g["lr"] for g in opt.param_groups] == [LR, LR * 0.1]
@@ -119,11 +121,13 @@ def test_backbone_finetuning_unfreezes_into_the_masters():
     assert same(opt.master_params, ref_opt.master_params)
 
 
-def test_backbone_finetuning_resumes_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("async_step", [False, True])
+def test_backbone_finetuning_resumes_bit_for_bit(tmp_path, async_step):
     # on resume BaseFinetuning.on_fit_start re-creates the added groups by name: they must
     # get masters (assigning model params to the groups would step the fp16 params directly)
+    # and their params be trainable again (Lightning's own restore leaves them frozen)
     def run(root, ckpt=None):
-        model, plugin = Backbone(), MasterWeightsPrecision()
+        model, plugin = Backbone(), MasterWeightsPrecision(async_step=async_step)
         cb = L.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
         trainer(plugin, max_epochs=3, callbacks=[finetuning(), cb], enable_checkpointing=True,
                 gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()), ckpt_path=ckpt)
