@@ -300,6 +300,12 @@ class MasterWeightsAccelerator(Accelerator):
                 )
         super().load_state(input_dir, load_kwargs, **kwargs)
 
+    def free_memory(self, *objects: Any) -> Any:
+        """Accelerate's (forgets the prepared objects: ``find_executable_batch_size`` retries
+        call it), and forgets a clip's unscale still waiting for a step of those optimizers."""
+        self._unscaled = UnscaledThisIteration()
+        return super().free_memory(*objects)
+
     def synchronize(self) -> None:
         """Wait for every prepared optimizer's step in flight and copy its masters into the
         model (``async_step=True``: call before evaluating or exporting; a no-op otherwise)."""

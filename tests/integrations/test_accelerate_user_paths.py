@@ -518,3 +518,20 @@ def test_accelerate_launch_fp8_is_refused_before_touching_accelerate_state(monke
     with pytest.raises(ValueError, match="--mixed_precision fp16/bf16"):
         MasterWeightsAccelerator(cpu=True)
     assert AcceleratorState._shared_state == {}
+
+
+def test_free_memory_forgets_a_pending_unscale():
+    # find_executable_batch_size's retry: the failed attempt stopped between the clip and the
+    # step (an OOM there); the retry prepares new objects after accelerator.free_memory().
+    acc = accelerator("fp16")
+    model = mlp()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(mlp_loss(model, 0))
+    acc.clip_grad_norm_(model.parameters(), 0.5)
+    acc.free_memory()
+    model = mlp()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(mlp_loss(model, 0))  # before: refused, an unscale of the old optimizer pending
+    assert 0 < float(acc.clip_grad_norm_(model.parameters(), 0.5)) < 100
+    opt.step()
+    assert not opt.step_was_skipped and acc._optimizers == [opt]
