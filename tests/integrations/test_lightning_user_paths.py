@@ -568,3 +568,60 @@ def test_ddp_spawn_trains(tmp_path):
     # the main process gets rank 0's weights back (Lightning's spawn): trained, finite
     assert not same(model.parameters(), before)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------- weight tying (GPT-2)
+def tiny_gpt2():
+    transformers = pytest.importorskip("transformers", reason="the GPT-2 test needs transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: no RNG
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def token_batches():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 50, (2, 8), generator=g) for _ in range(N_BATCHES)]
+
+
+class GPT2(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = tiny_gpt2()
+
+    def training_step(self, batch, batch_idx):
+        return self.lm(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_gpt2_tied_lm_head_async_and_resume(tmp_path):
+    # lm_head.weight is transformer.wte.weight: one param, one master; resume from the
+    # epoch-0 checkpoint (both names in its state_dict) continues bit for bit
+    def run(root, ckpt=None):
+        model, plugin = GPT2(), MasterWeightsPrecision(async_step=True)
+        cb = L.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+        trainer(plugin, max_epochs=2, callbacks=[cb], enable_checkpointing=True, gradient_clip_val=CLIP).fit(
+            model, train_dataloaders=loader(token_batches()), ckpt_path=ckpt)
+        return model, plugin
+
+    model, plugin = run(tmp_path / "a")
+    assert model.lm.lm_head.weight is model.lm.transformer.wte.weight
+    assert len(plugin.optimizers[0].master_params) == len(list(model.parameters()))
+    ref = tiny_gpt2().half()
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(ref.parameters(), lr=1e-3), async_step=True)
+    scaler = fp16kit.GradScaler("cpu")
+    for _ in range(2):
+        for b in token_batches():
+            opt.zero_grad()
+            scaler.scale(ref(input_ids=b, labels=b).loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(opt.master_params, CLIP)
+            scaler.step(opt)
+            scaler.update()
+        opt.synchronize()  # the epoch-end checkpoint landed the step in flight
+    assert same(model.lm.parameters(), ref.parameters())
+    resumed, _ = run(tmp_path / "b", tmp_path / "a" / "epoch=0.ckpt")
+    assert same(resumed.parameters(), model.parameters())
+    assert resumed.lm.lm_head.weight is resumed.lm.transformer.wte.weight
