@@ -94,7 +94,7 @@ from .lightning_checkpoint import adopt_plain_checkpoint  # noqa: E402
 from .lightning_finetuning import adapt_finetuning  # noqa: E402
 from .lightning_wrapping import master_optimizer as _master_optimizer  # noqa: E402
 from .lightning_wrapping import state_to_masters as _state_to_masters  # noqa: E402
-from .lightning_wrapping import wrap, wrapped_before  # noqa: E402
+from .lightning_wrapping import is_mock, wrap, wrapped_before  # noqa: E402
 from .lightning_grad_norm import grad_norm, trainer_of  # noqa: E402
 
 __all__ = ["MasterWeightsPrecision", "grad_norm"]
@@ -209,9 +209,9 @@ class MasterWeightsPrecision(Precision):
                     "the model inside its step). Use a first-order optimizer, or train in float32."
                 )
         # validate/test/predict after fit get the optimizers wrapped then: used as they are
-        self.optimizers = [
-            o if isinstance(o, MixedPrecisionOptimizer) else wrap(o, self._mpo_options) for o in optimizers
-        ]
+        returned = [o if isinstance(o, MixedPrecisionOptimizer) or is_mock(o) else wrap(o, self._mpo_options)
+                    for o in optimizers]
+        self.optimizers = [o for o in returned if isinstance(o, MixedPrecisionOptimizer)]
         self._built.update(o for o in self.optimizers if o not in optimizers)
         if self.dtype == torch.float16 and self.scaler is None:
             device = next((p.device.type for p in model.parameters()), "cpu")
@@ -221,7 +221,7 @@ class MasterWeightsPrecision(Precision):
         adapt_finetuning(getattr(self._trainer, "callbacks", None), lambda: self.optimizers)
         # a second fit: Strategy.teardown moved the state to the CPU (GPU runs)
         self._check_state = {id(o) for o in self.optimizers}
-        return model, list(self.optimizers), lr_schedulers
+        return model, returned, lr_schedulers
 
     def _land_at_train_end(self) -> None:
         # Strategy.teardown (lightning 2.6.6) moves the optimizer state to the CPU *before* it
@@ -263,6 +263,8 @@ class MasterWeightsPrecision(Precision):
         self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         """Closure (forward/backward), unscale into the masters, hooks and clipping, step."""
+        if is_mock(optimizer):  # configure_optimizers returned None: nothing to step
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
         opt = _master_optimizer(optimizer)
         if id(opt) in self._check_state:
             self._check_state.discard(id(opt))
@@ -331,7 +333,7 @@ class MasterWeightsPrecision(Precision):
     ) -> None:
         """Clip the unscaled master grads; by norm, :attr:`last_grad_norm` is the total norm
         (unscaled, before clipping; a 0-dim tensor on the masters' device: no host sync)."""
-        if clip_val <= 0 or self._skipping:  # (training_step returned None: no grads)
+        if clip_val <= 0 or self._skipping or is_mock(optimizer):  # (training_step returned None: no grads)
             return
         opt = _master_optimizer(optimizer)
         self.unscale_gradients(opt)  # manual optimization clips before opt.step()

@@ -19,11 +19,11 @@ import weakref  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer  # noqa: E402
 
 from .. import MixedPrecisionOptimizer  # noqa: E402
 
-__all__ = ["master_optimizer", "state_to_masters", "wrap", "wrapped_before"]
+__all__ = ["is_mock", "master_optimizer", "state_to_masters", "wrap", "wrapped_before"]
 
 # inner optimizer -> (its wrapper, the options it was built with); weak both ways
 _WRAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[weakref.ref[MixedPrecisionOptimizer], dict[str, Any]]] = (
@@ -56,6 +56,14 @@ def wrapped_before(optimizer: Any, options: dict[str, Any]) -> MixedPrecisionOpt
             f"{options}. Use the same options, or build a new optimizer in configure_optimizers."
         )
     return before
+
+
+def is_mock(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is what Lightning steps when ``configure_optimizers`` returned None
+    (``lightning.pytorch.core.optimizer._MockOptimizer``, lightning 2.6.6: a private name; the
+    test of a fit without an optimizer fails if it moves). Not wrapped: nothing to step."""
+    opt = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return isinstance(opt, _MockOptimizer)
 
 
 def master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:

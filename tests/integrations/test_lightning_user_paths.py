@@ -625,3 +625,19 @@ def test_gpt2_tied_lm_head_async_and_resume(tmp_path):
     resumed, _ = run(tmp_path / "b", tmp_path / "a" / "epoch=0.ckpt")
     assert same(resumed.parameters(), model.parameters())
     assert resumed.lm.lm_head.weight is resumed.lm.transformer.wte.weight
+
+
+# ---------------------------------------------------------------------- no optimizer
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
+def test_configure_optimizers_returning_none(precision):
+    # Lightning runs such a fit with a mock optimizer ("this fit will run with no optimizer");
+    # was (fp16): the mock was wrapped and the scaler raised "No inf checks were recorded"
+    class NoOpt(Backbone):
+        def configure_optimizers(self):
+            return None
+
+    model, plugin = NoOpt(), MasterWeightsPrecision(precision)
+    dtype = torch.float16 if precision == "16-true" else torch.bfloat16
+    before = [p.detach().to(dtype) for p in model.parameters()]
+    trainer(plugin, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()))
+    assert plugin.optimizers == [] and same(model.parameters(), before)
