@@ -289,7 +289,8 @@ class MasterWeightsAccelerator(Accelerator):
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         """Accelerate's; an fp16 accelerator refuses, before loading anything, a checkpoint
         directory without ``scaler.pt`` (saved by a bf16 run), which Accelerate would report as a
-        missing file after the model and the masters were overwritten."""
+        missing file after the model and the masters were overwritten. Loaded into objects
+        interrupted between a clip and its step, it leaves none of that iteration behind."""
         if input_dir is not None and self.scaler is not None:
             folder = os.path.expanduser(input_dir)
             if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, SCALER_NAME)):
@@ -299,11 +300,20 @@ class MasterWeightsAccelerator(Accelerator):
                     "precision it was trained in."
                 )
         super().load_state(input_dir, load_kwargs, **kwargs)
+        if self._unscaled.any_pending():
+            # A clip's unscale waiting for its step (Ctrl-C between them) belongs to the iteration
+            # the load abandoned: close it in the scaler (its update resets the per-optimizer
+            # "unscaled" states), then restore the loaded scale, growth tracker and counters.
+            self._unscaled.clear()
+            if self.scaler is not None:
+                loaded = self.scaler.state_dict()
+                self.scaler.update()
+                self.scaler.load_state_dict(loaded)
 
     def free_memory(self, *objects: Any) -> Any:
         """Accelerate's (forgets the prepared objects: ``find_executable_batch_size`` retries
         call it), and forgets a clip's unscale still waiting for a step of those optimizers."""
-        self._unscaled = UnscaledThisIteration()
+        self._unscaled.clear()
         return super().free_memory(*objects)
 
     def synchronize(self) -> None:

@@ -69,6 +69,10 @@ class UnscaledThisIteration:
             scaler.unscale_(optimizer)
             self._pending.add(id(optimizer))
 
+    def clear(self) -> None:
+        """Forget the iteration (a load or ``free_memory`` abandoned it)."""
+        self._pending.clear()
+
     def any_pending(self) -> bool:
         """Is any optimizer unscaled this iteration and not stepped (or zeroed) yet?"""
         return bool(self._pending)

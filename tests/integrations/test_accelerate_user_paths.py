@@ -535,3 +535,44 @@ def test_free_memory_forgets_a_pending_unscale():
     assert 0 < float(acc.clip_grad_norm_(model.parameters(), 0.5)) < 100
     opt.step()
     assert not opt.step_was_skipped and acc._optimizers == [opt]
+
+
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_rollback_with_load_state_after_ctrl_c_between_clip_and_step(async_step, tmp_path):
+    # A notebook: Ctrl-C between the clip and the step of an overflowing iteration, then
+    # accelerator.load_state(last checkpoint) into the same objects and train on. Before: the
+    # loop's first zero_grad updated the *loaded* scaler with the abandoned iteration's inf
+    # (the scale then differed from a resume in fresh objects).
+    def steps(acc, model, opt, todo, stop=None):
+        scales = []
+        for step in todo:
+            opt.zero_grad()
+            acc.backward(mlp_loss(model, step, overflow_at=4))
+            acc.clip_grad_norm_(model.parameters(), 0.5)
+            if step == stop:
+                raise KeyboardInterrupt
+            opt.step()
+            scales.append(acc.scaler.get_scale())
+        return scales
+
+    def fresh(seed):
+        reset()
+        acc = accelerator("fp16", async_step=async_step)
+        model = mlp(seed)
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        return acc, model, opt
+
+    acc, model, opt = fresh(0)
+    steps(acc, model, opt, range(3))
+    acc.save_state(tmp_path / "ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        steps(acc, model, opt, range(3, 8), stop=4)
+    acc.load_state(str(tmp_path / "ckpt"))
+    scales = steps(acc, model, opt, range(3, 8))
+    acc.synchronize()
+    ref = fresh(5)
+    ref[0].load_state(str(tmp_path / "ckpt"))
+    ref_scales = steps(*ref, range(3, 8))
+    ref[0].synchronize()
+    assert scales == ref_scales and ref_scales[1] == ref_scales[0] / 2
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref[1].parameters(), strict=True))
