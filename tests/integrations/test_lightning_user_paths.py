@@ -641,3 +641,55 @@ def test_configure_optimizers_returning_none(precision):
     before = [p.detach().to(dtype) for p in model.parameters()]
     trainer(plugin, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()))
     assert plugin.optimizers == [] and same(model.parameters(), before)
+
+
+# ---------------------------------------------------------------------- overflow storm (held up)
+@pytest.mark.parametrize("async_step", [False, True])
+def test_overflow_storm_with_hysteresis_floor_and_scheduler(async_step):
+    # inf for 8 steps in a row: hysteresis 2, the scale halves down to min_scale and stays,
+    # every step skipped and counted, the per-step LR schedule steps on (as torch.amp does)
+    storm = range(1, 9)
+
+    def scaler():
+        return fp16kit.GradScaler("cpu", init_scale=2.0**6, growth_interval=3, hysteresis=2, min_scale=4.0,
+                                  on_min_scale="ignore")
+
+    class Storm(Backbone):
+        def training_step(self, batch, batch_idx):
+            inf = float("inf") if self.current_epoch * N_BATCHES + batch_idx in storm else 1.0
+            return loss_of(self.net(batch[0]), batch[1]) * inf
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((plugin.scaler.get_scale(), plugin.last_step_skipped()))
+
+    model, plugin = Storm(), MasterWeightsPrecision(scaler=scaler(), async_step=async_step)
+    trainer(plugin, max_epochs=4, callbacks=[Record()], gradient_clip_val=CLIP).fit(
+        model, train_dataloaders=loader(batches()))
+
+    net = make_net().half()
+    inner = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step)
+    sched, ref, expected = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.9), scaler(), []
+    for k in range(4 * N_BATCHES):
+        x, y = batches()[k % N_BATCHES]
+        opt.zero_grad()
+        ref.scale(loss_of(net(x.half()), y.half()) * (float("inf") if k in storm else 1.0)).backward()
+        ref.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(opt.master_params, CLIP)
+        ref.step(opt)
+        ref.update()
+        sched.step()
+        expected.append((ref.get_scale(), ref.last_step_skipped()))
+    opt.synchronize()
+    assert seen == expected and min(s for s, _ in seen) == 4.0
+    assert plugin.scaler.skipped_steps() == ref.skipped_steps() == len(storm)
+    assert plugin.optimizers[0].param_groups[0]["lr"] == inner.param_groups[0]["lr"]
+    assert same(model.net.parameters(), net.parameters())
