@@ -30,7 +30,9 @@ What each Accelerate hook does here (Accelerate 1.15):
   these three must then be set on it, not here: refused otherwise) and in
   :class:`~fp16kit.integrations.accelerate_optimizer.MasterWeightsAcceleratedOptimizer`;
   schedulers as Accelerate's (they do not step when the optimizer step was skipped).
-* ``backward(loss)``: Accelerate's -- ``scaler.scale(loss / accumulation_steps).backward()``.
+* ``backward(loss)``: Accelerate's -- ``scaler.scale(loss / accumulation_steps).backward()``;
+  refused while a clip's unscaled grads wait for ``optimizer.step()`` (a step the user skips
+  ends with ``optimizer.zero_grad()``: it counts as skipped and the scaler updates).
 * ``unscale_gradients()`` / ``clip_grad_norm_(params, max_norm)`` / ``clip_grad_value_``:
   ``scaler.unscale_`` puts the unscaled grads into the masters, and the clip acts there -- each
   model param stands for its master (``MixedPrecisionOptimizer.clip_grad_norm_(params=...)``);
