@@ -83,7 +83,6 @@ from typing import Any, Literal  # noqa: E402
 
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning_utilities import apply_to_collection  # noqa: E402
@@ -92,10 +91,10 @@ from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
 from .lightning_checkpoint import adopt_plain_checkpoint  # noqa: E402
 from .lightning_finetuning import adapt_finetuning  # noqa: E402
+from .lightning_grad_norm import grad_norm, trainer_of  # noqa: E402
+from .lightning_wrapping import is_mock, wrap, wrapped_before  # noqa: E402
 from .lightning_wrapping import master_optimizer as _master_optimizer  # noqa: E402
 from .lightning_wrapping import state_to_masters as _state_to_masters  # noqa: E402
-from .lightning_wrapping import is_mock, wrap, wrapped_before  # noqa: E402
-from .lightning_grad_norm import grad_norm, trainer_of  # noqa: E402
 
 __all__ = ["MasterWeightsPrecision", "grad_norm"]
 

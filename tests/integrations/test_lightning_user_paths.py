@@ -25,10 +25,15 @@ LR, CLIP, N_BATCHES = 0.05, 0.5, 4
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    log = logging.getLogger("lightning.pytorch")
+    level = log.level
+    log.setLevel(logging.ERROR)  # GPU/TPU banners, tips, "max_epochs reached" for every fit
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
 
 
 def make_net() -> torch.nn.Module:
