@@ -298,6 +298,8 @@ def _check_checkpoint(checkpoint: str | bool | None, output_dir: str | None) -> 
     """Refuse a checkpoint whose optimizer.pt is a plain torch optimizer's state (no masters)."""
     if checkpoint is True and output_dir is not None and os.path.isdir(output_dir):
         checkpoint = get_last_checkpoint(output_dir)
+    if isinstance(checkpoint, os.PathLike):
+        checkpoint = os.fspath(checkpoint)
     if not isinstance(checkpoint, str):
         return  # None, False, or True with no checkpoint: the Trainer's own handling
     path = os.path.join(checkpoint, _trainer_module.OPTIMIZER_NAME)

@@ -264,7 +264,7 @@ def test_resuming_a_plain_trainer_checkpoint_is_refused_before_anything_changes(
     model = gpt2(5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=4), train_dataset=lm_data())
-    for resume in (str(tmp_path / "checkpoint-2"), True):
+    for resume in (str(tmp_path / "checkpoint-2"), tmp_path / "checkpoint-2", True):
         with pytest.raises(ValueError, match="saved by transformers.Trainer.*from_pretrained"):
             trainer.train(resume_from_checkpoint=resume)
     assert trainer.optimizer is None and trainer.state.global_step == 0
