@@ -584,3 +584,51 @@ def test_async_cpu_masters_accumulation_overflow_short_window(tmp_path, precisio
     assert_same(trainer, ref)
     logged = [h["learning_rate"] for h in trainer.state.log_history if "grad_norm" in h]
     assert logged[1] == logged[2]  # the schedule did not step after the overflow
+
+
+class UnfreezeAt(TrainerCallback):
+    """A fine-tuning schedule: the first block trains from step ``step`` on."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            model.transformer.h[0].requires_grad_(True)
+
+
+@pytest.mark.parametrize("async_step", [False, True])
+def test_frozen_block_unfrozen_mid_training(tmp_path, async_step):
+    """The user's optimizer holds every param (frozen ones too); a callback unfreezes block 0 at
+    step 2. Compared with the plain loop doing the same."""
+
+    def frozen_model():
+        model = gpt2()
+        model.transformer.h[0].requires_grad_(False)
+        return model
+
+    model = frozen_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=4), train_dataset=lm_data(),
+                                   optimizers=(opt, None), callbacks=[UnfreezeAt(2)], async_step=async_step)
+    trainer.train()
+
+    ref = frozen_model().half()
+    mpo = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, fused=True),
+                                          async_step=async_step)
+    sched, scaler = torch.optim.lr_scheduler.LambdaLR(mpo, lambda s: max(0.0, (4 - s) / 4)), fp16kit.GradScaler("cpu")
+    for k, (batch,) in enumerate(windows(lm_data(), 1, 1)[:4]):
+        if k == 2:
+            ref.transformer.h[0].requires_grad_(True)
+        scaler.scale(ref(**batch, num_items_in_batch=batch["labels"][..., 1:].ne(-100).sum()).loss).backward()
+        scaler.unscale_(mpo)
+        mpo.clip_grad_norm_(0.5, params=ref.parameters())
+        scaler.step(mpo)
+        scaler.update()
+        if not scaler.last_step_skipped():
+            sched.step()
+        ref.zero_grad()
+    mpo.synchronize()
+    for (name, p), q in zip(trainer.model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    assert not torch.equal(trainer.model.transformer.h[0].mlp.c_fc.weight, frozen_model().half().transformer.h[0].mlp.c_fc.weight)
