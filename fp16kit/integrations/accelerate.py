@@ -235,6 +235,7 @@ class MasterWeightsAccelerator(Accelerator):
                 "step (e.g. on a non-finite norm) call optimizer.zero_grad() instead of step()."
             )
         super().backward(loss, **kwargs)
+        self._unscaled.backward()
 
     # ------------------------------------------------------------------ unscale and clip
     def unscale_gradients(self, optimizer: Any = None) -> None:

@@ -62,16 +62,31 @@ class UnscaledThisIteration:
 
     def __init__(self) -> None:
         self._pending: set[int] = set()
+        self._done: set[int] = set()  # stepped (or skipped by zero_grad) since the last backward
 
     def unscale(self, scaler: GradScaler, optimizer: MixedPrecisionOptimizer) -> None:
-        """``scaler.unscale_(optimizer)`` once per iteration (a second clip reuses it)."""
+        """``scaler.unscale_(optimizer)`` once per iteration (a second clip reuses it).
+        Refused after that optimizer's step, before the next backward: its grads are spent,
+        and a second unscale would update the scaler twice in one iteration."""
+        if id(optimizer) in self._done:
+            raise RuntimeError(
+                "accelerator.clip_grad_norm_/clip_grad_value_/unscale_gradients() after "
+                "optimizer.step() (or zero_grad()) and before the next accelerator.backward(): this "
+                "iteration's grads were used already. Clip between backward and optimizer.step(); "
+                "its return value is the (unscaled) norm to log."
+            )
         if id(optimizer) not in self._pending:
             scaler.unscale_(optimizer)
             self._pending.add(id(optimizer))
 
+    def backward(self) -> None:
+        """A new backward: the stepped optimizers get new grads."""
+        self._done.clear()
+
     def clear(self) -> None:
         """Forget the iteration (a load or ``free_memory`` abandoned it)."""
         self._pending.clear()
+        self._done.clear()
 
     def any_pending(self) -> bool:
         """Is any optimizer unscaled this iteration and not stepped (or zeroed) yet?"""
@@ -85,6 +100,7 @@ class UnscaledThisIteration:
         """Record the step of ``optimizer``; True when no unscaled optimizer still has to step
         (the scaler may update now)."""
         self._pending.discard(id(optimizer))
+        self._done.add(id(optimizer))
         return not self._pending
 
 

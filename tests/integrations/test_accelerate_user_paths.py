@@ -576,3 +576,24 @@ def test_rollback_with_load_state_after_ctrl_c_between_clip_and_step(async_step,
     ref[0].synchronize()
     assert scales == ref_scales and ref_scales[1] == ref_scales[0] / 2
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref[1].parameters(), strict=True))
+
+
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_clip_after_the_step_is_refused(async_step):
+    # Before: `optimizer.step(); norm = accelerator.clip_grad_norm_(...)` (logging the norm in
+    # the wrong place) unscaled spent grads -- a tiny wrong norm -- and the following zero_grad
+    # updated the scaler a second time each iteration (the scale doubled every growth_interval/2).
+    acc = accelerator("fp16", async_step=async_step)
+    model = mlp()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(3):
+        acc.backward(mlp_loss(model, step))
+        opt.step()
+        with pytest.raises(RuntimeError, match="Clip between backward and optimizer.step"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.zero_grad()
+    assert acc.scaler.get_scale() == SCALE * 2  # growth_interval=2: one update per iteration
+    acc.backward(mlp_loss(model, 3))  # the right order goes on working
+    assert 0 < float(acc.clip_grad_norm_(model.parameters(), 1.0)) < 100
+    opt.step()
+    assert not opt.step_was_skipped
