@@ -36,7 +36,8 @@ How it works (the algorithm apex's FP16_Optimizer used, on fp16kit's core):
 
 The unscaled gradients live on the masters: clip ``opt.param_groups``' params (or call
 :meth:`clip_grad_norm_`), not ``model.parameters()``, whose fp16 grads are still scaled.
-Changing the model grads after ``scaler.unscale_(opt)`` raises at ``step()``.
+Changing the model grads after ``scaler.unscale_(opt)`` or ``opt.clip_grad_norm_()`` raises at
+``step()`` (re-reading them would drop the clip).
 
 Checkpoints: :meth:`state_dict` holds the wrapped optimizer's state dict and the masters
 (plain data, ``torch.load(weights_only=True)`` reads it); :meth:`load_state_dict` restores

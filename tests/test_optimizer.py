@@ -187,6 +187,25 @@ def test_clipping_the_unscaled_master_grads():
     scaler.update()
 
 
+@pytest.mark.parametrize("edit", ["mul_", "backward"])
+def test_changing_model_grads_after_clip_without_scaler_is_refused(edit):
+    # bf16 (no scaler): clip_grad_norm_ reads the grads into the masters and clips them there.
+    # Re-reading the model grads at step() would drop the clip silently.
+    model = mlp()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    (model(x).float() - y).pow(2).mean().backward()
+    opt.clip_grad_norm_(1e-3)
+    if edit == "mul_":
+        next(model.parameters()).grad.mul_(0.5)
+    else:
+        (model(x).float() - y).pow(2).mean().backward()
+    masters = [m.detach().clone() for m in opt.master_params]
+    with pytest.raises(RuntimeError, match=r"changed after optimizer.clip_grad_norm_\(\)"):
+        opt.step()
+    assert all(torch.equal(a, m) for a, m in zip(masters, opt.master_params))
+
+
 def test_editing_model_grads_after_unscale_names_the_fix():
     model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
