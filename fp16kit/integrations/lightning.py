@@ -33,13 +33,17 @@ the optimizer steps fp32 masters. What happens at each Lightning hook:
   next backward -- is closed with the scale and its trackers unchanged (``scaler.update(
   new_scale=<the scale>)``), at that backward or at ``teardown``; with ``async_step`` a
   backward after such a clip raises (the unscale handed the grads to the step).
-* ``val/test/predict_step_context``, ``state_dict`` (checkpoint saving) and ``teardown`` (end of
-  fit): with ``async_step=True`` the step in flight lands first (``opt.synchronize()``), so they
-  see -- and checkpoints hold -- the model after the last step, consistent with the masters.
-  Landing early is what a plain loop's ``synchronize()`` does: the next forward then uses the
-  newest weights (a resumed run lands at the same point, so resume stays bit for bit).
+* ``val/test/predict_step_context`` and ``teardown`` (end of fit): with ``async_step=True``
+  the step in flight lands first (``opt.synchronize()``), so they see the model after the last
+  step. Landing early is what a plain loop's ``synchronize()`` does: the next forward then
+  uses the newest weights.
 * Checkpoints: the masters and the inner optimizer's state are the optimizer state
-  (``MixedPrecisionOptimizer.state_dict``); the scaler state is this plugin's entry. A checkpoint
+  (``MixedPrecisionOptimizer.state_dict``); the scaler state is this plugin's entry. With
+  ``async_step=True`` a save lands nothing in the live model (it may be inside
+  ``training_step``, and a run that saves trains the same numbers as one that does not): the
+  checkpoint's weights are the masters rounded (consistent with them), the live params the
+  next forward uses go to this plugin's entry and are put back on resume, so a resumed run
+  continues bit for bit (:mod:`.lightning_checkpoint`). A checkpoint
   without masters (a plain ``"16-true"``/``"16-mixed"`` run) loads with a warning: the masters
   are rebuilt from the checkpoint's model weights (exact for a ``"16-mixed"`` run's fp32
   weights), a ``MixedPrecision`` scaler state is taken over.
@@ -51,9 +55,10 @@ closure optimizers. Limits, documented rather than refused:
 
 * ``async_step=True``: a weights-only save (``ModelCheckpoint(save_weights_only=True)``) runs
   no precision-plugin hook, so it holds the weights the next forward uses (one step behind the
-  masters); full checkpoints land first. Training ends landed (a callback this plugin adds to
-  ``trainer.callbacks`` at ``connect`` runs ``on_train_end``, before ``Strategy.teardown``
-  moves the optimizer state to the CPU); it is the first callback, so a user's ``on_train_end``
+  masters); full checkpoints hold the masters' weights. Training ends landed (a callback
+  this plugin adds to ``trainer.callbacks`` at ``connect`` runs ``on_train_end``, before
+  ``Strategy.teardown`` moves the optimizer state to the CPU); it is the first callback, so a
+  user's ``on_train_end``
   that loads other weights (SWA's average, an EMA) keeps them. Callbacks that read the weights
   during training (an EMA at batch end) see the ones the next forward uses, one step behind
   the masters: call ``trainer.precision_plugin.synchronize()`` first for the newest.
@@ -89,7 +94,7 @@ from lightning_utilities import apply_to_collection  # noqa: E402
 
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
-from .lightning_checkpoint import adopt_plain_checkpoint  # noqa: E402
+from .lightning_checkpoint import adopt_plain_checkpoint, landed_weights, restore_next_forward  # noqa: E402
 from .lightning_finetuning import adapt_finetuning  # noqa: E402
 from .lightning_grad_norm import grad_norm, trainer_of  # noqa: E402
 from .lightning_wrapping import is_mock, wrap, wrapped_before  # noqa: E402
@@ -379,17 +384,21 @@ class MasterWeightsPrecision(Precision):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """``{"precision", "scaler"}`` (plain data). Lands a step in flight first: the checkpoint's
-        model weights are the ones after the last step (see :meth:`on_save_checkpoint`)."""
-        self.synchronize()
+        """``{"precision", "scaler"}`` (plain data; ``"next_forward"`` added by
+        :meth:`on_save_checkpoint`). Lands nothing: see :mod:`.lightning_checkpoint`."""
         return {"precision": self.precision, "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning dumps the model state dict before the optimizers and this plugin; a step
-        # that landed in state_dict() wrote the params in place. Read them again rather than
-        # rely on the dumped tensors aliasing the params.
-        if self._trainer is not None and any(o.async_step for o in self.optimizers) and "state_dict" in checkpoint:
-            checkpoint["state_dict"] = self._trainer.strategy.lightning_module_state_dict()
+        # Lightning dumps the model state dict, then the optimizers, then this plugin: the
+        # checkpoint gets the masters' weights; the live params, where a step has not landed
+        # in them yet, go to this plugin's entry (lightning_checkpoint's docstring).
+        own = checkpoint.get(type(self).__qualname__)
+        module = self._trainer.lightning_module if self._trainer is not None else None
+        if module is None or not isinstance(own, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+            return
+        next_forward = landed_weights(checkpoint["state_dict"], module, self.optimizers)
+        if next_forward:
+            own["next_forward"] = next_forward
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("scaler")
@@ -397,6 +406,8 @@ class MasterWeightsPrecision(Precision):
             self.scaler.load_state_dict(saved)
         elif saved is None and self.scaler is not None:
             logger.warning("The checkpoint has no loss-scaler state (a bf16 run?): the fp16 scaler starts fresh.")
+        if state_dict.get("next_forward") and self._trainer is not None:
+            restore_next_forward(self._trainer.lightning_module, state_dict["next_forward"])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint without masters or without this plugin's entry: see the module docstring."""

@@ -13,6 +13,19 @@ weights were loaded and before the optimizer states are::
 The inner optimizer's saved state (momentum, Adam moments) is cast to the masters' dtype by
 torch's ``load_state_dict``; structure and shapes are then checked by
 ``MixedPrecisionOptimizer.load_state_dict`` as for any checkpoint.
+
+Asynchronous steps (:func:`landed_weights`, :func:`restore_next_forward`): a save while a step
+has not landed in the model (its masters are newer than the params the next forward uses)
+must neither write the live params (an autograd graph may hold them: a save inside
+``training_step`` then broke the backward; and landing early changed the training numbers
+of a run that saves) nor hold weights one step behind its masters::
+
+    save:   state_dict[name] = master rounded to the param's dtype   (consistent with the masters)
+            plugin entry["next_forward"][name] = the live param       (only where they differ)
+    load:   after Lightning loaded state_dict: param = next_forward[name]; the masters then load
+            (MixedPrecisionOptimizer lands them at its next step, as the run that saved did)
+
+so the resumed run continues bit for bit as the one that saved.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ import torch
 
 from .. import GradScaler, MixedPrecisionOptimizer
 
-__all__ = ["adopt_plain_checkpoint"]
+__all__ = ["adopt_plain_checkpoint", "landed_weights", "restore_next_forward"]
 
 logger = logging.getLogger("fp16kit")
 
@@ -74,3 +87,37 @@ def _masters_from(
             row.append(src.detach().to(device=m.device, dtype=m.dtype, copy=True))
         out.append(row)
     return out
+
+
+def landed_weights(
+    weights: dict[str, Any], module: torch.nn.Module, optimizers: list[MixedPrecisionOptimizer]
+) -> dict[str, torch.Tensor]:
+    """Put each master, rounded to its param's dtype, into ``weights`` (a checkpoint's
+    ``state_dict``, by name) where it differs from the param; return the replaced live values
+    (the params the next forward uses). The live params are not written."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    replaced: dict[str, torch.Tensor] = {}
+    for opt in optimizers:
+        opt.wait_for_step()  # (the optimizer states taken before this waited already)
+        for p, m in zip(opt.model_params, opt.master_params):
+            landed = None
+            for name in names.get(id(p), []):
+                live = weights.get(name)
+                if not isinstance(live, torch.Tensor):
+                    continue
+                landed = landed if landed is not None else m.detach().to(device=live.device, dtype=live.dtype)
+                if not torch.equal(live, landed):
+                    replaced[name], weights[name] = live, landed
+    return replaced
+
+
+def restore_next_forward(module: torch.nn.Module, next_forward: dict[str, torch.Tensor]) -> None:
+    """Write the saved live params back (after Lightning loaded the checkpoint's landed
+    weights; see the module docstring)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, value in next_forward.items():
+            if name in params:
+                params[name].copy_(value)

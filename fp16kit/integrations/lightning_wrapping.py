@@ -26,9 +26,8 @@ from .. import MixedPrecisionOptimizer  # noqa: E402
 __all__ = ["is_mock", "master_optimizer", "state_to_masters", "wrap", "wrapped_before"]
 
 # inner optimizer -> (its wrapper, the options it was built with); weak both ways
-_WRAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[weakref.ref[MixedPrecisionOptimizer], dict[str, Any]]] = (
-    weakref.WeakKeyDictionary()
-)
+_Entry = tuple["weakref.ref[MixedPrecisionOptimizer]", dict[str, Any]]
+_WRAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Entry] = weakref.WeakKeyDictionary()
 
 
 def wrap(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> MixedPrecisionOptimizer:
