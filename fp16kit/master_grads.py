@@ -105,15 +105,18 @@ class MasterGrads:
 
     def ensure(self, state: StepState) -> None:
         if state.in_masters and not state.current(self._masters.model_params):
-            # Re-reading would silently undo what was done to the masters' grads since (a
-            # clip): a later edit of the model grads has no meaning the masters can honour.
-            when = "scaler.unscale_(optimizer)" if state.by_scaler else "optimizer.clip_grad_norm_()"
-            raise RuntimeError(
-                f"The model's gradients changed after {when}. With MixedPrecisionOptimizer the "
-                "gradients the step uses live on the masters from then on: clip or edit the params "
-                "in optimizer.param_groups (or call optimizer.clip_grad_norm_), not "
-                "model.parameters(), and run every backward before unscaling or clipping."
-            )
+            if state.spent:
+                state.reset()  # a new backward after the last step: this step's grads
+            else:
+                # Read this iteration by unscale_ or a clip: re-reading would silently undo
+                # what was done to the masters' grads since (the clip).
+                when = "scaler.unscale_(optimizer)" if state.by_scaler else "optimizer.clip_grad_norm_()"
+                raise RuntimeError(
+                    f"The model's gradients changed after {when}. With MixedPrecisionOptimizer the "
+                    "gradients the step uses live on the masters from then on: clip or edit the params "
+                    "in optimizer.param_groups (or call optimizer.clip_grad_norm_), not "
+                    "model.parameters(), and run every backward before unscaling or clipping."
+                )
         device = self._groups.flag_device()
         if state.stage is Stage.HANDED_OFF:  # raw grads at scale 1: only check them
             state.unscaled(kernels.check_finite_(self.present(), kernels.new_found_inf(device)), by_scaler=False)

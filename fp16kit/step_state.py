@@ -68,19 +68,21 @@ class TransferRecord:
 class StepState:
     """The stage of one step (see the module docstring)."""
 
-    __slots__ = ("stage", "flags", "by_scaler", "transfer")
+    __slots__ = ("stage", "flags", "by_scaler", "transfer", "spent")
 
     def __init__(self) -> None:
         self.stage = Stage.MODEL_GRADS
         self.flags: dict[torch.device, torch.Tensor] = {}
         self.by_scaler = False
         self.transfer: TransferRecord | None = None
+        self.spent = False  # the grads in the masters were stepped with already
 
     def reset(self) -> None:
         self.stage = Stage.MODEL_GRADS
         self.flags = {}
         self.by_scaler = False
         self.transfer = None
+        self.spent = False
 
     def stepped(self) -> None:
         """After a synchronous step: the masters keep the grads read from the model, as a
@@ -89,6 +91,7 @@ class StepState:
         if self.in_masters:
             self.stage = Stage.UNSCALED
             self.by_scaler = False
+            self.spent = True
         else:
             self.reset()
 
@@ -106,6 +109,7 @@ class StepState:
         self.stage = Stage.UNSCALED
         self.flags = flags
         self.by_scaler = by_scaler
+        self.spent = False
         if transfer is not None:
             self.transfer = transfer
 

@@ -206,6 +206,25 @@ def test_changing_model_grads_after_clip_without_scaler_is_refused(edit):
     assert all(torch.equal(a, m) for a, m in zip(masters, opt.master_params))
 
 
+def test_new_backward_after_a_clipped_step_is_read_again():
+    # The refusal above is for edits before the step; after it, a new backward (with
+    # model.zero_grad() instead of the optimizer's, as the HF Trainer does) is the next step's.
+    model, ref = mlp(), mlp()
+    ref.load_state_dict(model.state_dict())
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = MixedPrecisionOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1))
+    for step, (x, y) in enumerate(batches(2)):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            (m(x).float() - y).pow(2).mean().backward()
+            o.clip_grad_norm_(1e-3)
+            o.step()
+            if m is model:
+                model.zero_grad()
+            else:
+                o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(opt.master_params, ref_opt.master_params))
+
+
 def test_editing_model_grads_after_unscale_names_the_fix():
     model = mlp()
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
