@@ -77,22 +77,14 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
-from accelerate.utils import SCALER_NAME, DistributedType, GradScalerKwargs  # noqa: E402
+from accelerate.utils import SCALER_NAME  # noqa: E402
 
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
+from .accelerate_checks import SUPPORTED_TYPES, check_arguments, check_user_built, launched_precision  # noqa: E402
 from .accelerate_optimizer import MasterWeightsAcceleratedOptimizer, UnscaledThisIteration  # noqa: E402
 
 __all__ = ["MasterWeightsAccelerator", "MasterWeightsAcceleratedOptimizer"]
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_UNSUPPORTED_KWARGS = ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config")
-_UNSUPPORTED_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM")
-_SUPPORTED_TYPES = (
-    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU,
-    DistributedType.MULTI_NPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
-)
-
 
 # Accelerate internals this class relies on (read in 1.15; tests/integrations/test_accelerate.py
 # fails if they change): ``native_amp`` gates prepare_model's autocast wrapping
@@ -135,10 +127,10 @@ class MasterWeightsAccelerator(Accelerator):
         cast_model: bool = True,
         **kwargs: Any,
     ) -> None:
-        mixed_precision = _precision(mixed_precision)
-        dtype = _check_arguments(mixed_precision, scaler, kwargs)
+        mixed_precision = launched_precision(mixed_precision)
+        dtype = check_arguments(mixed_precision, scaler, kwargs)
         super().__init__(mixed_precision=mixed_precision, **kwargs)
-        if self.distributed_type not in _SUPPORTED_TYPES:
+        if self.distributed_type not in SUPPORTED_TYPES:
             raise ValueError(
                 f"MasterWeightsAccelerator does not support Accelerate's {self.distributed_type} "
                 "(from your accelerate config or environment): use DDP (multi-GPU/CPU), or the "
@@ -197,7 +189,7 @@ class MasterWeightsAccelerator(Accelerator):
             if optimizer is prepared.optimizer or optimizer is getattr(prepared.optimizer, "optimizer", None):
                 return prepared
         if isinstance(optimizer, MixedPrecisionOptimizer):
-            _check_user_built(optimizer, self.master_options)
+            check_user_built(optimizer, self.master_options)
             mixed = optimizer
         else:
             self._check_plain(optimizer)
@@ -387,74 +379,3 @@ class MasterWeightsAccelerator(Accelerator):
                 "pass the model to the same accelerator.prepare(model, optimizer, ...) call (it casts "
                 "the model first), or cast the model before building the optimizer."
             )
-
-
-def _precision(mixed_precision: str | None) -> str:
-    """The argument if given; else ``accelerate launch``'s ``--mixed_precision`` / accelerate
-    config (``ACCELERATE_MIXED_PRECISION``, as ``Accelerator()`` reads it), "fp16" when that is
-    unset or "no" (this class trains in half precision)."""
-    if mixed_precision is not None:
-        return mixed_precision
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if launched in ("no", ""):
-        return "fp16"
-    if launched not in _DTYPES:
-        raise ValueError(
-            f"MasterWeightsAccelerator: ACCELERATE_MIXED_PRECISION={launched!r} (accelerate launch "
-            "--mixed_precision or your accelerate config) is not 'fp16' or 'bf16': launch with "
-            "--mixed_precision fp16/bf16, or pass MasterWeightsAccelerator(mixed_precision=...)."
-        )
-    return launched
-
-
-def _check_arguments(mixed_precision: Any, scaler: Any, kwargs: dict[str, Any]) -> torch.dtype:
-    """Everything that can be checked before Accelerate's (global) state is touched."""
-    if str(mixed_precision) not in _DTYPES:
-        raise ValueError(
-            f"MasterWeightsAccelerator(mixed_precision={mixed_precision!r}): use 'fp16' or 'bf16' (the dtype "
-            "the model is cast to). For fp8 or fp32 autocast training use accelerate.Accelerator."
-        )
-    dtype = _DTYPES[str(mixed_precision)]
-    if scaler is not None and dtype is torch.bfloat16:
-        raise ValueError("bf16 needs no loss scaling: drop scaler= (bf16 has fp32's exponent range).")
-    if scaler is not None and not isinstance(scaler, GradScaler):
-        raise TypeError(
-            f"scaler must be an fp16kit.GradScaler (got {type(scaler).__name__}): torch's GradScaler "
-            "cannot unscale into fp32 master weights."
-        )
-    handlers = kwargs.get("kwargs_handlers") or []
-    if scaler is not None and any(isinstance(h, GradScalerKwargs) for h in handlers):
-        raise ValueError("Pass either scaler= or a GradScalerKwargs handler, not both.")
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"MasterWeightsAccelerator does not support {name}: DeepSpeed, FSDP and Megatron-LM "
-                "keep their own fp32 params and loss scaling. Use accelerate.Accelerator with that "
-                "plugin's mixed precision, or DDP with this class."
-            )
-    for name in _UNSUPPORTED_ENV:
-        if os.environ.get(name, "false").lower() == "true":
-            raise ValueError(
-                f"MasterWeightsAccelerator does not support {name}=true (set by `accelerate launch` "
-                "or your accelerate config): DeepSpeed, FSDP and Megatron-LM keep their own fp32 params "
-                "and loss scaling. Launch with a multi-GPU/CPU (DDP) config."
-            )
-    return dtype
-
-
-def _check_user_built(optimizer: MixedPrecisionOptimizer, options: dict[str, Any]) -> None:
-    if options["async_step"] or options["master_device"] is not None or options["master_dtype"] != torch.float32:
-        # (the user-built optimizer is used as is: these options would be silently ignored)
-        raise ValueError(
-            "The optimizer is already a MixedPrecisionOptimizer, which fixes async_step, master_device "
-            "and master_dtype: set them on it, not on MasterWeightsAccelerator -- or pass the plain "
-            "torch optimizer to accelerator.prepare() (it wraps it with the accelerator's options)."
-        )
-    low = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in (torch.float16, torch.bfloat16)]
-    if low:
-        raise TypeError(
-            "This MixedPrecisionOptimizer steps fp16/bf16 params directly (it was built before the "
-            "model was cast, so they got no masters): pass the plain torch optimizer to "
-            "accelerator.prepare() (it wraps it), or cast the model before building the "
-            "MixedPrecisionOptimizer."
-        )
