@@ -45,7 +45,9 @@ What happens at each Trainer hook (transformers 5.24):
   data the Trainer reloads with ``torch.load(weights_only=True)``; the model weights are saved
   in their training dtype (an fp16 model saves fp16 safetensors). ``resume_from_checkpoint``
   loads the model weights, then the masters, optimizer, scheduler, scaler and RNG states: the
-  resumed run continues bit for bit.
+  resumed run continues bit for bit. Such a checkpoint resumes with ``MasterWeightsTrainer``
+  only (``transformers.Trainer`` cannot read its ``optimizer.pt``: start a plain run from its
+  weights instead), and a plain Trainer's checkpoint is refused here (see below).
 
 ``async_step=True`` (:mod:`fp16kit.async_step`): each optimizer step runs on the optimizer
 thread while the next forward/backward runs, a one-step delayed update. Whatever reads the
