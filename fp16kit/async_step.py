@@ -298,6 +298,8 @@ class AsyncSteps:
             return flags
         self._prepare()
         flags = self.check_grads(reduce=reduce)
+        if scale is not None:  # a scale that underflowed to 0 would unscale into NaN
+            flags = kernels.flag_nonfinite_scale_(flags, kernels.inv_scale(scale))
         found = self._found(flags)
         if scale is None:  # no scaler: the grads as they are
             self._submit(kernels.one(self._groups.grad_device()), found, missing_grads, log_skipped_step)

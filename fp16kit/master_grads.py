@@ -74,10 +74,10 @@ class MasterGrads:
             if zero:
                 self._masters.zero_grad(False, model=False)
             clear_missing = not zero
-        return kernels.merge_found_inf(
+        return kernels.flag_nonfinite_scale_(kernels.merge_found_inf(
             self._masters.grads_to_masters(inv_scale, found_inf, clear_missing=clear_missing),
             kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),
-        )
+        ), inv_scale)
 
     def present(self) -> list[torch.Tensor]:
         """The master grads that exist."""
@@ -85,16 +85,16 @@ class MasterGrads:
 
     def read(self, state: StepState, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, by_scaler: bool) -> Flags:
         if state.stage is Stage.HANDED_OFF:  # submit_step moved the raw grads in already
-            flags = kernels.unscale_(self.present(), inv_scale, found_inf)
+            flags = kernels.flag_nonfinite_scale_(kernels.unscale_(self.present(), inv_scale, found_inf), inv_scale)
             state.unscaled(flags, by_scaler=by_scaler)
             return flags
         if state.in_masters and not state.by_scaler and state.current(self._masters.model_params):
             # Read at scale 1 already (clip_grad_norm_ before scaler.unscale_, as torch allows:
             # it clipped the scaled grads): unscale what is in the masters, clipped as it is.
-            flags = kernels.merge_found_inf(
+            flags = kernels.flag_nonfinite_scale_(kernels.merge_found_inf(
                 kernels.unscale_(self.present(), inv_scale, found_inf),
                 kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),
-            )
+            ), inv_scale)
             state.unscaled(flags, by_scaler=by_scaler)
             return flags
         flags = self.transfer(inv_scale, found_inf)

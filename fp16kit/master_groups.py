@@ -23,6 +23,7 @@ face that owns the optimizer::
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,7 +32,12 @@ import torch
 
 from .core.master import LOW_PRECISION, MasterParams
 
-__all__ = ["MasterGroup", "MasterGroups", "check_master_dtypes", "check_not_sharded", "check_params"]
+__all__ = [
+    "MasterGroup", "MasterGroups", "check_master_dtypes", "check_not_sharded", "check_params", "check_not_wrapped",
+]
+
+# Inner optimizers a MixedPrecisionOptimizer has wrapped: their groups hold masters now.
+_wrapped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 LatePolicy = Literal["adopt", "refuse"]
 
@@ -91,6 +97,20 @@ def check_params(params: Any, all_masters: bool, master_dtype: torch.dtype, *, w
     check_not_sharded(params, all_masters, master_dtype, where=where)
 
 
+def check_not_wrapped(optimizer: torch.optim.Optimizer, *, claim: bool = False) -> None:
+    """Refuse an inner optimizer another MixedPrecisionOptimizer wrapped already: its groups
+    hold that one's fp32 masters, so a second wrapper would make none and step nothing of the
+    model. ``claim=True`` records ``optimizer`` as wrapped."""
+    if claim:
+        _wrapped.add(optimizer)
+    elif optimizer in _wrapped:
+        raise TypeError(
+            "This optimizer is already wrapped by a MixedPrecisionOptimizer (its param groups hold "
+            "that wrapper's fp32 masters): keep using that MixedPrecisionOptimizer, or build a new "
+            "torch optimizer on the model's parameters and wrap it."
+        )
+
+
 class MasterGroups:
     """The masters of an optimizer's param groups (see the module docstring)."""
 
@@ -107,6 +127,20 @@ class MasterGroups:
         self.all_masters = all_masters
         self.late = late
         self.groups: list[MasterGroup] = []
+
+    def check_assignment(self, groups: Any) -> None:
+        """``optimizer.param_groups = groups`` may rearrange or edit the groups of the params
+        stepped already (the masters), not bring new ones: a new fp16/bf16 param would be
+        stepped directly with its scaled 16-bit grad. Changes nothing."""
+        known = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        new = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])
+               if id(p) not in known]
+        if new:
+            raise TypeError(
+                f"optimizer.param_groups was assigned {len(new)} param(s) this MixedPrecisionOptimizer "
+                "does not step (the model's fp16/bf16 params are replaced by fp32 masters in its groups): "
+                "add new params with optimizer.add_param_group({'params': ...}), which gives them masters."
+            )
 
     def __iter__(self) -> Any:
         return iter(self.groups)

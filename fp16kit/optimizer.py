@@ -63,7 +63,7 @@ from .core.protocol import Flags, scaled_iterations
 from .core.thread import OptimizerThread
 from .master_checkpoint import MatchedMasters, check_state_dict
 from .master_grads import MasterGrads
-from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_params
+from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_not_wrapped, check_params
 from .step_snapshot import StepView
 from .step_state import Stage, StepState
 from .wrapping import WrappingOptimizer
@@ -119,6 +119,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             )
         if unfrozen not in ("adopt", "refuse"):
             raise ValueError(f"unfrozen must be 'adopt' or 'refuse', got {unfrozen!r}.")
+        check_not_wrapped(optimizer)
         master_dtype = _as_dtype(master_dtype)
         # Asynchronous steps and offloaded masters need a master for every trainable param:
         # the optimizer thread must never write a tensor the forward pass reads.
@@ -135,6 +136,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._warned_unscaled_step = threading.Event()  # set once, from either thread
         for group in optimizer.param_groups:
             self._groups.adopt(group)
+        check_not_wrapped(optimizer, claim=True)
         if optimizer.state:
             # Re-cast moved state (e.g. fp16 momentum) to the masters' dtype and device, the
             # way apex did: torch's load_state_dict casts floating state to its param's dtype.
@@ -153,6 +155,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._groups.check_assignment(value)
         self.optimizer.param_groups = value
 
     @property

@@ -457,3 +457,28 @@ def test_clip_after_unscale_with_fp32_params():
     scaler.step(opt)
     scaler.update()
     assert torch.equal(model[2].weight, w - 0.1 * g)
+
+
+@pytest.mark.parametrize("options", [{}, {"flat": True}, {"master_device": "cpu"}, {"async_step": True}],
+                         ids=["sync", "flat", "offload", "async"])
+def test_a_scale_underflowed_to_zero_skips_instead_of_writing_nan(options):
+    # ~170 overflows in a row take torch's scale rule to 0.0; then inv_scale = inf and the
+    # zero grads of a finite step unscale to NaN, which torch's check (before the multiply)
+    # does not flag: torch.amp writes NaN into the weights. The master path skips the step.
+    model = torch.nn.Linear(4, 3).half()
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+    scaler = GradScaler("cpu")
+    x = torch.randn(2, 4).half()
+    for _ in range(170):
+        scaler.scale(model(x).float().sum() * float("inf")).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.get_scale() == 0.0
+    opt.synchronize()
+    before = model.weight.detach().clone()
+    scaler.scale(model(x).float().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.synchronize()
+    assert scaler.last_step_skipped() and torch.equal(model.weight, before)

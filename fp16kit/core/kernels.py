@@ -232,6 +232,20 @@ def one(device: torch.device) -> torch.Tensor:
     return t
 
 
+def flag_nonfinite_scale_(flags: dict[torch.device, torch.Tensor], inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    """Also set every flag in ``flags`` when ``inv_scale`` is inf/NaN; returns ``flags``.
+
+    torch's check-and-unscale tests the grads *before* multiplying: once a scale has
+    underflowed to 0 (about 170 overflows in a row under torch's rule), ``inv_scale`` is inf
+    and zero grads become ``0 * inf = NaN`` unflagged, which torch.amp's scaler then writes
+    into the weights. The master-weight paths call this so such a step is skipped instead.
+    """
+    bad = torch.isfinite(inv_scale).logical_not()
+    for device, found in flags.items():
+        torch.maximum(found, move(bad, device, found.dtype), out=found)
+    return flags
+
+
 def unscale_to_(
     srcs: Sequence[torch.Tensor],
     dsts: Sequence[torch.Tensor],
