@@ -38,11 +38,13 @@ What each Accelerate hook does here (Accelerate 1.15):
   model param stands for its master (``MixedPrecisionOptimizer.clip_grad_norm_(params=...)``);
   the returned norm is the unscaled one. Params of several prepared optimizers give one total
   norm over all of them. Call them on sync steps only (``if accelerator.sync_gradients:``).
-* Several optimizers: those unscaled together (one clip over all their params, or
-  ``accelerator.unscale_gradients()``) update the scaler once, after the last of them steps
-  (torch.amp's rule). Stepped without unscaling, each step updates the scaler as in Accelerate
-  -- then an overflow halves the scale before the next optimizer unscales its grads, so
-  call ``accelerator.unscale_gradients()`` first when several optimizers step per iteration.
+* ``scaler.update()``: once per iteration, however many optimizers step after a backward
+  (torch.amp's rule: step every optimizer, then update once). A step marks the update as
+  owed (:mod:`fp16kit.integrations._scale_updates`); it runs once every prepared optimizer has
+  stepped (one optimizer: after each step, as before), else at the next ``backward`` (before
+  the loss is scaled), ``save_state``/``load_state``, or :meth:`settle_scale` -- call that
+  before reading ``accelerator.scaler.get_scale()`` when not every optimizer steps each round. With a backward
+  per optimizer (GAN-style) the update runs between them, at the second backward, as before.
 * ``optimizer.step()`` / ``step_was_skipped`` / ``optimizer_step_was_skipped``: see
   :mod:`fp16kit.integrations.accelerate_optimizer` (the scaler's flag; one host read per query).
 * ``save_state`` / ``load_state``: Accelerate's. ``optimizer.bin`` holds the wrapped optimizer's
@@ -196,6 +198,9 @@ class MasterWeightsAccelerator(Accelerator):
             mixed = MixedPrecisionOptimizer(optimizer, **self.master_options)
         prepared = MasterWeightsAcceleratedOptimizer(mixed, self.scaler, self._unscaled)
         self._optimizers.append(prepared)
+        self._unscaled.members = lambda: [
+            o.optimizer for o in self._optimizers if isinstance(o, MasterWeightsAcceleratedOptimizer)
+        ]
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
@@ -226,6 +231,7 @@ class MasterWeightsAccelerator(Accelerator):
                 "unscaled already. Run every backward of an iteration before clipping; to skip a "
                 "step (e.g. on a non-finite norm) call optimizer.zero_grad() instead of step()."
             )
+        self._unscaled.owed.settle(self.scaler)  # the last iteration's update, once (torch.amp's rule)
         super().backward(loss, **kwargs)
         self._unscaled.backward()
 
@@ -294,16 +300,29 @@ class MasterWeightsAccelerator(Accelerator):
                     "run?). Resume it with MasterWeightsAccelerator(mixed_precision='bf16'), the "
                     "precision it was trained in."
                 )
+        settled = self._unscaled.owed.settle(self.scaler)  # closes the iteration; the load sets the scale
         super().load_state(input_dir, load_kwargs, **kwargs)
         if self._unscaled.any_pending():
             # A clip's unscale waiting for its step (Ctrl-C between them) belongs to the iteration
             # the load abandoned: close it in the scaler (its update resets the per-optimizer
             # "unscaled" states), then restore the loaded scale, growth tracker and counters.
             self._unscaled.clear()
-            if self.scaler is not None:
+            if self.scaler is not None and not settled:  # (a settled update closed it already)
                 loaded = self.scaler.state_dict()
                 self.scaler.update()
                 self.scaler.load_state_dict(loaded)
+
+    def save_state(self, *args: Any, **kwargs: Any) -> Any:
+        """Accelerate's, after the iteration's owed ``scaler.update()`` runs: ``scaler.pt``
+        holds the scale the next backward uses (a resume continues bit for bit)."""
+        self.settle_scale()
+        return super().save_state(*args, **kwargs)
+
+    def settle_scale(self) -> None:
+        """Run the ``scaler.update()`` the last iteration's steps owe (it runs by itself at the
+        next ``backward`` and ``save_state``): call it before reading ``scaler.get_scale()``
+        between the steps and the next backward, e.g. to log the scale."""
+        self._unscaled.owed.settle(self.scaler)
 
     def free_memory(self, *objects: Any) -> Any:
         """Accelerate's (forgets the prepared objects: ``find_executable_batch_size`` retries

@@ -16,14 +16,16 @@ answer is the scaler's own flag instead. At each hook:
 
       scaler.step(mixed_precision_optimizer)    # unscale into the fp32 masters (unless a clip
                                                 # did), skip on inf/NaN, step, masters -> model
-      scaler.update()                           # once per iteration: see below
+      owed update                               # scaler.update() runs once, later
       flag = scaler.last_step_skipped_tensor()  # a device tensor: no host sync here
 
-  Accelerate updates the scaler after every optimizer's step. When several optimizers were
-  unscaled together this iteration (one ``accelerator.clip_grad_norm_`` over all their
-  params), the update waits for the last of them to step -- torch.amp's rule (unscale all,
-  clip, step all, update once); an update in between would make the next optimizer unscale
-  its grads again, undoing the clip.
+  The update is not run here: another optimizer may step on the same grads, and must unscale
+  them with this iteration's scale (torch.amp: step every optimizer, then update once). The
+  step marks it owed (:mod:`fp16kit.integrations._scale_updates`; shared by one accelerator's
+  optimizers): it runs once every prepared optimizer has stepped since the last round (one
+  optimizer: right here, as before), else at ``accelerator.backward`` / ``save_state`` /
+  ``load_state`` / ``settle_scale()``. The skip flag is read before the update, from this
+  iteration's checked grads.
 * ``step()`` on a sync step, bf16 (no scaler; or a disabled one): ``flag`` = a non-finite check of the grads the
   step will use (model grads, and in a synchronous step the masters' if a clip read them
   already), then ``MixedPrecisionOptimizer.step()`` -- which skips the step on exactly that
@@ -35,7 +37,7 @@ answer is the scaler's own flag instead. At each hook:
   Accelerate's flag does).
 * ``zero_grad()``: Accelerate's (only on sync steps). After a clip unscaled the grads of a
   step the user then skipped (no ``step()``; e.g. on a non-finite norm): the step counts as
-  skipped and the scaler updates (see :meth:`MasterWeightsAcceleratedOptimizer.zero_grad`).
+  skipped and the scaler's update is owed (see :meth:`MasterWeightsAcceleratedOptimizer.zero_grad`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
+from ._scale_updates import OwedUpdate  # noqa: E402
 
 __all__ = ["MasterWeightsAcceleratedOptimizer", "UnscaledThisIteration"]
 
@@ -63,6 +66,8 @@ class UnscaledThisIteration:
     def __init__(self) -> None:
         self._pending: set[int] = set()
         self._done: set[int] = set()  # stepped (or skipped by zero_grad) since the last backward
+        self.owed = OwedUpdate()  # the iteration's scaler.update() (see _scale_updates)
+        self.members: Callable[[], list[Any]] = list  # the optimizers sharing the scaler
 
     def unscale(self, scaler: GradScaler, optimizer: MixedPrecisionOptimizer) -> None:
         """``scaler.unscale_(optimizer)`` once per iteration (a second clip reuses it).
@@ -137,9 +142,9 @@ class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
         opt = self.optimizer
         if self.scaler is not None and self.scaler.is_enabled():
             self.scaler.step(opt)
-            if self._unscaled.stepped(opt):
-                self.scaler.update()
-            self._skipped = self.scaler.last_step_skipped_tensor()
+            self._unscaled.stepped(opt)
+            self._skipped = self.scaler.last_step_skipped_tensor()  # known before the update
+            self._unscaled.owed.stepped(self.scaler, opt, self._unscaled.members())
         else:
             self._skipped = _nonfinite(opt)
             opt.step()
@@ -153,8 +158,9 @@ class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
         inf flag: a scaled norm and a lost step.)"""
         opt = self.optimizer
         if self.gradient_state.sync_gradients and self._unscaled.pending(opt):
-            if self._unscaled.stepped(opt) and self.scaler is not None:
-                self.scaler.update()
+            self._unscaled.stepped(opt)
+            if self.scaler is not None:
+                self._unscaled.owed.stepped(self.scaler, opt, self._unscaled.members())
             self._skipped = torch.ones((), dtype=torch.bool)
         super().zero_grad(set_to_none)
 

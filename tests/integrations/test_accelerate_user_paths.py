@@ -592,3 +592,86 @@ def test_clip_after_the_step_is_refused(async_step):
     assert 0 < float(acc.clip_grad_norm_(model.parameters(), 1.0)) < 100
     opt.step()
     assert not opt.step_was_skipped
+
+
+# ---------------------------------------------------------------- several optimizers, one scaler
+def _two_models():
+    torch.manual_seed(3)
+    return torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+
+def _two_opt_data():
+    torch.manual_seed(4)
+    return [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(5)]
+
+
+def _loss(a, b, x, y, i, gan):
+    if gan:  # one loss per model; the second model's loss does not reach the first
+        la = torch.nn.functional.mse_loss(b(a(x.half())).float(), y)
+        return la * (math.inf if i == 2 else 1.0), la
+    loss = torch.nn.functional.mse_loss(b(a(x.half())).float(), y)
+    return loss * (math.inf if i == 2 else 1.0), None  # an overflow at iteration 2
+
+
+@pytest.mark.parametrize("gan", [False, True], ids=["one_backward", "backward_per_optimizer"])
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_two_optimizers_update_the_scale_once_per_iteration(gan, async_step):
+    """One backward, then two optimizers step: torch.amp's rule (step both, update once) --
+    the second optimizer unscales with this iteration's scale. With a backward per optimizer
+    (GAN-style) the update runs between them, as torch.amp's loop with an update per step."""
+    data = _two_opt_data()
+    acc = MasterWeightsAccelerator(
+        "fp16", cpu=True, async_step=async_step,
+        kwargs_handlers=[GradScalerKwargs(init_scale=SCALE, growth_interval=1)],
+    )
+    a, b = _two_models()
+    a, b, oa, ob = acc.prepare(a, b, torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1))
+    skipped = []
+    for i, (x, y) in enumerate(data):
+        if gan:
+            loss, _ = _loss(a, b, x, y, i, gan)
+            acc.backward(loss)
+            oa.step()
+            skipped.append(oa.step_was_skipped)
+            acc.backward(torch.nn.functional.mse_loss(b(a(x.half()).detach()).float(), y))
+            ob.step()
+        else:
+            loss, _ = _loss(a, b, x, y, i, gan)
+            acc.backward(loss)
+            oa.step()
+            skipped.append(oa.step_was_skipped)
+            ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+    acc.synchronize()
+    acc.settle_scale()
+
+    a2, b2 = _two_models()
+    a2.half()
+    b2.half()
+    pa = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(a2.parameters(), lr=0.1), async_step=async_step)
+    pb = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(b2.parameters(), lr=0.1), async_step=async_step)
+    sc = fp16kit.GradScaler("cpu", init_scale=SCALE, growth_interval=1)
+    ref_skipped = []
+    for i, (x, y) in enumerate(data):
+        loss, _ = _loss(a2, b2, x, y, i, gan)
+        sc.scale(loss).backward()
+        sc.step(pa)
+        ref_skipped.append(sc.last_step_skipped())
+        if gan:
+            sc.update()
+            sc.scale(torch.nn.functional.mse_loss(b2(a2(x.half()).detach()).float(), y)).backward()
+        sc.step(pb)
+        sc.update()
+        pa.zero_grad()
+        pb.zero_grad()
+    pa.synchronize()
+    pb.synchronize()
+
+    assert skipped == ref_skipped and skipped[2]
+    assert acc.scaler.get_scale() == sc.get_scale()
+    for p, q in zip([*a.parameters(), *b.parameters()], [*a2.parameters(), *b2.parameters()]):
+        assert torch.equal(p, q)
+    for o, r in ((oa.optimizer, pa), (ob.optimizer, pb)):
+        for m, n in zip(o.master_params, r.master_params):
+            assert torch.equal(m, n)
