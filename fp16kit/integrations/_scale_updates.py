@@ -34,31 +34,43 @@ class OwedUpdate:
     def __init__(self) -> None:
         self.owed = False
         self._round: set[int] = set()  # id(opt) stepped since every optimizer last had its turn
+        self._known: set[int] = set()  # id(opt) seen stepping (used when the caller has no list)
 
     def owe(self) -> None:
         """A step ran: the iteration's update is owed (run by :meth:`settle`)."""
         self.owed = True
 
-    def stepped(self, scaler: GradScaler | None, optimizer: Any, optimizers: Iterable[Any]) -> None:
-        """``optimizer`` stepped (or skipped its step); ``optimizers``: all those sharing the
-        scaler. The update is owed; it runs now once every one of them has stepped since the
-        last such round (one optimizer: after each step, as before; one backward and two
-        optimizers: after the second; a backward per optimizer: at the second backward) --
-        so the scale read after an iteration is the updated one."""
+    def stepped(self, scaler: GradScaler | None, optimizer: Any, optimizers: Iterable[Any] | None = None) -> None:
+        """``optimizer`` stepped (or skipped its step). The update is owed; it runs now once every
+        optimizer sharing the scaler -- ``optimizers``, or (None: Fabric, which shows the plugin
+        no list) those seen stepping before the last settled update -- has stepped since the
+        last full round. One optimizer: after each step, as before (Fabric: from the second
+        iteration); one backward and two optimizers: after the second; so the scale read after
+        an iteration is the updated one. Otherwise it waits for :meth:`settle`."""
         self.owe()
         self._round.add(id(optimizer))
-        if {id(o) for o in optimizers} <= self._round:
-            self._round.clear()
-            self.settle(scaler)
+        members = self._known if optimizers is None else {id(o) for o in optimizers}
+        if members and members <= self._round:
+            self._settle_round(scaler)
 
     def settle(self, scaler: GradScaler | None) -> bool:
         """Run the owed update, if any, once; True if it ran."""
         if not self.owed:
             return False
+        self._known |= self._round
+        if self._known <= self._round:
+            self._round.clear()
         self.owed = False
         if scaler is not None and scaler.is_enabled():
             scaler.update()
         return True
+
+    def _settle_round(self, scaler: GradScaler | None) -> None:
+        self._known |= self._round
+        self._round.clear()
+        self.owed = False
+        if scaler is not None and scaler.is_enabled():
+            scaler.update()
 
     def forget(self) -> None:
         """Drop the debt without updating (the scaler's state was replaced)."""

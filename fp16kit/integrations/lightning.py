@@ -23,8 +23,13 @@ the optimizer steps fp32 masters. What happens at each Lightning hook:
 * ``optimizer_step``: run the closure (forward, backward); :meth:`unscale_gradients` puts
   ``float(model.grad) / scale`` into the master grads (bf16: at scale 1, with the same
   inf/NaN check); ``on_before_optimizer_step`` and gradient clipping run (both see the unscaled
-  master grads); ``scaler.step(opt)`` skips the step on inf/NaN, ``scaler.update()`` halves the
-  scale then. bf16 skips a non-finite step too (``MixedPrecisionOptimizer.step`` does).
+  master grads); ``scaler.step(opt)`` skips the step on inf/NaN. ``scaler.update()`` (which
+  halves the scale then) is owed (:mod:`fp16kit.integrations._scale_updates`): it runs once
+  every optimizer has stepped (one optimizer: after each step, as before), else at the next
+  ``pre_backward`` (before the loss is scaled), ``state_dict`` (checkpoints),
+  ``load_state_dict``, ``teardown`` or :meth:`~MasterWeightsPrecision.settle_scale` --
+  torch.amp's rule when several optimizers step after one ``manual_backward``; with a backward
+  per optimizer it runs between them, as before. bf16 skips a non-finite step too (``MixedPrecisionOptimizer.step`` does).
 * ``clip_gradients`` (``gradient_clip_val``, also ``self.clip_gradients`` in manual
   optimization): clips the masters (``main_params`` are the param groups' params, i.e. the
   masters); by norm it records the unscaled total norm in :attr:`last_grad_norm`.
@@ -94,6 +99,7 @@ from lightning_utilities import apply_to_collection  # noqa: E402
 
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
+from ._scale_updates import OwedUpdate  # noqa: E402
 from .lightning_checkpoint import adopt_plain_checkpoint, landed_weights, restore_next_forward  # noqa: E402
 from .lightning_finetuning import adapt_finetuning  # noqa: E402
 from .lightning_grad_norm import grad_norm, trainer_of  # noqa: E402
@@ -158,6 +164,7 @@ class MasterWeightsPrecision(Precision):
         self._built: weakref.WeakSet[MixedPrecisionOptimizer] = weakref.WeakSet()  # wrapped here
         self.last_grad_norm: torch.Tensor | None = None
         self._unscaled: dict[int, dict[torch.device, torch.Tensor]] = {}  # id(opt) -> flags, this iteration
+        self._owed = OwedUpdate()  # the iteration's scaler.update(), run at the next backward
         self._last_flags: dict[torch.device, torch.Tensor] | None = None  # bf16: the last step's
         self._check_state: set[int] = set()  # id(opt): state may have been moved off its masters
         self._skipping = False  # in optimizer_step, for a training_step that returned None
@@ -239,6 +246,8 @@ class MasterWeightsPrecision(Precision):
 
     # ------------------------------------------------------------------ backward, step
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        if self._owed.settle(self.scaler):  # the last iteration's update, once (torch.amp's rule)
+            self._unscaled.clear()  # (an unscale without a step: that one update closed it too)
         if self._unscaled:  # manual optimization: clip_gradients (unscaled), then no opt.step()
             self._unscaled_without_step()
         if self.scaler is not None:
@@ -288,7 +297,8 @@ class MasterWeightsPrecision(Precision):
                 return closure_result
             if self.scaler is not None:
                 out = self.scaler.step(opt, **kwargs)
-                self.scaler.update()
+                # another optimizer may step on these grads: update once per round (_scale_updates)
+                self._owed.stepped(self.scaler, opt, self.optimizers)
                 return out
             self._last_flags = self._unscaled.get(id(opt))
             return opt.step(**kwargs)
@@ -318,6 +328,8 @@ class MasterWeightsPrecision(Precision):
         # optimizer's iteration open, and its next unscale_ -- a fit after a Ctrl-C -- raise
         # "unscale_() has already been called". update(new_scale=the scale) closes it with
         # the scale and its trackers unchanged, as if the iteration had not begun.
+        if self._owed.settle(self.scaler):  # a step of this iteration ran: its update closes it
+            self._unscaled.clear()
         if self._unscaled and self.scaler is not None:
             self.scaler.update(new_scale=self.scaler.get_scale())
         self._unscaled.clear()
@@ -373,6 +385,8 @@ class MasterWeightsPrecision(Precision):
     def teardown(self) -> None:
         """End of fit/validate/...: land the step in flight (the model is current)."""
         failing = sys.exc_info()[1] is not None  # Lightning tears down inside its except block
+        if self._owed.settle(self.scaler):
+            self._unscaled.clear()
         self._discard_iteration()  # (manual optimization: unscaled by clip_gradients, no step)
         try:
             self.synchronize()
@@ -385,7 +399,9 @@ class MasterWeightsPrecision(Precision):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """``{"precision", "scaler"}`` (plain data; ``"next_forward"`` added by
-        :meth:`on_save_checkpoint`). Lands nothing: see :mod:`.lightning_checkpoint`."""
+        :meth:`on_save_checkpoint`). Lands nothing: see :mod:`.lightning_checkpoint`. Runs the
+        owed ``scaler.update()`` first: the saved scale is the one the next backward uses."""
+        self.settle_scale()
         return {"precision": self.precision, "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -400,7 +416,15 @@ class MasterWeightsPrecision(Precision):
         if next_forward:
             own["next_forward"] = next_forward
 
+    def settle_scale(self) -> None:
+        """Run the ``scaler.update()`` the last steps owe (the next backward, ``state_dict`` and
+        ``teardown`` run it by themselves): call it before reading ``scaler.get_scale()``
+        between the steps and the next backward."""
+        if self._owed.settle(self.scaler):
+            self._unscaled.clear()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.settle_scale()  # close the iteration; the load then sets the scale
         saved = state_dict.get("scaler")
         if saved is not None and self.scaler is not None:
             self.scaler.load_state_dict(saved)

@@ -10,7 +10,7 @@
     ...
     fabric.backward(loss)                              # loss * scale
     fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)  # the masters
-    opt.step()                                         # scaler.step + scaler.update
+    opt.step()                                         # scaler.step; update at next backward
 
 Fabric has no hook that sees the optimizers before the loop (Lightning's ``connect``), so the
 user wraps the optimizer in :class:`fp16kit.MixedPrecisionOptimizer` -- built on the fp16/bf16
@@ -25,10 +25,16 @@ raises saying so. What happens at each Fabric hook:
   unscaled grads land in the masters, which are ``main_params`` (the param groups' params), so
   Fabric's clipping clips the masters and returns the unscaled norm. bf16: the grads move into
   the masters at scale 1 (``opt.unscale_grads_``, the scaler protocol's call).
-* ``optimizer_step`` (``opt.step()``): ``scaler.step(opt)`` (skips on inf/NaN) and
-  ``scaler.update()``; bf16: ``opt.step()`` (skips a non-finite step itself).
+* ``optimizer_step`` (``opt.step()``): ``scaler.step(opt)`` (skips on inf/NaN); the
+  ``scaler.update()`` is owed (:mod:`fp16kit.integrations._scale_updates`): it runs once every
+  optimizer seen stepping has stepped (one optimizer: after each step from the second
+  iteration on), else at the next ``backward`` (before the loss is scaled), ``state_dict``/``load_state_dict``
+  or :meth:`~MasterWeightsFabricPrecision.settle_scale` -- torch.amp's rule when several
+  optimizers step after one backward; with a backward per optimizer it runs between them, as
+  before. bf16: ``opt.step()`` (skips a non-finite step itself).
 * ``state_dict`` / ``load_state_dict``: the scaler's (Fabric saves it when the plugin's state is
-  part of what you save: ``state = {"model": model, "optimizer": opt, "scaler": plugin.scaler}``);
+  part of what you save: ``state = {"model": model, "optimizer": opt, "scaler": plugin.scaler}``;
+  saving the scaler itself, call ``plugin.settle_scale()`` first if not every optimizer stepped);
   the masters are in ``opt.state_dict()``.
 
 With ``async_step=True`` call ``opt.synchronize()`` before evaluating or saving, as in a plain loop.
@@ -48,6 +54,7 @@ from lightning.fabric.plugins.precision import HalfPrecision  # noqa: E402
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
 from ..core.master import LOW_PRECISION  # noqa: E402
+from ._scale_updates import OwedUpdate  # noqa: E402
 
 __all__ = ["MasterWeightsFabricPrecision"]
 
@@ -74,8 +81,11 @@ class MasterWeightsFabricPrecision(HalfPrecision):
         self.scaler = scaler if scaler is not None or precision == "bf16-true" else GradScaler(device)
         self._unscaled: dict[int, MixedPrecisionOptimizer] = {}  # unscaled since their last step
         self._checked: set[int] = set()  # id(opt) whose params were checked (see _checked)
+        self._owed = OwedUpdate()  # the iteration's scaler.update(), run at the next backward
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        if self._owed.settle(self.scaler):
+            self._unscaled.clear()  # (an unscale without a step: that one update closed it too)
         if self._unscaled:
             self._unscaled_without_step()
         if self.scaler is not None:
@@ -100,7 +110,8 @@ class MasterWeightsFabricPrecision(HalfPrecision):
         if self.scaler is None:
             return opt.step(**kwargs)
         out = self.scaler.step(opt, **kwargs)
-        self.scaler.update()
+        # another optimizer may step on this iteration's grads: update once per round (_scale_updates)
+        self._owed.stepped(self.scaler, opt)
         return out
 
     def _unscaled_without_step(self) -> None:
@@ -120,10 +131,18 @@ class MasterWeightsFabricPrecision(HalfPrecision):
             self.scaler.update(new_scale=self.scaler.get_scale())
         self._unscaled.clear()
 
+    def settle_scale(self) -> None:
+        """Run the ``scaler.update()`` the last steps owe (``fabric.backward`` and
+        ``state_dict`` run it by themselves): call it before reading ``scaler.get_scale()``
+        between the steps and the next backward."""
+        self._owed.settle(self.scaler)
+
     def state_dict(self) -> dict[str, Any]:
+        self._owed.settle(self.scaler)  # the saved scale is the one the next backward uses
         return self.scaler.state_dict() if self.scaler is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._owed.settle(self.scaler)  # close the iteration; the load then sets the scale
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
 

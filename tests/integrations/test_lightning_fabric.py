@@ -171,3 +171,56 @@ def test_fabric_mixed_precision_with_half_model_and_user_mpo():
         scaler.update()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     assert plugin.scaler.skipped_steps() == 1
+
+
+def _two_step_reference(gan):
+    with torch.device("cpu"):
+        model = net().half()
+    pa = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model[0].parameters(), lr=LR))
+    pb = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model[2].parameters(), lr=LR))
+    sc = fp16kit.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    skipped = []
+    for k, (x, y) in enumerate(batches()):
+        pa.zero_grad()
+        pb.zero_grad()
+        sc.scale(loss_of(model(x.half()), y, k)).backward()
+        sc.step(pa)
+        skipped.append(sc.last_step_skipped())
+        if gan:
+            sc.update()
+            pb.zero_grad()
+            sc.scale(loss_of(model(x.half()), y, -1)).backward()
+        sc.step(pb)
+        sc.update()
+    return model, (pa, pb), sc, skipped
+
+
+@pytest.mark.parametrize("gan", [False, True], ids=["one_backward", "backward_per_optimizer"])
+def test_two_optimizers_update_the_scale_once_per_iteration(gan):
+    """One backward, two optimizers (two param subsets): torch.amp's rule, step both then update
+    once; with a backward per optimizer (GAN-style) the update runs between them."""
+    plugin = MasterWeightsFabricPrecision(scaler=fp16kit.GradScaler("cpu", init_scale=1024.0, growth_interval=1))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    with fabric.init_module():
+        model = net()
+    oa = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model[0].parameters(), lr=LR))
+    ob = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model[2].parameters(), lr=LR))
+    model, oa, ob = fabric.setup(model, oa, ob)
+    skipped = []
+    for k, (x, y) in enumerate(batches()):
+        oa.zero_grad()
+        ob.zero_grad()
+        fabric.backward(loss_of(model(x), y, k))
+        oa.step()
+        skipped.append(plugin.scaler.last_step_skipped())
+        if gan:
+            ob.zero_grad()
+            fabric.backward(loss_of(model(x), y, -1))
+        ob.step()
+    plugin.settle_scale()
+    ref, (pa, pb), sc, ref_skipped = _two_step_reference(gan)
+    assert skipped == ref_skipped and skipped[INF_STEP]
+    assert plugin.scaler.get_scale() == sc.get_scale()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    for o, r in ((oa, pa), (ob, pb)):
+        assert all(torch.equal(m, n) for m, n in zip(o.master_params, r.master_params))

@@ -742,3 +742,67 @@ def test_async_ctrl_c_checkpoint_resumes_bit_for_bit(tmp_path):
     async_fit(tmp_path, callbacks=[L.callbacks.OnExceptionCheckpoint(tmp_path), Interrupt("batch_start", 5)])
     resumed, _ = async_fit(tmp_path / "b", ckpt=tmp_path / "on_exception.ckpt")
     assert same(resumed.parameters(), plain.parameters())
+
+
+# ------------------------------------------------------- two optimizers after one manual_backward
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization, two optimizers over two param subsets; ``gan``: a backward each."""
+
+    def __init__(self, gan: bool) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.gan = gan
+        self.automatic_optimization = False
+        self.skipped: list[bool] = []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        oa, ob = self.optimizers()
+        oa.zero_grad()
+        ob.zero_grad()
+        loss = loss_of(self.net(x), y)
+        self.manual_backward(loss * float("inf") if i == 1 else loss)
+        oa.step()
+        self.skipped.append(self.trainer.precision_plugin.last_step_skipped())
+        if self.gan:
+            ob.zero_grad()
+            self.manual_backward(loss_of(self.net(x), y))
+        ob.step()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.net[0].parameters(), lr=LR), torch.optim.SGD(self.net[2].parameters(), lr=LR))
+
+
+@pytest.mark.parametrize("gan", [False, True], ids=["one_backward", "backward_per_optimizer"])
+def test_two_optimizers_update_the_scale_once_per_iteration(gan):
+    """torch.amp's rule: after one manual_backward, step both optimizers, then update once (the
+    second unscales with this iteration's scale); a backward per optimizer updates between."""
+    data = batches()
+    plugin = MasterWeightsPrecision(scaler=fp16kit.GradScaler("cpu", init_scale=1024.0, growth_interval=1))
+    module = TwoOptimizers(gan)
+    trainer(plugin).fit(module, loader(data))
+
+    net = make_net().half()
+    pa = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net[0].parameters(), lr=LR))
+    pb = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net[2].parameters(), lr=LR))
+    sc = fp16kit.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    skipped = []
+    for i, (x, y) in enumerate(data):
+        x, y = x.half(), y.half()  # Lightning's plugin converts the whole batch
+        pa.zero_grad()
+        pb.zero_grad()
+        loss = loss_of(net(x), y)
+        sc.scale(loss * float("inf") if i == 1 else loss).backward()
+        sc.step(pa)
+        skipped.append(sc.last_step_skipped())
+        if gan:
+            sc.update()
+            pb.zero_grad()
+            sc.scale(loss_of(net(x), y)).backward()
+        sc.step(pb)
+        sc.update()
+    assert module.skipped == skipped and skipped[1]
+    assert plugin.scaler.get_scale() == sc.get_scale()
+    assert same(module.net.parameters(), net.parameters())
+    for o, r in zip(plugin.optimizers, (pa, pb)):
+        assert same(o.master_params, r.master_params)
