@@ -83,6 +83,7 @@ from accelerate.utils import SCALER_NAME  # noqa: E402
 
 from .. import GradScaler, MixedPrecisionOptimizer  # noqa: E402
 from ..core import kernels  # noqa: E402
+from ._common import find_master_optimizer  # noqa: E402
 from .accelerate_checks import SUPPORTED_TYPES, check_arguments, check_user_built, launched_precision  # noqa: E402
 from .accelerate_optimizer import MasterWeightsAcceleratedOptimizer, UnscaledThisIteration  # noqa: E402
 
@@ -345,11 +346,10 @@ class MasterWeightsAccelerator(Accelerator):
         chosen = self._optimizers if optimizer is None else optimizer
         chosen = chosen if isinstance(chosen, (list, tuple)) else [chosen]
         out = []
-        for opt in chosen:
-            while not isinstance(opt, MixedPrecisionOptimizer) and hasattr(opt, "optimizer"):
-                opt = opt.optimizer
-            if not isinstance(opt, MixedPrecisionOptimizer):
-                raise TypeError(f"{type(opt).__name__} was not prepared by this MasterWeightsAccelerator.")
+        for given in chosen:
+            opt = find_master_optimizer(given)
+            if opt is None:
+                raise TypeError(f"{type(given).__name__} was not prepared by this MasterWeightsAccelerator.")
             out.append(opt)
         return out
 

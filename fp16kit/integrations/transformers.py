@@ -96,7 +96,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from .accelerate import MasterWeightsAccelerator  # noqa: E402
 from .accelerate_optimizer import MasterWeightsAcceleratedOptimizer  # noqa: E402
-from .transformers_checks import DTYPES, casts_model, check_arguments, check_checkpoint, master_optimizer  # noqa: E402
+from ._common import find_master_optimizer  # noqa: E402
+from .transformers_checks import DTYPES, casts_model, check_arguments, check_checkpoint  # noqa: E402
 
 __all__ = ["MasterWeightsTrainer"]
 
@@ -225,7 +226,7 @@ class MasterWeightsTrainer(Trainer):
     def synchronize(self) -> None:
         """Wait for an optimizer step in flight (``async_step=True``) and copy its masters into
         the model; a no-op otherwise, or before ``train()`` created the optimizer."""
-        opt = master_optimizer(self.optimizer)
+        opt = find_master_optimizer(self.optimizer)
         if opt is not None:
             opt.synchronize()
 
@@ -278,7 +279,7 @@ def _checked_pre_optimizer_step(
     the step), then: a callback that changed a model param's ``.grad`` is an error -- the step
     uses the masters' grads, read at the clip (fp16: the scaler would raise a generic error at
     the step; bf16: the step would read the edited grads again, unclipped, silently)."""
-    opt = master_optimizer(trainer.optimizer)
+    opt = find_master_optimizer(trainer.optimizer)
     params = [] if opt is None else list(opt.model_params)
     grads = [p.grad for p in params]
     versions = [None if g is None else g._version for g in grads]

@@ -18,9 +18,10 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from ..core.master import LOW_PRECISION  # noqa: E402
 from ..optimizer import MixedPrecisionOptimizer  # noqa: E402
+from ._common import find_master_optimizer  # noqa: E402
 from .accelerate_checks import DTYPES  # noqa: E402
 
-__all__ = ["DTYPES", "casts_model", "check_arguments", "check_checkpoint", "master_optimizer"]
+__all__ = ["DTYPES", "casts_model", "check_arguments", "check_checkpoint"]
 
 
 def check_checkpoint(checkpoint: str | bool | None, output_dir: str | None) -> None:
@@ -51,13 +52,6 @@ def check_checkpoint(checkpoint: str | bool | None, output_dir: str | None) -> N
 def casts_model(model: torch.nn.Module | None, dtype: torch.dtype) -> bool:
     """Does the accelerator cast the model? Not one given with params in ``dtype`` already."""
     return model is None or not any(p.dtype == dtype for p in model.parameters())
-
-
-def master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer | None:
-    """The ``MixedPrecisionOptimizer`` under Accelerate's ``AcceleratedOptimizer`` wrapper(s)."""
-    while optimizer is not None and not isinstance(optimizer, MixedPrecisionOptimizer):
-        optimizer = getattr(optimizer, "optimizer", None)
-    return optimizer
 
 
 def check_arguments(
@@ -126,7 +120,7 @@ def check_arguments(
                 "give the model in float32 (it is cast when training starts)."
             )
     optimizer = (bound.get("optimizers") or (None, None))[0]
-    user_built = master_optimizer(optimizer)
+    user_built = find_master_optimizer(optimizer)
     if user_built is not None and model is not None and casts_model(model, dtype):
         # Built before the cast: it steps the model's own params (no masters), which
         # the trainer is about to cast to fp16/bf16.
