@@ -48,7 +48,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,17 @@ MEMORY_MODES = [
     MemoryMode("bf16 + MPO, master_device='cpu'", torch.bfloat16, masters=True, master_device="cpu"),
 ]
 PARTS = ("params", "grads", "opt_state", "masters", "master_grads")
+
+
+def _backward_step(loss: torch.Tensor, opt: torch.optim.Optimizer, scaler: fp16kit.GradScaler | None) -> None:
+    """One backward and step: through the scaler when there is one (fp16), else plainly."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
 
 
 def mlp(width: int, layers: int) -> nn.Sequential:
@@ -121,13 +132,7 @@ def training_state(mode: MemoryMode, width: int, layers: int) -> dict[str, Any]:
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=mode.autocast or torch.bfloat16, enabled=mode.autocast is not None):
         loss = model(x.to(mode.dtype)).float().pow(2).mean()
-    if scaler is not None:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    else:
-        loss.backward()
-        opt.step()
+    _backward_step(loss, opt, scaler)
     if mode.async_step:
         opt.synchronize()  # the step landed; the training state is what it is between steps
     model_params = list(model.parameters())
@@ -208,13 +213,7 @@ def train_regression(dtype: torch.dtype, masters: bool, steps: int, lr: float) -
         before = weights()
         opt.zero_grad()
         loss = (model(x.to(dtype)).float() - y).pow(2).mean()
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        _backward_step(loss, opt, scaler)
         unchanged += int((weights() == before).sum())
     final = weights()
     return {"weights": final, "model_weights": model.weight.detach().float().clone(),
