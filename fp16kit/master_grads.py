@@ -85,22 +85,22 @@ class MasterGrads:
 
     def read(self, state: StepState, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, by_scaler: bool) -> Flags:
         if state.stage is Stage.HANDED_OFF:  # submit_step moved the raw grads in already
-            flags = kernels.flag_nonfinite_scale_(kernels.unscale_(self.present(), inv_scale, found_inf), inv_scale)
-            state.unscaled(flags, by_scaler=by_scaler)
-            return flags
-        if state.in_masters and not state.by_scaler and state.current(self._masters.model_params):
+            flags = kernels.unscale_(self.present(), inv_scale, found_inf)
+        elif state.in_masters and not state.by_scaler and state.current(self._masters.model_params):
             # Read at scale 1 already (clip_grad_norm_ before scaler.unscale_, as torch allows:
             # it clipped the scaled grads): unscale what is in the masters, clipped as it is.
-            flags = kernels.flag_nonfinite_scale_(kernels.merge_found_inf(
+            flags = kernels.merge_found_inf(
                 kernels.unscale_(self.present(), inv_scale, found_inf),
                 kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),
-            ), inv_scale)
-            state.unscaled(flags, by_scaler=by_scaler)
+            )
+        else:
+            flags = self.transfer(inv_scale, found_inf)
+            # Only the fp16/bf16 model grads: fp32 params' grads are the unscaled ones and may
+            # be clipped in place after unscale_.
+            state.unscaled(flags, by_scaler=by_scaler, transfer=TransferRecord(self._masters.model_params))
             return flags
-        flags = self.transfer(inv_scale, found_inf)
-        # Only the fp16/bf16 model grads: fp32 params' grads are the unscaled ones and may be
-        # clipped in place after unscale_.
-        state.unscaled(flags, by_scaler=by_scaler, transfer=TransferRecord(self._masters.model_params))
+        flags = kernels.flag_nonfinite_scale_(flags, inv_scale)  # as transfer() does
+        state.unscaled(flags, by_scaler=by_scaler)
         return flags
 
     def ensure(self, state: StepState) -> None:

@@ -33,7 +33,7 @@ import torch
 from .core.master import LOW_PRECISION, MasterParams
 
 __all__ = [
-    "MasterGroup", "MasterGroups", "check_master_dtypes", "check_not_sharded", "check_params", "check_not_wrapped",
+    "MasterGroup", "MasterGroups", "check_master_dtypes", "check_not_sharded", "check_params", "check_not_wrapped", "mark_wrapped",
 ]
 
 # Inner optimizers a MixedPrecisionOptimizer has wrapped: their groups hold masters now.
@@ -97,18 +97,21 @@ def check_params(params: Any, all_masters: bool, master_dtype: torch.dtype, *, w
     check_not_sharded(params, all_masters, master_dtype, where=where)
 
 
-def check_not_wrapped(optimizer: torch.optim.Optimizer, *, claim: bool = False) -> None:
-    """Refuse an inner optimizer another MixedPrecisionOptimizer wrapped already: its groups
-    hold that one's fp32 masters, so a second wrapper would make none and step nothing of the
-    model. ``claim=True`` records ``optimizer`` as wrapped."""
-    if claim:
-        _wrapped.add(optimizer)
-    elif optimizer in _wrapped:
+def check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an inner optimizer another MixedPrecisionOptimizer wrapped already
+    (:func:`mark_wrapped`): its groups hold that one's fp32 masters, so a second wrapper would
+    make none and step nothing of the model."""
+    if optimizer in _wrapped:
         raise TypeError(
             "This optimizer is already wrapped by a MixedPrecisionOptimizer (its param groups hold "
             "that wrapper's fp32 masters): keep using that MixedPrecisionOptimizer, or build a new "
             "torch optimizer on the model's parameters and wrap it."
         )
+
+
+def mark_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    """Record that a MixedPrecisionOptimizer put masters into ``optimizer``'s groups."""
+    _wrapped.add(optimizer)
 
 
 class MasterGroups:

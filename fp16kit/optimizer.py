@@ -63,7 +63,7 @@ from .core.protocol import Flags, scaled_iterations
 from .core.thread import OptimizerThread
 from .master_checkpoint import MatchedMasters, check_state_dict
 from .master_grads import MasterGrads
-from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_not_wrapped, check_params
+from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_not_wrapped, check_params, mark_wrapped
 from .step_snapshot import StepView
 from .step_state import Stage, StepState
 from .wrapping import WrappingOptimizer
@@ -136,7 +136,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._warned_unscaled_step = threading.Event()  # set once, from either thread
         for group in optimizer.param_groups:
             self._groups.adopt(group)
-        check_not_wrapped(optimizer, claim=True)
+        mark_wrapped(optimizer)
         if optimizer.state:
             # Re-cast moved state (e.g. fp16 momentum) to the masters' dtype and device, the
             # way apex did: torch's load_state_dict casts floating state to its param's dtype.
