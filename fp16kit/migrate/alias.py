@@ -445,7 +445,7 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
             # `'apex' in sys.modules` is how apex-era scripts ask "is apex there?": the synthetic root
             # (no fp16kit.legacy import yet) is in place at once, as if something had imported apex
             importlib.import_module("apex")
-        if plan is not None:
+        else:
             where, missing = plan
             logger.info(
                 "apex alias: complementing the installed apex (%s): %s (missing there) come from fp16kit.legacy, "

@@ -132,10 +132,11 @@ def _parse(source: bytes | str) -> cst.Module:
 
 
 def _mentions_ours(source: bytes | str, megatron: bool) -> bool:
-    """Whether the source contains a root name the table handles (every rewrite and report needs one)."""
+    """Whether the source contains a root name the table handles, or APEX in any case (a library's
+    APEX_AVAILABLE): every rewrite and report needs one."""
     roots = apex_map.ROOTS | apex_map.EXTENSION_ROOTS | ({"fp16"} if megatron else set())
     text = _text(source)
-    return any(root in text for root in roots)
+    return "apex" in text.lower() or any(root in text for root in roots)
 
 
 def _text(source: bytes | str) -> str:
@@ -230,6 +231,7 @@ class _ApexRewriter(cst.CSTTransformer):
                 return False
 
         node.visit(_Roots())
+        self.probes.prepare(node)
         return True
 
     # -- import A.B [as N] ---------------------------------------------------------------------
@@ -434,18 +436,6 @@ class _ApexRewriter(cst.CSTTransformer):
     # -- availability checks and dynamic imports (fp16kit.migrate.probes) ----------------------
     def visit_Expr(self, node: cst.Expr) -> None:
         self.probes.statement(node)
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        self.probes.targets(*(t.target for t in node.targets))
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self.probes.targets(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self.probes.targets(node.target)
-
-    def visit_Del(self, node: cst.Del) -> None:
-        self.probes.targets(node.target)
 
     def visit_Call(self, node: cst.Call) -> None:
         self.probes.call(node)

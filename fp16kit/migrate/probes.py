@@ -17,7 +17,8 @@ Rules (``NAME`` is a module-name string literal; ``T`` is what the import rewrit
         RequirementCache("apex..."): no migrated install has an `apex` distribution
         is_apex_available / APEX_AVAILABLE imported from a library (transformers, Lightning): its own
         probe for a real apex, False after migrate
-    assignments and `del` of sys.modules[NAME] are left alone (a script stubbing apex out).
+    a module that assigns or deletes sys.modules[NAME] (a script stubbing apex out, a test faking it):
+        its checks of that NAME are about its own stub, and stay as they are
 
 A reported import, or dynamic import, inside the ``try`` of an ``except ImportError`` also says so
 (:func:`fallback_handler`): after migrate that fallback runs and turns off what the ``try`` enabled.
@@ -152,19 +153,35 @@ class Probes:
         self.seen: set[int] = set()
         self.rewritten = 0
         self._discarded: set[int] = set()  # calls whose value is thrown away (`__import__("apex")` as a statement)
-        self._stores: set[int] = set()  # sys.modules[...] being assigned or deleted
+        self._stubbed: set[object] = set()  # names the module assigns or deletes in sys.modules
 
     # -- what the rewriter's visitors hand over ------------------------------------------------
+    def prepare(self, module: cst.Module) -> None:
+        """Before the walk: the names the module itself puts in (or takes out of) sys.modules."""
+        stubbed = self._stubbed = set()
+
+        class _Stubs(cst.CSTVisitor):
+            def visit_Assign(self, node: cst.Assign) -> None:
+                for target in node.targets:
+                    self._add(target.target)
+
+            def visit_Del(self, node: cst.Del) -> None:
+                self._add(node.target)
+
+            def _add(self, target: cst.BaseExpression) -> None:
+                if isinstance(target, (cst.Tuple, cst.List)):
+                    for element in target.elements:
+                        self._add(element.value)
+                elif isinstance(target, cst.Subscript) and _is_sys_modules(target.value) and len(target.slice) == 1:
+                    index = target.slice[0].slice
+                    if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+                        stubbed.add(index.value.evaluated_value)
+
+        module.visit(_Stubs())
+
     def statement(self, node: cst.Expr) -> None:
         if isinstance(node.value, cst.Call):
             self._discarded.add(id(node.value))
-
-    def targets(self, *targets: cst.BaseExpression) -> None:
-        for target in targets:
-            if isinstance(target, (cst.Tuple, cst.List)):
-                self.targets(*(e.value for e in target.elements))
-            else:
-                self._stores.add(id(target))
 
     def call(self, node: cst.Call) -> None:
         func = _dotted(node.func)
@@ -190,7 +207,7 @@ class Probes:
             self._module_name(node, node.left, "sys.modules")
 
     def subscript(self, node: cst.Subscript) -> None:
-        if id(node) in self._stores or not _is_sys_modules(node.value) or len(node.slice) != 1:
+        if not _is_sys_modules(node.value) or len(node.slice) != 1:
             return
         index = node.slice[0].slice
         if isinstance(index, cst.Index):
@@ -217,7 +234,7 @@ class Probes:
                                    "build the fp16kit name instead")
             return
         value = arg.evaluated_value
-        res = self._resolve(value) if isinstance(value, str) else None
+        res = self._resolve(value) if isinstance(value, str) and value not in self._stubbed else None
         if res is None:
             return
         self.seen.add(id(arg))
