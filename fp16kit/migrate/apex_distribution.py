@@ -1,8 +1,8 @@
 """The ``apex`` distribution the apex alias reports while it stands in for all of apex, so that
 checks of apex's package metadata see it installed, as they saw NVIDIA apex::
 
-    importlib.metadata.version("apex")            -> "0.1"   (apex's setup.py never changed it:
-                                                              every apex build reported 0.1)
+    importlib.metadata.version("apex")            -> "0.1"   (NVIDIA apex's setup.py never changed
+                                                              it: every build reported 0.1)
     importlib.metadata.distribution("apex")       -> Name apex, Summary naming fp16kit.legacy
     importlib.metadata.packages_distributions()   -> {"apex": ["apex"], ...}  (top_level.txt)
     files, requires, entry points                 -> none

@@ -36,6 +36,7 @@ from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvide
 
 from . import apex_map
 from .probes import Probes, fallback_handler
+from .probes import dotted_name as _dotted
 
 __all__ = ["MigrationError", "MigrationResult", "Unmigratable", "migrate_source"]
 
@@ -141,16 +142,6 @@ def _mentions_ours(source: bytes | str, megatron: bool) -> bool:
 
 def _text(source: bytes | str) -> str:
     return source.decode("latin-1") if isinstance(source, bytes) else source
-
-
-def _dotted(node: cst.CSTNode) -> str | None:
-    """``a.b.c`` for a pure Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        head = _dotted(node.value)
-        return None if head is None else f"{head}.{node.attr.value}"
-    return None
 
 
 def _name_node(dotted: str) -> NameNode:

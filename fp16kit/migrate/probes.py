@@ -33,7 +33,7 @@ import libcst as cst
 
 from .apex_map import Resolution, is_handled
 
-__all__ = ["Probes", "fallback_handler"]
+__all__ = ["Probes", "dotted_name", "fallback_handler"]
 
 # spellings of the functions that take a module name first (`from importlib.util import find_spec`: the bare name)
 _IMPORTS = frozenset({"importlib.import_module", "import_module", "__import__", "importlib.__import__",
@@ -56,24 +56,25 @@ _IMPORT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError", "Exception", "
 _NO_DISTRIBUTION = (
     "no migrated install has an 'apex' distribution: test `importlib.util.find_spec('fp16kit.legacy') is not None` "
     "instead (fp16kit.legacy has apex's API, whatever apex version the check wanted), or drop the check; under "
-    "`fp16kit run` the alias reports apex 0.1, the version every apex build had"
+    "`fp16kit run` the alias reports apex 0.1, the version of every NVIDIA apex build"
 )
 
 
-def _dotted(node: cst.CSTNode) -> str | None:
+def dotted_name(node: cst.CSTNode) -> str | None:
+    """``a.b.c`` for a pure Name/Attribute chain, else None."""
     if isinstance(node, cst.Name):
         return node.value
     if isinstance(node, cst.Attribute):
-        head = _dotted(node.value)
+        head = dotted_name(node.value)
         return None if head is None else f"{head}.{node.attr.value}"
     return None
 
 
 def _is_sys_modules(node: cst.BaseExpression) -> bool:
     """``sys.modules`` or ``sys.modules.keys()``."""
-    if isinstance(node, cst.Call) and not node.args and _dotted(node.func) == "sys.modules.keys":
+    if isinstance(node, cst.Call) and not node.args and dotted_name(node.func) == "sys.modules.keys":
         return True
-    return _dotted(node) == "sys.modules"
+    return dotted_name(node) == "sys.modules"
 
 
 def _static_prefix(node: cst.BaseExpression) -> str | None:
@@ -125,7 +126,7 @@ def fallback_handler(node: cst.CSTNode, parents: Callable[[cst.CSTNode], cst.CST
 def _catches_import_error(node: cst.BaseExpression) -> bool:
     if isinstance(node, cst.Tuple):
         return any(_catches_import_error(e.value) for e in node.elements)
-    name = _dotted(node)
+    name = dotted_name(node)
     return name is not None and name.rpartition(".")[2] in _IMPORT_ERRORS
 
 
@@ -184,11 +185,11 @@ class Probes:
             self._discarded.add(id(node.value))
 
     def call(self, node: cst.Call) -> None:
-        func = _dotted(node.func)
+        func = dotted_name(node.func)
         if func is None or not node.args:
             return
         first = node.args[0]
-        if first.keyword is not None and first.keyword.value != "name" or first.star:
+        if (first.keyword is not None and first.keyword.value != "name") or first.star:
             return
         if func in _IMPORTS or func in _CHECKS:
             self._module_name(node, first.value, func)
