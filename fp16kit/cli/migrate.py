@@ -15,9 +15,14 @@ nothing the second time. Folders are walked for Python files (hidden folders, vi
 environments and site-packages are skipped, and so is a vendored copy of apex itself -- a folder
 named apex with apex's own subpackages -- whose imports must stay apex's; it is listed). A file
 named on the command line that is not Python (*.py, *.pyw, *.pyi, a #!...python script) is listed
-as skipped. What cannot be migrated (apex modules fp16kit does
-not cover, importlib.import_module("apex..."), strings naming apex paths) is left as it is and
-listed as FILE:LINE: message, with the closest replacement."""
+as skipped. apex's amp_C and apex_C extension modules become fp16kit's stand-ins. Availability
+checks and dynamic imports that name a covered module -- `'apex' in sys.modules`,
+importlib.util.find_spec("apex.amp"), pkgutil.find_loader, importlib.import_module("apex"),
+hasattr(apex, "amp") -- get the name the import rewrite gives it, so they find what the imports
+now import. What cannot be migrated (apex modules and extensions fp16kit does not cover, module
+names built at run time, strings naming apex paths, importlib.metadata.version("apex") and
+other reads of apex's distribution metadata, transformers' is_apex_available) is left as it is
+and listed as FILE:LINE: message, with the closest replacement."""
 
 _EPILOG = """\
 exit status:
@@ -63,7 +68,7 @@ def _migrate(args: argparse.Namespace) -> int:
     report = sys.stderr if args.diff else sys.stdout  # with --diff, stdout is a patch and nothing else
     for path, why in skipped:
         print(f"{path}: {why}", file=report)
-    changed = imports = uses = left = failed = 0
+    changed = imports = uses = checks = left = failed = 0
     for path in files:
         outcome = migrate_file(path, megatron=args.megatron, write=write, diff=args.diff)
         if outcome.error is not None:
@@ -76,14 +81,15 @@ def _migrate(args: argparse.Namespace) -> int:
         changed += outcome.changed
         imports += outcome.imports_rewritten
         uses += outcome.uses_rewritten
+        checks += outcome.checks_rewritten
         for problem in outcome.unmigratable:
             left += 1
             print(f"{path}:{problem.line}: {problem.message}", file=report)
     verb = "rewritten" if write else "would be rewritten"
-    summary = (
-        f"{changed} of {len(files)} Python file{'s' * (len(files) != 1)} {verb} "
-        f"({imports} import{'s' * (imports != 1)}, {uses} dotted use{'s' * (uses != 1)})"
-    )
+    counts = f"{imports} import{'s' * (imports != 1)}, {uses} dotted use{'s' * (uses != 1)}"
+    if checks:
+        counts += f", {checks} availability check{'s' * (checks != 1)}"
+    summary = f"{changed} of {len(files)} Python file{'s' * (len(files) != 1)} {verb} ({counts})"
     if left:
         summary += f"; {left} use{'s' * (left != 1)} of apex left for you (listed above)"
     if failed:

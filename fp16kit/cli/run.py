@@ -17,7 +17,10 @@ Run SCRIPT (or -m MODULE, -c COMMAND, - for stdin) exactly as `python SCRIPT ARG
 sys.argv, __name__ == "__main__", sys.path[0], exit code and traceback -- with an import hook
 that makes `import apex` and every apex module fp16kit covers (apex.amp, apex.fp16_utils,
 apex.optimizers, apex.parallel, apex.normalization, apex.contrib.optimizers,
-apex.multi_tensor_apply) resolve to fp16kit.legacy.
+apex.multi_tensor_apply, and the amp_C and apex_C extensions) resolve to fp16kit.legacy.
+Availability checks see apex installed: `'apex' in sys.modules` (apex is in sys.modules from
+the start), importlib.util.find_spec("apex.amp"), pkgutil.find_loader, and
+importlib.metadata.version("apex"), which reports 0.1, as every NVIDIA apex build did.
 An apex module fp16kit does not cover raises ImportError naming the closest replacement.
 Everything after SCRIPT (or MODULE, COMMAND) goes to the script untouched.
 

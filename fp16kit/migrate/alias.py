@@ -21,8 +21,14 @@ Contract::
                 the real apex failing to import: its error, with a note naming shadow=True
         otherwise refuse (RuntimeError, nothing changed) if a real `apex` (or `amp_C`) is imported
             or importable (or `fp16` with megatron=True), unless shadow=True
-        put one finder first on sys.meta_path; it claims every name under `apex` and `amp_C`
+        put one finder first on sys.meta_path; it claims every name under `apex`, `amp_C` and `apex_C`
         (with megatron: `fp16`, `megatron.fp16`, and `megatron` itself when no real Megatron exists)
+        no real apex (or shadow=True): availability checks see apex installed and imported --
+            sys.modules["apex"] is the synthetic root at once ('apex' in sys.modules), find_spec /
+            pkgutil.find_loader find every covered module, and importlib.metadata reports an `apex`
+            distribution, version 0.1 (fp16kit.migrate.apex_distribution); `apex.__version__` stays
+            missing, as in every apex; pkgutil.iter_modules (a scan of sys.path folders) does not list it
+        complementing a real apex: its own sys.modules state, find_spec and metadata stand
     import apex.X.Y (no real apex, shadow=True, or below a module that is fp16kit's):
         apex_map says apex.X.Y is module T  -> sys.modules["apex.X.Y"] is sys.modules[T]
                                                (the same object: isinstance, pickling, state stay one)
@@ -42,15 +48,18 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import logging
 import os
 import sys
 import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from . import apex_map
+from .apex_distribution import find_apex_distribution
 
 __all__ = ["install_apex_alias", "uninstall_apex_alias", "apex_alias_installed"]
 
@@ -157,6 +166,13 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
             return True
         return root == "megatron" and self.synthetic_megatron
 
+    def find_distributions(self, context: Any = None) -> Iterator[importlib.metadata.Distribution]:
+        """importlib.metadata's hook: the alias's ``apex`` distribution, unless a real apex is complemented
+        (its own metadata stands)."""
+        if self.complement:
+            return iter(())
+        return find_apex_distribution(context if context is not None else importlib.metadata.DistributionFinder.Context())
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if not self.claims(fullname):
             return None
@@ -235,6 +251,9 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
 
         def __getattr__(attr: str) -> Any:
             full = f"{name}.{attr}"
+            if attr == "__version__":  # apex never set one: its version was in its metadata only
+                raise AttributeError(f"module {name!r} has no attribute '__version__' (apex never had one; its "
+                                     f"distribution's version: importlib.metadata.version({name!r}))")
             if attr.startswith("__") or full not in self.table:
                 raise AttributeError(f"module {name!r} has no attribute {attr!r} ({apex_map.hint_for(full, megatron=megatron)})")
             return importlib.import_module(full)
@@ -422,7 +441,11 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
         sys.meta_path.insert(0, finder)
         importlib.invalidate_caches()
         _installed = finder
-        if plan is not None:
+        if plan is None:
+            # `'apex' in sys.modules` is how apex-era scripts ask "is apex there?": the synthetic root
+            # (no fp16kit.legacy import yet) is in place at once, as if something had imported apex
+            importlib.import_module("apex")
+        else:
             where, missing = plan
             logger.info(
                 "apex alias: complementing the installed apex (%s): %s (missing there) come from fp16kit.legacy, "

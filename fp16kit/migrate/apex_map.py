@@ -149,9 +149,30 @@ UNCOVERED: Mapping[str, str] = MappingProxyType({
     "apex.contrib.peer_memory": "apex.contrib.peer_memory is not in fp16kit: use torch.distributed (isend/irecv, all_gather)",
     "apex.contrib.nccl_p2p": "apex.contrib.nccl_p2p is not in fp16kit: use torch.distributed (isend/irecv, batch_isend_irecv)",
     # apex's CUDA extensions: top-level modules of their own (the codemod reports them; the alias leaves them alone)
-    "fused_adam_cuda": "fused_adam_cuda (apex's CUDA extension) is not in fp16kit: use fp16kit.legacy.optimizers.FusedAdam",
-    "fused_layer_norm_cuda": "fused_layer_norm_cuda (apex's CUDA extension) is not in fp16kit: use torch.nn.functional.layer_norm",
-    "syncbn": "syncbn (apex's CUDA extension) is not in fp16kit: use torch.nn.SyncBatchNorm",
+    # (amp_C and apex_C are covered: the module table above)
+    **{ext: f"{ext} (apex's CUDA extension) is not in fp16kit: use {fix}" for ext, fix in {
+        "fused_adam_cuda": "fp16kit.legacy.optimizers.FusedAdam",
+        "fused_lamb_cuda": "fp16kit.legacy.optimizers.FusedLAMB",
+        "fused_layer_norm_cuda": "torch.nn.functional.layer_norm (or fp16kit.legacy.normalization.FusedLayerNorm)",
+        "fast_layer_norm": "torch.nn.functional.layer_norm",
+        "syncbn": "torch.nn.SyncBatchNorm",
+        "xentropy_cuda": "torch.nn.functional.cross_entropy(logits, target, label_smoothing=...)",
+        "mlp_cuda": "torch.nn.Linear layers; " + _TORCH_COMPILE,
+        "fused_dense_cuda": "torch.nn.functional.linear (+ torch.nn.functional.gelu); " + _TORCH_COMPILE,
+        "fused_weight_gradient_mlp_cuda": "torch.matmul into the main grad (Megatron: --no-gradient-accumulation-fusion)",
+        "fmhalib": "torch.nn.functional.scaled_dot_product_attention",
+        "fast_multihead_attn": "torch.nn.MultiheadAttention or torch.nn.functional.scaled_dot_product_attention",
+        "focal_loss_cuda": "torchvision.ops.sigmoid_focal_loss",
+        "distributed_adam_cuda": _ZERO,
+        "distributed_lamb_cuda": _ZERO,
+        "transducer_joint_cuda": "torchaudio.functional.rnnt_loss",
+        "transducer_loss_cuda": "torchaudio.functional.rnnt_loss",
+        "fused_index_mul_2d": "plain indexing, in1[idx] * in2",
+        "peer_memory_cuda": "torch.distributed (isend/irecv, all_gather)",
+        "nccl_p2p_cuda": "torch.distributed (isend/irecv, batch_isend_irecv)",
+        "cudnn_gbn_lib": "torch.nn.SyncBatchNorm with a process group",
+        "fused_conv_bias_relu": "torch.nn.Conv2d then torch.nn.functional.relu; " + _TORCH_COMPILE,
+    }.items()},
 })
 EXTENSION_ROOTS = frozenset(k for k in UNCOVERED if "." not in k)
 

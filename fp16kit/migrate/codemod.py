@@ -10,9 +10,13 @@ Algorithm (one pass over the tree; the table is :mod:`fp16kit.migrate.apex_map`)
                                  names going to different modules: one statement per module, in order
     from M import *              M mapped (not `apex`)      -> from T(M) import *
     root.x.y (a dotted use)      longest mapped prefix P    -> T(P).rest
+    availability checks and dynamic imports naming a covered module ('apex' in sys.modules,
+    find_spec("apex.amp"), import_module("amp_C"), hasattr(apex, "amp"), ...; the rules are
+    :mod:`fp16kit.migrate.probes`)                        -> the name the import rewrite gives it
     anything else under apex (uncovered modules and names, `from apex import *`, the bare name `apex`
-    after its import was rewritten, strings naming apex paths, importlib.import_module("apex...")):
-        left as it is, and reported with its line and the closest replacement
+    after its import was rewritten, strings naming apex paths, apex's distribution metadata):
+        left as it is, and reported with its line and the closest replacement (an import inside the
+        `try` of an `except ImportError` also says that the fallback now runs)
     a name the fp16kit module lacks (`from apex.parallel import Typo`): rewritten, and reported
     a source that never mentions a handled root name: returned as it is, without parsing
 
@@ -28,14 +32,15 @@ from types import ModuleType
 from typing import Union
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from . import apex_map
+from .probes import Probes, fallback_handler
+from .probes import dotted_name as _dotted
 
 __all__ = ["MigrationError", "MigrationResult", "Unmigratable", "migrate_source"]
 
 _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
-_DYNAMIC_IMPORTS = frozenset({"importlib.import_module", "import_module", "__import__", "importlib.__import__"})
 NameNode = Union[cst.Name, cst.Attribute]
 
 
@@ -55,6 +60,7 @@ class MigrationResult:
     changed: bool
     imports_rewritten: int = 0
     uses_rewritten: int = 0
+    checks_rewritten: int = 0  # availability checks and dynamic imports (module-name strings, hasattr)
     unmigratable: list[Unmigratable] = field(default_factory=list)
     encoding: str = "utf-8"  # the source's (bytes in)
 
@@ -78,14 +84,25 @@ def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationR
     rewriter = _ApexRewriter(megatron=megatron)
     new_module = module.visit(rewriter)
     code: bytes | str = new_module.bytes if isinstance(source, bytes) else new_module.code
-    problems = []
-    if rewriter.problems:  # line numbers only when needed: they cost as much as the rewrite
-        positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-        problems = sorted(
-            {Unmigratable(positions[node].start.line, msg) for node, msg in rewriter.problems},
-            key=lambda p: (p.line, p.message),
-        )
-    return MigrationResult(code, code != source, rewriter.imports, rewriter.uses, problems, module.encoding)
+    problems = _located(module, rewriter.problems) if rewriter.problems else []
+    return MigrationResult(code, code != source, rewriter.imports, rewriter.uses, rewriter.probes.rewritten, problems,
+                           module.encoding)
+
+
+def _located(module: cst.Module, found: list[tuple[cst.CSTNode, str]]) -> list[Unmigratable]:
+    """The problems with their lines (resolved only when there are some: it costs as much as the
+    rewrite); an import left failing inside the `try` of an `except ImportError` says that the
+    fallback now runs."""
+    metadata = MetadataWrapper(module, unsafe_skip_copy=True).resolve_many([PositionProvider, ParentNodeProvider])
+    positions, parents = metadata[PositionProvider], metadata[ParentNodeProvider]
+    problems = set()
+    for node, message in found:
+        handler = fallback_handler(node, parents.get) if isinstance(node, (cst.Import, cst.ImportFrom, cst.Call)) else None
+        if handler is not None:
+            message += (f" (inside the `try` of the `except` on line {positions[handler].start.line}: after migrate "
+                        "that fallback runs, and what the `try` enables stays off, until this is fixed)")
+        problems.add(Unmigratable(positions[node].start.line, message))
+    return sorted(problems, key=lambda p: (p.line, p.message))
 
 
 def _parse(source: bytes | str) -> cst.Module:
@@ -116,24 +133,15 @@ def _parse(source: bytes | str) -> cst.Module:
 
 
 def _mentions_ours(source: bytes | str, megatron: bool) -> bool:
-    """Whether the source contains a root name the table handles (every rewrite and report needs one)."""
+    """Whether the source contains a root name the table handles, or APEX in any case (a library's
+    APEX_AVAILABLE): every rewrite and report needs one."""
     roots = apex_map.ROOTS | apex_map.EXTENSION_ROOTS | ({"fp16"} if megatron else set())
     text = _text(source)
-    return any(root in text for root in roots)
+    return "apex" in text.lower() or any(root in text for root in roots)
 
 
 def _text(source: bytes | str) -> str:
     return source.decode("latin-1") if isinstance(source, bytes) else source
-
-
-def _dotted(node: cst.CSTNode) -> str | None:
-    """``a.b.c`` for a pure Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        head = _dotted(node.value)
-        return None if head is None else f"{head}.{node.attr.value}"
-    return None
 
 
 def _name_node(dotted: str) -> NameNode:
@@ -172,8 +180,8 @@ class _ApexRewriter(cst.CSTTransformer):
         self.problems: list[tuple[cst.CSTNode, str]] = []  # (node of the parsed tree, message)
         self._not_uses: set[int] = set()  # Names that are not a use of a variable (attr, keyword, def)
         self._replacements: dict[int, cst.BaseExpression] = {}
-        self._reported: set[int] = set()
         self._modules: dict[str, ModuleType | None] = {}  # fp16kit modules imported to check names
+        self.probes = Probes(self._resolve, self._report, self._check_provided, self.roots, megatron)
 
     # -- helpers -------------------------------------------------------------------------------
     def _report(self, node: cst.CSTNode, message: str) -> None:
@@ -214,6 +222,7 @@ class _ApexRewriter(cst.CSTTransformer):
                 return False
 
         node.visit(_Roots())
+        self.probes.prepare(node)
         return True
 
     # -- import A.B [as N] ---------------------------------------------------------------------
@@ -249,6 +258,9 @@ class _ApexRewriter(cst.CSTTransformer):
         module = _dotted(updated_node.module)
         if module is None:
             return updated_node
+        if self._resolve(module) is None and not isinstance(updated_node.names, cst.ImportStar):
+            for alias in updated_node.names:  # from transformers.utils import is_apex_available
+                self.probes.library_flag(original_node, module, _dotted(alias.name) or "")
         if isinstance(updated_node.names, cst.ImportStar):
             return self._star(original_node, updated_node, module)
         groups: dict[str | None, list[cst.ImportAlias]] = {}  # target module (None: stays) -> names, in order
@@ -362,6 +374,7 @@ class _ApexRewriter(cst.CSTTransformer):
             self._not_uses.add(id(node.attr))
             return True  # e.g. f(x).y: the chain inside is visited on its own
         if dotted.partition(".")[0] not in self.roots:
+            self.probes.library_flag(node, *dotted.rsplit(".", 1))  # transformers.utils.is_apex_available
             return False
         res = self._resolve(dotted)
         if res is None:
@@ -403,7 +416,7 @@ class _ApexRewriter(cst.CSTTransformer):
         self._not_uses.add(id(node.name))
 
     def visit_Name(self, node: cst.Name) -> None:
-        if node.value not in self.roots or id(node) in self._not_uses:
+        if node.value not in self.roots or id(node) in self._not_uses or id(node) in self.probes.seen:
             return
         self._report(
             node,
@@ -411,23 +424,33 @@ class _ApexRewriter(cst.CSTTransformer):
             "rewrite this use by hand (e.g. `except ImportError: apex = None` / `if apex:` checks)",
         )
 
-    # -- what stays dynamic: strings and importlib ---------------------------------------------
-    def visit_Call(self, node: cst.Call) -> None:
-        if _dotted(node.func) not in _DYNAMIC_IMPORTS or not node.args:
-            return
-        arg = node.args[0].value
-        if not isinstance(arg, cst.SimpleString):
-            return
-        value = arg.evaluated_value
-        res = self._resolve(value) if isinstance(value, str) else None
-        if res is None:
-            return
-        self._reported.add(id(arg))
-        new = f"use {res.new_path!r}" if res.covered else self._explain(res)
-        self._report(node, f"dynamic import of {value!r} is not rewritten: {new}")
+    # -- availability checks and dynamic imports (fp16kit.migrate.probes) ----------------------
+    def visit_Expr(self, node: cst.Expr) -> None:
+        self.probes.statement(node)
 
+    def visit_Call(self, node: cst.Call) -> None:
+        self.probes.call(node)
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        self.probes.comparison(node)
+
+    def visit_Subscript(self, node: cst.Subscript) -> None:
+        self.probes.subscript(node)
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+        new = self.probes.names.get(id(original_node))
+        return updated_node if new is None else _name_node(new).with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
+
+    def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.SimpleString:
+        new = self.probes.strings.get(id(original_node))
+        if new is None:
+            return updated_node
+        quote = updated_node.quote
+        return updated_node.with_changes(value=f"{updated_node.prefix}{quote}{new}{quote}")
+
+    # -- what stays: strings naming apex paths -------------------------------------------------
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
-        if id(node) in self._reported:
+        if id(node) in self.probes.seen:
             return
         value = node.evaluated_value
         if not isinstance(value, str) or not _DOTTED.fullmatch(value):
@@ -438,4 +461,3 @@ class _ApexRewriter(cst.CSTTransformer):
         new = f"fp16kit's is {res.new_path!r}" if res.covered else self._explain(res)
         self._report(node, f"the string {value!r} names an apex path and is not rewritten (a dynamic import or a "
                            f"pickled class path?): {new}")
-

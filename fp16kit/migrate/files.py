@@ -43,6 +43,7 @@ class FileOutcome:
     written: bool = False
     imports_rewritten: int = 0
     uses_rewritten: int = 0
+    checks_rewritten: int = 0
     unmigratable: list[Unmigratable] = field(default_factory=list)
     diff: bytes = b""  # a unified diff in the file's own encoding and line ends
     error: str | None = None
@@ -170,6 +171,7 @@ def migrate_file(path: str, *, megatron: bool = False, write: bool = True, diff:
     outcome.changed = result.changed
     outcome.imports_rewritten = result.imports_rewritten
     outcome.uses_rewritten = result.uses_rewritten
+    outcome.checks_rewritten = result.checks_rewritten
     outcome.unmigratable = result.unmigratable
     if result.changed and diff:
         outcome.diff = _unified_diff(path, source, result.code)  # type: ignore[arg-type]

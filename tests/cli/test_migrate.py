@@ -156,3 +156,25 @@ def test_vendored_apex_and_named_non_python_files_are_said_to_be_skipped(project
         "; 1 vendored apex folder skipped (listed above); 1 named path skipped, not Python (listed above)"
     )
     assert "1 of 2 Python files rewritten" in out
+
+
+def test_availability_checks_are_counted_checked_and_reported(tmp_path, capsys):
+    # Transformer-XL's guard is all that names apex in this utils file: without its rewrite, a
+    # migrated run stopped at "APEX AMP unavailable" and --check said there was nothing to do
+    utils = tmp_path / "utils.py"
+    utils.write_text(
+        "import sys\n"
+        "import importlib.metadata\n"
+        "def check(args):\n"
+        "    if args.fp16 and args.amp == 'apex' and 'apex' not in sys.modules:\n"
+        "        raise RuntimeError('APEX AMP unavailable, install APEX or switch to pytorch AMP')\n"
+        "    return importlib.metadata.version('apex')\n"
+    )
+    assert main(["migrate", "--check", str(utils)]) == 1
+    out = capsys.readouterr().out
+    assert "1 of 1 Python file would be rewritten (0 imports, 0 dotted uses, 1 availability check)" in out
+    assert f"{utils}:6: importlib.metadata.version('apex') is not rewritten: no migrated install has an 'apex'" in out
+    assert main(["migrate", str(utils)]) == 0
+    assert "and 'fp16kit.legacy' not in sys.modules:" in utils.read_text()
+    capsys.readouterr()
+    assert main(["migrate", "--check", str(utils)]) == 0

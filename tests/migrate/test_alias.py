@@ -5,8 +5,11 @@ and uninstalling leaves sys.modules and sys.meta_path as they were."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pickle
+import pkgutil
 import sys
+import warnings
 
 import pytest
 
@@ -60,6 +63,35 @@ def test_amp_C_is_the_multi_tensor_apply_module(alias):
     mta = importlib.import_module("fp16kit.legacy.multi_tensor_apply")
     assert amp_C is mta and multi_tensor_applier is mta.multi_tensor_applier
     assert callable(amp_C.multi_tensor_scale) and callable(amp_C.multi_tensor_l2norm)
+
+
+def test_availability_checks_see_apex_installed(alias):
+    # what apex-era scripts ask before, or instead of, importing apex (Transformer-XL's
+    # `'apex' not in sys.modules` -> "APEX AMP unavailable"; transformers' old is_apex_available();
+    # a test suite's find_spec("apex.amp"); env reports and requirement checks reading the metadata)
+    alias()
+    assert "apex" in sys.modules and sys.modules["apex"].__spec__.name == "apex"
+    assert importlib.util.find_spec("apex") is not None and importlib.util.find_spec("apex.amp") is not None
+    assert importlib.util.find_spec("amp_C") is not None and importlib.util.find_spec("apex_C") is not None
+    if hasattr(pkgutil, "find_loader"):  # gone in python 3.14
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            assert pkgutil.find_loader("apex") is not None
+    assert importlib.metadata.version("apex") == "0.1"  # what every apex build's metadata said
+    dist = importlib.metadata.distribution("Apex")  # any spelling PEP 503 equates
+    assert dist.metadata["Name"] == "apex" and "fp16kit.legacy" in dist.metadata["Summary"]
+    assert dist.files is None and not dist.requires
+    assert importlib.metadata.packages_distributions()["apex"][0] == "apex"
+    import apex
+
+    with pytest.raises(AttributeError, match="apex never had one"):  # as in every apex: no __version__
+        apex.__version__  # noqa: B018
+    assert hasattr(apex, "amp")  # the guards' hasattr(apex, "amp")
+
+    uninstall_apex_alias()
+    assert "apex" not in sys.modules and importlib.util.find_spec("apex") is None
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("apex")
 
 
 def test_every_covered_submodule_is_an_attribute_of_apex(alias):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.metadata
 import logging
 import sys
 
@@ -92,6 +93,16 @@ def test_a_new_apex_is_complemented_not_hidden(new_apex, caplog):
     uninstall_apex_alias()
     assert sys.modules["apex"] is apex and apex.REAL and apex.optimizers.FusedAdam is FusedAdam
     _assert_no_fp16kit_left_on(apex, optimizers)
+
+
+def test_a_new_apex_keeps_its_own_availability_answers(new_apex):
+    # complementing a real apex: nothing imported at install, its (absent) metadata is not replaced
+    install_apex_alias()
+    assert "apex" not in sys.modules
+    assert importlib.util.find_spec("apex").origin == str(new_apex / "__init__.py")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("apex")
+    assert importlib.util.find_spec("apex.amp") is not None  # the part the alias fills in
 
 
 def test_an_imported_new_apex_is_complemented_in_place(new_apex):
