@@ -32,6 +32,7 @@ CASES = {
     "hf_run_glue_fp16.py": (["--fp16", "--fp16_opt_level", "O1"], False),
     "onmt_optimizers_fp16.py": (["-model_dtype", "fp16", "-optim", "fusedadam"], False),
     "megatron_2020_training.py": (["--fp16"], True),
+    "transformer_xl_amp.py": (["--fp16"], False),
 }
 EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
     "dcgan_amp.py": [["--opt_level", "O2", "--niter", "12"]],
@@ -46,6 +47,7 @@ EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
                                 ["-model_dtype", "fp16", "-optim", "fusedadam", "-fp16_impl", "optimizers",
                                  "-loss_scale", "128"]],
     "megatron_2020_training.py": [["--fp16", "--loss-scale", "1024"], []],
+    "transformer_xl_amp.py": [["--fp16", "--apex_amp_opt_level", "O2"], ["--fp16", "--amp", "pytorch"]],
 }
 
 
