@@ -32,11 +32,12 @@ raises saying so. What happens at each Fabric hook:
   step on them -- every param of the modules set up here that holds a grad belongs to an
   optimizer that stepped since the last update (one optimizer: after each step) --, else at the
   next ``backward`` (before the loss is scaled), ``state_dict``/``load_state_dict`` or
-  :meth:`~MasterWeightsFabricPrecision.settle_scale`. Fabric shows the plugin no list of
-  optimizers, hence the grads: an optimizer not seen yet may own a param holding a grad, and one
-  stepping params outside the modules set up through Fabric, or another's params, is not seen
-  coming (its step waits for nothing). With a backward per optimizer it runs between them, at
-  the second backward. bf16: ``opt.step()`` (skips a non-finite step itself).
+  :meth:`~MasterWeightsFabricPrecision.settle_scale`. (Fabric shows the plugin no list of
+  optimizers, so the grads tell: a param holding a grad that no optimizer seen so far steps may
+  belong to one still to step. Not told apart: an optimizer over params of a module not set up
+  through Fabric, or over params another optimizer steps too -- the update may run before its
+  step.) With a backward per optimizer it runs between them, at the second backward. bf16:
+  ``opt.step()`` (skips a non-finite step itself).
 * ``state_dict`` / ``load_state_dict``: the scaler's, after the owed update. Save the plugin
   itself with the rest -- ``state = {"model": model, "optimizer": opt, "scaler": plugin}``;
   ``fabric.save``/``fabric.load`` call these --: the saved scale is then the one the next
@@ -147,8 +148,7 @@ class MasterWeightsFabricPrecision(HalfPrecision):
             return None
         owners: dict[int, list[MixedPrecisionOptimizer]] = {}
         for opt in self._checked:
-            stepped = [*opt.model_params, *(p for g in opt.param_groups for p in g["params"])]
-            for p in stepped:
+            for p in [*opt.model_params, *(p for g in opt.param_groups for p in g["params"])]:
                 owners.setdefault(id(p), []).append(opt)
         sharing: dict[int, MixedPrecisionOptimizer] = {}
         for module in self._modules:
