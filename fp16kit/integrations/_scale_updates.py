@@ -19,17 +19,25 @@ the update *owed* (:meth:`OwedUpdate.stepped`), and the owed update runs once
   (a backward that follows no step -- gradient accumulation, a second loss -- owes nothing);
 * right after a step, when every optimizer that may step on this backward's grads has stepped
   since the last update (the ``sharing`` the adapter names: Lightning's and Accelerate's
-  optimizers, Fabric's that own a param holding a grad). A one-optimizer loop therefore updates
-  after each step, and ``scaler.get_scale()`` read after an iteration is the updated scale, as
-  in torch.amp's loop; so does an iteration in which every optimizer stepped;
+  optimizers, Fabric's that own a param holding a grad);
 * a point that needs the next iteration's scale: a checkpoint save or load, the end of training
   (teardown), the end of a Lightning training batch, an explicit ``settle_scale()``.
 
 The steps since the last update are the iteration's; an update (however it was reached) starts
-the next iteration with none, so a step is never counted towards an iteration it did not belong
-to. With a backward per optimizer (``backward(loss_d); opt_d.step(); backward(loss_g);
+the next iteration with none, so a step never counts towards an iteration it did not belong to.
+With a backward per optimizer (``backward(loss_d); opt_d.step(); backward(loss_g);
 opt_g.step()``) the update runs at the second backward: each backward with its steps is an
 iteration, as in torch.amp's loop with an update after each step.
+
+The second point is not needed for the numbers (the first and third would do): it keeps what is
+read after an iteration. Without it a one-optimizer loop -- the HF Trainer's, most Accelerate and
+Fabric loops -- would read ``scaler.get_scale()`` one update behind torch.amp's loop after every
+step, and a scaler saved by itself (``{"scaler": plugin.scaler}``) would hold the scale before
+the update. With it, every iteration in which all optimizers stepped ends updated; one in which
+some did not is updated at the next of the other points (Lightning: the end of the batch;
+elsewhere read the scale after ``settle_scale()``). A settle called between two
+optimizers' steps on one backward runs the update there, as torch.amp's ``update()`` would: the
+later step then unscales with the new scale and owes an update of its own.
 
 The skipped-step flag of a step is known before the update (``scaler.last_step_skipped_tensor()``
 answers for the iteration's checked grads), so settling later changes no skipped-step signal.
