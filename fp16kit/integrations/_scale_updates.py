@@ -1,18 +1,43 @@
-"""One ``scaler.update()`` per iteration, whatever the number of optimizers: the rule the
-framework adapters share.
+"""One ``scaler.update()`` per iteration, however many optimizers step: the rule the framework
+adapters share.
 
-torch.amp's loop is ``scaler.scale(loss).backward(); scaler.step(opt_a); scaler.step(opt_b);
-scaler.update()``. A framework hook sees only one optimizer's step at a time and cannot know
-whether another optimizer will step on the same grads, so an update run after each step would
-make the next optimizer unscale with a scale that changed already (x2 on growth, x0.5 on
-backoff: its update off by that factor). Instead each step marks the update as owed
-(:meth:`OwedUpdate.owe`), and the owed update runs once (:meth:`OwedUpdate.settle`) at the next
-point that needs the new scale: right after the step once every optimizer sharing the scaler
-has stepped (:meth:`OwedUpdate.stepped`; a single optimizer updates after each step, as
-before), else at the next backward (before ``scaler.scale``), and before the scale is saved
-(checkpoint save, teardown). With a backward per optimizer (the GAN
-pattern: ``backward(loss_d); opt_d.step(); backward(loss_g); opt_g.step()``) the update runs at
-the second backward, exactly where an update after each step put it.
+torch.amp's loop::
+
+    scaler.scale(loss).backward()                  # (several backwards: several losses, or accumulation)
+    scaler.unscale_(a); clip(a); scaler.step(a)
+    if it % k == 0: scaler.unscale_(b); clip(b); scaler.step(b)
+    scaler.update()                                # once, after every optimizer that steps on these grads
+
+A framework hook sees one optimizer's step at a time and not the user's ``if``: it cannot tell
+whether another optimizer will still step on the same grads. An update between two such steps
+makes the second unscale with a scale that changed already (x2 on growth, x0.5 on back-off: its
+grads, clipped norm and update off by that factor). So a step never updates by itself; it makes
+the update *owed* (:meth:`OwedUpdate.stepped`), and the owed update runs once
+(:meth:`OwedUpdate.settle`) at the first of:
+
+* the iteration boundary: the next backward that follows a step, before its ``scaler.scale``
+  (a backward that follows no step -- gradient accumulation, a second loss -- owes nothing);
+* right after a step, when every optimizer that may step on this backward's grads has stepped
+  since the last update (the ``sharing`` the adapter names: Lightning's and Accelerate's
+  optimizers, Fabric's that own a param holding a grad);
+* a point that needs the next iteration's scale: a checkpoint save or load, the end of training
+  (teardown), the end of a Lightning training batch, an explicit ``settle_scale()``.
+
+The steps since the last update are the iteration's; an update (however it was reached) starts
+the next iteration with none, so a step never counts towards an iteration it did not belong to.
+With a backward per optimizer (``backward(loss_d); opt_d.step(); backward(loss_g);
+opt_g.step()``) the update runs at the second backward: each backward with its steps is an
+iteration, as in torch.amp's loop with an update after each step.
+
+The second point is not needed for the numbers (the first and third would do): it keeps what is
+read after an iteration. Without it a one-optimizer loop -- the HF Trainer's, most Accelerate and
+Fabric loops -- would read ``scaler.get_scale()`` one update behind torch.amp's loop after every
+step, and a scaler saved by itself (``{"scaler": plugin.scaler}``) would hold the scale before
+the update. With it, every iteration in which all optimizers stepped ends updated; one in which
+some did not is updated at the next of the other points (Lightning: the end of the batch;
+elsewhere read the scale after ``settle_scale()``). A settle called between two
+optimizers' steps on one backward runs the update there, as torch.amp's ``update()`` would: the
+later step then unscales with the new scale and owes an update of its own.
 
 The skipped-step flag of a step is known before the update (``scaler.last_step_skipped_tensor()``
 answers for the iteration's checked grads), so settling later changes no skipped-step signal.
@@ -29,49 +54,25 @@ __all__ = ["OwedUpdate"]
 
 
 class OwedUpdate:
-    """Whether a ``scaler.update()`` is owed for steps taken since the last one (main thread)."""
+    """The ``scaler.update()`` owed by the optimizer steps since the last one (main thread)."""
 
     def __init__(self) -> None:
-        self.owed = False
-        self._round: set[int] = set()  # id(opt) stepped since every optimizer last had its turn
-        self._known: set[int] = set()  # id(opt) seen stepping (used when the caller has no list)
+        self._stepped: set[int] = set()  # id(opt) stepped (or step skipped) since the last update
 
-    def owe(self) -> None:
-        """A step ran: the iteration's update is owed (run by :meth:`settle`)."""
-        self.owed = True
-
-    def stepped(self, scaler: GradScaler | None, optimizer: Any, optimizers: Iterable[Any] | None = None) -> None:
-        """``optimizer`` stepped (or skipped its step). The update is owed; it runs now once every
-        optimizer sharing the scaler -- ``optimizers``, or (None: Fabric, which shows the plugin
-        no list) those seen stepping before the last settled update -- has stepped since the
-        last full round. One optimizer: after each step, as before (Fabric: from the second
-        iteration); one backward and two optimizers: after the second; so the scale read after
-        an iteration is the updated one. Otherwise it waits for :meth:`settle`."""
-        self.owe()
-        self._round.add(id(optimizer))
-        members = self._known if optimizers is None else {id(o) for o in optimizers}
-        if members and members <= self._round:
-            self._settle_round(scaler)
+    def stepped(self, scaler: GradScaler | None, optimizer: Any, sharing: Iterable[Any] | None) -> None:
+        """``optimizer`` stepped (or its step was skipped): the update is owed. ``sharing``: every
+        optimizer that may step on this backward's grads, or None where they are not known. If
+        all of them have stepped since the last update, no step can need this iteration's scale
+        any more and the update runs now; else it waits for :meth:`settle`."""
+        self._stepped.add(id(optimizer))
+        if sharing is not None and {id(o) for o in sharing} <= self._stepped:
+            self.settle(scaler)
 
     def settle(self, scaler: GradScaler | None) -> bool:
-        """Run the owed update, if any, once; True if it ran."""
-        if not self.owed:
+        """Run the owed update, if any, once; the next step starts a new iteration. True if it ran."""
+        if not self._stepped:
             return False
-        self._known |= self._round
-        if self._known <= self._round:
-            self._round.clear()
-        self.owed = False
+        self._stepped.clear()
         if scaler is not None and scaler.is_enabled():
             scaler.update()
         return True
-
-    def _settle_round(self, scaler: GradScaler | None) -> None:
-        self._known |= self._round
-        self._round.clear()
-        self.owed = False
-        if scaler is not None and scaler.is_enabled():
-            scaler.update()
-
-    def forget(self) -> None:
-        """Drop the debt without updating (the scaler's state was replaced)."""
-        self.owed = False

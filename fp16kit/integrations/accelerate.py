@@ -38,13 +38,15 @@ What each Accelerate hook does here (Accelerate 1.15):
   model param stands for its master (``MixedPrecisionOptimizer.clip_grad_norm_(params=...)``);
   the returned norm is the unscaled one. Params of several prepared optimizers give one total
   norm over all of them. Call them on sync steps only (``if accelerator.sync_gradients:``).
-* ``scaler.update()``: once per iteration, however many optimizers step after a backward
-  (torch.amp's rule: step every optimizer, then update once). A step marks the update as
-  owed (:mod:`fp16kit.integrations._scale_updates`); it runs once every prepared optimizer has
-  stepped (one optimizer: after each step, as before), else at the next ``backward`` (before
-  the loss is scaled), ``save_state``/``load_state``, or :meth:`settle_scale` -- call that
-  before reading ``accelerator.scaler.get_scale()`` when not every optimizer steps each round. With a backward
-  per optimizer (GAN-style) the update runs between them, at the second backward, as before.
+* ``scaler.update()``: once per iteration, however many optimizers step after a backward, and
+  never between two of their steps (torch.amp's rule: step every optimizer, then update once;
+  one that steps every k-th iteration unscales with the scale the others used). A step marks
+  the update as owed (:mod:`fp16kit.integrations._scale_updates`); it runs right after the step
+  once every prepared optimizer has stepped since the last update (one optimizer: after each
+  step), else at the next ``backward`` (before the loss is scaled), ``save_state``/``load_state``,
+  or :meth:`settle_scale` -- call that before reading ``accelerator.scaler.get_scale()`` after
+  an iteration in which not every optimizer stepped. With a backward per optimizer (GAN-style)
+  the update runs between them, at the second backward.
 * ``optimizer.step()`` / ``step_was_skipped`` / ``optimizer_step_was_skipped``: see
   :mod:`fp16kit.integrations.accelerate_optimizer` (the scaler's flag; one host read per query).
 * ``save_state`` / ``load_state``: Accelerate's. ``optimizer.bin`` holds the wrapped optimizer's

@@ -22,10 +22,10 @@ answer is the scaler's own flag instead. At each hook:
   The update is not run here: another optimizer may step on the same grads, and must unscale
   them with this iteration's scale (torch.amp: step every optimizer, then update once). The
   step marks it owed (:mod:`fp16kit.integrations._scale_updates`; shared by one accelerator's
-  optimizers): it runs once every prepared optimizer has stepped since the last round (one
-  optimizer: right here, as before), else at ``accelerator.backward`` / ``save_state`` /
-  ``load_state`` / ``settle_scale()``. The skip flag is read before the update, from this
-  iteration's checked grads.
+  optimizers): it runs right here once every prepared optimizer has stepped since the last
+  update (one optimizer: after each step), else at the next ``accelerator.backward`` /
+  ``save_state`` / ``load_state`` / ``settle_scale()``. The skip flag is read before the
+  update, from this iteration's checked grads.
 * ``step()`` on a sync step, bf16 (no scaler; or a disabled one): ``flag`` = a non-finite check of the grads the
   step will use (model grads, and in a synchronous step the masters' if a clip read them
   already), then ``MixedPrecisionOptimizer.step()`` -- which skips the step on exactly that

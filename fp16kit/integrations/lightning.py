@@ -24,12 +24,16 @@ the optimizer steps fp32 masters. What happens at each Lightning hook:
   ``float(model.grad) / scale`` into the master grads (bf16: at scale 1, with the same
   inf/NaN check); ``on_before_optimizer_step`` and gradient clipping run (both see the unscaled
   master grads); ``scaler.step(opt)`` skips the step on inf/NaN. ``scaler.update()`` (which
-  halves the scale then) is owed (:mod:`fp16kit.integrations._scale_updates`): it runs once
-  every optimizer has stepped (one optimizer: after each step, as before), else at the next
-  ``pre_backward`` (before the loss is scaled), ``state_dict`` (checkpoints),
-  ``load_state_dict``, ``teardown`` or :meth:`~MasterWeightsPrecision.settle_scale` --
-  torch.amp's rule when several optimizers step after one ``manual_backward``; with a backward
-  per optimizer it runs between them, as before. bf16 skips a non-finite step too (``MixedPrecisionOptimizer.step`` does).
+  halves the scale then) is owed (:mod:`fp16kit.integrations._scale_updates`) and runs once per
+  iteration: right after the step once every optimizer has stepped since the last update (one
+  optimizer: after each step), else at the end of the training batch (``on_train_batch_end``,
+  before the callbacks read the scale or save), the next ``pre_backward`` (before the loss is
+  scaled), ``state_dict``/``load_state_dict``, ``teardown`` or
+  :meth:`~MasterWeightsPrecision.settle_scale` -- never between two optimizers' steps after one
+  ``manual_backward`` (torch.amp's rule: step every optimizer, then update once; one that steps
+  every k-th batch unscales with the scale the others used). With a backward per optimizer it
+  runs between them, at the second backward. bf16 skips a non-finite step too
+  (``MixedPrecisionOptimizer.step`` does).
 * ``clip_gradients`` (``gradient_clip_val``, also ``self.clip_gradients`` in manual
   optimization): clips the masters (``main_params`` are the param groups' params, i.e. the
   masters); by norm it records the unscaled total norm in :attr:`last_grad_norm`.
@@ -164,7 +168,7 @@ class MasterWeightsPrecision(Precision):
         self._built: weakref.WeakSet[MixedPrecisionOptimizer] = weakref.WeakSet()  # wrapped here
         self.last_grad_norm: torch.Tensor | None = None
         self._unscaled: dict[int, dict[torch.device, torch.Tensor]] = {}  # id(opt) -> flags, this iteration
-        self._owed = OwedUpdate()  # the iteration's scaler.update(), run at the next backward
+        self._owed = OwedUpdate()  # the iteration's scaler.update() (see _scale_updates)
         self._last_flags: dict[torch.device, torch.Tensor] | None = None  # bf16: the last step's
         self._check_state: set[int] = set()  # id(opt): state may have been moved off its masters
         self._skipping = False  # in optimizer_step, for a training_step that returned None
@@ -228,21 +232,23 @@ class MasterWeightsPrecision(Precision):
             device = next((p.device.type for p in model.parameters()), "cpu")
             self.scaler = GradScaler(device)
         self._trainer = trainer_of(model)
-        self._land_at_train_end()
+        self._install_callback()
         adapt_finetuning(getattr(self._trainer, "callbacks", None), lambda: self.optimizers)
         # a second fit: Strategy.teardown moved the state to the CPU (GPU runs)
         self._check_state = {id(o) for o in self.optimizers}
         return model, returned, lr_schedulers
 
-    def _land_at_train_end(self) -> None:
-        # Strategy.teardown (lightning 2.6.6) moves the optimizer state to the CPU *before* it
-        # calls this plugin's teardown: a step still in flight there would write state that was
-        # just copied away (GPU runs). No precision-plugin hook runs at the end of training, so
-        # a callback (trainer.callbacks is public) lands the step at on_train_end -- the first
-        # one: a user's on_train_end that loads other weights (SWA's average, EMA) comes after.
+    def _install_callback(self) -> None:
+        # No precision-plugin hook runs at the end of a training batch or of training, so a
+        # callback (trainer.callbacks is public) -- the first one: the user's come after it --
+        # settles the owed scale update at on_train_batch_end and lands the step in flight at
+        # on_train_end. (Strategy.teardown, lightning 2.6.6, moves the optimizer state to the
+        # CPU *before* it calls this plugin's teardown: a step still in flight there would write
+        # state that was just copied away, on GPU runs. A user's on_train_end that loads other
+        # weights -- SWA's average, EMA -- keeps them.)
         callbacks = getattr(self._trainer, "callbacks", None)
-        if isinstance(callbacks, list) and not any(isinstance(c, _LandAtTrainEnd) and c.plugin is self for c in callbacks):
-            callbacks.insert(0, _LandAtTrainEnd(self))
+        if isinstance(callbacks, list) and not any(isinstance(c, _PluginHooks) and c.plugin is self for c in callbacks):
+            callbacks.insert(0, _PluginHooks(self))
 
     # ------------------------------------------------------------------ backward, step
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
@@ -297,7 +303,7 @@ class MasterWeightsPrecision(Precision):
                 return closure_result
             if self.scaler is not None:
                 out = self.scaler.step(opt, **kwargs)
-                # another optimizer may step on these grads: update once per round (_scale_updates)
+                # the update waits while another optimizer may step on these grads (_scale_updates)
                 self._owed.stepped(self.scaler, opt, self.optimizers)
                 return out
             self._last_flags = self._unscaled.get(id(opt))
@@ -417,9 +423,10 @@ class MasterWeightsPrecision(Precision):
             own["next_forward"] = next_forward
 
     def settle_scale(self) -> None:
-        """Run the ``scaler.update()`` the last steps owe (the next backward, ``state_dict`` and
-        ``teardown`` run it by themselves): call it before reading ``scaler.get_scale()``
-        between the steps and the next backward."""
+        """Run the ``scaler.update()`` the last steps owe, if not run yet (the end of the
+        training batch, the next backward, ``state_dict`` and ``teardown`` run it by themselves):
+        call it to read ``scaler.get_scale()`` inside ``training_step`` after an iteration's
+        steps when not every optimizer stepped."""
         if self._owed.settle(self.scaler):
             self._unscaled.clear()
 
@@ -440,11 +447,18 @@ class MasterWeightsPrecision(Precision):
         adopt_plain_checkpoint(checkpoint, self.optimizers, module, self.scaler, own_key=type(self).__qualname__)
 
 
-class _LandAtTrainEnd(Callback):
-    """Lands a MasterWeightsPrecision's step in flight when training ends (see ``connect``)."""
+class _PluginHooks(Callback):
+    """The hooks of a MasterWeightsPrecision that only callbacks get (see ``_install_callback``):
+    at the end of each training batch -- every step of its ``training_step`` has run -- the
+    iteration's owed scale update, so that the callbacks after this one (loggers,
+    ``ModelCheckpoint``) read the scale the next batch uses; at the end of training, the step in
+    flight landed."""
 
     def __init__(self, plugin: MasterWeightsPrecision) -> None:
         self.plugin = plugin
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.plugin.settle_scale()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.plugin.synchronize()

@@ -26,16 +26,24 @@ raises saying so. What happens at each Fabric hook:
   Fabric's clipping clips the masters and returns the unscaled norm. bf16: the grads move into
   the masters at scale 1 (``opt.unscale_grads_``, the scaler protocol's call).
 * ``optimizer_step`` (``opt.step()``): ``scaler.step(opt)`` (skips on inf/NaN); the
-  ``scaler.update()`` is owed (:mod:`fp16kit.integrations._scale_updates`): it runs once every
-  optimizer seen stepping has stepped (one optimizer: after each step from the second
-  iteration on), else at the next ``backward`` (before the loss is scaled), ``state_dict``/``load_state_dict``
-  or :meth:`~MasterWeightsFabricPrecision.settle_scale` -- torch.amp's rule when several
-  optimizers step after one backward; with a backward per optimizer it runs between them, as
-  before. bf16: ``opt.step()`` (skips a non-finite step itself).
-* ``state_dict`` / ``load_state_dict``: the scaler's (Fabric saves it when the plugin's state is
-  part of what you save: ``state = {"model": model, "optimizer": opt, "scaler": plugin.scaler}``;
-  saving the scaler itself, call ``plugin.settle_scale()`` first if not every optimizer stepped);
-  the masters are in ``opt.state_dict()``.
+  ``scaler.update()`` is owed (:mod:`fp16kit.integrations._scale_updates`) and runs once per
+  iteration, never between two optimizers' steps on one backward's grads (torch.amp's rule:
+  step every optimizer, then update once): right after the step once no other optimizer can
+  step on them -- every param of the modules set up here that holds a grad belongs to an
+  optimizer that stepped since the last update (one optimizer: after each step) --, else at the
+  next ``backward`` (before the loss is scaled), ``state_dict``/``load_state_dict`` or
+  :meth:`~MasterWeightsFabricPrecision.settle_scale`. (Fabric shows the plugin no list of
+  optimizers, so the grads tell: a param holding a grad that no optimizer seen so far steps may
+  belong to one still to step. Not told apart: an optimizer over params of a module not set up
+  through Fabric, or over params another optimizer steps too -- the update may run before its
+  step.) With a backward per optimizer it runs between them, at the second backward. bf16:
+  ``opt.step()`` (skips a non-finite step itself).
+* ``state_dict`` / ``load_state_dict``: the scaler's, after the owed update. Save the plugin
+  itself with the rest -- ``state = {"model": model, "optimizer": opt, "scaler": plugin}``;
+  ``fabric.save``/``fabric.load`` call these --: the saved scale is then the one the next
+  backward uses. (``plugin.scaler`` saved directly holds the scale before an update still owed
+  -- an iteration in which not every optimizer stepped --: call ``plugin.settle_scale()``
+  first.) The masters are in ``opt.state_dict()``.
 
 With ``async_step=True`` call ``opt.synchronize()`` before evaluating or saving, as in a plain loop.
 """
@@ -46,6 +54,7 @@ from ._requires import require
 
 require("lightning.fabric", extra="lightning", tested=("2.6", "2.7"))
 
+import weakref  # noqa: E402
 from typing import Any, Literal  # noqa: E402
 
 import torch  # noqa: E402
@@ -80,8 +89,26 @@ class MasterWeightsFabricPrecision(HalfPrecision):
         super().__init__(precision)
         self.scaler = scaler if scaler is not None or precision == "bf16-true" else GradScaler(device)
         self._unscaled: dict[int, MixedPrecisionOptimizer] = {}  # unscaled since their last step
-        self._checked: set[int] = set()  # id(opt) whose params were checked (see _checked)
-        self._owed = OwedUpdate()  # the iteration's scaler.update(), run at the next backward
+        self._checked: weakref.WeakSet[MixedPrecisionOptimizer] = weakref.WeakSet()  # seen, params checked
+        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # set up (converted) here
+        self._owed = OwedUpdate()  # the iteration's scaler.update() (see _scale_updates)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``strategy="ddp_spawn"`` sends the plugin to its processes): what a run
+        attached -- the modules, the optimizers seen -- stays behind."""
+        state = self.__dict__.copy()
+        state.update(_unscaled={}, _checked=None, _modules=None, _owed=OwedUpdate())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _checked=weakref.WeakSet(), _modules=weakref.WeakSet())
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Fabric's (the module to fp16/bf16), remembered: its grads tell which optimizers may
+        step on a backward (:meth:`_sharing`)."""
+        module = super().convert_module(module)
+        self._modules.add(module)
+        return module
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         if self._owed.settle(self.scaler):
@@ -110,9 +137,28 @@ class MasterWeightsFabricPrecision(HalfPrecision):
         if self.scaler is None:
             return opt.step(**kwargs)
         out = self.scaler.step(opt, **kwargs)
-        # another optimizer may step on this iteration's grads: update once per round (_scale_updates)
-        self._owed.stepped(self.scaler, opt)
+        self._owed.stepped(self.scaler, opt, self._sharing())  # (_scale_updates)
         return out
+
+    def _sharing(self) -> list[MixedPrecisionOptimizer] | None:
+        """The optimizers that may step on this backward's grads: those seen that own a param
+        (of a module set up here) holding a grad; None -- not known -- if no module was set up
+        or such a param belongs to no optimizer seen yet."""
+        if not self._modules:
+            return None
+        owners: dict[int, list[MixedPrecisionOptimizer]] = {}
+        for opt in self._checked:
+            for p in [*opt.model_params, *(p for g in opt.param_groups for p in g["params"])]:
+                owners.setdefault(id(p), []).append(opt)
+        sharing: dict[int, MixedPrecisionOptimizer] = {}
+        for module in self._modules:
+            for p in module.parameters():
+                if p.grad is None:
+                    continue
+                if id(p) not in owners:
+                    return None
+                sharing.update((id(o), o) for o in owners[id(p)])
+        return list(sharing.values())
 
     def _unscaled_without_step(self) -> None:
         # fabric.clip_gradients unscaled, no opt.step() followed (a batch dropped after looking
@@ -132,9 +178,9 @@ class MasterWeightsFabricPrecision(HalfPrecision):
         self._unscaled.clear()
 
     def settle_scale(self) -> None:
-        """Run the ``scaler.update()`` the last steps owe (``fabric.backward`` and
-        ``state_dict`` run it by themselves): call it before reading ``scaler.get_scale()``
-        between the steps and the next backward."""
+        """Run the ``scaler.update()`` the last steps owe, if not run yet (``fabric.backward``
+        and ``state_dict`` run it by themselves): call it at the end of an iteration in which not
+        every optimizer stepped before reading ``scaler.get_scale()`` or saving ``plugin.scaler``."""
         self._owed.settle(self.scaler)
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,9 +195,9 @@ class MasterWeightsFabricPrecision(HalfPrecision):
     def _check(self, optimizer: Any) -> MixedPrecisionOptimizer:
         """The MixedPrecisionOptimizer (Fabric passes it unwrapped); one without masters for the
         model's fp16/bf16 params is refused at its first unscale or step, before anything changes."""
-        if id(optimizer) not in self._checked:
+        if optimizer not in self._checked:
             _check_masters(optimizer)
-            self._checked.add(id(optimizer))
+            self._checked.add(optimizer)
         return optimizer
 
 

@@ -360,7 +360,7 @@ def test_async_validation_and_fit_end_see_the_last_step():
     t.fit_loop.max_epochs = 3
     t.fit(model, train_dataloaders=loader(batches()))  # one more epoch, no validation before on_train_end
     assert len(model.record) == 6 and all(model.record[-1])
-    assert sum(type(c).__name__ == "_LandAtTrainEnd" for c in t.callbacks) == 1
+    assert sum(type(c).__name__ == "_PluginHooks" for c in t.callbacks) == 1
     (opt,) = plugin.optimizers
     assert all(torch.equal(p, m.half()) for p, m in zip(opt.model_params, opt.master_params))
 
