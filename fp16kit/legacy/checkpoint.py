@@ -64,6 +64,7 @@ from .checkpoint_records import (
     namespace,
     numpy_available,
     reading,
+    saved_scaler,
 )
 
 __all__ = [
@@ -127,8 +128,8 @@ def read_checkpoint(
 
     def finish(record: Record, attributes: dict[str, Any] | None, path: tuple[Any, ...]) -> Any:
         if isinstance(record, ScalerRecord):
-            value: Any = {CLASS_KEY: record._path, **(attributes or {})}
-            value[CLASS_KEY] = record._path  # the class pickled, whatever its attributes claim
+            value: Any = {CLASS_KEY: record.reads_as, **(attributes or {})}
+            value[CLASS_KEY] = record.reads_as  # the class it stands for, whatever its attributes claim
         elif isinstance(record, NamespaceRecord):
             value = namespace(attributes or {})
         else:
@@ -274,10 +275,11 @@ def _rebuilt(obj: Any, plain: list[Any]) -> Any:
 
 
 def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
+    saved = saved_scaler(saved) or saved  # one of fp16kit's scalers: read as the apex one it stands for
     if isinstance(saved, dict):
         return str(saved.get(CLASS_KEY, "")), saved
     if isinstance(saved, ScalerRecord):
-        return saved._path, saved.attributes
+        return saved.reads_as, saved.attributes
     cls = type(saved)  # a live apex object (apex installed)
     if not hasattr(saved, "__dict__"):
         raise ValueError(f"a {cls.__name__} is not a loss scaler")
@@ -287,8 +289,10 @@ def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
 def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
     """The plain scaler state (fp16kit's form, see ``AmpLossScaler.state_dict``) of any saved
     form: fp16kit's dict, an apex era-2 ``apex.amp.scaler.LossScaler`` or an era-1
-    ``apex.fp16_utils.loss_scaler.LossScaler``/``DynamicLossScaler`` (object or the dict
-    :func:`load_checkpoint` makes of it). Settings an era does not store are taken from
+    ``apex.fp16_utils.loss_scaler.LossScaler``/``DynamicLossScaler`` (apex's object, the
+    fp16kit object of that name ``torch.load(..., weights_only=False)`` makes of it under
+    ``fp16kit run``, or the dict :func:`load_checkpoint` makes of it; the object is only read).
+    Settings an era does not store are taken from
     ``current`` (the loading optimizer's state). Raises ValueError for anything else."""
     try:
         path, a = _attributes(saved)
