@@ -288,6 +288,19 @@ def _zip_damage(opened: Any) -> str:
 # ------------------------------------------------------------------------ whole objects
 
 
+def apex_object_refused(path: str, kind: str, why: str) -> pickle.UnpicklingError:
+    """What one of fp16kit's classes of an apex name raises when ``pickle`` (``torch.load(...,
+    weights_only=False)`` under fp16kit's apex alias) hands it a whole object apex pickled that
+    it cannot be rebuilt from as it was: ``why``, and how to resume instead."""
+    return pickle.UnpicklingError(
+        f"The file holds a whole {path} object apex pickled (torch.save({kind}), not "
+        f"{kind}.state_dict()); {why}. Re-save it once where it loads, with "
+        f"torch.save({kind}.state_dict(), NEW_PATH), then build the {kind} in the script and pass that "
+        f"to {kind}.load_state_dict."
+    )
+
+
+
 def _whole_object(path: str, f: Any, start: int | None) -> str:
     """Advice when the refused global ``path`` is a pickled module or optimizer object."""
     found = set(_look(f, start, _pickle_strings).split("\0"))  # nn.Module's / Optimizer's state keys
