@@ -25,9 +25,11 @@ import warnings
 from typing import Any
 
 _EPILOG = """\
-exit codes: 0 written; 1 IN refused or unreadable, or OUT not writable (nothing written); 2 bad usage, --map-location
-not a device here, OUT's folder missing, OUT a folder, OUT exists or OUT is IN without --force (nothing written). OUT is written to a temporary file, checked to load
-with torch.load(weights_only=True), then renamed: IN is never touched unless OUT is IN and --force.
+exit codes: 0 written; 1 IN refused or unreadable, or OUT not writable (nothing written);
+2 bad usage, --map-location not a device here, OUT's folder missing, OUT a folder, OUT exists
+or OUT is IN without --force (nothing written). OUT is written to a temporary file, checked to
+load with torch.load(weights_only=True), then renamed: IN is never touched unless OUT is IN and
+--force.
 """
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch import nn
 
+from _helpers.fp16_optimizer import loss_fn, make_model, two_groups
 from fp16kit.cli import main as cli_main
 from fp16kit.legacy import FP16_Optimizer, amp, load_checkpoint
 from fp16kit.legacy.alias import install_apex_alias, uninstall_apex_alias
@@ -58,28 +59,13 @@ def _full_load(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-# ------------------------------------------------------------------------- a model, a loop
+# ------------------------------------------------------------------------------- a loop
 
 
-class Net(nn.Module):
-    """fp16 layers in two groups and an fp32 param optimized in place."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.l1 = nn.Linear(4, 8).half()
-            self.l2 = nn.Linear(8, 3).half()
-            self.gain = nn.Parameter(torch.rand(3) + 0.5)
-
-    def forward(self, x):
-        return self.l2(torch.tanh(self.l1(x.half()))).float() * self.gain
-
-
-def _optimizer(model: Net) -> FP16_Optimizer:
-    groups = [{"params": list(model.l1.parameters())},
-              {"params": [model.l2.weight, model.l2.bias, model.gain], "lr": 0.05}]
-    return FP16_Optimizer(torch.optim.SGD(groups, lr=0.1, momentum=0.9), dynamic_loss_scale=True, verbose=False)
+def _optimizer(model) -> FP16_Optimizer:
+    """fp16 layers in two groups, an fp32 param optimized in place, a frozen fp16 param."""
+    return FP16_Optimizer(torch.optim.SGD(two_groups(model, 0.1, 0.05), lr=0.1, momentum=0.9),
+                          dynamic_loss_scale=True, verbose=False)
 
 
 def _steps(model, opt, pattern, seed=5):
@@ -88,18 +74,18 @@ def _steps(model, opt, pattern, seed=5):
     g = torch.Generator().manual_seed(seed)
     seen = []
     for overflow in pattern:
-        x, y = torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
+        x, y = torch.randn(6, 8, generator=g).half(), torch.randn(6, 8, generator=g)
         if overflow:
             x[0, 0] = INF
         opt.zero_grad()
-        opt.backward((model(x) - y).pow(2).mean())
+        opt.backward(loss_fn(model, x, y))
         opt.step()
         seen.append((opt.loss_scale, opt.loss_scaler._unskipped))
     return seen
 
 
 def _trained():
-    model = Net(0)
+    model = make_model(torch.float16, seed=0)
     opt = _optimizer(model)
     _steps(model, opt, [False, True, False], seed=1)
     return model, opt
@@ -120,7 +106,7 @@ def _fp16kit_form(opt, **scaler) -> dict:
 
 
 def _resumed(ckpt, pattern):
-    model = Net(1)  # another init: everything must come from the checkpoint
+    model = make_model(torch.float16, seed=1)  # another init: everything must come from the checkpoint
     opt = _optimizer(model)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optimizer"])

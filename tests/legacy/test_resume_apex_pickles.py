@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import fp16kit
+from _helpers.fp16_optimizer import same_value
 from fp16kit.cli import main as cli_main
 
 ROOT = pathlib.Path(fp16kit.__file__).resolve().parent.parent
@@ -73,21 +74,6 @@ def _apex_layout(apex, ckpt_path, era: int, out: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def _same(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            _same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _check_resumed(lines: list[str], checkpoint_dir: pathlib.Path, reference, **scaler_settings) -> None:
     ref_lines, ref_final, _ = reference
     ref_final = {**ref_final, "optimizer": {**ref_final["optimizer"]}}
@@ -95,7 +81,7 @@ def _check_resumed(lines: list[str], checkpoint_dir: pathlib.Path, reference, **
     assert lines[0].startswith("=> loading checkpoint")
     assert lines[1].endswith(f"(epoch {STOP}, loss scale {ref_lines[STOP - 1].rsplit(' ', 1)[1]})")
     assert lines[2:] == ref_lines[STOP:]  # epochs 5-7 and the final loss, as printed uninterrupted
-    _same(torch.load(checkpoint_dir / "checkpoint.pth.tar", weights_only=True), ref_final)
+    same_value(torch.load(checkpoint_dir / "checkpoint.pth.tar", weights_only=True), ref_final, "checkpoint")
 
 
 @pytest.mark.parametrize("era", [2, 1])
