@@ -91,6 +91,7 @@ def saved_scaler(obj: Any) -> dict[str, Any] | None:
         return None
     return {**obj.__getstate__(), CLASS_KEY: path}
 
+
 _LOADING = threading.local()
 
 
