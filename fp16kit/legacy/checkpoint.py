@@ -14,6 +14,9 @@ saved                                           returned
 apex / Megatron loss scaler                     ``{"__apex_class__": "apex.amp.scaler.LossScaler",
                                                 "_loss_scale": 65536.0, ...}`` (attributes exactly
                                                 as pickled, tensors included)
+fp16kit's scaler of such a name (what           the same, ``"__apex_class__"`` the apex class it
+``torch.load(..., weights_only=False)`` makes   stands for (fp16kit's scalers pickle apex's
+of apex's under ``fp16kit run``, saved again)   attributes)
 ``argparse.Namespace`` (Megatron's ``args``)    an ``argparse.Namespace`` (the stdlib class, no
                                                 code of the file's: Megatron reads ``args.foo``)
 numpy array / number / dtype                    numpy's when numpy is installed; else a tensor of
@@ -40,7 +43,6 @@ checkpoint back as a file ``torch.load(weights_only=True)`` reads.
 from __future__ import annotations
 
 import math
-import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_errors import LOADER, damaged, position, refusal
+from .checkpoint_errors import damaged, position, refusal, structure_refused
 from .checkpoint_records import (
     APEX_SCALER_CLASSES,
     CLASS_KEY,
@@ -64,6 +66,7 @@ from .checkpoint_records import (
     namespace,
     numpy_available,
     reading,
+    saved_scaler,
 )
 
 __all__ = [
@@ -88,8 +91,9 @@ def load_checkpoint(f: Any, map_location: Any = None) -> Any:
     ``map_location`` is torch's; when it is None and CUDA is not available, tensors saved on a
     GPU (``cuda:0`` in real files of that era) are loaded to the CPU.
 
-    Every refusal is a ``pickle.UnpicklingError`` (one ``except`` clause for "this file was not
-    loaded"): a global other than the allowed ones, a whole pickled module or optimizer, a file
+    Every refusal is a :class:`~fp16kit.legacy.checkpoint_errors.CheckpointRefused`, a
+    ``pickle.UnpicklingError`` (one ``except`` clause for "this file was not loaded") whose
+    ``kind`` says which: a global other than the allowed ones, a whole pickled module or optimizer, a file
     that is not a checkpoint written by ``torch.save`` (a text file, a plain pickle, an empty
     file, ...), one truncated or corrupt, a cyclic structure, an allowed object where a
     checkpoint never holds one (a dict key, a set, a tensor attribute), more than
@@ -127,8 +131,8 @@ def read_checkpoint(
 
     def finish(record: Record, attributes: dict[str, Any] | None, path: tuple[Any, ...]) -> Any:
         if isinstance(record, ScalerRecord):
-            value: Any = {CLASS_KEY: record._path, **(attributes or {})}
-            value[CLASS_KEY] = record._path  # the class pickled, whatever its attributes claim
+            value: Any = {CLASS_KEY: record.reads_as, **(attributes or {})}
+            value[CLASS_KEY] = record.reads_as  # the class it stands for, whatever its attributes claim
         elif isinstance(record, NamespaceRecord):
             value = namespace(attributes or {})
         else:
@@ -152,9 +156,10 @@ def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...]
             done.add(id(dtype))
     for record in made:
         if id(record) not in done:
-            raise pickle.UnpicklingError(
-                f"{LOADER} refused this file: it holds a {describe(record)} where a checkpoint never "
-                "holds one (a dict key, a set member, a tensor attribute, or nowhere at all)."
+            raise structure_refused(
+                f"it holds a {describe(record)} where a checkpoint never holds one (a dict key, a set "
+                "member, a tensor attribute, or nowhere at all)",
+                "Re-save the checkpoint with that object in a state dict's value, or without it.",
             )
 
 
@@ -203,17 +208,19 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
         nonlocal references
         references += 1
         if references > MAX_CONTAINERS:
-            raise pickle.UnpicklingError(
-                f"{LOADER} refused this file: it refers to containers (dicts, lists, tuples) more "
-                f"than fp16kit.legacy.checkpoint.MAX_CONTAINERS = {MAX_CONTAINERS:,} times, far more "
-                "than a checkpoint holds. If you trust the file, raise that limit."
+            raise structure_refused(
+                f"it refers to containers (dicts, lists, tuples) more than "
+                f"fp16kit.legacy.checkpoint.MAX_CONTAINERS = {MAX_CONTAINERS:,} times, far more than a "
+                "checkpoint holds",
+                "If you trust the file, raise that limit.",
             )
         if id(obj) in done:
             return done[id(obj)]
         if id(obj) in being_rebuilt:
-            raise pickle.UnpicklingError(
-                f"{LOADER} refused a cyclic structure (a container that contains itself); "
-                "a checkpoint's state dicts never hold one. Re-save the checkpoint without the cycle."
+            raise structure_refused(
+                "it holds a cyclic structure (a container that contains itself), which a "
+                "checkpoint's state dicts never hold",
+                "Re-save the checkpoint without the cycle.",
             )
         being_rebuilt.add(id(obj))
         stack.append([obj, iter(_items(obj)), [], isinstance(obj, Record), key])
@@ -274,10 +281,11 @@ def _rebuilt(obj: Any, plain: list[Any]) -> Any:
 
 
 def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
+    saved = saved_scaler(saved) or saved  # one of fp16kit's scalers: read as the apex one it stands for
     if isinstance(saved, dict):
         return str(saved.get(CLASS_KEY, "")), saved
     if isinstance(saved, ScalerRecord):
-        return saved._path, saved.attributes
+        return saved.reads_as, saved.attributes
     cls = type(saved)  # a live apex object (apex installed)
     if not hasattr(saved, "__dict__"):
         raise ValueError(f"a {cls.__name__} is not a loss scaler")
@@ -287,8 +295,10 @@ def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
 def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
     """The plain scaler state (fp16kit's form, see ``AmpLossScaler.state_dict``) of any saved
     form: fp16kit's dict, an apex era-2 ``apex.amp.scaler.LossScaler`` or an era-1
-    ``apex.fp16_utils.loss_scaler.LossScaler``/``DynamicLossScaler`` (object or the dict
-    :func:`load_checkpoint` makes of it). Settings an era does not store are taken from
+    ``apex.fp16_utils.loss_scaler.LossScaler``/``DynamicLossScaler`` (apex's object, the
+    fp16kit object of that name ``torch.load(..., weights_only=False)`` makes of it under
+    ``fp16kit run``, or the dict :func:`load_checkpoint` makes of it; the object is only read).
+    Settings an era does not store are taken from
     ``current`` (the loading optimizer's state). Raises ValueError for anything else."""
     try:
         path, a = _attributes(saved)

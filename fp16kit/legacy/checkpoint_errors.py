@@ -1,25 +1,33 @@
 """What :func:`fp16kit.legacy.load_checkpoint` says when ``torch.load`` fails: one
-``pickle.UnpicklingError`` per kind of file it will not load, each naming the fix.
+:class:`CheckpointRefused` (a ``pickle.UnpicklingError``) per kind of file it will not load, each
+naming the fix, and carrying its ``kind`` and ``subject`` for callers that word their own message
+(``fp16kit convert-checkpoint``).
 
 =========================  ==========================================================
-the file                   how it is told
+the file (``kind``)        how it is told
 =========================  ==========================================================
 not written by torch.save  its first bytes are neither a zip archive holding
-                           ``data.pkl`` nor torch's legacy magic number
+(not_torch)                ``data.pkl`` nor torch's legacy magic number
 truncated or corrupt       it starts like torch.save's output, but its zip archive does
-                           not open or fails its CRC check, or torch ran out of data
+(damaged)                  not open or fails its CRC check, or torch ran out of data
                            (legacy format) or met bytes no pickle has, or a tensor's
                            pickle claims more bytes than its data holds (than the
                            whole file, in the legacy format) or a view past its end
 a whole pickled object     a refused global in a pickle holding ``_modules`` and
-                           ``_parameters`` (``nn.Module``'s state) or ``param_groups``
+(whole)                    ``_parameters`` (``nn.Module``'s state) or ``param_groups``
                            and ``defaults`` (``Optimizer``'s): the pickle is parsed,
                            never run, and nothing is imported
-anything else refused      a refused global: named, nothing was run
+a newer pickle protocol    torch's reader meets an opcode of protocol 3 or more
+(protocol)
+a TorchScript archive      torch says so (``torch.jit.save`` wrote it)
+(torchscript)
+anything else refused      a refused global: named, nothing was run (global); a
+(global, structure)        structure a checkpoint never has (structure)
 =========================  ==========================================================
 
-The file is looked at again only after ``torch.load`` failed; a file object is left where the
-caller had it.
+torch's own words are quoted without its terminal colour codes and without its advice
+(``add_safe_globals``, ``weights_only=False``). The file is looked at again only after
+``torch.load`` failed; a file object is left where the caller had it.
 """
 
 from __future__ import annotations
@@ -42,58 +50,113 @@ from .checkpoint_records import SCALER_CLASSES
 LOADER = "fp16kit.legacy.load_checkpoint"
 _HEAD_BYTES = 512  # enough for a tar header's "ustar" at offset 257
 
-def refusal(e: Exception, f: Any, start: int | None) -> pickle.UnpicklingError | None:
+
+class CheckpointRefused(pickle.UnpicklingError):
+    """A file :func:`fp16kit.legacy.load_checkpoint` will not load. Beside the message (which
+    names the fix), for callers that word their own (the command line):
+
+    ``kind``     ``subject``
+    ===========  ==============================================================
+    not_torch    why it is not a file torch.save wrote ("it is empty", ...)
+    damaged      how it is truncated or damaged
+    whole        the class of the whole pickled object; ``whole`` is "module"
+                 or "optimizer"
+    global       the refused global (``os.system``, a class, ...)
+    protocol     the pickle protocol it was saved with
+    torchscript  "" (a ``torch.jit.save`` archive)
+    structure    what is wrong with its structure (a cycle, a record where a
+                 checkpoint never holds one, too many containers, ...)
+    """
+
+    def __init__(self, message: str, kind: str, subject: str = "", whole: str = "") -> None:
+        super().__init__(message)
+        self.kind, self.subject, self.whole = kind, subject, whole
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TORCH_ADVICE = re.compile(r"\s*(Please use `torch\.serialization\.(add_)?safe_globals|Check the documentation of torch\.load)")
+
+
+def torch_words(e: BaseException) -> str:
+    """torch's error ``e`` without its terminal colour codes and without its advice (re-run with
+    ``weights_only=False``, ``add_safe_globals``): what it found, in one line."""
+    text = _ANSI.sub("", str(e))
+    _, found, after = text.partition("WeightsUnpickler error:")
+    if found:
+        text = after
+    text = _TORCH_ADVICE.split(text, maxsplit=1)[0]
+    return " ".join(text.split()) or type(e).__name__
+
+
+def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None:
     """What ``load_checkpoint`` raises for ``torch.load``'s error ``e`` (None: ``e`` itself)."""
-    torch_said = f"(torch said: {type(e).__name__}: {e})"
+    torch_said = f"(torch said: {type(e).__name__}: {torch_words(e)})"
     found = re.search(r"GLOBAL (\S+)", str(e)) or re.search(r"got <class '([^']+)'>", str(e))
     what = found.group(1) if found else "an object it does not allow"
     not_checkpoint = _look(f, start, _not_torch_save)
     if not_checkpoint:
         asked = f" {LOADER} refused to load {what}, which its pickle asks for; nothing was run."
-        return pickle.UnpicklingError(
+        return CheckpointRefused(
             f"{LOADER}: {_name(f)} is not a checkpoint written by torch.save: {not_checkpoint}. "
             "Expected a zip archive holding a data.pkl record (torch >= 1.6) or torch's legacy "
             "format, which starts with torch's magic number (older torch, or "
             "_use_new_zipfile_serialization=False). Check that this is the file you meant; one "
             "written with pickle.dump is read with pickle.load, and only if you trust it."
-            f"{asked if found else ''}\n{torch_said}"
+            f"{asked if found else ''}\n{torch_said}",
+            "not_torch", not_checkpoint,
+        )
+    if "TorchScript archives" in str(e):
+        return CheckpointRefused(
+            f"{LOADER}: {_name(f)} is a TorchScript archive (torch.jit.save wrote it), not a checkpoint of "
+            "state dicts: load it with torch.jit.load. It holds no apex objects to read.", "torchscript",
         )
     if found and isinstance(e, pickle.UnpicklingError):
-        whole = _whole_object(what, f, start)
+        kind, whole = _whole_object(what, f, start)
         if whole:
-            return pickle.UnpicklingError(f"{LOADER} refused to load {what}: {whole}\n{torch_said}")
-        return pickle.UnpicklingError(
+            return CheckpointRefused(f"{LOADER} refused to load {what}: {whole}\n{torch_said}", "whole", what, kind)
+        return CheckpointRefused(
             f"{LOADER} refused to load {what}: only tensors, plain containers, apex's and Megatron's "
             f"loss scalers ({', '.join(SCALER_CLASSES)}), argparse.Namespace and numpy arrays and "
             "numbers are read; nothing was run. If you trust this file and need that object, use "
-            f"torch.load(..., weights_only=False) yourself.\n{torch_said}"
+            f"torch.load(..., weights_only=False) yourself.\n{torch_said}",
+            "global", what,
         )
     if "Unsupported operand" in str(e):
         protocol = _look(f, start, _protocol)
         if protocol and int(protocol) > 2:
-            return pickle.UnpicklingError(
+            return CheckpointRefused(
                 f"{LOADER}: {_name(f)} was saved with torch.save(..., pickle_protocol={protocol}), whose "
                 "opcodes torch's weights-only reader does not read (it reads protocol 2, torch.save's "
                 "default). Re-save it with the default protocol where it loads, if you trust it."
-                f"\n{torch_said}"
+                f"\n{torch_said}",
+                "protocol", protocol,
             )
     damage = _damage(e, f, start)
     if damage:
-        return pickle.UnpicklingError(
+        return CheckpointRefused(
             f"{LOADER}: {_name(f)} is truncated or corrupt: {damage}. It starts like a checkpoint "
             "written by torch.save, but is cut short or damaged (an interrupted save or copy, a "
             "full disk?). Save or copy it again, and compare its size with the original's."
-            f"\n{torch_said}"
+            f"\n{torch_said}",
+            "damaged", damage,
         )
     if isinstance(e, pickle.UnpicklingError):
-        return pickle.UnpicklingError(
+        return CheckpointRefused(
             f"{LOADER} refused to load {what}: only tensors, plain containers, apex's and Megatron's "
             "loss scalers, argparse.Namespace and numpy arrays and numbers are read; nothing was "
-            f"run.\n{torch_said}"
+            f"run.\n{torch_said}",
+            "structure", torch_words(e),
         )
     if isinstance(e, (TypeError, AttributeError, RecursionError, ValueError)):  # e.g. a REDUCE on a record
-        return pickle.UnpicklingError(f"{LOADER} could not read this file: {type(e).__name__}: {e}")
+        return CheckpointRefused(
+            f"{LOADER} could not read this file: {type(e).__name__}: {e}", "structure", f"{type(e).__name__}: {e}"
+        )
     return None
+
+
+def structure_refused(why: str, fix: str) -> CheckpointRefused:
+    """A file whose structure :func:`fp16kit.legacy.load_checkpoint` refuses: ``why``, then ``fix``."""
+    return CheckpointRefused(f"{LOADER} refused this file: {why}. {fix}", "structure", why)
 
 
 def position(f: Any) -> int | None:
@@ -238,16 +301,17 @@ def _size_after_start(opened: Any) -> str:
     return f"zip {end - start}" if head == b"PK\x03\x04" else str(end - start)
 
 
-def damaged(f: Any, start: int | None, *, records: str = "pickle") -> pickle.UnpicklingError | None:
+def damaged(f: Any, start: int | None, *, records: str = "pickle") -> CheckpointRefused | None:
     """The error for a zip checkpoint whose records fail their CRC check (torch reads them
     unchecked), or None: ``records="pickle"`` checks ``data.pkl`` only (cheap: what a flipped
     bit would silently change is the structure), ``"all"`` every record (reads the whole file)."""
     found = _look(f, start, _pickle_crc if records == "pickle" else _zip_damage, back_to_start=False)
     if not found:
         return None
-    return pickle.UnpicklingError(
+    return CheckpointRefused(
         f"{LOADER}: {_name(f)} is truncated or corrupt: {found}. It starts like a checkpoint written "
-        "by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source."
+        "by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source.",
+        "damaged", found,
     )
 
 
@@ -288,16 +352,30 @@ def _zip_damage(opened: Any) -> str:
 # ------------------------------------------------------------------------ whole objects
 
 
-def _whole_object(path: str, f: Any, start: int | None) -> str:
-    """Advice when the refused global ``path`` is a pickled module or optimizer object."""
+def apex_object_refused(path: str, kind: str, why: str) -> pickle.UnpicklingError:
+    """What one of fp16kit's classes of an apex name raises when ``pickle`` (``torch.load(...,
+    weights_only=False)`` under fp16kit's apex alias) hands it a whole object apex pickled that
+    it cannot be rebuilt from as it was: ``why``, and how to resume instead."""
+    return pickle.UnpicklingError(
+        f"The file holds a whole {path} object apex pickled (torch.save({kind}), not "
+        f"{kind}.state_dict()); {why}. Re-save it once where it loads, with "
+        f"torch.save({kind}.state_dict(), NEW_PATH), then build the {kind} in the script and pass that "
+        f"to {kind}.load_state_dict."
+    )
+
+
+
+def _whole_object(path: str, f: Any, start: int | None) -> tuple[str, str]:
+    """``(kind, advice)`` when the refused global ``path`` is a pickled module or optimizer
+    object (kind "module" or "optimizer"); ``("", "")`` otherwise."""
     found = set(_look(f, start, _pickle_strings).split("\0"))  # nn.Module's / Optimizer's state keys
     kind = "module" if {"_modules", "_parameters"} <= found else ""
     if not kind and {"param_groups", "defaults"} <= found:
         kind = "optimizer"
     if not kind:
-        return ""
+        return "", ""
     wrapped = "apex/torch DistributedDataParallel and FP16_Module wrap the model: obj.module.state_dict() drops their 'module.' prefix"
-    return (
+    return kind, (
         f"the file holds a whole pickled {kind} object (torch.save({'model' if kind == 'module' else 'optimizer'}) "
         f"wrote it), not its state_dict, and rebuilding it would import and run {path}'s code. "
         f"{LOADER} and torch.load(weights_only=True) read state dicts only. Re-save it once, in an "

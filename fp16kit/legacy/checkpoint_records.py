@@ -13,6 +13,9 @@ pickled global                                              stand-in, what it be
 DynamicLossScaler}``, ``apex.amp.scaler.LossScaler``,       pickled attributes plus
 ``megatron.fp16.loss_scaler.{LossScaler,                    ``"__apex_class__": <path>``
 DynamicLossScaler}``, ``fp16.loss_scaler.{...}``
+fp16kit's classes of those names                            the same, ``<path>`` the class
+(:data:`FP16KIT_SCALER_CLASSES`: what ``fp16kit run``       it stands for
+unpickles apex's as, saved again)
 ``argparse.Namespace`` (Megatron's ``args``)                :class:`NamespaceRecord`: an
                                                             ``argparse.Namespace``
 ``numpy.ndarray``, ``numpy.dtype``,                         :class:`NdarrayRecord`,
@@ -63,7 +66,31 @@ MEGATRON_SCALER_CLASSES = (
     "fp16.loss_scaler.DynamicLossScaler",
 )
 SCALER_CLASSES = APEX_SCALER_CLASSES + MEGATRON_SCALER_CLASSES
+#: fp16kit's classes at the paths fp16kit's apex alias (``fp16kit run``) maps those to -> the
+#: class each stands for. ``pickle`` (``torch.load(..., weights_only=False)``) under the alias
+#: makes one of these of an apex or Megatron scaler; each pickles apex's (Megatron's) attributes,
+#: so a file that saved one again reads as if it held the original.
+FP16KIT_SCALER_CLASSES = {
+    "fp16kit.legacy.loss_scaler.LossScaler": "apex.fp16_utils.loss_scaler.LossScaler",
+    "fp16kit.legacy.loss_scaler.DynamicLossScaler": "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+    "fp16kit.legacy.amp.scaler.LossScaler": "apex.amp.scaler.LossScaler",
+    "fp16kit.legacy.megatron.loss_scaler.LossScaler": "megatron.fp16.loss_scaler.LossScaler",
+    "fp16kit.legacy.megatron.loss_scaler.DynamicLossScaler": "megatron.fp16.loss_scaler.DynamicLossScaler",
+}
 CLASS_KEY = "__apex_class__"
+
+
+def saved_scaler(obj: Any) -> dict[str, Any] | None:
+    """What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler
+    (``{CLASS_KEY: path, attributes...}``), for a live object of one of
+    :data:`FP16KIT_SCALER_CLASSES` (e.g. what ``torch.load(..., weights_only=False)`` returned
+    under ``fp16kit run``); None for anything else. The object is only read."""
+    cls = type(obj)
+    path = FP16KIT_SCALER_CLASSES.get(f"{cls.__module__}.{cls.__qualname__}")
+    if path is None:
+        return None
+    return {**obj.__getstate__(), CLASS_KEY: path}
+
 
 _LOADING = threading.local()
 
@@ -121,7 +148,10 @@ class _AttributeRecord(Record):
 
 
 class ScalerRecord(_AttributeRecord):
-    """An apex or Megatron loss scaler: its attributes, exactly as pickled."""
+    """An apex or Megatron loss scaler: its attributes, exactly as pickled. ``reads_as`` is the
+    class it stands for (its own path, or for one of fp16kit's classes the apex one)."""
+
+    reads_as = ""
 
 
 class NamespaceRecord(_AttributeRecord):
@@ -136,13 +166,16 @@ def namespace(attributes: dict[str, Any]) -> argparse.Namespace:
     return ns
 
 
-def _stand_in(base: type, path: str) -> type:
+def _stand_in(base: type, path: str, **attrs: Any) -> type:
     module, name = path.rsplit(".", 1)
     # torch's unpickler finds allowed globals by "{__module__}.{__qualname__}".
-    return type(name, (base,), {"__module__": module, "__qualname__": name, "_path": path})
+    return type(name, (base,), {"__module__": module, "__qualname__": name, "_path": path, **attrs})
 
 
-SCALER_RECORDS = {path: _stand_in(ScalerRecord, path) for path in SCALER_CLASSES}
+SCALER_RECORDS = {
+    **{path: _stand_in(ScalerRecord, path, reads_as=path) for path in SCALER_CLASSES},
+    **{path: _stand_in(ScalerRecord, path, reads_as=apex) for path, apex in FP16KIT_SCALER_CLASSES.items()},
+}
 NAMESPACE_RECORD = _stand_in(NamespaceRecord, "argparse.Namespace")
 
 # ---------------------------------------------------------------------------------- numpy

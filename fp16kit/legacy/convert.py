@@ -58,10 +58,28 @@ from .checkpoint_records import (
     describe,
 )
 
-__all__ = ["Conversion", "WriteError", "convert_checkpoint", "convert_file"]
+__all__ = ["Conversion", "ConversionError", "OutputRefused", "WriteError", "convert_checkpoint", "convert_file"]
 
 #: How deep :func:`convert_checkpoint` follows containers (checkpoints nest a few levels).
 MAX_DEPTH = 200
+
+
+class ConversionError(ValueError):
+    """An item of a loaded checkpoint :func:`convert_checkpoint` cannot convert: at ``where``
+    (e.g. ``optimizer.loss_scaler``), ``why``."""
+
+    def __init__(self, message: str, where: str, why: str) -> None:
+        super().__init__(message)
+        self.where, self.why = where, why
+
+
+class OutputRefused(FileExistsError):
+    """:func:`convert_file` will not write ``dst`` (nothing written); ``reason`` is "exists",
+    "is_input" (both allowed by ``overwrite=True``) or "is_directory"."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -114,15 +132,17 @@ class _Converter:
             if id(obj) in self.done:
                 return self.done[id(obj)]
             if id(obj) in self.active:
-                raise ValueError(
+                raise ConversionError(
                     f"{format_path(path)}: a container that contains itself; a checkpoint never holds "
-                    "one. Load the file with fp16kit.legacy.load_checkpoint, which refuses cycles."
+                    "one. Load the file with fp16kit.legacy.load_checkpoint, which refuses cycles.",
+                    format_path(path), "a container that contains itself",
                 )
             if len(path) > MAX_DEPTH:
-                raise ValueError(
+                raise ConversionError(
                     f"{format_path(path[:4])}...: containers nested deeper than {MAX_DEPTH} levels "
                     f"(fp16kit.legacy.convert.MAX_DEPTH); a checkpoint's state dicts nest a few. Convert "
-                    "the parts you need (convert_checkpoint(loaded['model']), ...) and save those."
+                    "the parts you need (convert_checkpoint(loaded['model']), ...) and save those.",
+                    format_path(path[:4]) + "...", f"containers nested deeper than {MAX_DEPTH} levels",
                 )
             self.active.add(id(obj))
             try:
@@ -163,7 +183,12 @@ class _Converter:
         if cls in APEX_SCALER_CLASSES:
             if self.default_scaler is None:
                 self.default_scaler = _default_scaler_state()
-            state = scaler_state(record, current=self.default_scaler)
+            try:
+                state = scaler_state(record, current=self.default_scaler)
+            except ValueError as e:
+                raise ConversionError(f"{format_path(path)}: {e}", format_path(path),
+                                      f"the {cls} there lacks that class's attributes, or holds ones that are "
+                                      "not numbers (apex did not write it)") from None
             kind = "dynamic" if state["dynamic"] else "static"
             self.note(path, cls, f"fp16kit's scaler state ({kind}, loss_scale {state['loss_scale']:g}; "
                       "FP16_Optimizer.load_state_dict reads it)")
@@ -273,7 +298,8 @@ def _describe_value(value: Any) -> str:
 def convert_checkpoint(obj: Any, *, torch_optimizer_state: bool = False) -> tuple[Any, list[Conversion]]:
     """The plain-data form of ``obj`` (what :func:`fp16kit.legacy.load_checkpoint` returned),
     and the report of what changed. ``obj`` itself is not modified. See the module docstring.
-    Raises ValueError for a scaler record whose attributes do not match its class."""
+    Raises :class:`ConversionError` (a ValueError) for a scaler record whose attributes do not
+    match its class, and for a cycle or containers nested deeper than :data:`MAX_DEPTH`."""
     converter = _Converter(torch_optimizer_state)
     return converter.convert(obj, ()), converter.report
 
@@ -312,26 +338,31 @@ def convert_file(
     ``torch.load(weights_only=True)`` before it replaces anything: ``dst`` is written to a
     temporary file beside it and renamed, so a failure leaves no partial file.
 
-    Refuses (``FileExistsError``) an existing ``dst`` and ``dst`` being ``src`` unless
-    ``overwrite``, and ``dst`` being a directory; errors reading ``src`` are load_checkpoint's (``pickle.UnpicklingError``
-    for a file it refuses) and leave ``dst`` untouched; a failure to write ``dst`` (a full disk)
+    Refuses (:class:`OutputRefused`, a ``FileExistsError``) an existing ``dst`` and ``dst`` being
+    ``src`` unless ``overwrite``, and ``dst`` being a directory; ``NotADirectoryError`` when
+    ``dst``'s folder is missing; errors reading ``src`` are load_checkpoint's
+    (:class:`~fp16kit.legacy.checkpoint_errors.CheckpointRefused` for a file it refuses) and leave
+    ``dst`` untouched, as does a :class:`ConversionError`; a failure to write ``dst`` (a full disk)
     is a :class:`WriteError` (an ``OSError``) saying so. Unlike ``torch.load``, every record of
     a zip checkpoint is CRC-checked first (a damaged tensor is refused, not copied on)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if dst.is_dir():  # overwrite or not: the rename onto a folder would fail once converted
-        raise FileExistsError(f"{dst} is a directory; name the file to write in it, e.g. {dst / src.name}")
+        raise OutputRefused(f"{dst} is a directory; name the file to write in it, e.g. {dst / src.name}",
+                            "is_directory")
     if not overwrite and _same_file(src, dst):
-        raise FileExistsError(f"{dst} is the input file; write the converted checkpoint elsewhere "
-                              "(or pass overwrite=True / --force to replace it once converted)")
+        raise OutputRefused(f"{dst} is the input file; write the converted checkpoint elsewhere "
+                            "(or pass overwrite=True to replace it once converted)", "is_input")
     if not overwrite and dst.exists():
-        raise FileExistsError(f"{dst} exists; choose another name or pass overwrite=True / --force")
+        raise OutputRefused(f"{dst} exists; choose another name or pass overwrite=True", "exists")
     if not dst.parent.is_dir():
         raise NotADirectoryError(f"{dst.parent} is not a directory: create it first, or write {dst.name} elsewhere")
     corrupt = damaged(src, None, records="all")  # torch reads tensor records unchecked
     if corrupt is not None:
         raise corrupt
     seen: collections.Counter[str] = collections.Counter()
-    obj, finished = read_checkpoint(src, _locations(map_location, seen), plain_numpy=True)
+    # torch.load hands a .safetensors file to safetensors, which takes a device, not a function
+    where = map_location if src.suffix == ".safetensors" else _locations(map_location, seen)
+    obj, finished = read_checkpoint(src, where, plain_numpy=True)
     report = [Conversion(format_path(path), describe(record), _describe_value(value))
               for path, record, value in finished if isinstance(record, NUMPY_RECORDS)]
     converted, more = convert_checkpoint(obj, torch_optimizer_state=torch_optimizer_state)

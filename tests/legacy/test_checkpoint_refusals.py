@@ -258,3 +258,22 @@ def test_a_file_saved_with_a_newer_pickle_protocol_is_told_so(tmp_path, legacy):
     torch.save({"w": torch.ones(2)}, path, pickle_protocol=4, _use_new_zipfile_serialization=not legacy)
     with pytest.raises(pickle.UnpicklingError, match=r"p4\.pt' was saved with torch\.save\(\.\.\., pickle_protocol=4\)"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("saved,kind,subject,whole", [
+    (lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), "whole", "torch.nn.modules.container.Sequential", "module"),
+    (lambda: {"args": argparse.ArgumentParser}, "global", "argparse.ArgumentParser", ""),
+])
+def test_a_refusal_says_its_kind_and_quotes_torch_without_its_advice_or_escape_codes(tmp_path, saved, kind, subject, whole):
+    """The command line words its own message from kind and subject; the library's quotes what
+    torch found, not torch's terminal colour codes nor its add_safe_globals advice (which
+    MIGRATION.md warns against)."""
+    from fp16kit.legacy.checkpoint_errors import CheckpointRefused
+
+    torch.save(saved(), tmp_path / "f.pt")
+    with pytest.raises(CheckpointRefused) as info:
+        load_checkpoint(tmp_path / "f.pt")
+    assert (info.value.kind, info.value.subject, info.value.whole) == (kind, subject, whole)
+    message = str(info.value)
+    assert f"(torch said: UnpicklingError: Unsupported global: GLOBAL {subject} was not an allowed global by default.)" in message
+    assert "\x1b[" not in message and "safe_globals" not in message

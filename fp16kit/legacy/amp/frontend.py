@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import scaler_state
 from . import _model, _process_optimizer
 from ._amp_state import _amp_state, logger, maybe_print, warn_or_err
 from .handle import AmpHandle
@@ -271,9 +272,23 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
 _KEY = re.compile(r"^loss_scaler(\d+)$")
 
 
+def _saved_entry(value: Any, scaler: LossScaler) -> tuple[float, int] | None:
+    """``(loss_scale, unskipped)`` of an entry: amp's dict, or a saved apex scaler in any form
+    (e.g. the object ``torch.load(..., weights_only=False)`` makes of one under ``fp16kit
+    run``); None for anything else."""
+    if isinstance(value, dict) and "loss_scale" in value and "unskipped" in value:
+        return float(value["loss_scale"]), int(value["unskipped"])
+    try:
+        state = scaler_state(value, current=scaler.state_dict())
+    except ValueError:
+        return None
+    return state["loss_scale"], state["unskipped"]
+
+
 def load_state_dict(state_dict: dict[str, Any]) -> None:
     """Restore the scalers from ``amp.state_dict()``. Each ``loss_scaler{i}`` goes to scaler
-    ``i`` (FIX: apex matched by key order); everything is checked before anything changes
+    ``i`` (FIX: apex matched by key order); an entry may also be a saved apex scaler (its
+    scale and clean-step count are taken). Everything is checked before anything changes
     (FIX: apex applied the first entries, then raised)."""
     scalers = getattr(_amp_state, "loss_scalers", [])
     if len(state_dict) != len(scalers):
@@ -297,12 +312,13 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         if i >= len(scalers):
             logger.warning("Skipping loss_scaler[{}], since num_losses was set to {}".format(i, len(scalers)))
             continue
-        if not isinstance(value, dict) or "loss_scale" not in value or "unskipped" not in value:
+        entry = _saved_entry(value, scalers[i])
+        if entry is None:
             raise RuntimeError(
                 f"Error(s) in loading state_dict. {key!r} must be a dict with 'loss_scale' and "
                 f"'unskipped', got {value!r}."
             )
-        updates.append((scalers[i], float(value["loss_scale"]), int(value["unskipped"])))
+        updates.append((scalers[i], *entry))
     for scaler, scale, unskipped in updates:
         scaler._loss_scale = scale
         scaler._unskipped = unskipped

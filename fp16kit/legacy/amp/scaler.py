@@ -21,6 +21,7 @@ raise ``FloatingPointError`` (``"raise"``) through the core's floor policy
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -30,6 +31,10 @@ from ...core.floor import FLOOR_POLICIES
 from ..fp16_optimizer import AmpLossScaler
 
 __all__ = ["LossScaler"]
+
+# the attributes every apex.amp.scaler.LossScaler pickled (also _min_loss_scale from 2019 on,
+# _has_overflow and _overflow_buf, which a restored scaler does not need)
+_PICKLED = ("dynamic", "_loss_scale", "_max_loss_scale", "_scale_seq_len", "_unskipped")
 
 
 class LossScaler(AmpLossScaler):
@@ -207,6 +212,53 @@ class LossScaler(AmpLossScaler):
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict()
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """apex's attributes, as its ``LossScaler`` pickled them (plain data; ``on_min_scale``
+        too when it is not the default): a pickle of this scaler reads as one of apex's, in
+        :func:`fp16kit.legacy.load_checkpoint` and every ``load_state_dict``. Overflow flags of
+        a backward in progress are not kept (apex cleared its own at the next backward)."""
+        buf = self._overflow_buf_tensor
+        state = {
+            "dynamic": self.dynamic,
+            "_loss_scale": self._loss_scale,
+            "_max_loss_scale": self._max_loss_scale,
+            "_min_loss_scale": self._min_loss_scale,
+            "_scale_seq_len": self._scale_seq_len,
+            "_unskipped": self._unskipped,
+            "_has_overflow": False,
+            "_overflow_buf": kernels.new_overflow_buf(self._device()) if buf is None else buf,
+        }
+        if self._state.on_min_scale != "ignore":
+            state["on_min_scale"] = self._state.on_min_scale
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A working scaler from apex's attributes: what ``pickle`` (``torch.load(...,
+        weights_only=False)``) makes of an ``apex.amp.scaler.LossScaler`` under fp16kit's apex
+        alias (``fp16kit run``), and of this class's own pickles. The scale is restored exactly
+        (above ``max_loss_scale`` too, as apex kept it); apex's pickles from before it had
+        ``min_loss_scale`` have no floor, as that apex had none."""
+        missing = [k for k in _PICKLED if k not in state]
+        if missing:
+            raise pickle.UnpicklingError(
+                f"an apex.amp.scaler.LossScaler was pickled without {missing} (it holds {sorted(state)}); "
+                "it is not one apex wrote: load the checkpoint's state dicts without it"
+            )
+        dynamic = bool(state["dynamic"])
+        self.__init__(  # type: ignore[misc]
+            "dynamic" if dynamic else state["_loss_scale"],
+            init_scale=state["_loss_scale"],
+            scale_window=state["_scale_seq_len"],
+            min_loss_scale=state.get("_min_loss_scale") or None,
+            max_loss_scale=state["_max_loss_scale"],
+            on_min_scale=state.get("on_min_scale", "ignore"),
+        )
+        self._loss_scale = state["_loss_scale"]
+        self._unskipped = state["_unskipped"]
+        if isinstance(state.get("_overflow_buf"), torch.Tensor):
+            self._overflow_buf = state["_overflow_buf"]
 
     def __repr__(self) -> str:
         return f"LossScaler(dynamic={self.dynamic}, loss_scale={self.loss_scale()}, unskipped={self._unskipped})"

@@ -65,6 +65,10 @@ class FP16_Module(nn.Module):
         self.pipeline_first_stage = pipeline_first_stage
         self.pipeline_last_stage = pipeline_last_stage
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Megatron's own FP16_Module (pickled whole, torch.save(model)) asked mpu instead: one stage
+        super().__setstate__({"pipeline_first_stage": True, "pipeline_last_stage": True, **state})
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.pipeline_first_stage:
             inputs = fp32_to_fp16(inputs)

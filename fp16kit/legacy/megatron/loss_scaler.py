@@ -43,6 +43,7 @@ import torch
 from ...core import kernels
 from ...core.scale import LossScale
 from .. import loss_scaler as _era1
+from ..checkpoint_records import saved_scaler
 
 __all__ = ["LossScaler", "DynamicLossScaler", "to_python_float", "scaler_from_state"]
 
@@ -261,7 +262,9 @@ def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossSc
     apex-scaler state (a converted file's), the dict
     ``fp16kit.legacy.load_checkpoint`` makes of a pickled ``megatron.fp16.loss_scaler.*`` /
     ``fp16.loss_scaler.*`` / ``apex.fp16_utils.loss_scaler.*`` object (``{"__apex_class__":
-    path, attributes...}``), or a live scaler object. Raises ``ValueError`` for anything else."""
+    path, attributes...}``), or a live scaler object (also one fp16kit's apex alias unpickled an
+    apex or Megatron scaler as). Raises ``ValueError`` for anything else."""
+    saved = saved_scaler(saved) or saved
     if isinstance(saved, _era1.DynamicLossScaler):
         saved = saved.__getstate__()
     elif isinstance(saved, _era1.LossScaler):

@@ -18,8 +18,11 @@ from typing import Any
 import torch
 
 from ....core import kernels
+from ...checkpoint_errors import apex_object_refused
 
-__all__ = ["check_state_dict", "dynamic_settings", "masters_from_state", "optimizer_state_from"]
+__all__ = [
+    "check_state_dict", "check_unpickled_settings", "dynamic_settings", "masters_from_state", "optimizer_state_from",
+]
 
 _REQUIRED = ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict")
 
@@ -157,3 +160,21 @@ def optimizer_state_from(sd: dict[str, Any], fp16_groups: list[list[torch.Tensor
             for pid, part in zip(ids, parts):
                 state.setdefault(pid, {})[key] = part
     return {"state": state, "param_groups": groups}
+
+
+def check_unpickled_settings(opt: torch.optim.Optimizer, state: dict[str, Any], settings: tuple[str, ...]) -> None:
+    """Refuse, in ``__setstate__``, an optimizer apex pickled whole (what ``torch.load(...,
+    weights_only=False)`` hands fp16kit's class under the apex alias): torch's pickling kept its
+    param groups and state but not the settings the step reads, which nothing can recover (apex's
+    own unpickled optimizer failed at its first step). torch's ``load_state_dict`` also goes
+    through ``__setstate__``, on a built optimizer: left alone."""
+    if "defaults" in opt.__dict__:
+        return
+    lost = [k for k in settings if k not in state]
+    if lost:
+        cls = type(opt)
+        raise apex_object_refused(
+            f"apex.contrib.optimizers.{cls.__name__}", "optimizer",
+            f"torch's pickling of optimizers keeps their param groups and state only, so its settings "
+            f"{lost} are not in the file",
+        )

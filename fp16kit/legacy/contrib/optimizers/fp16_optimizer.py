@@ -42,6 +42,7 @@ from ....core.log import logger
 from ....core.master import MasterParams
 from ....core.scale import LossScale
 from ....wrapping import WrappingOptimizer
+from ...checkpoint_errors import apex_object_refused
 from ._checkpoint import check_state_dict, dynamic_settings, masters_from_state, optimizer_state_from
 
 __all__ = ["FP16_Optimizer"]
@@ -208,6 +209,12 @@ class FP16_Optimizer(WrappingOptimizer):
         return {k: v for k, v in self.__dict__.items() if not isinstance(v, patched)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_masters" not in state:  # apex's own wrapper, unpickled under fp16kit's apex alias
+            raise apex_object_refused(
+                "apex.contrib.optimizers.FP16_Optimizer", "optimizer",
+                "fp16kit's FP16_Optimizer keeps its fp32 masters and loss scale in objects of its own, "
+                "which apex's pickle does not hold",
+            )
         self.__dict__.update(state)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

@@ -9,6 +9,7 @@ import torch
 
 from ....optim import LegacyAdam
 from ....optim.legacy_adam import StepWithGrads
+from ._checkpoint import check_unpickled_settings
 
 __all__ = ["FusedAdam"]
 
@@ -42,3 +43,7 @@ class FusedAdam(StepWithGrads, LegacyAdam):
                          max_grad_norm=max_grad_norm)
         self.use_mt = use_mt
         self.amp_scale_adjustment = amp_scale_adjustment
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        check_unpickled_settings(self, state, ("eps_inside_sqrt",))
+        super().__setstate__(state)

@@ -13,6 +13,7 @@ from torch.optim.optimizer import required
 from ....optim import SGD
 from ....optim.legacy_adam import StepWithGrads, per_group
 from ....optim.sgd import sgd_step
+from ._checkpoint import check_unpickled_settings
 
 __all__ = ["FusedSGD"]
 
@@ -39,6 +40,10 @@ class FusedSGD(StepWithGrads, SGD):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, wd_after_momentum=wd_after_momentum)
         self.materialize_master_grads = materialize_master_grads
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        check_unpickled_settings(self, state, ("wd_after_momentum", "materialize_master_grads"))
+        super().__setstate__(state)
 
     @torch.no_grad()
     def step(  # type: ignore[override]
