@@ -33,6 +33,7 @@ CASES = {
     "onmt_optimizers_fp16.py": (["-model_dtype", "fp16", "-optim", "fusedadam"], False),
     "megatron_2020_training.py": (["--fp16"], True),
     "transformer_xl_amp.py": (["--fp16"], False),
+    "fp16_optimizer_resume.py": (["--epochs", "4", "--dynamic-loss-scale"], False),
 }
 EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
     "dcgan_amp.py": [["--opt_level", "O2", "--niter", "12"]],
@@ -48,6 +49,7 @@ EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
                                  "-loss_scale", "128"]],
     "megatron_2020_training.py": [["--fp16", "--loss-scale", "1024"], []],
     "transformer_xl_amp.py": [["--fp16", "--apex_amp_opt_level", "O2"], ["--fp16", "--amp", "pytorch"]],
+    "fp16_optimizer_resume.py": [["--epochs", "3", "--static-loss-scale", "128"]],
 }
 
 
