@@ -99,6 +99,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             (default: the process-wide ``fp16kit.optimizer_thread()``).
         unfrozen: params frozen when wrapped and trainable later: ``"adopt"`` them at the next
             step (default), or ``"refuse"`` to step them (apex's construction-time rule).
+        apex_groups: take the groups as apex's FP16_Optimizer did (the legacy face): a master
+            per listing of a repeated param, and no warning about the groups.
 
     :meth:`submit_step` (mode 2) runs a function of yours -- typically
     ``scaler.step(opt); opt.zero_grad()`` -- on the optimizer thread.
@@ -114,6 +116,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         async_step: bool = False,
         thread: OptimizerThread | None = None,
         unfrozen: LatePolicy = "adopt",
+        apex_groups: bool = False,
     ) -> None:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise TypeError("This optimizer is already a MixedPrecisionOptimizer; wrap the inner optimizer once.")
@@ -129,7 +132,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         # Asynchronous steps and offloaded masters need a master for every trainable param:
         # the optimizer thread must never write a tensor the forward pass reads.
         all_masters = async_step or master_device is not None
-        _prepare_groups(optimizer.param_groups, all_masters, master_dtype)
+        _prepare_groups(optimizer.param_groups, all_masters, master_dtype, as_apex=apex_groups)
         self._masters = MasterParams([], master_dtype=master_dtype, master_device=master_device, flat=flat)
         super().__init__(optimizer)
         self.async_step = async_step
@@ -168,7 +171,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     @property
     def _step_supports_amp_scaling(self) -> bool:
         # Fused inner optimizers take grad_scale/found_inf from GradScaler and skip on device.
-        # torch's GradScaler.step reads this first: refuse it there (fp16kit.optimizer_misuse).
+        # (torch's GradScaler.step reads this first: refused there, see optimizer_misuse)
         if sys._getframe(1).f_code is TORCH_STEP_READER:
             raise torch_scaler_error(sys._getframe(1), "step", self._masters.model_params)
         return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
@@ -514,12 +517,16 @@ _SCALED_STEP = (
 )
 
 
-def _prepare_groups(param_groups: list[dict[str, Any]], all_masters: bool, master_dtype: torch.dtype) -> None:
-    """Check the groups of the optimizer to wrap (nothing changes on error); then keep each
-    param once in its group, and warn when no param would get a master."""
+def _prepare_groups(
+    param_groups: list[dict[str, Any]], all_masters: bool, master_dtype: torch.dtype, *, as_apex: bool
+) -> None:
+    """Check the groups of the optimizer to wrap (nothing changes on error); then, unless
+    ``as_apex``, keep each param once in its group and warn when no param would get a master."""
     check_distinct_groups(param_groups)
     for gi, group in enumerate(param_groups):
         check_params(group["params"], all_masters, master_dtype, where=f" in param group {gi}")
+    if as_apex:
+        return
     for gi, group in enumerate(param_groups):
         _drop_repeats(group["params"], where=f"param group {gi}")
     if not all_masters:

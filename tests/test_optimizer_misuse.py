@@ -407,3 +407,20 @@ def test_nothing_to_master_does_not_warn_where_the_optimizer_adds_masters(caplog
         mixed = nn.Sequential(nn.Linear(4, 4).half(), nn.Linear(4, 4))
         MixedPrecisionOptimizer(torch.optim.SGD(mixed.parameters(), lr=0.1))
     assert not _warnings(caplog, "none of the optimizer's params")
+
+
+def test_fp16_optimizer_keeps_apexs_groups(caplog):
+    # The legacy face builds its MixedPrecisionOptimizer with apex_groups=True: apex's
+    # FP16_Optimizer made a master per listing of a repeated param (its checkpoints hold them
+    # all) and said nothing about an fp32 model.
+    from fp16kit.legacy import FP16_Optimizer
+
+    model = mlp(torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's own duplicate warning
+        inner = torch.optim.SGD([*model.parameters(), model[2].weight], lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="fp16kit"):
+        opt = FP16_Optimizer(inner, verbose=False)
+        FP16_Optimizer(torch.optim.SGD(mlp(torch.float32).parameters(), lr=0.1), verbose=False)
+    assert [len(g) for g in opt.fp32_from_fp16_groups] == [5]
+    assert not _warnings(caplog, "a second time") and not _warnings(caplog, "none of the optimizer's params")
