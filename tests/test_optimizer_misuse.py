@@ -198,10 +198,15 @@ def _async_loop(model, opt, scaler, data, *, clip):
     norms = []
     for x, y in data:
         opt.zero_grad()
-        scaler.scale(mse(model, x, y)).backward()
-        norm = clip.before_step(model, opt, scaler)
-        scaler.step(opt)
-        scaler.update()
+        if scaler is None:  # bf16: no loss scale
+            mse(model, x, y).backward()
+            norm = clip.before_step(model, opt, scaler)
+            opt.step()
+        else:
+            scaler.scale(mse(model, x, y)).backward()
+            norm = clip.before_step(model, opt, scaler)
+            scaler.step(opt)
+            scaler.update()
         norm = clip.after_step(model, opt) if norm is None else norm
         norms.append(float(norm))
     opt.synchronize()
@@ -222,15 +227,18 @@ class _ClipWithOptimizer:
     """The named fix: unscale_, then optimizer.clip_grad_norm_ (it returns the norm)."""
 
     def before_step(self, model, opt, scaler):
-        scaler.unscale_(opt)
+        if scaler is not None:
+            scaler.unscale_(opt)
         return opt.clip_grad_norm_(math.inf)
 
 
-def test_grad_norm_logged_after_an_async_step_warns_once_naming_the_fix(caplog):
-    model = mlp(torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_grad_norm_logged_after_an_async_step_warns_once_naming_the_fix(dtype, caplog):
+    model = mlp(dtype)
     opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), async_step=True)
+    scaler = GradScaler("cpu") if dtype == torch.float16 else None
     with caplog.at_level(logging.WARNING, logger="fp16kit"):
-        norms = _async_loop(model, opt, GradScaler("cpu"), batches(4), clip=_LogAfterStep())
+        norms = _async_loop(model, opt, scaler, batches(4, dtype), clip=_LogAfterStep())
     assert norms == [0.0] * 4  # torch's result is left as it is: the warning explains it
     (record,) = _warnings(caplog, "torch.nn.utils.clip_grad_norm_ was called")
     assert "clipped nothing and returned 0" in record.getMessage()
