@@ -12,7 +12,8 @@ multiplied by the scale. The optimizer refuses it at the first attribute torch's
     scaler.step(opt)      ->  GradScaler.step reads opt._step_supports_amp_scaling (first)
 
 Both properties compare their caller's code object, by identity, with those two functions of
-``torch.amp.GradScaler`` (:func:`torch_scaler_reads`): one frame lookup and one ``is`` per read.
+``torch.amp.GradScaler`` (``TORCH_UNSCALE_READER``, ``TORCH_STEP_READER``): one frame lookup and
+one ``is`` per read.
 Subclasses that do not replace them run the same code objects; ``fp16kit.GradScaler`` replaces
 both, and every other reader (LR schedulers, fp16kit itself) runs other code.
 
@@ -64,8 +65,9 @@ def torch_scaler_error(frame: types.FrameType, call: str, model_params: Sequence
         f"scaler.{call}(optimizer) was called with torch's GradScaler ({name}) on a "
         "MixedPrecisionOptimizer. torch's scaler unscales the grads of optimizer.param_groups in "
         "place, but this optimizer's groups hold fp32 master weights, which receive the model's "
-        "fp16/bf16 grads only from fp16kit.GradScaler: torch's would check no gradient, and its "
-        "step() would fail with 'No inf checks were recorded for this optimizer'. Use "
+        "fp16/bf16 grads only from fp16kit.GradScaler: torch's would check none of them, and its "
+        "step() would fail with 'No inf checks were recorded for this optimizer' (or, with float32 "
+        "params beside, step the masters with grads still multiplied by the scale). Use "
         f"fp16kit.GradScaler, which has torch's API: scaler = fp16kit.GradScaler({device!r}) instead "
         f"of torch.amp.GradScaler({device!r}) (a saved torch scaler state loads into it with "
         "load_state_dict), and keep the loop: scaler.scale(loss).backward(); then, to clip, "
