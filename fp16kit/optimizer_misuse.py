@@ -18,19 +18,23 @@ Subclasses that do not replace them run the same code objects; ``fp16kit.GradSca
 both, and every other reader (LR schedulers, fp16kit itself) runs other code.
 
 **torch.nn.utils.clip_grad_norm_(model.parameters())** after an asynchronous step
-(``async_step=True``) handed the model's grads to the optimizer thread finds no grad: it clips
-nothing and returns 0, and a grad-norm logger logs zeros. Nothing on the model or the optimizer
-sees ``p.grad`` being read, so the first hand-off of a process wraps torch's
-``clip_grad_norm_`` (both names torch exports it under) with a check that warns once per
-optimizer (:func:`watch_clips`); until then torch is untouched, and with no asynchronous
-optimizer alive the wrapper only tests one empty set. Code that imported the function itself
-before the first hand-off (``from torch.nn.utils import clip_grad_norm_``) keeps torch's.
+(``async_step=True``, ``submit_step``) handed the model's grads to the optimizer thread finds no
+grad: it clips nothing and returns 0, and a grad-norm logger logs zeros. Nothing on the model or
+the optimizer sees ``p.grad`` being read, so the first hand-off of a process (:func:`watch_clips`)
+replaces the private helper torch's ``clip_grad_norm_`` calls for the total norm,
+``torch.nn.utils.clip_grad._get_total_norm``, by one that, given no grad at all by
+``clip_grad_norm_``, asks each watched optimizer whether the clipped params are its handed-off
+ones (warning once per optimizer), then computes torch's norm. The public functions stay torch's
+own objects (aliases made before keep working, and are watched too); the normal path costs one
+emptiness test; until the first hand-off torch is untouched.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import sys
 import threading
 import types
 import weakref
@@ -105,41 +109,32 @@ def watch_clips(owner: ClipWatched) -> None:
 
 
 def _install() -> None:
-    modules = (torch.nn.utils, torch.nn.utils.clip_grad)
-    made: dict[int, Callable[..., Any]] = {}
-    for module in modules:
-        fn = module.clip_grad_norm_
-        if fn in _wrappers:
-            continue
-        if id(fn) not in made:  # (both names are one function)
-            made[id(fn)] = _watching(fn)
-        module.clip_grad_norm_ = made[id(fn)]
+    # torch's clip_grad_norm_ looks its helper up in its module at each call: replacing the
+    # helper there leaves every public name (and every alias of it made earlier) as it is.
+    module = torch.nn.utils.clip_grad
+    norm = getattr(module, "_get_total_norm", None)
+    clip = getattr(module, "clip_grad_norm_", None)
+    if norm is None or clip is None or norm in _wrappers:
+        return  # another torch: nothing watched
+    clip_code = inspect.unwrap(clip).__code__
+
+    @functools.wraps(norm)
+    def _get_total_norm(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if _watched and isinstance(tensors, list) and not tensors:  # clip_grad_norm_ found no grad
+            caller = sys._getframe(1)
+            if caller.f_code is clip_code:
+                _check(caller.f_locals.get("parameters", ()))
+        return norm(tensors, *args, **kwargs)
+
+    _wrappers.add(_get_total_norm)
+    module._get_total_norm = _get_total_norm
 
 
-def _watching(clip: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    @functools.wraps(clip)
-    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if _watched:
-            parameters = _check(parameters)
-        return clip(parameters, *args, **kwargs)
-
-    _wrappers.add(clip_grad_norm_)
-    return clip_grad_norm_
-
-
-def _check(parameters: Any) -> Any:
-    """Warn for each watched optimizer whose handed-off grads ``parameters`` miss; return
-    ``parameters`` as torch will read them (a generator stays one: torch warns when empty)."""
-    if isinstance(parameters, torch.Tensor):
-        params: list[torch.Tensor] = [parameters]
-    else:
-        generator = isinstance(parameters, types.GeneratorType)
-        params = list(parameters)
-        parameters = (p for p in params) if generator else params
+def _check(params: Sequence[torch.Tensor]) -> None:
+    """Warn for each watched optimizer whose handed-off grads ``params`` miss."""
     with _lock:
         owners = list(_watched)
     for owner in owners:
         message = owner.clip_finds_none(params)
         if message is not None and not owner.warned_clip():
             logger.warning(message)
-    return parameters

@@ -25,6 +25,11 @@ from _helpers import batches, mlp, mse
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+# Bound at import, before this process may have run an asynchronous step (the way apex's
+# fp16_utils aliased clip_grad_norm_): see test_the_watch_leaves_torchs_functions...
+_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+_TORCH_NORM = torch.nn.utils.get_total_norm
+
 
 def _warnings(caplog, text):
     return [r for r in caplog.records if r.name == "fp16kit" and text in r.getMessage()]
@@ -310,31 +315,32 @@ def test_clip_of_the_model_params_inside_a_submitted_step_warns(caplog):
     assert "optimizer.clip_grad_norm_(max_norm) after scaler.unscale_(optimizer)" in record.getMessage()
 
 
-def test_the_watched_clip_keeps_torchs_behaviour():
-    # Installed by the first hand-off, under both names torch exports; same numbers, and
-    # torch's own warning for an empty generator still comes.
+def test_the_watch_leaves_torchs_functions_and_numbers_and_sees_earlier_aliases(caplog):
+    # Installed by the first hand-off into the helper torch's clip_grad_norm_ calls: the public
+    # functions stay torch's objects (an alias made before, as apex's fp16_utils.clip_grad_norm,
+    # is watched too), and the norms and clipped grads are torch's.
     model = mlp(torch.float16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
     scaler = GradScaler("cpu")
     x, y = batches(1)[0]
     scaler.scale(mse(model, x, y)).backward()
     scaler.step(opt)
+    assert torch.nn.utils.clip_grad_norm_ is _TORCH_CLIP and torch.nn.utils.get_total_norm is _TORCH_NORM
+    with caplog.at_level(logging.WARNING, logger="fp16kit"):
+        assert _TORCH_CLIP(model.parameters(), 1.0) == 0
+    assert _warnings(caplog, "clipped nothing and returned 0")
     opt.synchronize()
-    watched = torch.nn.utils.clip_grad_norm_
-    assert watched is torch.nn.utils.clip_grad.clip_grad_norm_
-    assert watched.__code__.co_filename == fp16kit.optimizer_misuse.__file__
     grads = [torch.randn(5, 3) for _ in range(3)]
-    params = [nn.Parameter(torch.zeros(5, 3)) for _ in range(3)]
-    results = []
-    for clip in (watched, watched.__wrapped__):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        results.append((clip((p for p in params), 1.0), [p.grad.clone() for p in params]))
-        results.append((clip(params[0], 0.5, norm_type=1.0), [params[0].grad.clone()]))
-    assert torch.equal(results[0][0], results[2][0]) and torch.equal(results[1][0], results[3][0])
-    assert all(torch.equal(a, b) for a, b in zip(results[0][1] + results[1][1], results[2][1] + results[3][1]))
+    params, reference = ([nn.Parameter(torch.zeros(5, 3)) for _ in range(3)] for _ in range(2))
+    for p, r, g in zip(params, reference, grads):
+        p.grad, r.grad = g.clone(), g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type=1.0)
+    expected = _TORCH_NORM(grads, 1.0)
+    torch.nn.utils.clip_grads_with_norm_(reference, 0.5, expected)
+    assert torch.equal(norm, expected) and all(torch.equal(p.grad, r.grad) for p, r in zip(params, reference))
+    assert not torch.equal(params[0].grad, grads[0])  # (clipped)
     with pytest.warns(UserWarning, match="empty generator"):
-        watched((p for p in ()), 1.0)
+        torch.nn.utils.clip_grad_norm_((p for p in ()), 1.0)
 
 
 # ------------------------------------------------------------------ param groups (item 9)
