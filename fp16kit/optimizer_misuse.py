@@ -13,9 +13,8 @@ multiplied by the scale. The optimizer refuses it at the first attribute torch's
 
 Both properties compare their caller's code object, by identity, with those two functions of
 ``torch.amp.GradScaler`` (``TORCH_UNSCALE_READER``, ``TORCH_STEP_READER``): one frame lookup and
-one ``is`` per read.
-Subclasses that do not replace them run the same code objects; ``fp16kit.GradScaler`` replaces
-both, and every other reader (LR schedulers, fp16kit itself) runs other code.
+one ``is`` per read. Subclasses that do not replace them run the same code objects;
+``fp16kit.GradScaler`` replaces both, and every other reader (LR schedulers, fp16kit) runs other code.
 
 **torch.nn.utils.clip_grad_norm_(model.parameters())** after an asynchronous step
 (``async_step=True``, ``submit_step``) handed the model's grads to the optimizer thread finds no
