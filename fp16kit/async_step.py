@@ -40,6 +40,7 @@ and ``fn`` (typically ``scaler.step(opt); opt.zero_grad()``) runs on the thread.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from .core import kernels
 from .core.master import SPARSE_GRADS, MasterParams
 from .core.thread import OptimizerThread, current_optimizer_thread, optimizer_thread
 from .master_groups import MasterGroups
+from .optimizer_misuse import watch_clips
 from .step_snapshot import StepView, snapshot, write_back
 from .step_state import StepState
 
@@ -107,6 +109,8 @@ class AsyncSteps:
         self._landing: Future | None = None  # land_begin's copy on the optimizer thread
         self._staging: list[torch.Tensor] | None = None
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # see defer_copies()
+        self.handed_off = False  # the model grads went to a job; no zero_grad() since
+        self._warned_clip = threading.Event()  # set once, from either thread
         # optimizer thread only
         self.running: StepJob | None = None
         self._idle_job = StepJob()  # for this optimizer's calls from other jobs on the thread
@@ -216,7 +220,38 @@ class AsyncSteps:
             event.record()
         for p in params:
             p.grad = None  # the next backward starts from zero
+        self.handed_off = True
+        watch_clips(self)
         return Handoff(grads, event)
+
+    # ------------------------------------------------------------------ clipping the model params
+    # torch.nn.utils.clip_grad_norm_(model.parameters()) finds no grad after a hand-off
+    # (fp16kit.optimizer_misuse watches it).
+    def grads_cleared(self) -> None:
+        """``zero_grad()`` on the main thread: the model params hold no grads by the user's
+        doing now, as in torch, not because they were handed off."""
+        self.handed_off = False
+
+    def clip_finds_none(self, params: Sequence[torch.Tensor]) -> str | None:
+        """The warning for ``torch.nn.utils.clip_grad_norm_(params)`` now, if it misses this
+        optimizer's grads: on the main thread when none of ``params`` has a grad and some are
+        model params whose grads were handed off (it returns 0); in this optimizer's step
+        job when any is a model param (the model grads belong to the main thread)."""
+        if self.on_optimizer_thread():
+            if self.running is None:
+                return None
+            message = _CLIP_IN_JOB
+        elif not self.handed_off or any(p.grad is not None for p in params):
+            return None
+        else:
+            message = _CLIP_AFTER_HANDOFF
+        mastered = {id(p) for p in self._masters.model_params}
+        return message if any(id(p) in mastered for p in params) else None
+
+    def warned_clip(self) -> bool:
+        warned = self._warned_clip.is_set()
+        self._warned_clip.set()
+        return warned
 
     def _staging_buffers(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # Reused every step: the job of the previous step has finished with them (land()).
@@ -445,6 +480,26 @@ class AsyncSteps:
         self._masters.grads_to_masters(None, None, grads=grads, unscale=False, clear_missing=missing_grads == "none")
         state.handed_off()
         return fn()
+
+
+_CLIP_FIX = (
+    "Clip with optimizer.clip_grad_norm_(max_norm) before the step -- after "
+    "scaler.unscale_(optimizer), or after the backward without a scaler; with submit_step, in the "
+    "submitted function: it clips the unscaled fp32 master grads the step uses and returns their "
+    "norm (max_norm=float('inf') only measures it). (Warned once per optimizer.)"
+)
+_CLIP_AFTER_HANDOFF = (
+    "torch.nn.utils.clip_grad_norm_ was called on the model's parameters after an asynchronous "
+    "step (async_step=True or submit_step) handed their gradients to the optimizer thread: they "
+    "hold none now, so it clipped nothing and returned 0. " + _CLIP_FIX
+)
+_CLIP_IN_JOB = (
+    "torch.nn.utils.clip_grad_norm_ was called on the model's parameters inside a step job "
+    "(submit_step): the step's gradients were handed to the job, and the model's are the main "
+    "thread's (empty, or the next backward's). In the job, call "
+    "optimizer.clip_grad_norm_(max_norm) after scaler.unscale_(optimizer): it clips the master "
+    "grads the step uses. (Warned once per optimizer.)"
+)
 
 
 def log_skipped_step() -> None:

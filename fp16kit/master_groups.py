@@ -33,7 +33,8 @@ import torch
 from .core.master import LOW_PRECISION, MasterParams
 
 __all__ = [
-    "MasterGroup", "MasterGroups", "check_master_dtypes", "check_not_sharded", "check_params", "check_not_wrapped", "mark_wrapped",
+    "MasterGroup", "MasterGroups", "check_distinct_groups", "check_master_dtypes", "check_not_sharded", "check_params",
+    "check_not_wrapped", "drop_repeats", "mark_wrapped",
 ]
 
 # Inner optimizers a MixedPrecisionOptimizer has wrapped: their groups hold masters now.
@@ -95,6 +96,39 @@ def check_params(params: Any, all_masters: bool, master_dtype: torch.dtype, *, w
     if all_masters:
         check_master_dtypes(params, master_dtype, where=where)
     check_not_sharded(params, all_masters, master_dtype, where=where)
+
+
+def check_distinct_groups(param_groups: list[dict[str, Any]]) -> None:
+    """Refuse a param listed in two param groups, with torch.optim's error (torch checks each
+    group it adds against the ones before; groups edited by hand since reach here). Each would
+    get a master, stepped with its group's settings, and the last copied back would win.
+    Changes nothing."""
+    seen: dict[int, int] = {}
+    for gi, group in enumerate(param_groups):
+        for p in {id(p): p for p in group["params"]}.values():  # (a repeat in one group: drop_repeats)
+            if id(p) in seen:
+                raise ValueError(
+                    f"some parameters appear in more than one parameter group: param groups "
+                    f"{seen[id(p)]} and {gi} both hold a {p.dtype} param of shape {tuple(p.shape)}. "
+                    "List each param in one group (torch.optim refuses this too)."
+                )
+            seen[id(p)] = gi
+
+
+def drop_repeats(params: list[torch.Tensor]) -> list[int]:
+    """Remove the later listings of a param listed more than once in ``params``, in place
+    (LBFGS caches the list); return their positions. One master per param: torch.optim
+    would step such a param at every listing."""
+    seen: set[int] = set()
+    repeats = []
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            repeats.append(i)
+        seen.add(id(p))
+    if repeats:
+        dropped = set(repeats)
+        params[:] = [p for i, p in enumerate(params) if i not in dropped]
+    return repeats
 
 
 def check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:

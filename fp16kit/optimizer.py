@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -58,12 +59,16 @@ import torch
 
 from .async_step import AsyncSteps, log_skipped_step
 from .core import kernels
-from .core.master import MasterParams
+from .core.master import LOW_PRECISION, MasterParams
 from .core.protocol import Flags, scaled_iterations
 from .core.thread import OptimizerThread
 from .master_checkpoint import MatchedMasters, check_state_dict
 from .master_grads import MasterGrads
-from .master_groups import LatePolicy, MasterGroup, MasterGroups, check_not_wrapped, check_params, mark_wrapped
+from .master_groups import (
+    LatePolicy, MasterGroup, MasterGroups, check_distinct_groups, check_not_wrapped, check_params, drop_repeats,
+    mark_wrapped,
+)
+from .optimizer_misuse import TORCH_STEP_READER, TORCH_UNSCALE_READER, torch_scaler_error
 from .step_snapshot import StepView
 from .step_state import Stage, StepState
 from .wrapping import WrappingOptimizer
@@ -94,6 +99,8 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             (default: the process-wide ``fp16kit.optimizer_thread()``).
         unfrozen: params frozen when wrapped and trainable later: ``"adopt"`` them at the next
             step (default), or ``"refuse"`` to step them (apex's construction-time rule).
+        apex_groups: take the groups as apex's FP16_Optimizer did (the legacy face): a master
+            per listing of a repeated param, and no warning about the groups.
 
     :meth:`submit_step` (mode 2) runs a function of yours -- typically
     ``scaler.step(opt); opt.zero_grad()`` -- on the optimizer thread.
@@ -109,6 +116,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         async_step: bool = False,
         thread: OptimizerThread | None = None,
         unfrozen: LatePolicy = "adopt",
+        apex_groups: bool = False,
     ) -> None:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise TypeError("This optimizer is already a MixedPrecisionOptimizer; wrap the inner optimizer once.")
@@ -124,8 +132,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         # Asynchronous steps and offloaded masters need a master for every trainable param:
         # the optimizer thread must never write a tensor the forward pass reads.
         all_masters = async_step or master_device is not None
-        for gi, group in enumerate(optimizer.param_groups):
-            check_params(group["params"], all_masters, master_dtype, where=f" in param group {gi}")
+        _prepare_groups(optimizer.param_groups, all_masters, master_dtype, as_apex=apex_groups)
         self._masters = MasterParams([], master_dtype=master_dtype, master_device=master_device, flat=flat)
         super().__init__(optimizer)
         self.async_step = async_step
@@ -146,8 +153,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """The wrapped optimizer's param groups; inside a step job, the snapshot it steps
-        (:mod:`fp16kit.step_snapshot`): what the job sets applies to its step."""
-        if self._async.on_optimizer_thread() and self._async.running is not None:
+        (:mod:`fp16kit.step_snapshot`). Read by torch's GradScaler: TypeError (optimizer_misuse)."""
+        if sys._getframe(1).f_code is TORCH_UNSCALE_READER:
+            raise torch_scaler_error(sys._getframe(1), "unscale_", self._masters.model_params)
+        # running first: set only while a job runs, it is cheaper to test than the thread
+        if self._async.running is not None and self._async.on_optimizer_thread():
             groups = self._async.running.groups
             if groups is not None:
                 return groups
@@ -161,6 +171,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     @property
     def _step_supports_amp_scaling(self) -> bool:
         # Fused inner optimizers take grad_scale/found_inf from GradScaler and skip on device.
+        # (torch's GradScaler.step reads this first: refused there, see optimizer_misuse)
+        if sys._getframe(1).f_code is TORCH_STEP_READER:
+            raise torch_scaler_error(sys._getframe(1), "step", self._masters.model_params)
         return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -170,6 +183,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             raise TypeError("add_param_group expects a dict with a 'params' entry.")
         params = param_group["params"]
         param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _drop_repeats(params, where="the new param group")
         self._groups.check(params, new_group=True)
         self.wait_for_step()  # the step in flight reads the groups and the masters
         self.optimizer.add_param_group(param_group)
@@ -272,6 +286,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             self.optimizer.zero_grad(set_to_none)
         if not self._async.on_optimizer_thread():
             self._grads.zeroed(set_to_none)  # for grads handed off to a job (master_grads)
+            self._async.grads_cleared()
         self._state().reset()
 
     def clip_grad_norm_(
@@ -500,6 +515,50 @@ _SCALED_STEP = (
     "update is that many times too large. Call scaler.step(optimizer) (then scaler.update()) "
     "instead of optimizer.step(). (Warned once per optimizer.)"
 )
+
+
+def _prepare_groups(
+    param_groups: list[dict[str, Any]], all_masters: bool, master_dtype: torch.dtype, *, as_apex: bool
+) -> None:
+    """Check the groups of the optimizer to wrap (nothing changes on error); then, unless
+    ``as_apex``, keep each param once in its group and warn when no param would get a master."""
+    check_distinct_groups(param_groups)
+    for gi, group in enumerate(param_groups):
+        check_params(group["params"], all_masters, master_dtype, where=f" in param group {gi}")
+    if as_apex:
+        return
+    for gi, group in enumerate(param_groups):
+        _drop_repeats(group["params"], where=f"param group {gi}")
+    if not all_masters:
+        _warn_if_nothing_to_master(param_groups)
+
+
+def _drop_repeats(params: list[torch.Tensor], *, where: str) -> None:
+    """Keep each param of a group once (:func:`~fp16kit.master_groups.drop_repeats`), warning."""
+    repeats = drop_repeats(params)
+    if repeats:
+        logger.warning(
+            f"MixedPrecisionOptimizer: {where} lists {len(repeats)} param(s) a second time (at "
+            f"positions {repeats}). Each is kept once -- one fp32 master, stepped once per step -- "
+            "where torch.optim steps a param at every listing (and warns that this will become an "
+            "error). List each param once: e.g. build the group from model.parameters(), which "
+            "yields a shared (tied) param once."
+        )
+
+
+def _warn_if_nothing_to_master(param_groups: list[dict[str, Any]]) -> None:
+    """Warn when no param is fp16/bf16 (frozen ones count: unfrozen later, they get masters)."""
+    if any(p.dtype in LOW_PRECISION for g in param_groups for p in g["params"]):
+        return
+    logger.warning(
+        "MixedPrecisionOptimizer: none of the optimizer's params is float16 or bfloat16, so it keeps "
+        "no fp32 masters and adds nothing to the optimizer it wraps. If the model is meant to stay "
+        "float32 (autocast), step the optimizer itself: scaler = fp16kit.GradScaler(device) (or "
+        "torch.amp.GradScaler); scaler.scale(loss).backward(); scaler.step(optimizer); "
+        "scaler.update(). To keep the model in 16 bits with fp32 masters, convert it first -- "
+        "model.half() or model.to(torch.bfloat16) -- and wrap the optimizer after that: params "
+        "converted after wrapping have no masters and are stepped in 16 bits."
+    )
 
 
 @contextlib.contextmanager

@@ -212,15 +212,6 @@ def test_add_param_group_refuses_a_param_already_optimized():
     assert len(opt.param_groups) == 1 and len(opt.master_params) == 4
 
 
-def test_add_param_group_refuses_a_param_listed_twice():
-    model = _net(torch.float16)
-    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    extra = nn.Parameter(torch.zeros(3, dtype=torch.float16))
-    with pytest.raises(ValueError, match="twice"):
-        opt.add_param_group({"params": [extra, extra]})
-    assert len(opt.param_groups) == 1
-
-
 def test_params_unfrozen_together_are_adopted_together_in_group_order():
     # One pass for all of them: with flat=True their masters share one new buffer, and each
     # role's list follows the group's order, as in an optimizer built after unfreezing (so

@@ -286,7 +286,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         # apex's construction-time rule: params frozen now are never trained (refused, not
         # corrupted, if they get a grad later; see fp16kit.master_groups)
         self._mpo = MixedPrecisionOptimizer(
-            init_optimizer, async_step=async_step, master_device=master_device, unfrozen="refuse"
+            init_optimizer, async_step=async_step, master_device=master_device, unfrozen="refuse", apex_groups=True
         )
         self._index_groups()
 
