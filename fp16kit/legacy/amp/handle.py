@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ...core import kernels
-from ._amp_state import _amp_state, logger
+from .._messages import apex_logger
+from ._amp_state import _amp_state
 from ._process_optimizer import unscale_into_stash
 from .scaler import LossScaler
 
@@ -302,7 +303,7 @@ class OptimWrapper:
         flags = kernels.stack_flags(found, torch.device("cpu")).tolist()  # one host read per step
         if any(flags):
             if _amp_state.verbosity >= 1:
-                logger.warning("Gradient overflow, skipping update")
+                apex_logger.warning("Gradient overflow, skipping update")
             return None
         from . import casts
 
