@@ -109,8 +109,6 @@ def enable_o1(device_type: str = "cuda") -> None:
     ctx = torch.autocast(device_type, dtype=torch.float16)
     ctx.__enter__()
     contexts[device_type] = ctx
-    logger.debug("amp O1: autocast(%r, float16) switched on for thread %s", device_type,
-                 threading.current_thread().name)
 
 
 def _disable_o1_for_tests() -> None:
