@@ -248,7 +248,7 @@ def initialize(
         device_type = next((p.device.type for m in model_list for p in m.parameters()), "cuda")
         if hasattr(casts, "apply_registrations"):
             casts.apply_registrations()  # amp.register_*_function calls queued before initialize
-        casts.enable_o1(device_type)
+        casts.enable_o1(device_type, verbose=(verbosity == 2))
         _amp_state.handle = AmpHandle(properties.loss_scale, verbose=(verbosity == 2))
         if hasattr(casts, "clear_cache_after_forward"):
             for model in model_list:
