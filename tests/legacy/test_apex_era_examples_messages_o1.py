@@ -96,3 +96,13 @@ def test_gnmt_rank_logging_into_a_log_file(tmp_path):
     assert logged[0].startswith("INFO - 0 - Run arguments:")
     assert logged[-1] == "INFO - 0 - Finished training"
     assert not [line for line in logged if "Gradient overflow" in line or "optimization level" in line]
+
+
+@pytest.mark.slow
+def test_moco_o1(tmp_path, capsys):
+    out, err = _unmodified_and_migrated("moco_o1.py", [], tmp_path, capsys)
+    losses = [float(v) for v in re.findall(r"^step \d+ loss (\S+)", out, re.M)]
+    assert len(losses) == 5 and all(math.isfinite(v) for v in losses), out  # CPU autocast alone: nan
+    assert math.isfinite(_final_loss(out))
+    assert losses[-1] < losses[1]  # trained (step 0's queue is still random noise)
+    assert "Selected optimization level O1:  Insert automatic casts around Pytorch functions and Tensor methods." in out
