@@ -42,10 +42,12 @@ def _rebuild(x: Any, items: list) -> Any:
     return type(x)(items)
 
 
-def _convert_unit(x: Any, convert: Convert) -> Any:
-    if isinstance(x, (list, tuple)):
-        return _rebuild(x, [_convert_unit(y, convert) for y in x])
-    return convert(x)
+def _convert(x: Any, convert: Convert) -> Any:
+    if isinstance(x, torch.Tensor):
+        return convert(x) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)) and x and _is_unit(x):
+        return _rebuild(x, [_convert(y, convert) for y in x])
+    return x
 
 
 def float_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -56,6 +58,6 @@ def float_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 def cast_args(args: tuple, kwargs: dict, convert: Convert, keep: tuple[str, ...] = ()) -> tuple[list, dict]:
     """``(args, kwargs)`` with ``convert`` applied to every floating tensor of the rule (keyword
     arguments named in ``keep`` pass as they are)."""
-    new_args = [_convert_unit(a, convert) if _is_unit(a) else a for a in args]
-    new_kwargs = {k: (_convert_unit(v, convert) if k not in keep and _is_unit(v) else v) for k, v in kwargs.items()}
+    new_args = [_convert(a, convert) for a in args]
+    new_kwargs = {k: (v if k in keep else _convert(v, convert)) for k, v in kwargs.items()} if kwargs else {}
     return new_args, new_kwargs

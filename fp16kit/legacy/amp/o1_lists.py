@@ -96,14 +96,17 @@ class ApexLists(TorchFunctionMode):
         self._cache.clear()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         rule = _RULES.get(func)
         if rule is None or func in _EXEMPT:
+            return func(*args, **kwargs)
+        kind, name = rule
+        if kind == "promote" and not _mixed(args, kwargs):  # most add/mul calls: one dtype
             return func(*args, **kwargs)
         on = [d for d in self.device_types if torch.is_autocast_enabled(d)]
         if not on:
             return func(*args, **kwargs)
-        kind, name = rule
         return getattr(self, "_" + kind)(func, name, on, args, kwargs)
 
     # ------------------------------------------------------------------------------ rules
@@ -172,6 +175,20 @@ class ApexLists(TorchFunctionMode):
         if cacheable:
             self._cache[id(t)] = (t, t._version, copy)
         return copy
+
+
+def _mixed(args: tuple, kwargs: dict) -> bool:
+    """Whether the top-level tensors have more than one dtype (or a list may hide one)."""
+    seen = None
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            if seen is None:
+                seen = a.dtype
+            elif a.dtype is not seen:
+                return True
+        elif isinstance(a, (list, tuple)):
+            return True
+    return False
 
 
 def _is_fp16(t: torch.Tensor, on: list[str]) -> bool:
