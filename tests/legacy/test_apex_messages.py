@@ -26,26 +26,23 @@ from fp16kit.legacy.contrib.optimizers import FusedAdam
 from fp16kit.legacy.megatron import FP16_Module
 from fp16kit.legacy.megatron import FP16_Optimizer as MegatronFP16_Optimizer
 
-BANNER_O2 = [
+_O2_OPTIONS = [
+    "enabled                : True",
+    "opt_level              : O2",
+    "cast_model_type        : torch.float16",
+    "patch_torch_functions  : False",
+    "keep_batchnorm_fp32    : True",
+    "master_weights         : True",
+    "loss_scale             : dynamic",
+]
+BANNER_O2 = [  # the options twice: the level's defaults, then after the (here: no) overrides
     "Selected optimization level O2:  FP16 training with FP32 batchnorm and FP32 master weights.",
     "",
     "Defaults for this optimization level are:",
-    "enabled                : True",
-    "opt_level              : O2",
-    "cast_model_type        : torch.float16",
-    "patch_torch_functions  : False",
-    "keep_batchnorm_fp32    : True",
-    "master_weights         : True",
-    "loss_scale             : dynamic",
+    *_O2_OPTIONS,
     "Processing user overrides (additional kwargs that are not None)...",
     "After processing overrides, optimization options are:",
-    "enabled                : True",
-    "opt_level              : O2",
-    "cast_model_type        : torch.float16",
-    "patch_torch_functions  : False",
-    "keep_batchnorm_fp32    : True",
-    "master_weights         : True",
-    "loss_scale             : dynamic",
+    *_O2_OPTIONS,
 ]
 
 
