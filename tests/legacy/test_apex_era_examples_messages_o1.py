@@ -89,7 +89,8 @@ def test_gnmt_rank_logging_into_a_log_file(tmp_path):
     script = tmp_path / "train.py"
     source = (SCRIPTS / "gnmt_rank_logging.py").read_text()
     log_file = tmp_path / "log.log"
-    script.write_text(source.replace("setup_logging(args.log_all_ranks)", f"setup_logging(args.log_all_ranks, {str(log_file)!r})"))
+    call = "setup_logging(args.log_all_ranks)"
+    script.write_text(source.replace(call, f"setup_logging(args.log_all_ranks, {str(log_file)!r})"))
     done = _python("-m", "fp16kit", "run", str(script), "--train-iters", "4")
     assert done.returncode == 0, done.stderr
     logged = [line.split(" - ", 1)[1] for line in log_file.read_text().splitlines()]

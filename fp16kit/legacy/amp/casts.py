@@ -28,12 +28,12 @@ softmax in fp16)::
                                queued, then applied by the next O1 initialize; the function
                                registered then follows its registration, not apex's lists
 
-On CUDA the same two layers run: apex's lists for the names they hold (CUDA autocast already
-agrees for most; apex's lists add gelu, std, var, normalize, local_response_norm, ctc_loss, grid_sample,
-Tensor.cpu, addmv/addr/mv on CPU, the promote and in-place rules and the BCE error), CUDA
-autocast for every other op (einsum, SDPA: fp16). Differences from apex a user can notice are
-listed in MIGRATION.md (§12): autocast is per thread (apex's patches hit every thread), ops apex
-did not list follow the device's autocast, and fp64 tensors are never cast.
+On CUDA both layers run too: CUDA autocast already runs most of apex's FP32 names in fp32, and the
+lists add the ones it does not (gelu, std, var, local_response_norm, ctc_loss, Tensor.cpu;
+grid_sample, which it promotes), apex's promote and in-place rules and its BCE error; ops no list
+names follow CUDA autocast (einsum, scaled_dot_product_attention: fp16). Differences from apex a
+user can notice are listed in MIGRATION.md (§12): autocast is per thread (apex's patches hit every
+thread), ops apex did not list follow the device's autocast, and fp64 tensors are never cast.
 
 The decorators follow apex's argument rule (:mod:`._cast_args`). ``half_function`` casts to
 autocast's low-precision dtype for the device (float16 under O1); ``promote_function`` casts

@@ -59,7 +59,8 @@ def _rules() -> dict[Callable[..., Any], tuple[str, str]]:
     rules: dict[Callable[..., Any], tuple[str, str]] = {}
     inplace = lists.resolve(lists.FP32_INPLACE)
     for fn, name in inplace.items():
-        rules[fn] = ("fp32_inplace_method" if getattr(torch.Tensor, name, None) is fn else "fp32_inplace_fn", name)
+        method = getattr(torch.Tensor, name, None) is fn
+        rules[fn] = ("fp32_inplace_method" if method else "fp32_inplace_fn", name)
     for kind, names in (("promote", lists.PROMOTE), ("fp32", lists.FP32), ("fp16", lists.FP16),
                         ("banned", tuple(lists.BANNED))):
         for fn, name in lists.resolve(names).items():
