@@ -108,8 +108,8 @@ class Seq2Seq(nn.Module):
 
 
 parser = argparse.ArgumentParser(description="GNMT (tiny)")
-parser.add_argument("--train-iters", type=int, default=24)
-parser.add_argument("--lr", type=float, default=2e-3)
+parser.add_argument("--train-iters", type=int, default=40)
+parser.add_argument("--lr", type=float, default=2e-2)
 parser.add_argument("--init-scale", type=float, default=2.0**20)
 parser.add_argument("--upscale-interval", type=int, default=128)
 parser.add_argument("--grad-clip", type=float, default=5.0)
@@ -137,11 +137,12 @@ for i in range(args.train_iters):
     rows = slice((i * 16) % 64, (i * 16) % 64 + 16)
     src, tgt = source[rows], target[rows]
     output = model(src, tgt[:, :-1])
-    loss = criterion(output.float().reshape(-1, vocab), tgt[:, 1:].reshape(-1)) / src.size(0)
-    fp_optimizer.step(loss, optimizer, scheduler)
-    if i % 6 == 0 or i == args.train_iters - 1:
-        logging.info(f"TRAIN [0][{i}/{args.train_iters}]\tLoss {loss.item():.4f}\t"
+    loss_per_batch = criterion(output.float().reshape(-1, vocab), tgt[:, 1:].reshape(-1))
+    loss_per_token = loss_per_batch.item() / tgt[:, 1:].numel()
+    fp_optimizer.step(loss_per_batch / src.size(0), optimizer, scheduler)
+    if i % 8 == 0 or i == args.train_iters - 1:
+        logging.info(f"TRAIN [0][{i}/{args.train_iters}]\tLoss/tok {loss_per_token:.4f}\t"
                      f"Scale {amp._amp_state.loss_scalers[0].loss_scale():g}")
 
 logging.info("Finished training")
-print(f"final loss {loss.item():.4f}")
+print(f"final loss {loss_per_token:.4f}")
