@@ -44,7 +44,7 @@ def test_apex_script_with_changed_imports_trains_and_resumes():
     assert r.returncode == 0, r.stderr
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", r.stdout)]
     assert losses[-1] < 0.5 * losses[0]
-    assert "Gradient overflow.  Skipping step" in r.stderr  # the scale calibrates from 2**20
+    assert "Gradient overflow.  Skipping step" in r.stdout  # the scale calibrates from 2**20 (apex printed it)
 
 
 @pytest.mark.parametrize("flag", [[], ["--bf16"]])

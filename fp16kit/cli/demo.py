@@ -3,7 +3,7 @@
 Prints a header, then one line per epoch per recipe as soon as it is measured, then the final
 table and notes. Configuration errors (``--device cuda`` without CUDA, ``--plot`` without
 matplotlib) are reported before anything trains, with exit code 2. While the demo trains, the
-``fp16kit`` logger's "Gradient overflow" warnings (apex's messages, which the "skipped" column
+``fp16kit.apex`` logger's "Gradient overflow" warnings (apex's messages, which the "skipped" column
 counts) are counted and hidden unless ``--verbose``.
 """
 
@@ -73,9 +73,10 @@ def _error(message: str) -> int:
 
 
 class _OverflowMessages(logging.Filter):
-    """Counts apex's "Gradient overflow.  Skipping step, ..." warnings on the fp16kit logger and
-    drops them unless ``show`` (the table's skipped column says the same). Every other record
-    passes: a warning the demo does not expect is worth seeing."""
+    """Counts apex's "Gradient overflow.  Skipping step, ..." warnings on the fp16kit.apex logger and
+    drops them unless ``show`` (the table's skipped column says the same), as it drops apex's INFO
+    lines (amp's banner, which would cut the table). Every other warning passes: one the demo does
+    not expect is worth seeing."""
 
     def __init__(self, show: bool) -> None:
         super().__init__()
@@ -86,7 +87,7 @@ class _OverflowMessages(logging.Filter):
         if record.levelno == logging.WARNING and record.getMessage().startswith("Gradient overflow."):
             self.count += 1
             return self.show
-        return True
+        return self.show or record.levelno >= logging.WARNING
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -113,7 +114,7 @@ def _report(cfg: Any, args: argparse.Namespace) -> int:
 
     _print_header(cfg)
     hidden = _OverflowMessages(show=args.verbose)
-    logger = logging.getLogger("fp16kit")
+    logger = logging.getLogger("fp16kit.apex")  # where apex's lines go (fp16kit/legacy/_messages.py)
     logger.addFilter(hidden)
     try:
         result = run_demo(cfg, on_epoch=_print_row)

@@ -20,7 +20,7 @@ Differences from apex (fixes, listed in MIGRATION.md): CPU and bf16 params are a
 ``scale_factor`` in ``dynamic_loss_args`` is honoured; it is a ``torch.optim.Optimizer`` (LR
 schedulers work); ``state_dict()`` is plain data; ``load_state_dict`` reads both apex forms
 and refuses mismatched groups instead of truncating them; closure retries are bounded;
-messages go to the ``fp16kit`` logger.
+apex's printed lines go to the ``fp16kit.apex`` logger (stdout, as apex printed them).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from ..core.scale import LossScale
 from ..master_checkpoint import match_saved_masters, validate_optimizer_groups
 from ..optimizer import MixedPrecisionOptimizer
 from ..wrapping import WrappingOptimizer
-from ._messages import float_or_half
+from ._messages import apex_logger, float_or_half
 from .checkpoint import scaler_state
 from .fp16util import clip_grad_norm
 
 __all__ = ["FP16_Optimizer", "AmpLossScaler"]
 
-logger = logging.getLogger("fp16kit")
+logger = logging.getLogger("fp16kit")  # fp16kit's own notes; apex's lines: apex_logger
 
 _DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 _STATE_KEYS = (
@@ -326,9 +326,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         return torch.device("cpu")
 
     def maybe_print(self, msg: str) -> None:
-        """apex's ``maybe_print``: ``msg`` at INFO on the fp16kit logger when ``verbose``."""
+        """apex's ``maybe_print``: ``msg`` at INFO on the ``fp16kit.apex`` logger when ``verbose``."""
         if self.verbose:
-            logger.info(msg)
+            apex_logger.info(msg)
 
     def __getstate__(self) -> dict[str, Any]:
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
@@ -483,7 +483,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
                         f"row (loss scale now {self.loss_scaler.loss_scale()}): the loss is not "
                         "finite at any scale. Check the loss and the inputs for inf/NaN."
                     )
-                logger.warning(
+                apex_logger.warning(
                     "OVERFLOW within closure! Skipping step, reducing loss scale to {}".format(
                         self.loss_scaler.loss_scale()
                     )
@@ -514,7 +514,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         overflow state."""
         self._refuse_when_async("inspect_master_grad_data")
         if self.overflow:
-            logger.warning(
+            apex_logger.warning(
                 "Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow "
                 "state.  Gradients are currently invalid (may be inf, nan, or stale).  Returning None."
             )
@@ -625,4 +625,4 @@ def _log_overflow(scale_after: float | torch.Tensor) -> None:
     """apex's message for a skipped step. A tensor is read here: asynchronously, this runs on
     the optimizer thread, which may read the device (the main thread never does)."""
     value = scale_after.item() if isinstance(scale_after, torch.Tensor) else scale_after
-    logger.warning("Gradient overflow.  Skipping step, reducing loss scale to {}".format(value))
+    apex_logger.warning("Gradient overflow.  Skipping step, reducing loss scale to {}".format(value))

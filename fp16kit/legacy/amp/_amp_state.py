@@ -1,17 +1,17 @@
 """apex.amp._amp_state: the process-wide amp state scripts read (``_amp_state.loss_scalers``,
-``opt_properties``, ``verbosity``, ...), and apex's ``maybe_print`` / ``warn_or_err`` (through
-the ``fp16kit`` logger: apex printed)."""
+``opt_properties``, ``verbosity``, ...), and apex's ``maybe_print`` / ``warn_or_err`` (apex
+printed; these write apex's text to the ``fp16kit.apex`` logger, whose handler writes it to
+stdout: :mod:`fp16kit.legacy._messages`)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-__all__ = ["AmpState", "_amp_state", "maybe_print", "warn_or_err", "master_params"]
+from .._messages import apex_logger
 
-logger = logging.getLogger("fp16kit")
+__all__ = ["AmpState", "_amp_state", "maybe_print", "warn_or_err", "master_params"]
 
 
 class AmpState:
@@ -41,14 +41,14 @@ def _is_rank0() -> bool:
 
 
 def maybe_print(msg: str, rank0: bool = False) -> None:
-    """Log ``msg`` at INFO when ``verbosity > 0`` (with ``rank0``, on rank 0 only)."""
+    """apex's line ``msg`` at INFO when ``verbosity > 0`` (with ``rank0``, on rank 0 only)."""
     if _amp_state.verbosity > 0 and (not rank0 or _is_rank0()):
-        logger.info(msg)
+        apex_logger.info(msg)
 
 
 def warn_or_err(msg: str) -> None:
     if _amp_state.hard_override:
-        logger.warning("Warning:  " + msg)
+        apex_logger.warning("Warning:  " + msg)
     else:
         raise RuntimeError(msg)
 

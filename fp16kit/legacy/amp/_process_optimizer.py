@@ -23,7 +23,6 @@ accumulated fp32 grads (§13.7); the O2 optimizer state stays fp32 whatever the 
 from __future__ import annotations
 
 import contextlib
-import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -33,12 +32,10 @@ import torch
 from ...core import kernels
 from ...core.master import MasterParams
 from ...master_groups import MasterGroups
-from .._messages import float_or_half
+from .._messages import apex_logger, float_or_half
 from ._amp_state import _amp_state
 
 __all__ = ["AmpOptimizerState", "process_optimizer", "unscale_into_stash", "MASTERS_KEY", "AMP_METHODS"]
-
-logger = logging.getLogger("fp16kit")
 
 MASTERS_KEY = "amp_fp32_masters"
 """The extra ``optimizer.state_dict()`` entry holding the exact fp32 masters per group (O2)."""
@@ -179,7 +176,7 @@ def _post_stashed(optimizer: torch.optim.Optimizer, scaler: Any, inv: torch.Tens
     stash.grad_stash = {}
     if any(g.dtype != torch.float32 for g in new) and not scaler.__class__.warned_unscaling_non_fp32_grad:
         scaler.__class__.warned_unscaling_non_fp32_grad = True
-        logger.warning(
+        apex_logger.warning(
             "Warning:  unscaling grads that are not FP32. Unscaling non-fp32 grads may indicate an "
             "error. When using Amp, you don't need to call .half() on your model."
         )
@@ -244,7 +241,7 @@ def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: An
             optimizer._amp_stash.pending = []
             loss_id, scaler = skip
             if _amp_state.verbosity >= 1:
-                logger.warning(
+                apex_logger.warning(
                     "Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}".format(
                         loss_id, scaler.loss_scale()
                     )

@@ -1,33 +1,42 @@
-"""apex amp's O1 casts (spec/amp.md §10) on ``torch.autocast`` (§12).
+"""apex amp's O1 casts (spec/amp.md §10) on ``torch.autocast`` (§12) and apex's op lists.
 
 apex O1 patched ``torch``, ``torch.Tensor`` and ``torch.nn.functional`` process-wide so that
-matmul-like ops ran in fp16 and precision-sensitive ones in fp32. The port hands that to
-torch's autocast, which makes the same kind of decision in the dispatcher::
+matmul-like ops ran in fp16 and precision-sensitive ones in fp32. The port enters torch's
+autocast, which casts in the dispatcher (aliases, internal calls, fused kernels), and above it
+apex's own lists (:mod:`.o1_lists`), which decide for every name apex listed, on every device --
+autocast's lists differ from apex's and between CPU and CUDA (CPU autocast runs exp, sum,
+softmax in fp16)::
 
-    enable_o1(device_type)     autocast(device_type, float16) entered on the calling thread and
-                               never left (the faithful default of §12: loss functions computed
-                               in the training loop on the model's outputs are cast as in apex)
-    clear_cache()              torch.clear_autocast_cache(): at every scale_loss exit and, through
-                               clear_cache_after_forward(model), at the end of every model forward
-                               (apex's cache lived until the next scale_loss exit, so eval loops
-                               saw stale fp16 weights: apex#796, the §10 FIX)
-    disable_casts()            autocast off for the block, for every device type it is on for;
-                               the previous state comes back on exit, also after an exception,
-                               and it works without O1 (§13.6/§13.10 FIXes)
+    enable_o1(device_type)     autocast(device_type, float16) and apex's lists (ApexLists)
+                               entered on the calling thread and never left (the faithful
+                               default of §12: loss functions computed in the training loop on
+                               the model's outputs are cast as in apex)
+    clear_cache()              torch.clear_autocast_cache() and the lists' fp16 parameter
+                               copies: at every scale_loss exit and, through
+                               clear_cache_after_forward(model), at the end of every model
+                               forward (apex's cache lived until the next scale_loss exit, so
+                               eval loops saw stale fp16 weights: apex#796, the §10 FIX)
+    disable_casts()            autocast off for the block, for every device type it is on for
+                               (apex's lists follow autocast: off too); the previous state comes
+                               back on exit, also after an exception, and it works without O1
+                               (§13.6/§13.10 FIXes)
     half/float/promote_function(fn)
                                while autocast is on for a tensor's device type, floating
                                arguments are cast (``.to(dtype)``) before ``fn`` runs under the
                                current autocast state; autocast off -> ``fn`` unchanged
     register_*_function(module, name) + apply_registrations()
-                               queued, then applied by the next O1 initialize
+                               queued, then applied by the next O1 initialize; the function
+                               registered then follows its registration, not apex's lists
 
-Differences from apex a user can notice are listed in MIGRATION.md (§12): autocast is per thread
-(apex's patches hit every thread), its op lists differ from apex's and differ between CPU and
-CUDA, and it never touches fp64 tensors in the ops it casts.
+On CUDA both layers run too: CUDA autocast already runs most of apex's FP32 names in fp32, and the
+lists add the ones it does not (gelu, std, var, local_response_norm, ctc_loss, Tensor.cpu;
+grid_sample, which it promotes), apex's promote and in-place rules and its BCE error; ops no list
+names follow CUDA autocast (einsum, scaled_dot_product_attention: fp16). Differences from apex a
+user can notice are listed in MIGRATION.md (§12): autocast is per thread (apex's patches hit every
+thread), ops apex did not list follow the device's autocast, and fp64 tensors are never cast.
 
-The decorators follow apex's argument rule: top-level positional and keyword arguments only; a
-list or tuple is cast as a unit when all its items are floating tensors. ``half_function`` casts
-to autocast's low-precision dtype for the device (float16 under O1); ``promote_function`` casts
+The decorators follow apex's argument rule (:mod:`._cast_args`). ``half_function`` casts to
+autocast's low-precision dtype for the device (float16 under O1); ``promote_function`` casts
 every floating tensor to the widest floating dtype among them (``torch.promote_types``; apex
 raised NotImplementedError for float+double and bf16+float mixes, autocast never raises).
 Unlike autocast's own lists, the decorators cast float64 too, as apex did.
@@ -43,6 +52,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from . import o1_lists
+from ._cast_args import cast_args, float_tensors
 
 __all__ = [
     "apply_registrations",
@@ -63,9 +75,9 @@ logger = logging.getLogger("fp16kit")
 # Device types autocast may be on for; probed by disable_casts(). Unknown ones are skipped.
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia")
 
-# Per-thread O1 contexts ({device_type: entered torch.autocast}). Autocast state is per thread in
-# torch, so is this; the module-level object keeps every entered context referenced for the
-# life of its thread.
+# Per-thread O1 state: ``contexts`` ({device_type: entered torch.autocast}) and ``lists`` (the
+# entered ApexLists, or None). Autocast state and torch's mode stack are per thread in torch, so
+# is this; the module-level object keeps them referenced for the life of their thread.
 _o1 = threading.local()
 
 
@@ -74,6 +86,10 @@ def _o1_contexts() -> dict[str, torch.autocast]:
     if contexts is None:
         contexts = _o1.contexts = {}
     return contexts
+
+
+def _o1_lists() -> o1_lists.ApexLists | None:
+    return getattr(_o1, "lists", None)
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -90,32 +106,44 @@ def _device_types() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------- O1
 
-def enable_o1(device_type: str = "cuda") -> None:
-    """Switch autocast (float16) on for ``device_type`` on the calling thread, for good.
+def enable_o1(device_type: str = "cuda", *, allow_banned: bool = False, verbose: bool = False) -> None:
+    """Switch O1 on for ``device_type`` on the calling thread, for good: autocast (float16) and
+    apex's op lists (:class:`.o1_lists.ApexLists`) for that device type.
 
-    Idempotent per thread and device type: a second call enters no second context. Called by
-    ``amp.initialize`` at O1; other threads keep running without autocast (apex's patches reached
-    every thread: MIGRATION.md).
+    Idempotent per thread and device type: a second call enters no second context (it updates
+    ``allow_banned``, amp.init's, and ``verbose``, apex's per-cast lines at ``verbosity=2``).
+    Called by ``amp.initialize`` at O1; other threads keep running without O1 (apex's patches
+    reached every thread: MIGRATION.md).
     """
     contexts = _o1_contexts()
-    if device_type in contexts:
-        return
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "opt_level O1 casts through CUDA autocast, but CUDA is not available in this process. "
-            "Move the model to a CUDA device, or run O1 on CPU autocast (the model's parameters "
-            "on the CPU select device_type='cpu')."
-        )
-    ctx = torch.autocast(device_type, dtype=torch.float16)
-    ctx.__enter__()
-    contexts[device_type] = ctx
-    logger.debug("amp O1: autocast(%r, float16) switched on for thread %s", device_type,
-                 threading.current_thread().name)
+    if device_type not in contexts:
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                "opt_level O1 casts through CUDA autocast, but CUDA is not available in this process. "
+                "Move the model to a CUDA device, or run O1 on CPU autocast (the model's parameters "
+                "on the CPU select device_type='cpu')."
+            )
+        ctx = torch.autocast(device_type, dtype=torch.float16)
+        ctx.__enter__()
+        contexts[device_type] = ctx
+    mode = _o1_lists()
+    if mode is None:
+        mode = o1_lists.ApexLists()
+        mode.__enter__()
+        _o1.lists = mode
+    mode.device_types.add(device_type)
+    mode.allow_banned = allow_banned
+    mode.verbose = verbose
 
 
 def _disable_o1_for_tests() -> None:
-    """Leave the O1 contexts entered on this thread (newest first): autocast returns to the state
-    it had before enable_o1. For tests; amp itself never leaves O1, as apex never unpatched."""
+    """Leave the O1 contexts entered on this thread (the lists first, then autocast, newest
+    first): casting returns to the state it had before enable_o1. For tests; amp itself never
+    leaves O1, as apex never unpatched."""
+    mode = _o1_lists()
+    if mode is not None:
+        _o1.lists = None
+        mode.__exit__(None, None, None)
     contexts = _o1_contexts()
     for device_type in reversed(list(contexts)):
         contexts.pop(device_type).__exit__(None, None, None)
@@ -125,15 +153,19 @@ def clear_cache() -> None:
     """Drop autocast's cache of low-precision parameter copies (``torch.clear_autocast_cache``).
 
     Called at every ``scale_loss`` exit; a parameter changed in place after its copy was cached
-    (optimizer step, EMA, ``load_state_dict``) is then seen by the next cast.
+    (optimizer step, EMA, ``load_state_dict``) is then seen by the next cast. The lists' own
+    copies of parameters go too (they also notice in-place changes by themselves).
     """
     torch.clear_autocast_cache()
+    mode = _o1_lists()
+    if mode is not None:
+        mode.clear()
 
 
 def _clear_cache_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
     # A module-level function (not a closure) so that a model carrying it still pickles and
     # deep-copies (apex's patched forward did neither: §13.5).
-    torch.clear_autocast_cache()
+    clear_cache()
 
 
 def clear_cache_after_forward(module: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
@@ -163,46 +195,13 @@ def disable_casts() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------- decorators
 
-def _is_float_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
-
-
-def _is_unit(x: Any) -> bool:
-    # apex's utils.is_fp_tensor: a list/tuple counts when all its items (recursively) do.
-    if isinstance(x, (list, tuple)):
-        return all(_is_unit(y) for y in x)
-    return _is_float_tensor(x)
-
-
-def _leaves(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _leaves(y)
-    else:
-        yield x
-
-
-def _rebuild(x: Any, items: list) -> Any:
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*items)
-    return type(x)(items)
-
-
-def _cast_unit(x: Any, dtype_for: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
-    if isinstance(x, (list, tuple)):
-        return _rebuild(x, [_cast_unit(y, dtype_for) for y in x])
-    dtype = dtype_for(x)
-    return x if dtype is None or x.dtype == dtype else x.to(dtype)
-
-
-def _units(args: tuple, kwargs: dict) -> list:
-    return [a for a in (*args, *kwargs.values()) if _is_unit(a)]
-
-
 def _cast_call(fn: Callable, args: tuple, kwargs: dict,
                dtype_for: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
-    new_args = [_cast_unit(a, dtype_for) if _is_unit(a) else a for a in args]
-    new_kwargs = {k: (_cast_unit(v, dtype_for) if _is_unit(v) else v) for k, v in kwargs.items()}
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        dtype = dtype_for(t)
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+    new_args, new_kwargs = cast_args(args, kwargs, convert)
     return fn(*new_args, **new_kwargs)
 
 
@@ -241,7 +240,7 @@ def promote_function(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        tensors = [t for unit in _units(args, kwargs) for t in _leaves(unit) if _autocast_on(t.device.type)]
+        tensors = [t for t in float_tensors(args, kwargs) if _autocast_on(t.device.type)]
         if not tensors:
             return fn(*args, **kwargs)
         widest = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
@@ -302,4 +301,6 @@ def apply_registrations() -> None:
         _pending.clear()
         _applied_once = True
     for module, name, decorator in queued:
-        setattr(module, name, decorator(getattr(module, name)))
+        fn = getattr(module, name)
+        o1_lists.exempt(fn)  # the registration decides its cast, as in apex
+        setattr(module, name, decorator(fn))

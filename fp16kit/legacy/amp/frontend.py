@@ -16,7 +16,9 @@ import torch
 
 from ..checkpoint import scaler_state
 from . import _model, _process_optimizer
-from ._amp_state import _amp_state, logger, maybe_print, warn_or_err
+from ...core.log import logger
+from .._messages import apex_logger
+from ._amp_state import _amp_state, maybe_print, warn_or_err
 from .handle import AmpHandle
 from .scaler import LossScaler
 
@@ -230,9 +232,9 @@ def initialize(
     _amp_state.opt_properties = properties
     _amp_state.min_loss_scale = min_loss_scale
     _amp_state.max_loss_scale = max_loss_scale
-    if properties.cast_model_type is torch.bfloat16 and properties.loss_scale == "dynamic":
-        maybe_print("bfloat16 models need no loss scaling (bf16 has fp32's range); the dynamic "
-                    "scale is kept as requested, set loss_scale=1.0 to drop it.", True)
+    if properties.cast_model_type is torch.bfloat16 and properties.loss_scale == "dynamic" and verbosity > 0:
+        logger.info("bfloat16 models need no loss scaling (bf16 has fp32's range); the dynamic "
+                    "scale is kept as requested, set loss_scale=1.0 to drop it.")
     _model.cast_models(model_list, properties, cast_model_outputs)
     if properties.cast_model_type and not properties.master_weights:
         for opt in opt_list:  # recast existing state to the params' dtype, as apex
@@ -247,7 +249,7 @@ def initialize(
         device_type = next((p.device.type for m in model_list for p in m.parameters()), "cuda")
         if hasattr(casts, "apply_registrations"):
             casts.apply_registrations()  # amp.register_*_function calls queued before initialize
-        casts.enable_o1(device_type)
+        casts.enable_o1(device_type, verbose=(verbosity == 2))
         _amp_state.handle = AmpHandle(properties.loss_scale, verbose=(verbosity == 2))
         if hasattr(casts, "clear_cache_after_forward"):
             for model in model_list:
@@ -292,7 +294,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     (FIX: apex applied the first entries, then raised)."""
     scalers = getattr(_amp_state, "loss_scalers", [])
     if len(state_dict) != len(scalers):
-        logger.warning("Warning: state_dict contains {} entries, while {} loss_scalers are used".format(
+        apex_logger.warning("Warning: state_dict contains {} entries, while {} loss_scalers are used".format(
             len(state_dict), len(scalers)))  # apex printed both lines whatever the verbosity
     unexpected = [k for k in state_dict if "loss_scaler" not in str(k)]
     if unexpected:
@@ -310,7 +312,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
             )
         i = int(m.group(1))
         if i >= len(scalers):
-            logger.warning("Skipping loss_scaler[{}], since num_losses was set to {}".format(i, len(scalers)))
+            apex_logger.warning("Skipping loss_scaler[{}], since num_losses was set to {}".format(i, len(scalers)))
             continue
         entry = _saved_entry(value, scalers[i])
         if entry is None:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ...core import kernels
-from ._amp_state import _amp_state, logger
+from .._messages import apex_logger
+from ._amp_state import _amp_state
 from ._process_optimizer import unscale_into_stash
 from .scaler import LossScaler
 
@@ -123,22 +124,22 @@ def init(
 ) -> AmpHandle | NoOpHandle:
     """apex's 2018 ``amp.init()``: switch O1 casting on and return a handle.
 
-    O1 casting is ``torch.autocast(float16)`` entered on the calling thread
+    O1 casting is ``torch.autocast(float16)`` and apex's op lists entered on the calling thread
     (:func:`fp16kit.legacy.amp.casts.enable_o1`) for **CUDA if it is available, else the CPU**
     (apex patched torch process-wide for CUDA tensors). Sets ``_amp_state.handle``; sets no
     ``opt_properties``, so ``amp.scale_loss`` still asks for ``amp.initialize``. Use
     ``handle.wrap_optimizer(optimizer)`` and its ``scale_loss(loss)``. ``enabled=False``
-    returns a :class:`NoOpHandle` and casts nothing. ``enable_caching``, ``verbose`` and
-    ``allow_banned`` are accepted for apex's signature: autocast keeps its own cache (cleared
-    at every wrapper ``step()``), and ``F.binary_cross_entropy`` follows autocast (CUDA raises,
-    CPU runs it in fp32; MIGRATION.md)."""
+    returns a :class:`NoOpHandle` and casts nothing. ``verbose`` logs apex's line per cast;
+    ``allow_banned=True`` runs ``F.binary_cross_entropy`` on fp16 inputs in fp32 instead of
+    raising apex's error. ``enable_caching`` is accepted for apex's signature: the casts are
+    cached until the next wrapper ``step()`` either way."""
     if not enabled:
         return NoOpHandle()
     from . import casts
 
     handle = AmpHandle(loss_scale, enable_caching, verbose)
     casts.apply_registrations()  # amp.register_*_function calls queued before init
-    casts.enable_o1("cuda" if torch.cuda.is_available() else "cpu")
+    casts.enable_o1("cuda" if torch.cuda.is_available() else "cpu", allow_banned=allow_banned, verbose=verbose)
     _amp_state.handle = handle
     return handle
 
@@ -302,7 +303,7 @@ class OptimWrapper:
         flags = kernels.stack_flags(found, torch.device("cpu")).tolist()  # one host read per step
         if any(flags):
             if _amp_state.verbosity >= 1:
-                logger.warning("Gradient overflow, skipping update")
+                apex_logger.warning("Gradient overflow, skipping update")
             return None
         from . import casts
 

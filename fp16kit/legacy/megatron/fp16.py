@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ...core import kernels
-from ...core.log import logger
+from .._messages import apex_logger
 from ..fp16_module import conversion_helper, fp16_to_fp32, fp32_to_fp16
 from ..fp16_optimizer import FP16_Optimizer as _FP16_Optimizer
 from ..fp16_optimizer import check_dynamic_loss_args
@@ -201,7 +201,7 @@ class FP16_Optimizer(_FP16_Optimizer):
         return self.dynamic_loss_scale and isinstance(self.loss_scaler, DynamicLossScaler)
 
     def _log_overflow(self, message: str) -> None:
-        logger.log(logging.WARNING if self.verbose else logging.DEBUG, message)
+        apex_logger.log(logging.WARNING if self.verbose else logging.DEBUG, message)
 
     # ------------------------------------------------------------------ the loop
     def backward(  # type: ignore[override]

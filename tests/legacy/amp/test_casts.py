@@ -63,7 +63,7 @@ def _nesting():
 
 # ------------------------------------------------------------------------------- enable_o1
 
-def test_enable_o1_casts_what_cpu_autocast_casts(o1):
+def test_enable_o1_casts_as_apex_on_cpu(o1):
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 8)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
@@ -73,13 +73,13 @@ def test_enable_o1_casts_what_cpu_autocast_casts(o1):
     assert (x @ lin.weight).dtype == torch.float16
     assert torch.matmul(x, lin.weight).dtype == torch.float16
     assert F.conv2d(torch.randn(1, 3, 8, 8), torch.randn(2, 3, 3, 3)).dtype == torch.float16
-    # losses: fp32 on CPU autocast as in apex
+    # losses: fp32, as in apex
     assert F.mse_loss(out, y).dtype == torch.float32
     assert F.cross_entropy(out, torch.tensor([0, 1, 2, 3])).dtype == torch.float32
-    # CPU autocast (torch 2.13) has no fp32 policy for softmax/log_softmax (CUDA autocast and
-    # apex have): they run in their input's dtype, fp16 on a Linear's output.
-    assert F.softmax(out, -1).dtype == torch.float16
-    assert F.log_softmax(out, -1).dtype == torch.float16
+    # CPU autocast (torch 2.13) has no fp32 policy for softmax/log_softmax; apex's lists have
+    # (tests/legacy/amp/test_o1_lists.py covers every name)
+    assert F.softmax(out, -1).dtype == torch.float32
+    assert F.log_softmax(out, -1).dtype == torch.float32
     assert F.softmax(x, -1).dtype == torch.float32
     # fp32 params and their grads stay fp32
     F.mse_loss(lin(x), y).backward()
@@ -138,16 +138,36 @@ def test_enable_o1_cuda_without_cuda_names_the_fix():
 
 # ------------------------------------------------------------------------------ the cache
 
-def test_clear_cache_drops_stale_fp16_weights(o1):
+def test_fp16_weights_changed_in_place_are_seen(o1):
     torch.manual_seed(0)
     lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     first = lin(x)
     with torch.no_grad():
         lin.weight.mul_(2)
-    # the O1 context is never left, so torch never clears its cache on its own (apex#796)
-    assert torch.equal(lin(x), first)
-    casts.clear_cache()
+    # the O1 context is never left, so torch never clears autocast's cache on its own; apex's
+    # lists cast linear's weights themselves and notice the in-place change (apex#796)
     assert not torch.equal(lin(x), first)
+
+
+def test_clear_cache_drops_the_cached_fp16_weights(o1, caplog):
+    # apex's per-cast lines (verbosity=2) show which casts happen
+    casts.enable_o1("cpu", verbose=True)
+    lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+
+    def casts_made():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fp16kit.apex"):
+            out = lin(x)
+        return out, [r.getMessage() for r in caplog.records]
+
+    out, made = casts_made()
+    assert made == ["Float->Half (linear)"] * 3  # input, weight, bias
+    again, made = casts_made()
+    assert made == ["Float->Half (linear)"]  # the input; the params' copies are reused
+    casts.clear_cache()
+    third, made = casts_made()
+    assert made == ["Float->Half (linear)"] * 3
+    assert torch.equal(out, again) and torch.equal(out, third)
 
 
 def test_clear_cache_after_forward(o1):

@@ -224,7 +224,7 @@ def test_masters_copy_model_parallel_attributes():
 
 def test_overflow_lines(caplog):
     model, extra, opt, sched, _ = build(torch.float16, {"init_scale": 2**32, "delayed_shift": 2})
-    with caplog.at_level(logging.DEBUG, logger="fp16kit"):
+    with caplog.at_level(logging.DEBUG, logger="fp16kit.apex"):
         megatron_iteration(model, extra, opt, sched, loss_fn_for(0, torch.float16), 0.0)
     [record] = [r for r in caplog.records if "OVERFLOW" in r.getMessage()]
     # printed even though the hysteresis kept the scale; at DEBUG as verbose=False
@@ -232,7 +232,7 @@ def test_overflow_lines(caplog):
     assert record.levelno == logging.DEBUG
     opt.verbose = True
     caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="fp16kit"):
+    with caplog.at_level(logging.DEBUG, logger="fp16kit.apex"):
         megatron_iteration(model, extra, opt, sched, loss_fn_for(1, torch.float16), 0.0)
     [record] = [r for r in caplog.records if "OVERFLOW" in r.getMessage()]
     assert record.levelno == logging.WARNING and record.getMessage().endswith("reducing to 2147483648.0")

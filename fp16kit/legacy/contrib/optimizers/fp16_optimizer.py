@@ -24,7 +24,7 @@ Overflow is decided from the norms (one host read of one flag per step, as apex'
 of the norm). Masters: one fp32 clone per param (apex's 2019-12+ layout); checkpoints of the
 flat layout (``fp32_groups_flat``) load too. Differences from apex (MIGRATION.md): fp32 and
 bf16 model params train (apex never copied an fp32 master back); params without a grad are
-skipped (apex crashed); messages go to the ``fp16kit`` logger; ``load_state_dict`` checks the
+skipped (apex crashed); messages go to the ``fp16kit.apex`` logger; ``load_state_dict`` checks the
 structure first and refuses mismatches instead of truncating.
 """
 
@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from ....core import kernels
-from ....core.log import logger
 from ....core.master import MasterParams
 from ....core.scale import LossScale
 from ....wrapping import WrappingOptimizer
+from ..._messages import apex_logger
 from ...checkpoint_errors import apex_object_refused
 from ._checkpoint import check_state_dict, dynamic_settings, masters_from_state, optimizer_state_from
 
@@ -194,8 +194,8 @@ class FP16_Optimizer(WrappingOptimizer):
     def _update_scale(self, skip: bool, found: torch.Tensor) -> None:
         if skip and (self.verbose or self._scale is None):
             kind = "dynamic" if self._scale is not None else "static"
-            logger.warning("\nGrad overflow on iteration %s", self.cur_iter)
-            logger.warning("Using %s loss scale of %s", kind, self.cur_scale)
+            apex_logger.warning("\nGrad overflow on iteration %s", self.cur_iter)
+            apex_logger.warning("Using %s loss scale of %s", kind, self.cur_scale)
         if self._scale is not None:
             self._scale.update(found)
         self.cur_iter += 1
