@@ -34,6 +34,8 @@ CASES = {
     "megatron_2020_training.py": (["--fp16"], True),
     "transformer_xl_amp.py": (["--fp16"], False),
     "fp16_optimizer_resume.py": (["--epochs", "4", "--dynamic-loss-scale"], False),
+    "gnmt_rank_logging.py": ([], False),
+    "moco_o1.py": ([], False),
 }
 EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
     "dcgan_amp.py": [["--opt_level", "O2", "--niter", "12"]],
@@ -50,6 +52,8 @@ EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
     "megatron_2020_training.py": [["--fp16", "--loss-scale", "1024"], []],
     "transformer_xl_amp.py": [["--fp16", "--apex_amp_opt_level", "O2"], ["--fp16", "--amp", "pytorch"]],
     "fp16_optimizer_resume.py": [["--epochs", "3", "--static-loss-scale", "128"]],
+    "gnmt_rank_logging.py": [["--init-scale", "8192", "--train-iters", "8"]],
+    "moco_o1.py": [["--moco-t", "0.2", "--steps", "12"]],
 }
 
 
