@@ -39,6 +39,9 @@ from ..optimizer import MixedPrecisionOptimizer
 from ..wrapping import WrappingOptimizer
 from ._messages import apex_logger, float_or_half
 from .checkpoint import scaler_state
+# apex's 2018 module (until 2018-07) defined these beside FP16_Optimizer: a whole model pickled
+# then (torch.save(model)) names apex.fp16_utils.fp16_optimizer.FP16_Module
+from .fp16_module import FP16_Module, conversion_helper, fp16_to_fp32, fp32_to_fp16  # noqa: F401
 from .fp16util import clip_grad_norm
 
 __all__ = ["FP16_Optimizer", "AmpLossScaler"]

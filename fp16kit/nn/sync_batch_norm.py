@@ -25,6 +25,7 @@ viewed channel-first for it), then ``z``/ReLU on the channel-last path.
 
 from __future__ import annotations
 
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,16 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # apex's SyncBatchNorm pickled whole (torch.save(model)) and loaded under fp16kit's apex
+        # alias lacks what its apex version did not keep: the Python fallback never had
+        # channel_last (it refused True) nor a fused ReLU; the CUDA class kept channel_last from
+        # 2019-01 and fuse_relu from 2019-04; neither kept a process group before 2018-12.
+        # Their absence meant exactly these values.
+        super().__setstate__(state)
+        for name, default in (("process_group", None), ("channel_last", False), ("fuse_relu", False)):
+            self.__dict__.setdefault(name, default)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", channel_last={self.channel_last}, fuse_relu={self.fuse_relu}"

@@ -16,6 +16,7 @@ Nothing here reads a tensor's value on the host.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -25,9 +26,10 @@ from ..core import kernels
 
 __all__ = [
     "ApexConventions", "Bucket", "FusedStyleOptimizer", "buckets", "check_hyper", "check_state_shapes",
-    "keep_state_precision", "with_settings", "work_dtype",
+    "keep_state_precision", "public_settings", "with_settings", "work_dtype",
 ]
 
+_TORCH_STATE = ("defaults", "state", "param_groups")  # what torch's Optimizer.__getstate__ keeps
 SPARSE_ERROR = "{name} does not support sparse gradients, please consider SparseAdam instead"
 
 
@@ -106,6 +108,25 @@ class ApexConventions:
 
     def __getstate__(self) -> dict[str, Any]:
         return with_settings(self, super().__getstate__())  # type: ignore[arg-type, misc]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickling (not load_state_dict, which passes a built optimizer its groups): a pickle
+        # without the settings with_settings keeps holds torch's three keys only -- apex's fused
+        # optimizers saved whole (torch.save(optimizer)) under fp16kit's apex alias
+        if "defaults" not in self.__dict__ and "set_grad_none" not in state:
+            state = {**state, **self._settings_for_bare_pickle(state)}
+        super().__setstate__(state)  # type: ignore[misc]
+
+    def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The settings (attributes) an optimizer unpickled from torch's ``defaults`` / ``state`` /
+        ``param_groups`` alone gets, or ``pickle.UnpicklingError`` where they cannot be known. The
+        apex facades give apex's defaults where no other value would change the updates."""
+        name = type(self).__name__
+        raise pickle.UnpicklingError(
+            f"This {name} pickle holds only torch's defaults, state and param_groups, not the settings "
+            f"{name} keeps on the object (set_grad_none and its update rule's): rebuild the optimizer "
+            "and pass the saved optimizer.state_dict() to its load_state_dict."
+        )
 
     def check_dtype(self, p: torch.Tensor) -> None:
         """Refuse a param the step cannot update (nothing here; see FusedStyleOptimizer)."""
@@ -265,12 +286,16 @@ def keep_state_precision(opt: torch.optim.Optimizer, state_dict: dict[str, Any])
                 opt.state[p][key] = value.to(device=p.device, dtype=work_dtype(p.dtype), copy=True)
 
 
+def public_settings(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer-wide settings kept as public attributes (``adam_w_mode``, ``set_grad_none``,
+    ...): not torch's ``defaults`` / ``state`` / ``param_groups``, nor functions others patch onto
+    the instance (an LR scheduler's ``step`` wrapper is bound to *this* optimizer)."""
+    return {k: v for k, v in vars(opt).items()
+            if not k.startswith("_") and k not in _TORCH_STATE and not callable(v)}
+
+
 def with_settings(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     """torch's ``Optimizer.__getstate__`` keeps only defaults, state and param groups; add the
-    optimizer-wide settings these classes keep as public attributes (``adam_w_mode``,
-    ``set_grad_none``, ...) so that pickling and ``copy.deepcopy`` keep them -- but not the
-    functions others patch onto the instance (an LR scheduler's ``step`` wrapper is bound to
-    *this* optimizer: a copy that kept it would step the original)."""
-    extra = {k: v for k, v in vars(opt).items()
-             if not k.startswith("_") and k not in state and not callable(v)}
-    return {**state, **extra}
+    :func:`public_settings` so that pickling and ``copy.deepcopy`` keep them (a copy that kept a
+    scheduler's ``step`` wrapper would step the original)."""
+    return {**public_settings(opt), **state}

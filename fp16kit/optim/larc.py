@@ -27,6 +27,7 @@ on ``larc`` or on ``larc.optim`` changes the same lr.
 
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,17 @@ from ..wrapping import WrappingOptimizer
 
 __all__ = ["LARC"]
 
+# apex's LARC.__getstate__ returned the wrapped optimizer's (torch's defaults / state /
+# param_groups): torch.save(larc) wrote neither that optimizer's class nor LARC's settings, and
+# apex's own __setstate__ failed on it (it forwards to self.optim, which the new object lacks)
+_APEX_PICKLE = (
+    "The file holds a whole apex.parallel.LARC.LARC object apex pickled (torch.save(optimizer), not "
+    "optimizer.state_dict()); apex's LARC pickled only the param groups and state of the optimizer it "
+    "wrapped, not which optimizer that was nor trust_coefficient, clip and eps, so it cannot be rebuilt "
+    "(apex could not load it either). Build it in the script as the run did, "
+    "LARC(torch.optim.SGD(model.parameters(), lr=...), trust_coefficient=..., clip=..., eps=...), and "
+    "save larc.state_dict() from now on (larc.load_state_dict reads it back)."
+)
 _HOOKS = (
     "_optimizer_step_pre_hooks",
     "_optimizer_step_post_hooks",
@@ -90,6 +102,8 @@ class LARC(WrappingOptimizer):
         return {k: v for k, v in self.__dict__.items() if k not in _HOOKS and k != "step"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "optimizer" not in state and "param_groups" in state:
+            raise pickle.UnpicklingError(_APEX_PICKLE)
         self.__dict__.update(state)
         for name in _HOOKS:
             setattr(self, name, OrderedDict())

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...optim import Adagrad
+from ._unpickled import decays, settings_or_refusal
 
 __all__ = ["FusedAdagrad"]
 
@@ -30,3 +31,6 @@ class FusedAdagrad(Adagrad):
     ) -> None:
         super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay,
                          adagrad_w_mode=adagrad_w_mode, set_grad_none=set_grad_none)
+
+    def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
+        return settings_or_refusal(FusedAdagrad, state, ["adagrad_w_mode"] if decays(state) else [])

@@ -20,6 +20,7 @@ import torch
 from ...optim import Adam
 from ...optim.legacy_adam import StepWithGrads, legacy_adam_step
 from ..multi_tensor_apply import multi_tensor_adam
+from ._unpickled import decays, settings_or_refusal
 
 __all__ = ["FusedAdam"]
 
@@ -81,6 +82,15 @@ class FusedAdam(StepWithGrads, Adam):
             self.defaults["max_grad_norm"] = 0.0 if max_grad_norm is None else max_grad_norm
             for group in self.param_groups:
                 group.setdefault("max_grad_norm", self.defaults["max_grad_norm"])
+
+    def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
+        if "max_grad_norm" in state["defaults"]:  # the 2018-12..2019-08 class: eps_mode on the object
+            lost = ["eps_inside_sqrt"]
+        else:
+            lost = ["adam_w_mode"] if decays(state) else []
+            if isinstance(state["defaults"].get("lr"), torch.Tensor):  # capturable: masters on the object
+                lost.append("master_weights")
+        return settings_or_refusal(FusedAdam, state, lost)
 
     @torch.no_grad()
     def step(  # type: ignore[override]

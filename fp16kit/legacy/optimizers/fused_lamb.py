@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...optim import LAMB
+from ._unpickled import settings_or_refusal
 
 __all__ = ["FusedLAMB"]
 
@@ -40,3 +41,8 @@ class FusedLAMB(LAMB):
         super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                          weight_decay=weight_decay, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
                          max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, set_grad_none=set_grad_none)
+
+    def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
+        # a decaying group's update depends on adam_w_mode, another's on use_nvlamb (trust ratio)
+        lost = {"adam_w_mode" if g.get("weight_decay", 0) != 0 else "use_nvlamb" for g in state["param_groups"]}
+        return settings_or_refusal(FusedLAMB, state, sorted(lost))

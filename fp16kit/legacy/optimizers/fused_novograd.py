@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ...optim import NovoGrad
+from ._unpickled import settings_or_refusal
 
 __all__ = ["FusedNovoGrad"]
 
@@ -40,3 +41,6 @@ class FusedNovoGrad(NovoGrad):
                          weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                          grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero,
                          set_grad_none=set_grad_none)
+
+    def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
+        return settings_or_refusal(FusedNovoGrad, state, ["reg_inside_moment"])  # apex's moment_mode

@@ -8,6 +8,7 @@ from typing import Any
 from torch.optim.optimizer import required
 
 from ...optim import SGD
+from ._unpickled import decays, settings_or_refusal
 
 __all__ = ["FusedSGD"]
 
@@ -35,3 +36,7 @@ class FusedSGD(SGD):
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov, wd_after_momentum=wd_after_momentum, set_grad_none=set_grad_none)
         self.materialize_master_grads = materialize_master_grads
+
+    def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
+        lost = ["wd_after_momentum"] if decays(state, with_momentum=True) else []
+        return settings_or_refusal(FusedSGD, state, lost)

@@ -93,6 +93,19 @@ def _device_ids(module: nn.Module) -> list[int] | None:
     return None
 
 
+# What torch.save(model) wrote for an apex DistributedDataParallel: apex's __getstate__ returned
+# None with NCCL (its `return` sat inside the non-NCCL branch, which raised KeyError), so the pickle
+# holds the class and nothing else -- under fp16kit's apex alias an object without even nn.Module's
+# state, which every use reaches through __getattr__
+_EMPTY_APEX_PICKLE = (
+    "This apex.parallel.DistributedDataParallel was unpickled from a file apex wrote with torch.save(model), "
+    "not torch.save(model.module.state_dict()): apex's DistributedDataParallel pickled none of its state "
+    "(its __getstate__ returned nothing), so the file holds neither the wrapped model nor its weights, "
+    "with apex installed or not. Resume from a file saved with torch.save(model.module.state_dict(), PATH): "
+    "load it into the model, then wrap the model, DistributedDataParallel(model)."
+)
+
+
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """apex's signature on torch's DDP (module docstring). ``module`` is the wrapped model."""
 
@@ -130,6 +143,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.delay_allreduce = delay_allreduce
         self.retain_allreduce_buffers = retain_allreduce_buffers
         self.prof = prof
+
+    def __getattr__(self, name: str) -> Any:
+        if "_modules" not in self.__dict__:  # made by unpickling apex's pickle (see _EMPTY_APEX_PICKLE)
+            raise AttributeError(_EMPTY_APEX_PICKLE)
+        return super().__getattr__(name)
 
     @property
     def gradient_average(self) -> bool:
