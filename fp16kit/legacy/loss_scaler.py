@@ -73,8 +73,8 @@ def pickled_attributes(obj: Any, state: Any, required: Iterable[str]) -> dict[st
         raise ValueError(f"{_not_apex(obj)}: it holds a {type(state).__name__}, not a dict of attributes. {_LOOK}")
     missing = [k for k in required if k not in state]
     if missing:
-        raise ValueError(f"an {pickled_as(obj)} was pickled without {missing} (it holds {sorted(map(str, state))}); "
-                         f"it is not one apex wrote. {_LOOK}")
+        raise ValueError(f"the {pickled_as(obj)} in this file was pickled without {missing} (it holds "
+                         f"{sorted(map(str, state))}): it is not one apex wrote. {_LOOK}")
     return state
 
 
@@ -265,7 +265,7 @@ class DynamicLossScaler:
         self.__init__(  # type: ignore[misc]
             pickled(self, a, "cur_scale", "scale"),
             pickled(self, a, "scale_factor", "scale"),
-            window if isinstance(window, int) else int(window),
+            int(window),  # (an integral float: a window of that many iterations)
         )
         self.cur_iter = pickled(self, a, "cur_iter", "iteration")
         self.last_overflow_iter = pickled(self, a, "last_overflow_iter", "iteration")

@@ -8,7 +8,8 @@ converted once. Rule (one report per call, on its line)::
 
     the module imports something whose state pickles an apex scaler: an FP16_Optimizer of
     apex.fp16_utils (or fp16 / megatron.fp16 with --megatron), their LossScaler /
-    DynamicLossScaler, apex.amp.scaler, or those modules themselves
+    DynamicLossScaler, apex.amp.scaler, or those modules themselves (or it assigns such an
+    FP16_Optimizer: `apex.fp16_utils.FP16_Optimizer(...)` after `import apex`)
         (not amp: amp.state_dict() is plain data; not apex.optimizers' / apex.contrib's fused-era
         FP16_Optimizer: numbers and tensors only)
     and a call to torch.load (`torch.load`, `import torch as th` -> `th.load`, `from torch import

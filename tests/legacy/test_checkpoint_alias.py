@@ -215,7 +215,7 @@ def test_a_scaler_without_apex_s_attributes_is_refused_by_name(fake_apex, alias)
     del broken._scale_seq_len
     data = _apex_file(fake_apex, broken)
     alias()
-    with pytest.raises(ValueError, match=r"apex.amp.scaler.LossScaler was pickled without \['_scale_seq_len'\]"):
+    with pytest.raises(ValueError, match=r"apex.amp.scaler.LossScaler in this file was pickled without \['_scale_seq_len'\]"):
         _full_load(data)
 
 
