@@ -8,9 +8,13 @@ Kept as it was written for apex (only shortened): it imports apex. Run it unmodi
     fp16kit run examples/apex_era/fp16_optimizer_resume.py --epochs 3 --dynamic-loss-scale --checkpoint-dir ckpt
     fp16kit run examples/apex_era/fp16_optimizer_resume.py --epochs 6 --dynamic-loss-scale --resume ckpt/checkpoint.pth.tar
 
-A checkpoint saved by apex itself resumes the same way under `fp16kit run` (its scaler unpickles
-as fp16kit's). After `fp16kit migrate`, plain python cannot unpickle apex's classes any more:
-convert such a file once with `fp16kit convert-checkpoint OLD NEW` and resume from NEW.
+It resumes with `torch.load(args.resume, ...)`, as apex's example did (torch.load's default was then
+the full unpickler; since torch 2.6 it is weights_only=True). A checkpoint saved by apex itself
+resumes the same way under `fp16kit run`: its scaler loads as fp16kit's, which the alias allows
+torch.load's default to read (`--full-unpickler` passes weights_only=False instead, as torch's error
+advises for trusted files: the same result). After `fp16kit migrate`, which reports that
+torch.load, plain python cannot read apex's classes any more: convert such a file once with
+`fp16kit convert-checkpoint OLD NEW` and resume from NEW.
 """
 
 import argparse
@@ -35,6 +39,8 @@ parser.add_argument("--static-loss-scale", type=float, default=1,
 parser.add_argument("--dynamic-loss-scale", action="store_true",
                     help="Use dynamic loss scaling.  If supplied, this argument supersedes --static-loss-scale.")
 parser.add_argument("--scale-window", default=4, type=int, help="clean iterations before the loss scale grows")
+parser.add_argument("--full-unpickler", action="store_true",
+                    help="resume with torch.load(..., weights_only=False) (only for checkpoints you trust)")
 args = parser.parse_args()
 
 
@@ -56,9 +62,10 @@ optimizer = FP16_Optimizer(optimizer,
 if args.resume:
     if os.path.isfile(args.resume):
         print("=> loading checkpoint '{}'".format(args.resume))
-        # torch >= 2.6 reads only plain data by default; apex's checkpoints pickle its scaler
-        # object, so scripts of that era pass weights_only=False (for files they trust)
-        checkpoint = torch.load(args.resume, map_location=lambda storage, loc: storage, weights_only=False)
+        if args.full_unpickler:
+            checkpoint = torch.load(args.resume, map_location=lambda storage, loc: storage, weights_only=False)
+        else:
+            checkpoint = torch.load(args.resume, map_location=lambda storage, loc: storage)
         args.start_epoch = checkpoint["epoch"]
         model.load_state_dict(checkpoint["state_dict"])
         optimizer.load_state_dict(checkpoint["optimizer"])

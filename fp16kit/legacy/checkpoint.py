@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ..migrate.safe_globals import replacing
 from .checkpoint_errors import damaged, position, refusal, structure_refused
 from .checkpoint_records import (
     APEX_SCALER_CLASSES,
@@ -116,8 +117,9 @@ def read_checkpoint(
         plain_numpy = not numpy_available()
     start = position(f)
     try:
-        # torch's allow-list is process-wide: one load at a time adds and removes the stand-ins
-        with _ONE_AT_A_TIME, reading() as made, torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        # torch's allow-list is process-wide: one load at a time adds and removes the stand-ins, in
+        # place of any other entry of their paths (the apex alias's live scaler classes, a user's own)
+        with _ONE_AT_A_TIME, reading() as made, replacing(SAFE_GLOBALS):
             obj = torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:
         refused = refusal(e, f, start)

@@ -20,15 +20,82 @@ given, a float after the first change, the int 1 at the floor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from ..core import kernels
+from ..core.floor import FLOOR_POLICIES
 from ..core.scale import LossScale
+from .checkpoint_records import FP16KIT_SCALER_CLASSES
 
 __all__ = ["LossScaler", "DynamicLossScaler", "to_python_float"]
+
+
+# ---------------------------------------------------------------- reading pickled attributes
+# A scaler's __setstate__ gets whatever the file holds (torch.load's weights-only unpickler lets
+# these classes through under fp16kit's apex alias): each attribute read is checked to be what
+# apex pickled there, and nothing else is read.
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63
+
+
+PICKLED_KINDS = {
+    "scale": ("a finite number > 0", lambda v: _real(v) and math.isfinite(v) and v > 0),
+    "cap": ("a number > 0 (inf or None: no cap)", lambda v: v is None or (_real(v) and v > 0)),  # NaN > 0 is False
+    "floor": ("a finite number >= 0 (0 or None: no floor)", lambda v: v is None or (_real(v) and math.isfinite(v) and v >= 0)),
+    "window": ("a whole number >= 1", lambda v: _real(v) and math.isfinite(v) and v >= 1 and v == int(v)),
+    "count": ("an int >= 0", lambda v: _int(v) and v >= 0),
+    "iteration": ("an int", _int),
+    "flag": ("True or False", lambda v: isinstance(v, bool)),
+    "tensor": ("a tensor (apex's int overflow buffer) or None", lambda v: v is None or isinstance(v, torch.Tensor)),
+    "floor policy": (f"one of {sorted(FLOOR_POLICIES)}", lambda v: isinstance(v, str) and v in FLOOR_POLICIES),
+}
+_REQUIRED = object()
+
+
+def pickled_as(obj: Any) -> str:
+    """The apex (or Megatron) class ``obj``'s class stands for, for messages."""
+    cls = type(obj)
+    return FP16KIT_SCALER_CLASSES.get(f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__)
+
+
+def pickled_attributes(obj: Any, state: Any, required: Iterable[str]) -> dict[str, Any]:
+    """``state`` (what pickle hands ``obj.__setstate__``) as the attribute dict apex pickled, with
+    ``required`` in it; ValueError naming what is wrong otherwise."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{_not_apex(obj)}: it holds a {type(state).__name__}, not a dict of attributes. {_LOOK}")
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ValueError(f"the {pickled_as(obj)} in this file was pickled without {missing} (it holds "
+                         f"{sorted(map(str, state))}): it is not one apex wrote. {_LOOK}")
+    return state
+
+
+def pickled(obj: Any, state: dict[str, Any], name: str, kind: str, *, default: Any = _REQUIRED) -> Any:
+    """``state[name]`` (``default`` when absent, if given), checked to be of ``kind`` (a key of
+    :data:`PICKLED_KINDS`)."""
+    if name not in state and default is not _REQUIRED:
+        return default
+    value = state[name]
+    what, ok = PICKLED_KINDS[kind]
+    if not ok(value):
+        raise ValueError(f"{_not_apex(obj)}: its {name} is {value!r:.80}, not {what}. {_LOOK}")
+    return value
+
+
+def _not_apex(obj: Any) -> str:
+    return f"the {pickled_as(obj)} in this file is not one apex pickled"
+
+
+_LOOK = ("To see what the file holds without running it, read it with fp16kit.legacy.load_checkpoint(path), "
+         "which returns each scaler's attributes as plain data.")
 
 
 def to_python_float(t: Any) -> float:
@@ -59,6 +126,10 @@ class LossScaler:
     def __init__(self, scale: float = 1) -> None:
         self.cur_scale = scale
 
+    def __setstate__(self, state: Any) -> None:
+        """apex pickled ``cur_scale`` only: it is read (a finite number > 0), nothing else is."""
+        self.cur_scale = pickled(self, pickled_attributes(self, state, ["cur_scale"]), "cur_scale", "scale")
+
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         return False
 
@@ -79,6 +150,9 @@ class LossScaler:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         scaled_loss = kernels.scale_outputs(loss, lambda _d: self.loss_scale)
         scaled_loss.backward(retain_graph=retain_graph)
+
+
+_ERA1_DYNAMIC = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
 
 
 class DynamicLossScaler:
@@ -184,10 +258,17 @@ class DynamicLossScaler:
             "scale_window": self.scale_window,
         }
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["cur_scale"], state["scale_factor"], state["scale_window"])  # type: ignore[misc]
-        self.cur_iter = state["cur_iter"]
-        self.last_overflow_iter = state["last_overflow_iter"]
+    def __setstate__(self, state: Any) -> None:
+        """apex's five attributes, each checked (ValueError naming a bad one); nothing else is read."""
+        a = pickled_attributes(self, state, _ERA1_DYNAMIC)
+        window = pickled(self, a, "scale_window", "window")
+        self.__init__(  # type: ignore[misc]
+            pickled(self, a, "cur_scale", "scale"),
+            pickled(self, a, "scale_factor", "scale"),
+            int(window),  # (an integral float: a window of that many iterations)
+        )
+        self.cur_iter = pickled(self, a, "cur_iter", "iteration")
+        self.last_overflow_iter = pickled(self, a, "last_overflow_iter", "iteration")
 
     def __repr__(self) -> str:
         return (

@@ -29,6 +29,11 @@ Contract::
             distribution, version 0.1 (fp16kit.migrate.apex_distribution); `apex.__version__` stays
             missing, as in every apex; pkgutil.iter_modules (a scan of sys.path folders) does not list it
         complementing a real apex: its own sys.modules state, find_spec and metadata stand
+        torch's weights-only allow-list gets fp16kit's loss-scaler classes (those alone) under the apex
+            and Megatron class paths the alias maps to them, and under their own: `torch.load(f)`, torch
+            >= 2.6's default (weights_only=True), reads the scalers apex-era optimizer checkpoints
+            pickled, as the full unpickler does under the alias (fp16kit.migrate.safe_globals; a path
+            the user's own entry already claims is left to it)
     import apex.X.Y (no real apex, shadow=True, or below a module that is fp16kit's):
         apex_map says apex.X.Y is module T  -> sys.modules["apex.X.Y"] is sys.modules[T]
                                                (the same object: isinstance, pickling, state stay one)
@@ -38,7 +43,8 @@ Contract::
         anything else under apex            -> ImportError naming fp16kit and the closest replacement
     uninstall_apex_alias():
         remove the finder and every sys.modules entry it made, and every attribute it set on a real
-        package (a real apex imported meanwhile stays imported, as it is); restore what shadow=True hid
+        package (a real apex imported meanwhile stays imported, as it is); restore what shadow=True hid;
+        take off torch's weights-only list exactly what install put on it (what others added stays)
 
 fp16kit never ships or installs a package named ``apex`` (PyPI's ``apex`` is an unrelated project).
 """
@@ -58,7 +64,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from . import apex_map
+from . import apex_map, safe_globals
 from .apex_distribution import find_apex_distribution
 
 __all__ = ["install_apex_alias", "uninstall_apex_alias", "apex_alias_installed"]
@@ -154,6 +160,8 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         self.created: dict[str, types.ModuleType] = {}  # sys.modules entries this finder made
         self.parent_attrs: list[tuple[types.ModuleType, str, Any]] = []  # attributes set on foreign parents
         self.hidden: dict[str, types.ModuleType] = {}  # real modules hidden by shadow=True
+        self.lacking: tuple[str, ...] = ()  # complementing: the covered modules the real apex lacks
+        self.safe_globals: list[Any] = []  # what it put on torch's weights-only list
 
     def claims(self, fullname: str) -> bool:
         root = fullname.partition(".")[0]
@@ -165,6 +173,17 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         if root == "fp16" or fullname == "megatron.fp16" or fullname.startswith("megatron.fp16."):
             return True
         return root == "megatron" and self.synthetic_megatron
+
+    def fp16kit_module(self, fullname: str) -> str | None:
+        """The fp16kit module ``import <fullname>`` gives under this alias, or None (not claimed, or
+        the real apex's)."""
+        if not self.claims(fullname) or fullname not in self.table or fullname in apex_map.CLOSED:
+            return None
+        if self.complement and fullname.partition(".")[0] == "apex" and not any(
+            fullname == m or fullname.startswith(m + ".") for m in self.lacking
+        ):
+            return None
+        return self.table[fullname]
 
     def find_distributions(self, context: Any = None) -> Iterator[importlib.metadata.Distribution]:
         """importlib.metadata's hook: the alias's ``apex`` distribution, unless a real apex is complemented
@@ -438,26 +457,32 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
         for name in list(sys.modules):  # shadow=True: hide what is imported, give it back at uninstall
             if finder.claims(name) and not (finder.complement and name.partition(".")[0] == "apex"):
                 finder.hidden[name] = sys.modules.pop(name)
+        if plan is not None:
+            finder.lacking = tuple(plan[1])
         sys.meta_path.insert(0, finder)
         importlib.invalidate_caches()
         _installed = finder
-        if plan is None:
-            # `'apex' in sys.modules` is how apex-era scripts ask "is apex there?": the synthetic root
-            # (no fp16kit.legacy import yet) is in place at once, as if something had imported apex
-            importlib.import_module("apex")
-        else:
-            where, missing = plan
-            logger.info(
-                "apex alias: complementing the installed apex (%s): %s (missing there) come from fp16kit.legacy, "
-                "with their submodules; everything else is the installed apex's", where, ", ".join(missing),
-            )
-            try:  # a real apex imported already gets its missing submodules now
+        try:
+            if plan is None:
+                # `'apex' in sys.modules` is how apex-era scripts ask "is apex there?": the synthetic
+                # root is in place at once, as if something had imported apex
+                importlib.import_module("apex")
+            else:
+                where, missing = plan
+                logger.info(
+                    "apex alias: complementing the installed apex (%s): %s (missing there) come from fp16kit.legacy, "
+                    "with their submodules; everything else is the installed apex's", where, ", ".join(missing),
+                )
+                # a real apex imported already gets its missing submodules now
                 for name in sorted((n for n in sys.modules if n == "apex" or n.startswith("apex.")), key=len):
                     if name not in finder.created and hasattr(sys.modules[name], "__path__"):
                         finder.fill_in(sys.modules[name])
-            except BaseException:
-                uninstall_apex_alias()
-                raise
+            # torch.load(f)'s default (weights_only=True) reads the scalers apex's optimizer
+            # checkpoints pickled, as fp16kit's classes (this imports fp16kit.legacy)
+            finder.safe_globals = safe_globals.allow(finder.fp16kit_module)
+        except BaseException:
+            uninstall_apex_alias()
+            raise
         logger.debug("apex alias installed (megatron=%s, shadow=%s, complement=%s)", megatron, shadow, plan is not None)
 
 
@@ -480,5 +505,6 @@ def uninstall_apex_alias() -> None:
             else:
                 setattr(parent, attr, old)
         sys.modules.update(finder.hidden)
+        safe_globals.disallow(finder.safe_globals)
         _installed = None
         logger.debug("apex alias uninstalled")

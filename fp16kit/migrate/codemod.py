@@ -18,6 +18,9 @@ Algorithm (one pass over the tree; the table is :mod:`fp16kit.migrate.apex_map`)
         left as it is, and reported with its line and the closest replacement (an import inside the
         `try` of an `except ImportError` also says that the fallback now runs)
     a name the fp16kit module lacks (`from apex.parallel import Typo`): rewritten, and reported
+    a torch.load that resumes apex's FP16_Optimizer state (its checkpoints pickle apex's scaler, which
+    no migrated install can unpickle; the rule is :mod:`fp16kit.migrate.resume_loads`): reported, with
+    `fp16kit convert-checkpoint OLD NEW`
     a source that never mentions a handled root name: returned as it is, without parsing
 
 A second run changes nothing: every rewritten name is under fp16kit, which the table never maps.
@@ -37,6 +40,7 @@ from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvide
 from . import apex_map
 from .probes import Probes, fallback_handler
 from .probes import dotted_name as _dotted
+from .resume_loads import resume_loads
 
 __all__ = ["MigrationError", "MigrationResult", "Unmigratable", "migrate_source"]
 
@@ -84,7 +88,8 @@ def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationR
     rewriter = _ApexRewriter(megatron=megatron)
     new_module = module.visit(rewriter)
     code: bytes | str = new_module.bytes if isinstance(source, bytes) else new_module.code
-    problems = _located(module, rewriter.problems) if rewriter.problems else []
+    found = rewriter.problems + resume_loads(module, megatron=megatron)
+    problems = _located(module, found) if found else []
     return MigrationResult(code, code != source, rewriter.imports, rewriter.uses, rewriter.probes.rewritten, problems,
                            module.encoding)
 

@@ -1,9 +1,12 @@
-"""apex-era checkpoints read with the FULL unpickler under fp16kit's apex alias (``fp16kit run``):
-``torch.load(f, weights_only=False)`` -- what 2019 scripts did, and what torch's own error tells
-people to pass today -- makes fp16kit's class of each pickled apex (or Megatron) class, with the
-apex object's attributes. Those objects must work as apex's did and be accepted wherever apex's
-were: FP16_Optimizer.load_state_dict (era-1 and era-2 scalers), amp.load_state_dict, Megatron's
-FP16_Optimizer, and -- saved again -- load_checkpoint and convert-checkpoint.
+"""apex-era checkpoints read under fp16kit's apex alias (``fp16kit run``). The FULL unpickler,
+``torch.load(f, weights_only=False)`` -- what torch's own error tells people to pass today --, and
+torch.load's default, ``torch.load(f)`` -- what 2019 scripts wrote, weights_only=True since torch
+2.6, for which the alias allow-lists fp16kit's scaler classes under apex's paths -- make fp16kit's
+class of each pickled apex (or Megatron) scaler, with the apex object's attributes. Those objects
+must work as apex's did and be accepted wherever apex's were: FP16_Optimizer.load_state_dict
+(era-1 and era-2 scalers), amp.load_state_dict, Megatron's FP16_Optimizer, and -- saved again --
+load_checkpoint and convert-checkpoint. A scaler whose attributes are not apex's, and any other
+global, are still refused.
 
 apex is not installed: the files are written by the ``fake_apex`` / ``stand_ins`` fixtures
 (conftest.py: classes under apex's and Megatron's module paths with their attribute names), which
@@ -57,6 +60,14 @@ def _apex_file(fakes, obj) -> bytes:
 
 def _full_load(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _default_load(data: bytes):
+    """``torch.load(f)`` as 2019 scripts wrote it (torch >= 2.6: weights_only=True)."""
+    return torch.load(io.BytesIO(data))
+
+
+LOADS = {"full": _full_load, "default": _default_load}
 
 
 # ------------------------------------------------------------------------------- a loop
@@ -204,7 +215,7 @@ def test_a_scaler_without_apex_s_attributes_is_refused_by_name(fake_apex, alias)
     del broken._scale_seq_len
     data = _apex_file(fake_apex, broken)
     alias()
-    with pytest.raises(pickle.UnpicklingError, match=r"apex.amp.scaler.LossScaler was pickled without \['_scale_seq_len'\]"):
+    with pytest.raises(ValueError, match=r"apex.amp.scaler.LossScaler in this file was pickled without \['_scale_seq_len'\]"):
         _full_load(data)
 
 
@@ -226,8 +237,9 @@ def test_fp16kit_s_own_scaler_pickles_as_apex_s_and_back():
 # ---------------------------------------------------------------- FP16_Optimizer resumes
 
 
+@pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize("era", ["era2", "era1"])
-def test_fp16_optimizer_resumes_from_an_apex_file_loaded_with_the_full_unpickler(fake_apex, alias, era):
+def test_fp16_optimizer_resumes_from_an_apex_file_under_the_alias(fake_apex, alias, era, load):
     model, opt = _trained()
     if era == "era2":
         scaler, pattern, want = fake_apex.era2(1024.0, window=3, unskipped=1), ERA2_PATTERN, ERA2_SEEN
@@ -239,7 +251,9 @@ def test_fp16_optimizer_resumes_from_an_apex_file_loaded_with_the_full_unpickler
     reference = _resumed({"model": model.state_dict(), "optimizer": _fp16kit_form(opt, **same)}, pattern)
     assert reference[2] == want
     alias()
-    ckpt = _full_load(data)  # used to raise ValueError("Cannot read the saved loss scaler ...") at load_state_dict
+    # full: used to raise ValueError("Cannot read the saved loss scaler ...") at load_state_dict;
+    # default: used to refuse "Unsupported global: GLOBAL apex.amp.scaler.LossScaler"
+    ckpt = LOADS[load](data)
     resumed = _resumed(ckpt, pattern)
     _same_run(resumed, reference)
     # the checkpoint's object is only read: not the optimizer's scaler, and as it was saved
@@ -248,28 +262,147 @@ def test_fp16_optimizer_resumes_from_an_apex_file_loaded_with_the_full_unpickler
     assert (kept.loss_scale() if era == "era2" else kept.cur_scale) == 1024.0
 
 
-def test_a_static_era1_scaler_loads_as_a_static_scale(fake_apex, alias):
+@pytest.mark.parametrize("load", LOADS)
+def test_a_static_era1_scaler_loads_as_a_static_scale(fake_apex, alias, load):
     model, opt = _trained()
     data = _apex_file(fake_apex, {"model": model.state_dict(),
                                   "optimizer": _apex_form(opt, fake_apex.era1_static(128.0), dynamic=False)})
     alias()
-    model2, opt2, seen = _resumed(_full_load(data), [False, False])
+    model2, opt2, seen = _resumed(LOADS[load](data), [False, False])
     assert opt2.dynamic_loss_scale is False and seen == [(128.0, 1), (128.0, 2)]
 
 
-def test_under_the_alias_the_default_torch_load_refuses_and_a_converted_file_resumes(fake_apex, alias, tmp_path, capsys):
-    """torch.load's default (weights_only=True) refuses apex's classes with or without the alias,
-    as it does with apex installed; the file converted once loads with it and resumes the same."""
+def test_the_default_load_makes_what_the_full_unpickler_makes(fake_apex, alias):
+    data = _apex_file(fake_apex, [fake_apex.era1_static(128), fake_apex.era1_dynamic(2**32, 7, 4, 2, 3),
+                                  fake_apex.era2(1024.0, window=3, unskipped=1, min_loss_scale=4.0)])
+    alias()
+    full, default = _full_load(data), _default_load(data)
+    assert [type(o) for o in default] == [type(o) for o in full]
+    for a, b in zip(full, default):
+        state_a, state_b = a.__getstate__(), b.__getstate__()
+        assert state_a.keys() == state_b.keys()
+        for key, value in state_a.items():  # apex's Python types too (the int 2**32, the int factor 2)
+            assert type(state_b[key]) is type(value) and (torch.equal(value, state_b[key]) if isinstance(
+                value, torch.Tensor) else state_b[key] == value), key
+
+
+def test_a_file_converted_once_resumes_as_the_original_read_under_the_alias(fake_apex, alias, tmp_path, capsys):
+    """What `fp16kit migrate` scripts (no alias) need: the converted file, read with torch.load's
+    default, resumes exactly as the apex file read under the alias."""
     model, opt = _trained()
     old = tmp_path / "old.pt"
     old.write_bytes(_apex_file(fake_apex, {"model": model.state_dict(),
                                            "optimizer": _apex_form(opt, fake_apex.era2(1024.0, window=3, unskipped=1))}))
-    alias()
-    with pytest.raises(pickle.UnpicklingError, match="apex.amp.scaler.LossScaler"):
-        torch.load(old)
     assert cli_main(["convert-checkpoint", str(old), str(tmp_path / "new.pt")]) == 0
     capsys.readouterr()
-    _same_run(_resumed(torch.load(tmp_path / "new.pt"), ERA2_PATTERN), _resumed(_full_load(old.read_bytes()), ERA2_PATTERN))
+    converted = _resumed(torch.load(tmp_path / "new.pt"), ERA2_PATTERN)
+    alias()
+    _same_run(converted, _resumed(torch.load(old), ERA2_PATTERN))
+
+
+# ------------------------------------------------------------- what the default load refuses
+
+
+def test_without_the_alias_the_default_load_still_refuses_apex_s_scaler(fake_apex, alias):
+    data = _apex_file(fake_apex, {"loss_scaler": fake_apex.era2(1024.0)})
+    alias()
+    uninstall_apex_alias()
+    with pytest.raises(pickle.UnpicklingError, match="GLOBAL apex.amp.scaler.LossScaler was not an allowed global"):
+        _default_load(data)
+
+
+class _Call:
+    """Pickles as ``fn(*args)`` (a REDUCE): what a crafted checkpoint does to run code."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.mark.parametrize("payload", ["os.system", "builtins.eval", "apex DDP", "apex FusedAdam", "megatron"])
+def test_under_the_alias_the_default_load_refuses_every_other_global(stand_ins, fake_apex, alias, payload):
+    import os
+
+    if payload == "os.system":
+        obj, said = _Call(os.system, "echo pwned"), "is blocked"
+    elif payload == "builtins.eval":
+        obj, said = _Call(eval, "1 + 1"), "GLOBAL eval was not an allowed global"
+    elif payload == "megatron":  # Megatron's scalers are allowed only with megatron=True
+        obj, said = stand_ins.add("megatron.fp16.loss_scaler.DynamicLossScaler")(), "GLOBAL megatron.fp16.loss_scaler"
+    else:
+        path = ("apex.parallel.distributed.DistributedDataParallel" if payload == "apex DDP"
+                else "apex.optimizers.fused_adam.FusedAdam")
+        obj, said = stand_ins.add(path)(), f"GLOBAL {path} was not an allowed global"
+    data = _saved({"optimizer": {"loss_scaler": fake_apex.era2(1024.0)}, "extra": obj})
+    stand_ins.remove()
+    fake_apex.remove()
+    alias()
+    with pytest.raises(pickle.UnpicklingError, match=said):
+        _default_load(data)
+
+
+# (maker, attribute, a value apex never pickled there)
+BAD_FIELDS = [
+    ("era2", "_loss_scale", "65536"), ("era2", "_loss_scale", float("nan")), ("era2", "_loss_scale", -1.0),
+    ("era2", "_loss_scale", torch.tensor(1024.0)), ("era2", "dynamic", "yes"), ("era2", "_scale_seq_len", 2.5),
+    ("era2", "_scale_seq_len", [3]), ("era2", "_unskipped", -1), ("era2", "_max_loss_scale", "inf"),
+    ("era2", "_min_loss_scale", {"x": 1}), ("era2", "_overflow_buf", [0]), ("era2", "on_min_scale", "explode"),
+    ("era1_dynamic", "cur_scale", "1024"), ("era1_dynamic", "cur_iter", 1.5), ("era1_dynamic", "scale_window", 0),
+    ("era1_dynamic", "scale_factor", None), ("era1_dynamic", "last_overflow_iter", True),
+    ("era1_static", "cur_scale", "128"), ("era1_static", "cur_scale", 0),
+]
+
+
+@pytest.mark.parametrize("load", LOADS)
+@pytest.mark.parametrize(("maker", "field", "value"), BAD_FIELDS, ids=[f"{m}-{f}-{v!r}" for m, f, v in BAD_FIELDS])
+def test_a_scaler_whose_attributes_are_not_apex_s_is_refused_naming_the_attribute(fake_apex, alias, load, maker, field,
+                                                                                   value):
+    scaler = getattr(fake_apex, maker)()
+    setattr(scaler, field, value)
+    data = _apex_file(fake_apex, {"optimizer": {"loss_scaler": scaler}})
+    alias()
+    with pytest.raises(ValueError, match=rf"in this file is not one apex pickled: its {field} is "):
+        LOADS[load](data)
+
+
+def test_a_static_scaler_reads_cur_scale_and_nothing_else(fake_apex, alias):
+    """apex's static scaler pickled ``cur_scale`` alone; other attributes in the file (here one that
+    would shadow a method) are not read."""
+    scaler = fake_apex.era1_static(128.0)
+    scaler.has_overflow = 1
+    data = _apex_file(fake_apex, scaler)
+    alias()
+    for load in LOADS.values():
+        loaded = load(data)
+        assert loaded.cur_scale == 128.0 and loaded.has_overflow([]) is False and "has_overflow" not in vars(loaded)
+
+
+def test_a_crafted_constructor_call_makes_a_scaler_every_load_state_dict_refuses(fake_apex, alias):
+    """A REDUCE of the allowed class calls its constructor (on plain data, no other code): the object
+    it makes holds what the file gave it, and FP16_Optimizer refuses it as a saved scaler."""
+    model, opt = _trained()
+    sd = _apex_form(opt, _Call(fake_apex.Era1LossScaler, ["not", "a", "number"]), dynamic=False)
+    data = _apex_file(fake_apex, sd)
+    alias()
+    ckpt = _default_load(data)
+    with pytest.raises(ValueError, match="Cannot read the saved loss scaler"):
+        _optimizer(make_model(torch.float16, seed=1)).load_state_dict(ckpt)
+
+
+def test_load_checkpoint_under_the_alias_still_reads_records_not_live_scalers(fake_apex, alias):
+    """load_checkpoint's stand-ins share the alias's paths on torch's list: for its load they
+    alone answer them (plain data, attributes as pickled, no __setstate__ check)."""
+    data = _apex_file(fake_apex, {"a": fake_apex.era1_static(128.0), "b": fake_apex.era1_dynamic(),
+                                  "c": fake_apex.era2(1024.0), "d": fake_apex.era2("bad")})
+    alias()
+    again = _saved(_full_load(_saved({k: v for k, v in load_checkpoint(io.BytesIO(data)).items() if k != "d"})))
+    before = torch.serialization.get_safe_globals()
+    for ckpt in (load_checkpoint(io.BytesIO(data)), load_checkpoint(io.BytesIO(again))):
+        assert all(isinstance(v, dict) and CLASS_KEY in v for v in ckpt.values())
+    assert load_checkpoint(io.BytesIO(data))["d"]["_loss_scale"] == "bad"
+    assert set(torch.serialization.get_safe_globals()) == set(before)
 
 
 # -------------------------------------------------------------- saved again, then read back
@@ -290,6 +423,10 @@ def test_a_checkpoint_saved_again_under_the_alias_reads_as_apex_s(fake_apex, ali
     alias()
     again = tmp_path / "again.pt"
     torch.save(_full_load(original), again)
+    # under the alias, torch.load's default reads fp16kit's classes by their own paths too
+    resaved = torch.load(again)
+    assert type(resaved["optimizer"]["loss_scaler"]) is type(_full_load(original)["optimizer"]["loss_scaler"])
+    under_alias = _resumed(resaved, pattern)
     uninstall_apex_alias()  # read back in a plain process
 
     via_alias = load_checkpoint(again)
@@ -299,6 +436,7 @@ def test_a_checkpoint_saved_again_under_the_alias_reads_as_apex_s(fake_apex, ali
     assert attributes == {k: v for k, v in via_apex["optimizer"]["loss_scaler"].items() if k != "_overflow_buf"}
     reference = _resumed(via_apex, pattern)  # (the run moves the loaded tensors: one load per run)
     _same_run(_resumed(via_alias, pattern), reference)
+    _same_run(under_alias, reference)
 
     assert cli_main(["convert-checkpoint", str(again), str(tmp_path / "plain.pt")]) == 0
     assert f"  converted  optimizer.loss_scaler: {path} -> fp16kit's scaler state" in capsys.readouterr().out
@@ -343,8 +481,9 @@ def _megatron_steps(model, opt, pattern):
     return seen
 
 
+@pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize("module", ["megatron.fp16.loss_scaler", "fp16.loss_scaler"])
-def test_megatron_resumes_from_a_megatron_file_under_fp16kit_run_megatron(stand_ins, megatron, alias, module):
+def test_megatron_resumes_from_a_megatron_file_under_fp16kit_run_megatron(stand_ins, megatron, alias, module, load):
     model, opt = _megatron_model()
     _megatron_steps(model, opt, [False, True])
     sd = opt.state_dict()
@@ -354,7 +493,7 @@ def test_megatron_resumes_from_a_megatron_file_under_fp16kit_run_megatron(stand_
     stand_ins.remove()
     reference = load_checkpoint(io.BytesIO(data))
     alias(megatron=True)
-    full = _full_load(data)
+    full = LOADS[load](data)
     assert type(full["optimizer"]["loss_scaler"]).__module__ == "fp16kit.legacy.megatron.loss_scaler"
     runs = []
     for ckpt in (full, reference):

@@ -1,6 +1,7 @@
 """examples/apex_era/fp16_optimizer_resume.py -- a 2019 fp16_utils script that resumes with
-``torch.load(path, weights_only=False)`` and ``optimizer.load_state_dict(checkpoint['optimizer'])``
--- resumed from a checkpoint in apex's own layout: the optimizer entry holds apex's pickled scaler
+``torch.load(path, map_location=...)`` (torch >= 2.6: weights_only=True; ``--full-unpickler``:
+weights_only=False) and ``optimizer.load_state_dict(checkpoint['optimizer'])`` -- resumed from a
+checkpoint in apex's own layout: the optimizer entry holds apex's pickled scaler
 object (era 2: ``apex.amp.scaler.LossScaler``, 2019 on; era 1: ``apex.fp16_utils.loss_scaler.
 DynamicLossScaler``, 2018) and its fp32 masters as Parameters.
 
@@ -84,10 +85,11 @@ def _check_resumed(lines: list[str], checkpoint_dir: pathlib.Path, reference, **
     same_value(torch.load(checkpoint_dir / "checkpoint.pth.tar", weights_only=True), ref_final, "checkpoint")
 
 
+@pytest.mark.parametrize("load", [[], ["--full-unpickler"]], ids=["default", "full"])
 @pytest.mark.parametrize("era", [2, 1])
-def test_resumes_from_apex_s_checkpoint_under_fp16kit_run(fake_apex, tmp_path, reference, era):
+def test_resumes_from_apex_s_checkpoint_under_fp16kit_run(fake_apex, tmp_path, reference, era, load):
     old = _apex_layout(fake_apex, reference[2], era, tmp_path / "apex.pth.tar")
-    lines = _script_run("--epochs", EPOCHS, "--resume", old, "--checkpoint-dir", tmp_path)
+    lines = _script_run("--epochs", EPOCHS, "--resume", old, "--checkpoint-dir", tmp_path, *load)
     # era 1's scaler had a floor of 1 and no cap (which these scales never reach): its settings
     _check_resumed(lines, tmp_path, reference, **({} if era == 2 else {"min_loss_scale": 1.0, "max_loss_scale": None}))
 
@@ -98,9 +100,14 @@ def test_resumes_after_migrate_from_the_converted_file(fake_apex, tmp_path, refe
     shutil.copy(SCRIPT, migrated)
     assert cli_main(["migrate", str(migrated)]) == 0
     assert "import apex" not in migrated.read_text() and "from apex" not in migrated.read_text()
+    reported = [line for line in capsys.readouterr().out.splitlines() if "fp16kit convert-checkpoint OLD NEW" in line]
+    loads = [i for i, line in enumerate(migrated.read_text().splitlines(), 1) if "checkpoint = torch.load(" in line]
+    assert [line.split(": ", 1)[0] for line in reported] == [f"{migrated}:{i}" for i in loads]
 
-    # plain python cannot unpickle apex's classes (no alias): the file is converted once
+    # plain python cannot read apex's classes (no alias): the file is converted once
     direct = _python(migrated, *ARGS, "--epochs", EPOCHS, "--resume", old)
+    assert direct.returncode != 0 and "GLOBAL apex.amp.scaler.LossScaler was not an allowed global" in direct.stderr
+    direct = _python(migrated, *ARGS, "--epochs", EPOCHS, "--resume", old, "--full-unpickler")
     assert direct.returncode != 0 and "No module named 'apex'" in direct.stderr
     new = tmp_path / "converted.pth.tar"
     assert cli_main(["convert-checkpoint", str(old), str(new)]) == 0

@@ -144,6 +144,28 @@ def test_an_apex_with_amp_but_no_fp16_utils_is_complemented_too(new_apex):
     assert apex.amp.REAL and apex.fp16_utils is fp16kit.legacy
 
 
+@pytest.mark.parametrize("has_amp", [False, True])
+def test_torch_s_weights_only_list_gets_the_scaler_paths_the_alias_serves_not_the_real_apex_s(new_apex, has_amp):
+    """torch.load's default reads a scaler path as fp16kit's class only where the alias gives that
+    module: a real apex's own apex.amp.scaler stays off the list."""
+    import torch
+
+    if has_amp:
+        (new_apex / "amp").mkdir()
+        (new_apex / "amp" / "__init__.py").write_text("REAL = True\n")
+        (new_apex / "amp" / "scaler.py").write_text("class LossScaler:\n    REAL = True\n")
+        importlib.invalidate_caches()
+    before = set(torch.serialization.get_safe_globals())
+    install_apex_alias()
+    paths = {e[1] for e in set(torch.serialization.get_safe_globals()) - before}
+    era1 = {"apex.fp16_utils.loss_scaler.LossScaler", "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+            "fp16kit.legacy.loss_scaler.LossScaler", "fp16kit.legacy.loss_scaler.DynamicLossScaler"}
+    era2 = {"apex.amp.scaler.LossScaler", "fp16kit.legacy.amp.scaler.LossScaler"}
+    assert paths == (era1 if has_amp else era1 | era2)
+    uninstall_apex_alias()
+    assert set(torch.serialization.get_safe_globals()) == before
+
+
 def test_a_new_apex_that_fails_to_import_says_how_to_hide_it(new_apex):
     (new_apex / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10')\n")
     install_apex_alias()

@@ -21,7 +21,6 @@ raise ``FloatingPointError`` (``"raise"``) through the core's floor policy
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from ...core import kernels
 from ...core.floor import FLOOR_POLICIES
 from ..fp16_optimizer import AmpLossScaler
+from ..loss_scaler import pickled, pickled_attributes
 
 __all__ = ["LossScaler"]
 
@@ -234,31 +234,34 @@ class LossScaler(AmpLossScaler):
             state["on_min_scale"] = self._state.on_min_scale
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: Any) -> None:
         """A working scaler from apex's attributes: what ``pickle`` (``torch.load(...,
         weights_only=False)``) makes of an ``apex.amp.scaler.LossScaler`` under fp16kit's apex
-        alias (``fp16kit run``), and of this class's own pickles. The scale is restored exactly
-        (above ``max_loss_scale`` too, as apex kept it); apex's pickles from before it had
-        ``min_loss_scale`` have no floor, as that apex had none."""
-        missing = [k for k in _PICKLED if k not in state]
-        if missing:
-            raise pickle.UnpicklingError(
-                f"an apex.amp.scaler.LossScaler was pickled without {missing} (it holds {sorted(state)}); "
-                "it is not one apex wrote: load the checkpoint's state dicts without it"
-            )
-        dynamic = bool(state["dynamic"])
+        alias (``fp16kit run``), and -- the alias puts this class on torch's weights-only list --
+        what ``torch.load(f)``'s default makes of it there; also this class's own pickles. The
+        scale is restored exactly (above ``max_loss_scale`` too, as apex kept it); apex's pickles
+        from before it had ``min_loss_scale`` have no floor, as that apex had none.
+
+        Only the attributes below are read, each checked to be what apex pickled (ValueError
+        naming the one that is not): ``dynamic`` (a bool), ``_loss_scale`` (a finite number > 0),
+        ``_max_loss_scale`` (> 0, inf or None: no cap), ``_min_loss_scale`` (absent, None or >= 0),
+        ``_scale_seq_len`` (a whole number >= 1), ``_unskipped`` (an int >= 0), ``on_min_scale``
+        (fp16kit's, absent or one of its policies) and ``_overflow_buf`` (absent, None or a tensor)."""
+        a = pickled_attributes(self, state, _PICKLED)
+        scale = pickled(self, a, "_loss_scale", "scale")
+        buf = pickled(self, a, "_overflow_buf", "tensor", default=None)
         self.__init__(  # type: ignore[misc]
-            "dynamic" if dynamic else state["_loss_scale"],
-            init_scale=state["_loss_scale"],
-            scale_window=state["_scale_seq_len"],
-            min_loss_scale=state.get("_min_loss_scale") or None,
-            max_loss_scale=state["_max_loss_scale"],
-            on_min_scale=state.get("on_min_scale", "ignore"),
+            "dynamic" if pickled(self, a, "dynamic", "flag") else scale,
+            init_scale=scale,
+            scale_window=int(pickled(self, a, "_scale_seq_len", "window")),
+            min_loss_scale=pickled(self, a, "_min_loss_scale", "floor", default=None) or None,
+            max_loss_scale=pickled(self, a, "_max_loss_scale", "cap"),
+            on_min_scale=pickled(self, a, "on_min_scale", "floor policy", default="ignore"),
         )
-        self._loss_scale = state["_loss_scale"]
-        self._unskipped = state["_unskipped"]
-        if isinstance(state.get("_overflow_buf"), torch.Tensor):
-            self._overflow_buf = state["_overflow_buf"]
+        self._loss_scale = scale
+        self._unskipped = pickled(self, a, "_unskipped", "count")
+        if buf is not None:
+            self._overflow_buf = buf
 
     def __repr__(self) -> str:
         return f"LossScaler(dynamic={self.dynamic}, loss_scale={self.loss_scale()}, unskipped={self._unskipped})"

@@ -87,8 +87,7 @@ class LossScaler(_era1.LossScaler):
     def __getstate__(self) -> dict[str, Any]:
         return self.state_dict()
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.cur_scale = state["cur_scale"]
+    # __setstate__: the era-1 parent's (reads cur_scale, checked to be a finite number > 0)
 
     def __repr__(self) -> str:
         return f"LossScaler(cur_scale={self.cur_scale})"
