@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = DemoConfig()
     demo = sub.add_parser(
         "demo",
-        help="fp32 vs apex-style vs modern vs 16-bit without masters, side by side",
+        help="fp32, apex-style, modern, no masters: side by side",
         description=textwrap.fill(
             "Train one small MLP on synthetic data with every recipe: float32; apex's FP16_Optimizer "
             "and amp O2 through fp16kit.legacy; torch.autocast + fp16kit.GradScaler; a 16-bit model "
