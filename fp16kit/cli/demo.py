@@ -117,18 +117,19 @@ def _error(message: str) -> int:
 
 
 class _OverflowLines(logging.Handler):
-    """apex's "Gradient overflow.  Skipping step, ..." lines while the demo trains: counted,
-    printed on stdout (where apex printed them) only if ``show``, kept out of the table and of
-    every logging handler. Every other record goes where it went before: a message the demo
-    does not expect is worth seeing.
+    """apex's lines while the demo trains, kept out of its table unless ``show`` (--verbose):
+    the "Gradient overflow.  Skipping step, ..." lines are counted (the skipped column says the
+    same) and dropped, and so are apex's INFO lines (amp's banner). Every other warning goes
+    where it went before: one the demo does not expect is worth seeing. With ``show`` every
+    line goes where it went before (apex's lines: stdout).
 
     The legacy faces log apex's lines on the ``fp16kit.apex`` logger, which has its own stdout
-    handler and does not propagate -- or, in versions before it, on ``fp16kit`` itself. So
-    :meth:`installed` puts this object on both: as the only handler of ``fp16kit.apex`` (its
-    own handlers set aside, given the records that are not overflow lines, and put back after),
-    and as a filter of ``fp16kit`` (a filter, not a handler: only a filter keeps a record from
-    the root logger's handlers). A record is seen once: ``fp16kit.apex`` does not propagate, and
-    a logger's filters see only the records logged on it."""
+    handler and does not propagate (fp16kit/legacy/_messages.py) -- or, in versions before it,
+    on ``fp16kit`` itself. So :meth:`installed` puts this object on both: as the only handler of
+    ``fp16kit.apex`` (its own handlers set aside, given what passes, and put back after), and
+    as a filter of ``fp16kit`` (a filter, not a handler: only a filter keeps a record from the
+    root logger's handlers). A record is seen once: ``fp16kit.apex`` does not propagate, and a
+    logger's filters see only the records logged on it."""
 
     def __init__(self, show: bool) -> None:
         super().__init__()
@@ -137,16 +138,14 @@ class _OverflowLines(logging.Handler):
         self._set_aside: list[logging.Handler] = []
 
     def take(self, record: logging.LogRecord) -> bool:
-        """Count (and with ``show`` print) an overflow line: False. Anything else: True."""
-        if not record.getMessage().startswith(_OVERFLOW):
-            return True
-        self.count += 1
-        if self.show:
-            print(record.getMessage(), flush=True)
-        return False
+        """Count an overflow line; whether ``record`` goes on (an overflow line: only if ``show``)."""
+        if record.getMessage().startswith(_OVERFLOW):
+            self.count += 1
+            return self.show
+        return True
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.take(record):
+        if self.take(record) and (self.show or record.levelno >= logging.WARNING):
             for handler in self._set_aside:
                 if record.levelno >= handler.level:
                     handler.handle(record)

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["LostUpdates", "STATE_PARTS", "state_bytes"]
+__all__ = ["LostUpdates", "STATE_PARTS", "state_bytes", "storage_bytes"]
 
 STATE_PARTS = ("weights", "grads", "optimizer state", "masters")
 
@@ -71,7 +71,7 @@ class LostUpdates:
             handle.remove()
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
     """Bytes of the storages behind ``tensors`` not in ``seen`` yet (adds them)."""
     total = 0
     for t in tensors:
@@ -88,11 +88,11 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     being the torch optimizer that steps the weights (the inner one of a wrapper)."""
     params = list(model.parameters())
     seen: set[tuple[str, int]] = set()
-    weights = _storage_bytes(params, seen)
-    grads = _storage_bytes([p.grad for p in params if p.grad is not None], seen)
-    state = _storage_bytes(
+    weights = storage_bytes(params, seen)
+    grads = storage_bytes([p.grad for p in params if p.grad is not None], seen)
+    state = storage_bytes(
         [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)], seen
     )
     masters = _stepped(optimizer)
-    master_bytes = _storage_bytes(masters, seen) + _storage_bytes([m.grad for m in masters if m.grad is not None], seen)
+    master_bytes = storage_bytes(masters, seen) + storage_bytes([m.grad for m in masters if m.grad is not None], seen)
     return dict(zip(STATE_PARTS, (weights, grads, state, master_bytes)))
