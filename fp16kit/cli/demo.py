@@ -338,8 +338,8 @@ def _bytes_text(result: Any) -> str:
     from ..demo.measure import STATE_PARTS
 
     groups: dict[str, list[str]] = {}
+    params = result.rows[-1].params
     for s in result.summaries:
-        params = result.rows[-1].params
         parts = "+".join(f"{round(s.state[p] / params, 1):g}" for p in STATE_PARTS)
         groups.setdefault(parts, []).append(s.recipe)
     return "; ".join(f"{', '.join(names)} {parts}" for parts, names in groups.items())

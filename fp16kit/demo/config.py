@@ -25,7 +25,7 @@ OPTIMIZERS = {"adamw": 3e-3, "sgd": 0.02}
 class DemoConfig:
     """One demo run. Every recipe trains a copy of the same initial model on the same batches,
     with the same optimizer and learning rate at every step: ``lr`` (None: the optimizer's
-    default in :data:`OPTIMIZERS`) decayed to 0 along a cosine over the run (:meth:`lr_at`).
+    default in :data:`OPTIMIZERS`) decayed to a tenth along a cosine over the run (:meth:`lr_at`).
 
     ``dtype`` is the low-precision dtype of the mixed recipes; the two ``*-no-masters`` recipes
     are fp16 and bf16 whatever it is. With bf16 no recipe scales the loss (bf16 has fp32's

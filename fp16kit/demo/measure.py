@@ -93,6 +93,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     state = storage_bytes(
         [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)], seen
     )
-    masters = _stepped(optimizer)
+    masters = _stepped(optimizer)  # what the optimizer steps: model params among them are counted already
     master_bytes = storage_bytes(masters, seen) + storage_bytes([m.grad for m in masters if m.grad is not None], seen)
     return dict(zip(STATE_PARTS, (weights, grads, state, master_bytes)))

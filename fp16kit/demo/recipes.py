@@ -15,8 +15,8 @@ master-weights     modern  fp16 model + ``fp16kit.MixedPrecisionOptimizer`` (fp3
 async              modern  the same with ``MixedPrecisionOptimizer(async_step=True)``: each
                            step runs on the optimizer thread beside the next forward/backward
 fp16-no-masters    torch   ``model.half()`` + the optimizer on the fp16 weights themselves: no
-                           masters, no loss scale (torch's GradScaler refuses fp16 grads, and
-                           so does fp16kit's, which is torch's)
+                           masters, no loss scale (GradScaler, torch's as fp16kit's, refuses
+                           fp16 grads)
 bf16-no-masters    torch   ``model.bfloat16()`` + the optimizer on the bf16 weights: no masters
 =================  ======  ==================================================================
 

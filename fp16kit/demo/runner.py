@@ -10,8 +10,8 @@ alike and the time ratios compare like with like)::
     for epoch in 1..epochs:
         for recipe in recipes:
             t0 = clock()
-            for t, (x, y) in enumerate(batches[epoch]):       # the same batches for every recipe
-                recipe.optimizer's lr = cfg.lr_at(global step) # the same schedule for every recipe
+            for x, y in batches[epoch]:                       # the same batches for every recipe
+                recipe.optimizer's lr = cfg.lr_at(step)       # the same schedule for every recipe
                 loss = recipe.step(x, y)                      # kept as a tensor: no host read
                 if trace: scales += recipe.loss_scale()
             recipe.synchronize(); device sync; t1 = clock()   # an async step in flight counts
