@@ -48,7 +48,6 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +55,7 @@ import torch
 from torch import nn
 
 import fp16kit
+from fp16kit.demo.measure import storage_bytes  # distinct storages: a flat buffer's views count once
 
 # ---------------------------------------------------------------------------- a. memory
 
@@ -102,19 +102,6 @@ def mlp(width: int, layers: int) -> nn.Sequential:
     for _ in range(layers):
         mods += [nn.Linear(width, width), nn.GELU()]
     return nn.Sequential(*mods)
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` not counted yet (views of one flat
-    buffer count once)."""
-    total = 0
-    for t in tensors:
-        s = t.untyped_storage()
-        key = (str(t.device), s.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += s.nbytes()
-    return total
 
 
 def training_state(mode: MemoryMode, width: int, layers: int) -> dict[str, Any]:
