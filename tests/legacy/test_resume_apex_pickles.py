@@ -80,8 +80,12 @@ def _check_resumed(lines: list[str], checkpoint_dir: pathlib.Path, reference, **
     ref_final = {**ref_final, "optimizer": {**ref_final["optimizer"]}}
     ref_final["optimizer"]["loss_scaler"] = {**ref_final["optimizer"]["loss_scaler"], **scaler_settings}
     assert lines[0].startswith("=> loading checkpoint")
-    assert lines[1].endswith(f"(epoch {STOP}, loss scale {ref_lines[STOP - 1].rsplit(' ', 1)[1]})")
-    assert lines[2:] == ref_lines[STOP:]  # epochs 5-7 and the final loss, as printed uninterrupted
+    # apex's "Gradient overflow" lines are on stdout too (as apex printed them): the uninterrupted
+    # run's output after the line of the last epoch the checkpoint holds is what the resumed run prints
+    last = next(i for i, line in enumerate(ref_lines) if line.startswith(f"epoch {STOP - 1} "))
+    assert lines[1].endswith(f"(epoch {STOP}, loss scale {ref_lines[last].rsplit(' ', 1)[1]})")
+    assert lines[2:] == ref_lines[last + 1:]  # epochs 5-7, their overflow lines and the final loss
+    assert any(line.startswith("Gradient overflow.") for line in lines[2:])  # the scale moved while resumed
     same_value(torch.load(checkpoint_dir / "checkpoint.pth.tar", weights_only=True), ref_final, "checkpoint")
 
 
