@@ -46,29 +46,25 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._messages import apex_logger
-from . import lists
+from . import _list_rules
 from ._cast_args import cast_args, float_tensors
 
-__all__ = ["ApexLists", "exempt"]
+__all__ = ["ApexLists", "exempt", "install"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _TO_HALF = (torch.float32, torch.bfloat16)
 
 
-def _rules() -> dict[Callable[..., Any], tuple[str, str]]:
-    rules: dict[Callable[..., Any], tuple[str, str]] = {}
-    inplace = lists.resolve(lists.FP32_INPLACE)
-    for fn, name in inplace.items():
-        method = getattr(torch.Tensor, name, None) is fn
-        rules[fn] = ("fp32_inplace_method" if method else "fp32_inplace_fn", name)
-    for kind, names in (("promote", lists.PROMOTE), ("fp32", lists.FP32), ("fp16", lists.FP16),
-                        ("banned", tuple(lists.BANNED))):
-        for fn, name in lists.resolve(names).items():
-            rules.setdefault(fn, (kind, name))
-    return rules
+_RULES = _list_rules.Rules()  # replaced by install() at every O1 initialize
 
 
-_RULES = _rules()
+def install(rules: _list_rules.Rules) -> None:
+    """Apply ``rules`` (:func:`._list_rules.read`) from now on, on every thread with O1 on
+    (apex's patches were process-wide)."""
+    global _RULES
+    _RULES = rules
+
+
 _EXEMPT: set[Callable[..., Any]] = set()
 
 
@@ -99,7 +95,8 @@ class ApexLists(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        rule = _RULES.get(func)
+        rules = _RULES
+        rule = rules.by_function.get(func)
         if rule is None or func in _EXEMPT:
             return func(*args, **kwargs)
         kind, name = rule
@@ -108,6 +105,8 @@ class ApexLists(TorchFunctionMode):
         on = [d for d in self.device_types if torch.is_autocast_enabled(d)]
         if not on:
             return func(*args, **kwargs)
+        if kind == "banned":
+            return self._banned(func, name, on, args, kwargs, rules.banned[name])
         return getattr(self, "_" + kind)(func, name, on, args, kwargs)
 
     # ------------------------------------------------------------------------------ rules
@@ -130,10 +129,12 @@ class ApexLists(TorchFunctionMode):
             for device_type in on:
                 torch.set_autocast_enabled(device_type, True)
 
-    def _banned(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict) -> Any:
+    def _banned(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict,
+                ban: tuple[str, str]) -> Any:
+        message, besides = ban
         if not self.allow_banned and any(_is_fp16(t, on) for t in float_tensors(args, kwargs)):
-            raise NotImplementedError(lists.BANNED[name])
-        return self._fp32(func, name, on, args, kwargs)
+            raise NotImplementedError(message)
+        return getattr(self, "_" + besides)(func, name, on, args, kwargs)
 
     def _fp32_inplace_fn(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict) -> Any:
         if any(_is_fp16(t, on) for t in float_tensors(args, kwargs)):
