@@ -21,10 +21,12 @@ __all__ = ["Rules", "read"]
 
 RNN_FUNCS = ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
 
+_MODULES = (lists.functional_overrides, lists.torch_overrides, lists.tensor_overrides)
+
 # apex's order of wrapping, innermost (the one that decides) first: (lists module, list, kind)
 _ORDER = tuple(
     (module, list_name, kind)
-    for module in (lists.functional_overrides, lists.torch_overrides, lists.tensor_overrides)
+    for module in _MODULES
     for list_name, kind in (("FP16_FUNCS", "fp16"), ("FP32_FUNCS", "fp32"))
 ) + tuple(
     (module, list_name, "promote")
@@ -98,33 +100,38 @@ def read() -> Rules:
     """The lists as they stand now, as rules (see the module docstring); TypeError, naming the
     list and the fix, for an entry that is not a name."""
     entries = _entries()
-    banned_list = _check(lists.functional_overrides, "BANNED_FUNCS", lists.functional_overrides.BANNED_FUNCS)
-    modules = (lists.functional_overrides, lists.torch_overrides, lists.tensor_overrides)
-    shipped = {fn for m in modules for name in lists.SHIPPED[_key(m)] for _, fn in _functions(m.MODULE, _names(m, name))}
-
+    banned = _check(lists.functional_overrides, "BANNED_FUNCS", lists.functional_overrides.BANNED_FUNCS)
+    rules = Rules()
+    by_function = rules.by_function
+    # in place first: apex put its errors outside the casts of the same names
+    for module, kind in ((lists.torch_overrides, "fp32_inplace_fn"), (lists.tensor_overrides, "fp32_inplace_method")):
+        inplace = tuple(name + "_" for name in module.FP32_FUNCS if not name.startswith("__"))
+        for attr, fn in _functions(module.MODULE, inplace):
+            by_function.setdefault(fn, (kind, attr))
     own: dict[Callable[..., Any], tuple[str, str]] = {}
     for module, kind, name in entries:
         for attr, fn in _functions(module.MODULE, _names(module, name)):
             own.setdefault(fn, (kind, attr))
-    rules = Rules()
-    # in place first: apex put its errors outside the casts of the same names
-    for module, kind in ((lists.torch_overrides, "fp32_inplace_fn"), (lists.tensor_overrides, "fp32_inplace_method")):
-        for name in module.FP32_FUNCS:
-            for attr, fn in _functions(module.MODULE, () if name.startswith("__") else (name + "_",)):
-                rules.by_function.setdefault(fn, (kind, attr))
     for fn, rule in own.items():
-        rules.by_function.setdefault(fn, rule)
-    for module, kind, name in entries:  # the same names elsewhere, where apex's lists there do not reach
+        by_function.setdefault(fn, rule)
+    reached = _shipped() | set(own)
+    for module, kind, name in entries:  # the same name in the other namespaces, where apex's lists do not reach
         aliases = tuple(n for n in _names(module, name) if not n.startswith("__"))
-        for other in modules:
-            for attr, fn in _functions(other.MODULE, aliases) if other is not module else ():
-                if fn not in shipped and fn not in own:
-                    rules.by_function.setdefault(fn, (kind, attr))
+        for other in _MODULES:
+            if other is not module:
+                for attr, fn in _functions(other.MODULE, aliases):
+                    if fn not in reached:
+                        by_function.setdefault(fn, (kind, attr))
     for attr, fn in _functions(lists.torch_overrides.MODULE, RNN_FUNCS):
-        rules.by_function.setdefault(fn, ("fp16", attr))
-    for name, message in banned_list:
-        fns = [fn for _, fn in _functions(lists.functional_overrides.MODULE, (name,))]
-        if fns:
-            rules.banned[name] = (message, own.get(fns[0], ("fp32", name))[0])
-            rules.by_function[fns[0]] = ("banned", name)
+        by_function.setdefault(fn, ("fp16", attr))
+    for name, message in banned:  # F.<name> only, as apex; banned twice: the last message (outermost)
+        for _, fn in _functions(lists.functional_overrides.MODULE, (name,)):
+            besides = rules.banned[name][1] if name in rules.banned else by_function.get(fn, ("fp32", name))[0]
+            rules.banned[name] = (message, besides)
+            by_function[fn] = ("banned", name)
     return rules
+
+
+def _shipped() -> set[Callable[..., Any]]:
+    """The functions apex's lists as shipped name in their own namespace."""
+    return {fn for m in _MODULES for name in lists._SHIPPED[_key(m)] for _, fn in _functions(m.MODULE, _names(m, name))}

@@ -17,9 +17,10 @@ What a list entry does (:mod:`fp16kit.legacy.amp.o1_lists`), and how entries bec
 - one function object under several entries follows the first in apex's order: the FP16 list,
   then the FP32 list of ``functional_overrides``, of ``torch_overrides``, of ``tensor_overrides``,
   then ``CASTS`` and ``SEQUENCE_CASTS``; ``BANNED_FUNCS`` is checked before any of them.
-- an entry also covers the same name in the other two namespaces where apex's shipped lists
-  of that namespace do not name it (``torch.softmax`` and ``x.softmax()`` follow
-  ``functional_overrides``' ``'softmax'``; ``torch.sub`` follows ``__sub__``).
+- an entry of an FP16, FP32 or CASTS list also covers the same name in the other two namespaces
+  where apex's shipped lists of that namespace do not name it (``torch.softmax`` and
+  ``x.softmax()`` follow ``functional_overrides``' ``'softmax'``; ``torch.sub`` follows
+  ``__sub__``). ``BANNED_FUNCS`` covers ``F.<name>`` only.
 - a name removed from a module's lists stops covering that module's function, even where
   another module still lists it: removing ``'exp'`` from ``torch_overrides.FP32_FUNCS`` changes
   ``torch.exp`` only (``tensor_overrides`` copied ``'exp'`` at import: ``x.exp()`` stays fp32),
@@ -34,15 +35,13 @@ from . import functional_overrides, tensor_overrides, torch_overrides
 
 __all__ = ["functional_overrides", "torch_overrides", "tensor_overrides"]
 
-LIST_NAMES = ("FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS", "BANNED_FUNCS")
-
 # The lists as shipped, taken before a script can edit them (this package is imported before
 # any of its modules is handed out): a namespace's shipped names decide where an entry of
 # another namespace's lists reaches (see above).
-SHIPPED: dict[str, tuple[str, ...]] = {
+_SHIPPED: dict[str, tuple[str, ...]] = {
     module.__name__.rpartition(".")[2]: tuple(
         entry[0] if isinstance(entry, tuple) else entry
-        for list_name in LIST_NAMES
+        for list_name in ("FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS", "BANNED_FUNCS")
         for entry in getattr(module, list_name, ())
     )
     for module in (functional_overrides, torch_overrides, tensor_overrides)
