@@ -59,6 +59,8 @@ APEX_MODULES: Mapping[str, str] = MappingProxyType({
     "apex.fp16_utils.loss_scaler": f"{_L}.loss_scaler",
     "apex.fp16_utils.fused_weight_norm": f"{_L}.fused_weight_norm",  # 2018
     **_same_names("apex.amp", f"{_L}.amp", ("_amp_state", "_process_optimizer", "frontend", "handle", "scaler")),
+    # O1's op lists, which scripts edit before amp.initialize (NVIDIA's Tacotron2, WaveGlow)
+    **_same_names("apex.amp.lists", f"{_L}.amp.lists", ("functional_overrides", "torch_overrides", "tensor_overrides")),
     **_same_names(
         "apex.optimizers", f"{_L}.optimizers",
         ("fused_adam", "fused_lamb", "fused_sgd", "fused_novograd", "fused_adagrad", "fp16_optimizer"),
@@ -106,8 +108,6 @@ UNCOVERED: Mapping[str, str] = MappingProxyType({
     "apex.mlp": "apex.mlp.MLP is not in fp16kit: use torch.nn.Sequential of nn.Linear and activations; " + _TORCH_COMPILE,
     "apex.fused_dense": "apex.fused_dense is not in fp16kit: use torch.nn.Linear (+ torch.nn.functional.gelu); "
     + _TORCH_COMPILE,
-    "apex.amp.lists": "apex.amp's O1 cast lists are internals: register functions with "
-    "fp16kit.legacy.amp.register_half_function / register_float_function / register_promote_function",
     "apex.amp.amp": "apex.amp.amp is internal: use fp16kit.legacy.amp (init, half_function, float_function, ...)",
     "apex.amp.opt": "apex.amp.opt (2018 optimizer wrapper) is internal: use fp16kit.legacy.amp.init()'s handle",
     "apex.amp.wrap": "apex.amp.wrap is internal: use fp16kit.legacy.amp's half_function / float_function",

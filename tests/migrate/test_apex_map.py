@@ -66,6 +66,7 @@ def test_table_shape():
         ("apex.contrib.optimizers.fused_adam.FusedAdam", "fp16kit.legacy.contrib.optimizers.fused_adam.FusedAdam"),
         ("apex", "fp16kit.legacy"),
         ("amp_C.multi_tensor_l2norm", "fp16kit.legacy.multi_tensor_apply.multi_tensor_l2norm"),
+        ("apex.amp.lists.functional_overrides.FP32_FUNCS", "fp16kit.legacy.amp.lists.functional_overrides.FP32_FUNCS"),
     ],
 )
 def test_resolve_longest_prefix(path, new):
@@ -94,7 +95,6 @@ def test_resolve_megatron_only_on_request():
         ("apex.contrib.optimizers.DistributedFusedAdam", "ZeroRedundancyOptimizer"),
         ("apex.contrib.whatever_new", "apex.contrib.optimizers"),  # closed package: nothing guessed
         ("apex.bogus", "apex.optimizers"),
-        ("apex.amp.lists.functional_overrides", "register_half_function"),
         ("fused_adam_cuda.adam", "FusedAdam"),
     ],
 )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import lists  # apex.amp.lists: scripts edit them before amp.initialize
 from ._amp_state import _amp_state, master_params
 from .frontend import initialize, load_state_dict, state_dict
 from .handle import init, scale_loss

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from . import o1_lists
+from . import _list_rules, o1_lists
 from ._cast_args import cast_args, float_tensors
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "float_function",
     "half_function",
     "promote_function",
+    "read_lists",
     "register_float_function",
     "register_half_function",
     "register_promote_function",
@@ -106,15 +107,27 @@ def _device_types() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------- O1
 
-def enable_o1(device_type: str = "cuda", *, allow_banned: bool = False, verbose: bool = False) -> None:
+def read_lists() -> _list_rules.Rules:
+    """apex's op lists (``amp.lists``) as they stand now, ready for :func:`enable_o1`; TypeError,
+    naming the list and the fix, for an entry that is not a function name."""
+    return _list_rules.read()
+
+
+def enable_o1(device_type: str = "cuda", *, allow_banned: bool = False, verbose: bool = False,
+              rules: _list_rules.Rules | None = None) -> None:
     """Switch O1 on for ``device_type`` on the calling thread, for good: autocast (float16) and
     apex's op lists (:class:`.o1_lists.ApexLists`) for that device type.
 
-    Idempotent per thread and device type: a second call enters no second context (it updates
-    ``allow_banned``, amp.init's, and ``verbose``, apex's per-cast lines at ``verbosity=2``).
-    Called by ``amp.initialize`` at O1; other threads keep running without O1 (apex's patches
-    reached every thread: MIGRATION.md).
+    Every call reads ``amp.lists`` anew (or takes ``rules``, from :func:`read_lists`): the lists
+    as edited up to now apply from here on, on every thread with O1 on; later edits wait for the
+    next call, as apex read them when ``amp.init`` patched. Idempotent per thread and device
+    type: a second call enters no second context (it updates ``allow_banned``, amp.init's, and
+    ``verbose``, apex's per-cast lines at ``verbosity=2``). Called by ``amp.initialize`` at O1
+    and by ``amp.init()``; other threads keep running without O1 (apex's patches reached every
+    thread: MIGRATION.md).
     """
+    if rules is None:
+        rules = read_lists()
     contexts = _o1_contexts()
     if device_type not in contexts:
         if device_type == "cuda" and not torch.cuda.is_available():
@@ -126,6 +139,7 @@ def enable_o1(device_type: str = "cuda", *, allow_banned: bool = False, verbose:
         ctx = torch.autocast(device_type, dtype=torch.float16)
         ctx.__enter__()
         contexts[device_type] = ctx
+    o1_lists.install(rules)
     mode = _o1_lists()
     if mode is None:
         mode = o1_lists.ApexLists()

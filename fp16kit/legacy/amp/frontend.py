@@ -225,6 +225,7 @@ def initialize(
             for _ in range(num_losses)
         ]
         casts = _casts_module() if properties.patch_torch_functions else None
+        rules = casts.read_lists() if casts is not None else None  # amp.lists as edited until now
     except BaseException:
         _amp_state.verbosity = prior_verbosity
         raise
@@ -249,7 +250,7 @@ def initialize(
         device_type = next((p.device.type for m in model_list for p in m.parameters()), "cuda")
         if hasattr(casts, "apply_registrations"):
             casts.apply_registrations()  # amp.register_*_function calls queued before initialize
-        casts.enable_o1(device_type, verbose=(verbosity == 2))
+        casts.enable_o1(device_type, verbose=(verbosity == 2), rules=rules)
         _amp_state.handle = AmpHandle(properties.loss_scale, verbose=(verbosity == 2))
         if hasattr(casts, "clear_cache_after_forward"):
             for model in model_list:

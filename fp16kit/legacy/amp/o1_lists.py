@@ -6,24 +6,27 @@ apex's, and they differ per device: CPU autocast runs ``exp``, ``sum``, ``softma
 inf where apex ran it in fp32. :class:`ApexLists` is entered beside autocast on the thread that
 enables O1. torch hands it every call of a ``torch`` function, ``Tensor`` method or operator
 and ``torch.nn.functional`` function made from Python, before autocast sees it, and it applies
-apex's rule for that name::
+the rule apex's lists (``amp.lists``, as read at the last O1 initialize: :func:`install`) give
+that function::
 
-    FP16 list  (matmul, mm, bmm, addmm, conv*, linear, prelu, RNNs and cells, ...)
+    FP16 lists  (matmul, mm, bmm, addmm, conv*, linear, prelu, RNNs and cells, ...)
         float32/bfloat16 args -> the autocast dtype (float16); a float32 leaf that requires grad
         (a parameter) is cast once and reused until clear() (apex's cast cache), unless it
-        changed in place since; then the op, autocast on
-    FP32 list  (exp, log, pow, sum, prod, cumsum, norm, softmax, log_softmax, gelu, layer_norm,
-                normalize, the losses, Tensor.cpu, ...)
+        changed in place since; then the op with autocast off (softmax moved to FP16_FUNCS runs
+        in fp16, also where autocast keeps it in fp32)
+    FP32 lists  (exp, log, pow, sum, prod, cumsum, norm, softmax, log_softmax, gelu, layer_norm,
+                 normalize, the losses, Tensor.cpu, ...)
         float16/bfloat16 args -> float32; then the op with autocast off (its inner ops in fp32)
-    in-place FP32 ops  (exp_, log_, pow_, ...)
+    in-place forms of the FP32 names  (exp_, log_, pow_, ...)
         torch.exp_(...) with an fp16 arg, h.exp_() on an fp16 h -> NotImplementedError (apex's
         texts); otherwise the op as called
-    PROMOTE list  (add, sub, mul, div, comparisons, addcmul, addcdiv, atan2, dot, ...)
+    CASTS, SEQUENCE_CASTS  (add, sub, mul, div, comparisons, addcmul, addcdiv, atan2, dot; cat, stack)
         float16/bfloat16 and float32 args together -> all float32 (torch keeps half for a 0-dim
         float32 tensor; apex did not); in-place ops (add_, h += f) are left to torch
-    F.binary_cross_entropy
-        an fp16 arg -> NotImplementedError (apex's text), unless amp.init(allow_banned=True);
-        otherwise as the FP32 list (CUDA autocast would raise for fp32 inputs too)
+    BANNED_FUNCS  (F.binary_cross_entropy)
+        an fp16 arg -> NotImplementedError (the entry's text), unless amp.init(allow_banned=True);
+        otherwise as its other list says, else as the FP32 lists (CUDA autocast would raise for
+        fp32 inputs too)
     anything else: as autocast decides
 
 A rule applies to the tensors on a device type O1 is on for, while autocast is on there:
@@ -46,29 +49,25 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._messages import apex_logger
-from . import lists
+from . import _list_rules
 from ._cast_args import cast_args, float_tensors
 
-__all__ = ["ApexLists", "exempt"]
+__all__ = ["ApexLists", "exempt", "install"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _TO_HALF = (torch.float32, torch.bfloat16)
 
 
-def _rules() -> dict[Callable[..., Any], tuple[str, str]]:
-    rules: dict[Callable[..., Any], tuple[str, str]] = {}
-    inplace = lists.resolve(lists.FP32_INPLACE)
-    for fn, name in inplace.items():
-        method = getattr(torch.Tensor, name, None) is fn
-        rules[fn] = ("fp32_inplace_method" if method else "fp32_inplace_fn", name)
-    for kind, names in (("promote", lists.PROMOTE), ("fp32", lists.FP32), ("fp16", lists.FP16),
-                        ("banned", tuple(lists.BANNED))):
-        for fn, name in lists.resolve(names).items():
-            rules.setdefault(fn, (kind, name))
-    return rules
+_RULES = _list_rules.Rules()  # replaced by install() at every O1 initialize
 
 
-_RULES = _rules()
+def install(rules: _list_rules.Rules) -> None:
+    """Apply ``rules`` (:func:`._list_rules.read`) from now on, on every thread with O1 on
+    (apex's patches were process-wide)."""
+    global _RULES
+    _RULES = rules
+
+
 _EXEMPT: set[Callable[..., Any]] = set()
 
 
@@ -99,7 +98,8 @@ class ApexLists(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        rule = _RULES.get(func)
+        rules = _RULES
+        rule = rules.by_function.get(func)
         if rule is None or func in _EXEMPT:
             return func(*args, **kwargs)
         kind, name = rule
@@ -108,6 +108,8 @@ class ApexLists(TorchFunctionMode):
         on = [d for d in self.device_types if torch.is_autocast_enabled(d)]
         if not on:
             return func(*args, **kwargs)
+        if kind == "banned":
+            return self._banned(func, name, on, args, kwargs, rules.banned[name])
         return getattr(self, "_" + kind)(func, name, on, args, kwargs)
 
     # ------------------------------------------------------------------------------ rules
@@ -118,22 +120,18 @@ class ApexLists(TorchFunctionMode):
             return self._half(t, torch.get_autocast_dtype(t.device.type), name)
 
         new_args, new_kwargs = cast_args(args, kwargs, convert, keep=("out",))
-        return func(*new_args, **new_kwargs)
+        return _without_autocast(on, func, new_args, new_kwargs)
 
     def _fp32(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict) -> Any:
         new_args, new_kwargs = cast_args(args, kwargs, lambda t: self._float(t, on, name), keep=("out",))
-        for device_type in on:
-            torch.set_autocast_enabled(device_type, False)
-        try:
-            return func(*new_args, **new_kwargs)
-        finally:
-            for device_type in on:
-                torch.set_autocast_enabled(device_type, True)
+        return _without_autocast(on, func, new_args, new_kwargs)
 
-    def _banned(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict) -> Any:
+    def _banned(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict,
+                ban: tuple[str, str]) -> Any:
+        message, besides = ban
         if not self.allow_banned and any(_is_fp16(t, on) for t in float_tensors(args, kwargs)):
-            raise NotImplementedError(lists.BANNED[name])
-        return self._fp32(func, name, on, args, kwargs)
+            raise NotImplementedError(message)
+        return getattr(self, "_" + besides)(func, name, on, args, kwargs)
 
     def _fp32_inplace_fn(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict) -> Any:
         if any(_is_fp16(t, on) for t in float_tensors(args, kwargs)):
@@ -176,6 +174,18 @@ class ApexLists(TorchFunctionMode):
         if cacheable:
             self._cache[id(t)] = (t, t._version, copy)
         return copy
+
+
+def _without_autocast(on: list[str], func: Any, args: list, kwargs: dict) -> Any:
+    """``func`` with autocast off for the device types in ``on``: it runs in the dtype its rule
+    cast to, whatever autocast's own list says of it (CUDA autocast's fp32 softmax)."""
+    for device_type in on:
+        torch.set_autocast_enabled(device_type, False)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        for device_type in on:
+            torch.set_autocast_enabled(device_type, True)
 
 
 def _mixed(args: tuple, kwargs: dict) -> bool:
