@@ -22,7 +22,9 @@ hasattr(apex, "amp") -- get the name the import rewrite gives it, so they find w
 now import. What cannot be migrated (apex modules and extensions fp16kit does not cover, module
 names built at run time, strings naming apex paths, importlib.metadata.version("apex") and
 other reads of apex's distribution metadata, transformers' is_apex_available) is left as it is
-and listed as FILE:LINE: message, with the closest replacement."""
+and listed as FILE:LINE: message, with the closest replacement. So is each torch.load that
+resumes an apex FP16_Optimizer's state (its pickled loss scaler needs apex, or the alias of
+`fp16kit run`): convert those old checkpoints once with `fp16kit convert-checkpoint OLD NEW`."""
 
 _EPILOG = """\
 exit status:
