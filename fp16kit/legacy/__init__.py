@@ -4,8 +4,9 @@ Change ``from apex.fp16_utils import ...`` to ``from fp16kit.legacy import ...``
 ``from apex import amp`` to ``from fp16kit.legacy import amp``, ``apex.optimizers`` to
 ``fp16kit.legacy.optimizers``, and so on -- ``fp16kit migrate`` does it for you, and
 ``fp16kit run`` runs a script unmodified): the names, signatures and numbers are apex's, minus
-the bugs listed in MIGRATION.md. This package is ``apex.fp16_utils`` (both eras, plus the 2018
-names); its subpackages are the other apex modules: :mod:`.amp`, :mod:`.optimizers`,
+the bugs listed in MIGRATION.md. This package holds ``apex.fp16_utils``'s names (both eras, plus
+the 2018 names; :mod:`.fp16_utils` holds exactly those, for ``from apex.fp16_utils import *``);
+its subpackages are the other apex modules: :mod:`.amp`, :mod:`.optimizers`,
 :mod:`.contrib.optimizers`, :mod:`.parallel`, :mod:`.normalization`, :mod:`.multi_tensor_apply`,
 and Megatron-LM v1's copied ``fp16`` package, :mod:`.megatron`. Checkpoints written by
 apex-era code load through :func:`load_checkpoint`. It holds no tensor math of its own: that
@@ -16,9 +17,7 @@ runs in :mod:`fp16kit.core` and the modern face (:mod:`fp16kit.optim`, :mod:`fp1
 from . import (
     amp,
     contrib,
-    fp16_optimizer,
-    fp16util,
-    loss_scaler,
+    fp16_utils,
     megatron,
     multi_tensor_apply,
     normalization,
@@ -27,54 +26,18 @@ from . import (
 )
 from .alias import install_apex_alias, uninstall_apex_alias
 from .checkpoint import load_checkpoint
-from .fp16_module import FP16_Module, fp16_to_fp32, fp32_to_fp16
-from .fp16_optimizer import FP16_Optimizer
-from .fp16util import (
-    BN_convert_float,
-    FP16Model,
-    clip_grad_norm,
-    convert_module,
-    convert_network,
-    master_params_to_model_params,
-    model_grads_to_master_grads,
-    network_to_half,
-    prep_param_lists,
-    to_python_float,
-    tofp16,
-)
-from .fused_weight_norm import Fused_Weight_Norm
-from .loss_scaler import DynamicLossScaler, LossScaler
+from .fp16_utils import *  # noqa: F403 -- apex.fp16_utils's names, both eras, are this package's too
 
 __all__ = [
-    "BN_convert_float",
-    "DynamicLossScaler",
-    "FP16Model",
-    "FP16_Module",
-    "FP16_Optimizer",
-    "Fused_Weight_Norm",
-    "LossScaler",
+    *fp16_utils.__all__,
     "amp",
-    "clip_grad_norm",
     "contrib",
-    "convert_module",
-    "convert_network",
-    "fp16_optimizer",
-    "fp16_to_fp32",
-    "fp16util",
-    "fp32_to_fp16",
     "install_apex_alias",
     "load_checkpoint",
-    "loss_scaler",
-    "master_params_to_model_params",
     "megatron",
-    "model_grads_to_master_grads",
     "multi_tensor_apply",
-    "network_to_half",
     "normalization",
     "optimizers",
     "parallel",
-    "prep_param_lists",
-    "to_python_float",
-    "tofp16",
     "uninstall_apex_alias",
 ]

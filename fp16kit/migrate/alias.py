@@ -156,7 +156,7 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         self.shadow = shadow
         self.complement = complement  # a real apex is installed: fill in only what it lacks
         self.synthetic_megatron = synthetic_megatron
-        self.table = apex_map.module_map(megatron=megatron)
+        self.table = {**apex_map.module_map(megatron=megatron), **apex_map.STAR_MODULES}
         self.created: dict[str, types.ModuleType] = {}  # sys.modules entries this finder made
         self.parent_attrs: list[tuple[types.ModuleType, str, Any]] = []  # attributes set on foreign parents
         self.hidden: dict[str, types.ModuleType] = {}  # real modules hidden by shadow=True

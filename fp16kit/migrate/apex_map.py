@@ -32,6 +32,7 @@ __all__ = [
     "EXTENSION_ROOTS",
     "MEGATRON_MODULES",
     "CLOSED",
+    "STAR_MODULES",
     "UNCOVERED",
     "Resolution",
     "module_map",
@@ -78,6 +79,12 @@ APEX_MODULES: Mapping[str, str] = MappingProxyType({
     "amp_C": f"{_L}.multi_tensor_apply",
     "apex_C": f"{_L}.apex_c",
 })
+
+# apex modules whose star import must bind fewer names than their target exports: fp16kit.legacy is
+# apex.fp16_utils *and* the parent of apex's other packages, so `from apex.fp16_utils import *` into
+# it would also bind amp, optimizers, parallel, load_checkpoint, ... over a script's own names. The
+# codemod rewrites such a star import to the narrower module, and the alias makes it the module.
+STAR_MODULES: Mapping[str, str] = MappingProxyType({"apex.fp16_utils": f"{_L}.fp16_utils"})
 
 # top-level names the table speaks for without --megatron
 ROOTS = frozenset({"apex", "amp_C", "apex_C"})

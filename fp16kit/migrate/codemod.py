@@ -348,7 +348,8 @@ class _ApexRewriter(cst.CSTTransformer):
             return updated
         if res.covered and not res.rest and module not in apex_map.CLOSED:
             self.imports += 1
-            return updated.with_changes(module=_renamed(updated.module, module, res.target))
+            target = apex_map.STAR_MODULES.get(module, res.target)
+            return updated.with_changes(module=_renamed(updated.module, module, target))
         if module in apex_map.CLOSED:
             message = f"from {module} import *: import what you use by name, e.g. {self._star_imports(module)}"
         else:

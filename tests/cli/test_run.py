@@ -208,7 +208,7 @@ def test_beside_a_new_apex_only_what_it_lacks_is_fp16kit(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout == (
         "True fp16kit.legacy.amp fp16kit.legacy.amp.frontend real apex.contrib.xentropy "
-        "(True, 'fp16kit.legacy', 'real')\n"
+        "(True, 'fp16kit.legacy.fp16_utils', 'real')\n"
     )
     # --shadow keeps its meaning: all of apex is fp16kit's, the real one is hidden
     r = subprocess.run([*run, "--shadow", "-c", "import apex, apex.optimizers; print(hasattr(apex, 'REAL'), "

@@ -63,7 +63,7 @@ def test_a_new_apex_is_complemented_not_hidden(new_apex, caplog):
     assert type(apex.__loader__) is importlib.machinery.SourceFileLoader and apex.__spec__.loader is apex.__loader__
     assert apex.__all__ == ["optimizers", "normalization", "transformer"]
     # ... whose missing modules are fp16kit's, as attributes too: `import apex; apex.amp.initialize`
-    assert apex.amp is fp16kit.legacy.amp and apex.fp16_utils is fp16kit.legacy
+    assert apex.amp is fp16kit.legacy.amp and apex.fp16_utils is fp16kit.legacy.fp16_utils
     assert apex.amp.initialize is fp16kit.legacy.amp.initialize
     from apex import amp
     from apex.amp import _amp_state
@@ -111,7 +111,7 @@ def test_an_imported_new_apex_is_complemented_in_place(new_apex):
 
     install_apex_alias()
     assert sys.modules["apex"] is apex
-    assert apex.amp is fp16kit.legacy.amp and apex.fp16_utils is fp16kit.legacy  # set on the package now
+    assert apex.amp is fp16kit.legacy.amp and apex.fp16_utils is fp16kit.legacy.fp16_utils  # set on the package now
     assert apex.optimizers.fused_adam is importlib.import_module("fp16kit.legacy.optimizers.fused_adam")
     import apex.amp.frontend  # noqa: F401
 
@@ -141,7 +141,7 @@ def test_an_apex_with_amp_but_no_fp16_utils_is_complemented_too(new_apex):
     import apex
     import apex.amp
 
-    assert apex.amp.REAL and apex.fp16_utils is fp16kit.legacy
+    assert apex.amp.REAL and apex.fp16_utils is fp16kit.legacy.fp16_utils
 
 
 @pytest.mark.parametrize("has_amp", [False, True])

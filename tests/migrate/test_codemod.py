@@ -55,7 +55,7 @@ FORMS = {
         "from apex.normalization.fused_layer_norm import FusedLayerNorm as LN\n",
         "from fp16kit.legacy.normalization.fused_layer_norm import FusedLayerNorm as LN\n",
     ),
-    "star": ("from apex.fp16_utils import *\n", "from fp16kit.legacy import *\n"),
+    "star": ("from apex.fp16_utils import *\n", "from fp16kit.legacy.fp16_utils import *\n"),
     "star submodule": ("from apex.parallel import *\n", "from fp16kit.legacy.parallel import *\n"),
     "parenthesised with comments": (
         "from apex.optimizers import (  # the fused ones\n"
