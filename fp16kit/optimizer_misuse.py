@@ -23,7 +23,9 @@ the optimizer sees ``p.grad`` being read, so the first hand-off of a process (:f
 replaces the private helper torch's ``clip_grad_norm_`` calls for the total norm,
 ``torch.nn.utils.clip_grad._get_total_norm``, by one that, given no grad at all by
 ``clip_grad_norm_``, asks each watched optimizer whether the clipped params are its handed-off
-ones (warning once per optimizer), then computes torch's norm. The public functions stay torch's
+ones (warning once per optimizer), then computes torch's norm. Inside a step job every call is
+checked, found grads or not: there the model's grads may be the main thread's next backward's,
+which the clip would rescale under it. The public functions stay torch's
 own objects (aliases made before keep working, and are watched too); the normal path costs one
 emptiness test; until the first hand-off torch is untouched.
 """
@@ -41,6 +43,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+
+from .core.thread import current_optimizer_thread
 
 __all__ = ["ClipWatched", "TORCH_UNSCALE_READER", "TORCH_STEP_READER", "torch_scaler_error", "watch_clips"]
 
@@ -113,18 +117,22 @@ def _install() -> None:
     module = torch.nn.utils.clip_grad
     norm = getattr(module, "_get_total_norm", None)
     clip = getattr(module, "clip_grad_norm_", None)
-    if norm is None or clip is None or norm in _wrappers:
-        return  # another torch: nothing watched
+    # ours already, or a third party's functools.wraps of ours (which copies the mark)
+    if norm is None or clip is None or norm in _wrappers or getattr(norm, "_fp16kit_clip_watch", False):
+        return  # (or another torch: nothing watched)
     clip_code = inspect.unwrap(clip).__code__
 
     @functools.wraps(norm)
     def _get_total_norm(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if _watched and isinstance(tensors, list) and not tensors:  # clip_grad_norm_ found no grad
+        # On the main thread the mistake shows as no grad found; inside a step job the model's
+        # grads may already be the next backward's, so every clip of them there is checked.
+        if _watched and isinstance(tensors, list) and (not tensors or current_optimizer_thread() is not None):
             caller = sys._getframe(1)
             if caller.f_code is clip_code:
                 _check(caller.f_locals.get("parameters", ()))
         return norm(tensors, *args, **kwargs)
 
+    _get_total_norm._fp16kit_clip_watch = True  # type: ignore[attr-defined]
     _wrappers.add(_get_total_norm)
     module._get_total_norm = _get_total_norm
 

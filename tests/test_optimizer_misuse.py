@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import warnings
 
 import pytest
@@ -316,6 +317,34 @@ def test_clip_of_the_model_params_inside_a_submitted_step_warns(caplog):
     assert norms[-1] == 0.0
     (record,) = _warnings(caplog, "inside a step job")
     assert "optimizer.clip_grad_norm_(max_norm) after scaler.unscale_(optimizer)" in record.getMessage()
+
+
+def test_clip_inside_a_job_that_finds_the_next_backwards_grads_warns_too(caplog):
+    # The job runs after the main thread's next backward: its clip finds grads (that backward's,
+    # which it rescales under the main thread) -- the in-job check must not depend on finding none.
+    model = mlp(torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = GradScaler("cpu")
+    ready = threading.Event()
+    norms = []
+
+    def step():
+        assert ready.wait(30)
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        scaler.step(opt)
+
+    (x, y), (x2, y2) = batches(2)
+    with caplog.at_level(logging.WARNING, logger="fp16kit"):
+        scaler.scale(mse(model, x, y)).backward()
+        opt.submit_step(step, scaler=scaler)
+        scaler.update()
+        mse(model, x2, y2).backward()  # the next iteration's backward, before the job clips
+        ready.set()
+        opt.synchronize()
+    assert norms[0] > 0  # it found the main thread's grads
+    (record,) = _warnings(caplog, "inside a step job")
+    assert "optimizer.clip_grad_norm_(max_norm)" in record.getMessage()
 
 
 def test_the_watch_leaves_torchs_functions_and_numbers_and_sees_earlier_aliases(caplog):

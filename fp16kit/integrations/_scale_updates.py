@@ -72,7 +72,7 @@ class OwedUpdate:
         """Run the owed update, if any, once; the next step starts a new iteration. True if it ran."""
         if not self._stepped:
             return False
-        self._stepped.clear()
         if scaler is not None and scaler.is_enabled():
-            scaler.update()
+            scaler.update()  # first: if it raises, the update is still owed and a retry runs it
+        self._stepped.clear()
         return True

@@ -84,12 +84,24 @@ def saved_scaler(obj: Any) -> dict[str, Any] | None:
     """What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler
     (``{CLASS_KEY: path, attributes...}``), for a live object of one of
     :data:`FP16KIT_SCALER_CLASSES` (e.g. what ``torch.load(..., weights_only=False)`` returned
-    under ``fp16kit run``); None for anything else. The object is only read."""
+    under ``fp16kit run``); None for anything else. The object is only read. ValueError if it
+    holds none of its attributes: a pickle may build one without its state (NEWOBJ with no
+    BUILD), which its validating ``__setstate__`` then never saw."""
     cls = type(obj)
     path = FP16KIT_SCALER_CLASSES.get(f"{cls.__module__}.{cls.__qualname__}")
     if path is None:
         return None
-    return {**obj.__getstate__(), CLASS_KEY: path}
+    try:
+        state = obj.__getstate__()
+    except AttributeError:
+        state = None
+    if not isinstance(state, dict) or not state:
+        raise ValueError(
+            f"the {path} in this file holds no attributes (it was unpickled without its state): it is "
+            "not one apex pickled. To see what the file holds without running it, read it with "
+            "fp16kit.legacy.load_checkpoint(path), which returns each scaler's attributes as plain data."
+        )
+    return {**state, CLASS_KEY: path}
 
 
 _LOADING = threading.local()

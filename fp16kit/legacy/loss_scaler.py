@@ -85,7 +85,11 @@ def pickled(obj: Any, state: dict[str, Any], name: str, kind: str, *, default: A
         return default
     value = state[name]
     what, ok = PICKLED_KINDS[kind]
-    if not ok(value):
+    try:
+        passes = ok(value)
+    except OverflowError:  # an int too large for a float (math.isfinite(10**400))
+        passes = False
+    if not passes:
         raise ValueError(f"{_not_apex(obj)}: its {name} is {value!r:.80}, not {what}. {_LOOK}")
     return value
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import sys
 from collections.abc import Iterator
 from importlib.metadata import Distribution, DistributionFinder
 
@@ -46,7 +47,11 @@ class ApexDistribution(Distribution):
 
 
 def find_apex_distribution(context: DistributionFinder.Context) -> Iterator[Distribution]:
-    """``ApexDistribution`` when ``context`` asks for ``apex`` (any spelling PEP 503 equates) or for all."""
+    """``ApexDistribution`` when ``context`` asks for ``apex`` (any spelling PEP 503 equates) or for
+    all, on the interpreter's own path: a search of other folders (``distributions(path=[...])``,
+    an installer looking at a target directory) must not find it there."""
+    if list(context.path) != sys.path:
+        return
     name = context.name
     if name is None or re.sub(r"[-_.]+", "-", name).lower() == "apex":
         yield ApexDistribution()

@@ -352,6 +352,8 @@ BAD_FIELDS = [
     ("era1_dynamic", "cur_scale", "1024"), ("era1_dynamic", "cur_iter", 1.5), ("era1_dynamic", "scale_window", 0),
     ("era1_dynamic", "scale_factor", None), ("era1_dynamic", "last_overflow_iter", True),
     ("era1_static", "cur_scale", "128"), ("era1_static", "cur_scale", 0),
+    # ints too large for a float (math.isfinite raises OverflowError on them)
+    ("era2", "_loss_scale", 10**400), ("era1_dynamic", "scale_window", 10**400), ("era1_static", "cur_scale", 10**400),
 ]
 
 
@@ -389,6 +391,49 @@ def test_a_crafted_constructor_call_makes_a_scaler_every_load_state_dict_refuses
     ckpt = _default_load(data)
     with pytest.raises(ValueError, match="Cannot read the saved loss scaler"):
         _optimizer(make_model(torch.float16, seed=1)).load_state_dict(ckpt)
+
+
+@pytest.mark.parametrize("load", LOADS)
+@pytest.mark.parametrize("cls", ["Era1LossScaler", "Era1DynamicLossScaler", "AmpLossScaler"])
+def test_a_scaler_unpickled_without_its_state_is_refused_by_every_load_state_dict(fake_apex, alias, cls, load):
+    """An object with no attributes pickles as NEWOBJ with no BUILD: the allowed class is built
+    but its validating __setstate__ never runs. Every reader refuses it by name, state unchanged."""
+    model, opt = _trained()
+    data = _apex_file(fake_apex, _apex_form(opt, getattr(fake_apex, cls)()))
+    alias()
+    ckpt = LOADS[load](data)
+    assert vars(ckpt["loss_scaler"]) == {}
+    target = _optimizer(make_model(torch.float16, seed=1))
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match="in this file holds no attributes .* not one apex pickled"):
+        target.load_state_dict(ckpt)
+    after = target.state_dict()
+    assert after["loss_scaler"] == before["loss_scaler"]
+    assert all(torch.equal(a, b) for ga, gb in zip(after["fp32_from_fp16"], before["fp32_from_fp16"])
+               for a, b in zip(ga, gb))
+    if cls == "AmpLossScaler":
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+        before_amp = amp.state_dict()
+        with pytest.raises(RuntimeError, match="holds no attributes"):
+            amp.load_state_dict({"loss_scaler0": ckpt["loss_scaler"]})
+        assert amp.state_dict() == before_amp
+
+
+def test_an_unpickled_amp_scaler_never_writes_into_the_file_s_other_tensors(fake_apex, alias):
+    """The file's overflow buffer may be a view of another tensor in it (a crafted file, or one
+    saved with the buffer aliased): the restored scaler clears its own buffer, never that one."""
+    weight = torch.ones(4, dtype=torch.int32)
+    scaler = fake_apex.era2(1024.0)
+    scaler._overflow_buf = weight[:1]
+    data = _apex_file(fake_apex, {"weight": weight, "scaler": scaler})
+    alias()
+    for load in LOADS.values():
+        ckpt = load(data)
+        ckpt["scaler"].clear_overflow_state()  # what amp does at each backward
+        assert ckpt["weight"].tolist() == [1, 1, 1, 1]
+        assert ckpt["scaler"]._overflow_buf.tolist() == [0]
 
 
 def test_load_checkpoint_under_the_alias_still_reads_records_not_live_scalers(fake_apex, alias):

@@ -275,16 +275,13 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
 _KEY = re.compile(r"^loss_scaler(\d+)$")
 
 
-def _saved_entry(value: Any, scaler: LossScaler) -> tuple[float, int] | None:
+def _saved_entry(value: Any, scaler: LossScaler) -> tuple[float, int]:
     """``(loss_scale, unskipped)`` of an entry: amp's dict, or a saved apex scaler in any form
     (e.g. the object ``torch.load(..., weights_only=False)`` makes of one under ``fp16kit
-    run``); None for anything else."""
+    run``); ValueError saying why for anything else."""
     if isinstance(value, dict) and "loss_scale" in value and "unskipped" in value:
         return float(value["loss_scale"]), int(value["unskipped"])
-    try:
-        state = scaler_state(value, current=scaler.state_dict())
-    except ValueError:
-        return None
+    state = scaler_state(value, current=scaler.state_dict())
     return state["loss_scale"], state["unskipped"]
 
 
@@ -315,12 +312,13 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         if i >= len(scalers):
             apex_logger.warning("Skipping loss_scaler[{}], since num_losses was set to {}".format(i, len(scalers)))
             continue
-        entry = _saved_entry(value, scalers[i])
-        if entry is None:
+        try:
+            entry = _saved_entry(value, scalers[i])
+        except ValueError as e:
             raise RuntimeError(
                 f"Error(s) in loading state_dict. {key!r} must be a dict with 'loss_scale' and "
-                f"'unskipped', got {value!r}."
-            )
+                f"'unskipped' (amp.state_dict()'s) or a saved apex scaler, got a {type(value).__name__}: {e}"
+            ) from e
         updates.append((scalers[i], *entry))
     for scaler, scale, unskipped in updates:
         scaler._loss_scale = scale

@@ -261,7 +261,10 @@ class LossScaler(AmpLossScaler):
         self._loss_scale = scale
         self._unskipped = pickled(self, a, "_unskipped", "count")
         if buf is not None:
-            self._overflow_buf = buf
+            # a cleared buffer on the file's device, never the file's tensor itself: that one may
+            # share storage with another tensor of the same file (clearing it would write there),
+            # and apex cleared its flag at the next backward anyway
+            self._overflow_buf = kernels.new_overflow_buf(buf.device)
 
     def __repr__(self) -> str:
         return f"LossScaler(dynamic={self.dynamic}, loss_scale={self.loss_scale()}, unskipped={self._unskipped})"
