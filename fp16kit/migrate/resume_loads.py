@@ -19,6 +19,10 @@ converted once. Rule (one report per call, on its line)::
     one whose last part says so (optimizer, optim, opt, ..._opt, opt_...)
         -> "torch.load(...) resumes apex-era optimizer state ...: convert old checkpoints once:
            fp16kit convert-checkpoint OLD NEW"
+    or, in such a module, a torch.load whose value (the same way) is read at an optimizer's key:
+    `ckpt["optimizer"]`, `ckpt.get("optimizer")` (the key named as R is above) -- the state
+    handed to a helper in another file that calls load_state_dict (NVIDIA's RN50 main.py)
+        -> the same report, naming the key
 
 A model's own weights (``model.load_state_dict(torch.load(path))``) are not reported. A loader in
 a module that does not import the optimizer (a checkpoint helper handed the optimizer as an
@@ -50,6 +54,12 @@ _OPTIMIZER_NAME = re.compile(r"(.*optim.*|opt|opts|.*_opt|opt_.*)", re.I)
 MESSAGE = (
     "torch.load(...) resumes apex-era optimizer state ({receiver}.load_state_dict): checkpoints apex's FP16_Optimizer "
     "saved pickle its loss-scaler object, which torch.load cannot read without apex (or `fp16kit run`): convert old "
+    "checkpoints once: fp16kit convert-checkpoint OLD NEW (checkpoints saved after migrate load as they are)"
+)
+
+ENTRY_MESSAGE = (
+    "torch.load(...) resumes apex-era optimizer state (its {key!r} entry): checkpoints apex's FP16_Optimizer saved "
+    "pickle its loss-scaler object, which torch.load cannot read without apex (or `fp16kit run`): convert old "
     "checkpoints once: fp16kit convert-checkpoint OLD NEW (checkpoints saved after migrate load as they are)"
 )
 
@@ -131,6 +141,7 @@ class _Flow(cst.CSTVisitor):
         self.calls: list[tuple[tuple[int, ...], str, cst.Call]] = []  # (scope chain, receiver, call)
         self.optimizers: set[str] = set()  # receivers an FP16_Optimizer(...) is assigned to
         self.scope_of: dict[int, tuple[int, ...]] = {}  # id(expression) -> scope chain where it is evaluated
+        self.entries: list[tuple[tuple[int, ...], str, cst.BaseExpression]] = []  # (chain, key, X) of X["optimizer"]
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.scopes.append(id(node))
@@ -148,6 +159,17 @@ class _Flow(cst.CSTVisitor):
             self.nodes[id(node)] = node
         elif last == "load_state_dict" and head:
             self.calls.append((tuple(self.scopes), head, node))
+        elif last == "get" and node.args and isinstance(node.func, cst.Attribute):
+            self._entry(node.func.value, node.args[0].value)
+
+    def visit_Subscript(self, node: cst.Subscript) -> None:
+        if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
+            self._entry(node.value, node.slice[0].slice.value)
+
+    def _entry(self, container: cst.BaseExpression, key: cst.BaseExpression) -> None:
+        value = key.evaluated_value if isinstance(key, cst.SimpleString) else None
+        if isinstance(value, str) and _OPTIMIZER_NAME.fullmatch(value):
+            self.entries.append((tuple(self.scopes), value, container))
 
     def _assign(self, targets: list[cst.BaseExpression], value: cst.BaseExpression | None) -> None:
         if value is None:
@@ -220,4 +242,7 @@ def resume_loads(module: cst.Module, *, megatron: bool = False) -> list[tuple[cs
             continue
         for load in _reached(flow, (a.value for a in call.args), chain, carried):
             reports.setdefault(load, MESSAGE.format(receiver=receiver))
+    for chain, key, container in flow.entries:
+        for load in _reached(flow, iter([container]), chain, carried):
+            reports.setdefault(load, ENTRY_MESSAGE.format(key=key))
     return [(flow.nodes[i].func, message) for i, message in reports.items()]

@@ -64,6 +64,35 @@ def test_only_the_load_that_reaches_the_optimizer_is_reported():
     assert _reported(FINE_TUNE) == [(11, "checkpoint = torch.load(path)")]
 
 
+# NVIDIA DeepLearningExamples' RN50v1.5 main.py (2019): the optimizer state is taken out of the
+# checkpoint here and handed to training.py's get_optimizer, which calls load_state_dict there
+RN50_MAIN = '''\
+import torch
+from apex.fp16_utils import *
+from image_classification.training import *
+
+
+def main(args):
+    if args.resume:
+        checkpoint = torch.load(args.resume, map_location=lambda storage, loc: storage.cuda(args.gpu))
+        start_epoch = checkpoint['epoch']
+        model_state = checkpoint['state_dict']
+        optimizer_state = checkpoint['optimizer']
+    optimizer = get_optimizer(list(model.named_parameters()), args.fp16, args.lr, state=optimizer_state)
+    pretrained = torch.load(args.pretrained_weights)
+    model.load_state_dict(pretrained.get('model'))
+'''
+
+
+def test_a_load_whose_optimizer_entry_goes_to_another_file_is_reported():
+    assert _reported(RN50_MAIN) == [
+        (8, "checkpoint = torch.load(args.resume, map_location=lambda storage, loc: storage.cuda(args.gpu))")]
+    message = next(p.message for p in migrate_source(RN50_MAIN).unmigratable if FIX in p.message)
+    assert message.startswith("torch.load(...) resumes apex-era optimizer state (its 'optimizer' entry): ")
+    getter = RN50_MAIN.replace("checkpoint['optimizer']", "checkpoint.get('optimizer')")
+    assert [line for line, _ in _reported(getter)] == [8]
+
+
 MEGATRON_UTILS = '''\
 import os
 import torch
