@@ -9,7 +9,12 @@ Rules (``NAME`` is a module-name string literal; ``T`` is what the import rewrit
         importlib.util.find_spec(NAME), pkgutil.find_loader / get_loader, importlib.find_loader,
         lightning's (_)module_available / (_)package_available, importlib.import_module(NAME)
         __import__(NAME) when its value is unused or it has a fromlist (else it returns `fp16kit`)
-        hasattr(apex, "x") / getattr(apex, "x"[, d]) after `import apex`  -> hasattr(parent(T), last(T))
+            (a bare name -- find_spec(NAME), fs(NAME) -- only where it is bound, in that scope, by
+            `from importlib.util import find_spec [as fs]`, or an import of the function from its other
+            homes (_BARE), or is the builtin __import__: a user's function of that name stays as it is)
+        hasattr(apex, "x") / getattr(apex, "x"[, d]) where `apex` is, in that scope, the name a
+            rewritten `import apex` binds                                  -> hasattr(parent(T), last(T))
+            (`apex` a parameter, loop variable, local or class attribute: not apex, stays as it is)
     reported with the fix (FILE:LINE, as migrate reports what it cannot migrate):
         NAME not covered (apex.contrib.xentropy, fused_layer_norm_cuda, ...): the replacement
         a module name built at run time ("apex." + x, f"apex.{x}", "apex.%s" % x, "apex.{}".format(x))
@@ -17,6 +22,11 @@ Rules (``NAME`` is a module-name string literal; ``T`` is what the import rewrit
         RequirementCache("apex..."): no migrated install has an `apex` distribution
         is_apex_available / APEX_AVAILABLE imported from a library (transformers, Lightning): its own
         probe for a real apex, False after migrate
+        a probe whose function or `apex` may be the import or something else the module binds to that
+        name (`try: import apex` / `except ImportError: apex = None`; a second `def find_spec`): the
+        lines of both, and the rewrite to make where it is the import
+        hasattr(apex, "x") with apex.x not covered: once a line -- not again where the line also uses
+        apex.x, which is reported as such
     a module that assigns or deletes sys.modules[NAME] (a script stubbing apex out, a test faking it):
         its checks of that NAME are about its own stub, and stay as they are
 
@@ -27,23 +37,36 @@ A reported import, or dynamic import, inside the ``try`` of an ``except ImportEr
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 import libcst as cst
+from libcst.metadata import BaseAssignment, BuiltinAssignment, MetadataWrapper, PositionProvider, ScopeProvider
 
 from .apex_map import Resolution, is_handled
 
 __all__ = ["Probes", "dotted_name", "fallback_handler"]
 
-# spellings of the functions that take a module name first (`from importlib.util import find_spec`: the bare name)
-_IMPORTS = frozenset({"importlib.import_module", "import_module", "__import__", "importlib.__import__",
-                      "builtins.__import__"})
+# dotted spellings of the functions that take a module name first
+_IMPORTS = frozenset({"importlib.import_module", "importlib.__import__", "builtins.__import__"})
 _CHECKS = frozenset({
-    "importlib.util.find_spec", "util.find_spec", "find_spec", "importlib.find_loader", "pkgutil.find_loader",
-    "find_loader", "pkgutil.get_loader", "get_loader", "sys.modules.get",
-    # Lightning's helpers (pytorch_lightning.utilities.imports, lightning_utilities.core.imports): find_spec inside
-    "_module_available", "module_available", "_package_available", "package_available",
+    "importlib.util.find_spec", "util.find_spec", "importlib.find_loader", "pkgutil.find_loader",
+    "pkgutil.get_loader", "sys.modules.get",
 })
+# the same functions called by a bare name, and the modules a `from M import name [as local]` that
+# binds it may import it from (__import__ is also the builtin); any other binding of the name is the
+# user's own function (a data loader's get_loader, a local def find_spec), which takes no module name
+_LIGHTNING_IMPORTS = frozenset({"lightning_utilities", "lightning_utilities.core.imports",
+                                "pytorch_lightning.utilities.imports", "lightning.pytorch.utilities.imports"})
+_BARE = {
+    "find_spec": frozenset({"importlib.util"}),
+    "find_loader": frozenset({"importlib", "pkgutil"}),
+    "get_loader": frozenset({"pkgutil"}),
+    "import_module": frozenset({"importlib"}),
+    "__import__": frozenset({"importlib", "builtins"}),
+    # Lightning's helpers: find_spec inside
+    **dict.fromkeys(("_module_available", "module_available", "_package_available", "package_available"),
+                    _LIGHTNING_IMPORTS),
+}
 # functions that read a distribution's metadata, by their last name
 _METADATA = frozenset({"version", "distribution", "metadata", "files", "requires", "get_distribution", "require",
                        "RequirementCache"})
@@ -155,13 +178,35 @@ class Probes:
         self.rewritten = 0
         self._discarded: set[int] = set()  # calls whose value is thrown away (`__import__("apex")` as a statement)
         self._stubbed: set[object] = set()  # names the module assigns or deletes in sys.modules
+        self._module: cst.Module | None = None
+        self._aliases: set[str] = set()  # local names `from importlib.util import find_spec as fs` binds
+        self._starred: set[str] = set()  # probe functions a `from pkgutil import *` binds
+        self._scopes: Mapping[cst.CSTNode, object] | None = None  # libcst's metadata maps, on first need
+        self._positions: Mapping[cst.CSTNode, object] | None = None
+        self._uses: dict[int, set[str]] | None = None  # line -> the uncovered apex.x uses reported on it
 
     # -- what the rewriter's visitors hand over ------------------------------------------------
     def prepare(self, module: cst.Module) -> None:
-        """Before the walk: the names the module itself puts in (or takes out of) sys.modules."""
+        """Before the walk: the names the module itself puts in (or takes out of) sys.modules, and
+        the local names its imports give the probe functions (``fs`` for ``from importlib.util import
+        find_spec as fs``)."""
         stubbed = self._stubbed = set()
+        aliases, starred = self._aliases, self._starred = set(), set()
+        self._module, self._scopes, self._positions, self._uses = module, None, None, None
 
         class _Stubs(cst.CSTVisitor):
+            def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+                source = None if node.relative else dotted_name(node.module) if node.module else None
+                if source is None:
+                    return
+                if isinstance(node.names, cst.ImportStar):
+                    starred.update(name for name, sources in _BARE.items() if source in sources)
+                    return
+                for alias in node.names:
+                    if isinstance(alias.name, cst.Name) and source in _BARE.get(alias.name.value, ()):
+                        aliases.add(alias.asname.name.value if isinstance(alias.asname, cst.AsName) and isinstance(
+                            alias.asname.name, cst.Name) else alias.name.value)
+
             def visit_Assign(self, node: cst.Assign) -> None:
                 for target in node.targets:
                     self._add(target.target)
@@ -193,6 +238,8 @@ class Probes:
             return
         if func in _IMPORTS or func in _CHECKS:
             self._module_name(node, first.value, func)
+        elif isinstance(node.func, cst.Name) and (func in _BARE or func in self._aliases):
+            self._module_name(node, first.value, func, bare=node.func)
         elif func in ("hasattr", "getattr") and len(node.args) >= 2:
             self._attribute_probe(node, func)
         elif func.rpartition(".")[2] in _METADATA and isinstance(first.value, cst.SimpleString):
@@ -223,12 +270,21 @@ class Probes:
                                "with `fp16kit run`, under which it is True")
 
     # -- the rules -----------------------------------------------------------------------------
-    def _module_name(self, node: cst.CSTNode, arg: cst.BaseExpression, func: str) -> None:
-        what = "dynamic import" if func in _IMPORTS else f"availability check ({func})"
+    def _module_name(self, node: cst.CSTNode, arg: cst.BaseExpression, func: str, bare: cst.Name | None = None) -> None:
+        """The rule for a module-name argument of ``func``; ``bare`` is the function's Name where it is
+        called by a bare name, which is a probe only where its import says so (:meth:`_bare_function`;
+        decided only for an argument naming apex: the scope analysis costs more than the parse)."""
+        probes: list[BaseAssignment] = []  # the bindings of `bare` that are the probe's import
+        others: list[BaseAssignment] = []  # ... and the rest
         if not isinstance(arg, cst.SimpleString):
             prefix = _static_prefix(arg)
             root = prefix.partition(".")[0] if prefix and "." in prefix else None
             if root and is_handled(root, megatron=self._megatron, extensions=True):
+                if bare is not None:
+                    func, probes, others = self._bare_function(bare)
+                    if func is None:
+                        return
+                what = _what(func)
                 self._report(node, f"{what} of a module name built at run time ({prefix!r} + ...) is not rewritten: "
                                    "fp16kit's modules have other names (apex.X is fp16kit.legacy.X for the covered "
                                    "ones, amp_C is fp16kit.legacy.multi_tensor_apply; MIGRATION.md lists them): "
@@ -238,10 +294,21 @@ class Probes:
         res = self._resolve(value) if isinstance(value, str) and value not in self._stubbed else None
         if res is None:
             return
+        if bare is not None:
+            func, probes, others = self._bare_function(bare)
+            if func is None:
+                return  # the user's own function of that name: its "apex" is no module name
+        what = _what(func)
         self.seen.add(id(arg))
         if not res.covered or res.rest:
             fix = res.hint if not res.covered else f"use {res.new_path!r}"
             self._report(node, f"{what} of {value!r} is not rewritten: {fix}")
+            return
+        if others:  # `from importlib.util import find_spec` and a `def find_spec` of its own, say
+            assert bare is not None
+            self._report(node, f"{what} of {value!r} is not rewritten: {bare.value!r} here may be the {func} "
+                               f"{'imported on ' + self._lines(probes) if probes else 'a `*` import brings'}, or what "
+                               f"{self._lines(others)} binds to that name: where it is {func}, use {res.new_path!r}")
             return
         if func.endswith("__import__") and isinstance(node, cst.Call) and id(node) not in self._discarded \
                 and not _has_fromlist(node):
@@ -263,15 +330,154 @@ class Probes:
         res = self._resolve(dotted)
         if res is None:
             return
-        self.seen.update((id(obj), id(attr_node)))
+        # what `apex` is here: only the module a rewritten `import apex` binds has apex's attributes
+        bindings = self._referents(obj)
+        imports = [b for b in bindings if self._rewritten_import(b)]
+        others = [b for b in bindings if not self._rewritten_import(b)]
+        self.seen.update((id(obj), id(attr_node)))  # dealt with here, the module or not: no "used on its own"
+        if bindings and not imports:
+            return  # a parameter, loop variable, local or class attribute that shares the name: not apex
         if not res.covered:
-            self._report(node, f"{func}({obj.value}, {attr!r}) is not rewritten: {res.hint}; `import "
-                               f"{obj.value}` now binds fp16kit, so write the check as False (fp16kit has no such "
-                               "module)")
+            if dotted not in self._uses_on_line(node):  # that use's report names the line already
+                self._report(node, f"{func}({obj.value}, {attr!r}) is not rewritten: {res.hint}; `import "
+                                   f"{obj.value}` now binds fp16kit, so write the check as False (fp16kit has no such "
+                                   "module)")
             return
         parent, _, last = res.new_path.rpartition(".")
+        if others or not imports:  # `except ImportError: apex = None`, a module-level `for apex in ...`
+            rewrite = f"{func}({parent}, {last!r}{', ...' if len(node.args) > 2 else ''})"
+            where = (f"{obj.value!r} here may be the module the `import {obj.value}` on {self._lines(imports)} binds, "
+                     f"or what {self._lines(others)} binds to that name") if imports else (
+                     f"no binding of {obj.value!r} reaches this scope (is the `import {obj.value}` in another "
+                     "function?)")
+            self._report(node, f"{func}({obj.value}, {attr!r}) is not rewritten: {where}: where it is the module, "
+                               f"write {rewrite} (`import {obj.value}` now binds fp16kit)")
+            return
         if func == "getattr" and len(node.args) == 2:  # no default: it raises where the module lacks the name
             self._check_provided(node, parent, last, dotted)
         self.names[id(obj)] = parent
         self.strings[id(attr_node)] = last
         self.rewritten += 1
+
+    # -- what the names are: libcst's scope analysis, on first need ----------------------------
+    def _scope_map(self) -> Mapping[cst.CSTNode, object]:
+        """libcst's ScopeProvider map of the module being walked: resolved once, on the first probe
+        that needs it (it costs about three parses), over the walked tree's own nodes."""
+        if self._scopes is None:
+            assert self._module is not None, "prepare() first"
+            self._scopes = MetadataWrapper(self._module, unsafe_skip_copy=True).resolve(ScopeProvider)
+        return self._scopes
+
+    def _position_map(self) -> Mapping[cst.CSTNode, object]:
+        """The PositionProvider map, resolved apart from the scopes: only reports need lines."""
+        if self._positions is None:
+            assert self._module is not None, "prepare() first"
+            self._positions = MetadataWrapper(self._module, unsafe_skip_copy=True).resolve(PositionProvider)
+        return self._positions
+
+    def _referents(self, name: cst.Name) -> Collection[BaseAssignment]:
+        """Every binding the read ``name`` may see, in its scope (libcst does not follow the control
+        flow: `import apex` and an `apex = None` in the same scope both are); empty when none is known."""
+        scope = self._scope_map().get(name)
+        if scope is None:
+            return ()
+        return [binding for access in scope.accesses[name] for binding in access.referents]
+
+    def _lines(self, bindings: Collection[BaseAssignment]) -> str:
+        """"line 3" / "lines 3, 7": where ``bindings`` are."""
+        positions = self._position_map()
+        lines = sorted({positions[b.node].start.line for b in bindings if getattr(b, "node", None) in positions})
+        return ("line " if len(lines) == 1 else "lines ") + ", ".join(map(str, lines)) if lines else "the builtins"
+
+    def _rewritten_import(self, binding: BaseAssignment) -> bool:
+        """Whether ``binding`` is an ``import apex[.x]`` (no ``as``) that the import rewrite rewrites:
+        then the name is the module the probe asks about."""
+        node = getattr(binding, "node", None)
+        if not isinstance(node, cst.Import):
+            return False
+        for alias in node.names:
+            dotted = dotted_name(alias.name)
+            if alias.asname is None and dotted and dotted.partition(".")[0] == binding.name:
+                res = self._resolve(dotted)
+                if res is not None and res.covered and not res.rest:
+                    return True
+        return False
+
+    def _bare_function(self, name: cst.Name) -> tuple[str | None, list[BaseAssignment], list[BaseAssignment]]:
+        """The probe function (by its own name: ``find_spec`` for ``fs``) that the bare ``name`` called
+        here is, the bindings it may see that import it, and the others; None for the function when
+        none does -- a function of the user's that shares the name (`from mydata import get_loader`)."""
+        found: set[str] = set()
+        probes: list[BaseAssignment] = []
+        others: list[BaseAssignment] = []
+        bindings = self._referents(name)
+        for binding in bindings:
+            function = self._probe_binding(binding)
+            if function is None:
+                others.append(binding)
+            else:
+                found.add(function)
+                probes.append(binding)
+        if not bindings and name.value in self._starred:  # `from importlib.util import *`: no binding is known
+            found.add(name.value)
+        if not found:
+            return None, probes, others
+        # two probes under one name both take a module name; __import__ first, as it alone may not be rewritten
+        return ("__import__" if "__import__" in found else min(found)), probes, others
+
+    @staticmethod
+    def _probe_binding(binding: BaseAssignment) -> str | None:
+        """The probe function ``binding`` binds: the builtin ``__import__``, or a name imported from a
+        module in its ``_BARE`` entry; else None."""
+        if isinstance(binding, BuiltinAssignment):
+            return binding.name if binding.name == "__import__" else None
+        node = getattr(binding, "node", None)
+        if not isinstance(node, cst.ImportFrom) or node.relative or node.module is None or isinstance(
+                node.names, cst.ImportStar):
+            return None
+        source = dotted_name(node.module)
+        for alias in node.names:
+            if not isinstance(alias.name, cst.Name):
+                continue
+            local = alias.asname.name if isinstance(alias.asname, cst.AsName) else alias.name
+            if isinstance(local, cst.Name) and local.value == binding.name and source in _BARE.get(
+                    alias.name.value, ()):
+                return alias.name.value
+        return None
+
+    def _uses_on_line(self, node: cst.CSTNode) -> set[str]:
+        """The apex paths ``node``'s line uses as dotted names (``apex.__version__``) that the rewriter
+        reports as not covered -- and each of their prefixes: the line's report for them names it."""
+        positions = self._position_map()
+        if self._uses is None:
+            uses: dict[int, set[str]] = {}
+            probes = self
+
+            class _Uses(cst.CSTVisitor):  # the rewriter's own walk of dotted uses (codemod.visit_Attribute)
+                def visit_Import(self, _: cst.Import) -> bool:
+                    return False
+
+                def visit_ImportFrom(self, _: cst.ImportFrom) -> bool:
+                    return False
+
+                def visit_Attribute(self, attribute: cst.Attribute) -> bool:
+                    dotted = dotted_name(attribute)
+                    if dotted is None:
+                        return True
+                    res = probes._resolve(dotted) if dotted.partition(".")[0] in probes._roots else None
+                    if res is not None and not res.covered:
+                        parts = dotted.split(".")
+                        uses.setdefault(positions[attribute].start.line, set()).update(
+                            ".".join(parts[:i]) for i in range(2, len(parts) + 1))
+                    return False
+
+            assert self._module is not None
+            self._module.visit(_Uses())
+            self._uses = uses
+        return self._uses.get(positions[node].start.line, set())
+
+
+def _what(func: str) -> str:
+    """How a report names the call: a dynamic import, or an availability check by its function."""
+    return "dynamic import" if func.rpartition(".")[2] in ("import_module", "__import__") else \
+        f"availability check ({func})"

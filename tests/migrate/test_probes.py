@@ -326,3 +326,104 @@ def test_megatron_fp16_checks_only_with_the_flag():
     src = "import sys\nHAVE = 'fp16' in sys.modules\n"
     assert migrate_source(src).changed is False
     assert migrate_source(src, megatron=True).code == "import sys\nHAVE = 'fp16kit.legacy.megatron' in sys.modules\n"
+
+
+# `apex` in a hasattr/getattr that is not the module `import apex` binds: the shapes a plugin
+# registry, a vendor-object wrapper and a config class give it
+NOT_APEX_HERE = {
+    "a parameter": "import apex\n\n\ndef check(apex):\n    return hasattr(apex, \"amp\")\n\n\nok = check(plugin)\n",
+    "a function's loop variable": (
+        "import apex\n\n\ndef scan(plugins):\n    for apex in plugins:\n        if hasattr(apex, \"parallel\"):\n"
+        "            return True\n    return False\n\n\nok = scan([plugin])\n"),
+    "a method's local": (
+        "import apex\n\n\nclass C:\n    def __init__(self, vendor):\n        self.vendor = vendor\n\n"
+        "    def f(self):\n        apex = self.vendor\n        return getattr(apex, \"amp\", None) is not None\n\n\n"
+        "ok = C(plugin).f()\n"),
+    "a class attribute": (
+        "import apex\n\n\nclass C:\n    apex = plugin\n    ok = hasattr(apex, \"amp\")\n\n\nok = C.ok\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_APEX_HERE))
+def test_hasattr_of_another_value_named_apex_stays(name):
+    src = NOT_APEX_HERE[name]
+    r = migrate_source(src)
+    assert r.code == src.replace("import apex\n", "import fp16kit.legacy\n", 1), r.code
+    assert r.checks_rewritten == 0
+    assert not any("hasattr" in p.message or "getattr" in p.message for p in r.unmigratable), r.unmigratable
+    # it still asks the plugin, not fp16kit (which has all three names): False, as before migrate
+    assert _run(r.code, plugin=types.SimpleNamespace())["ok"] is False
+
+
+def test_hasattr_of_apex_in_a_scope_of_its_own_import_is_rewritten():
+    # the import in the function (apex's own fused-kernel probes did this): the name is the module
+    src = ("def fused_available():\n    import apex.normalization\n    return hasattr(apex, \"normalization\")\n\n\n"
+           "def has_parallel():\n    import apex\n    return getattr(apex, \"parallel\", None) is not None\n")
+    r = migrate_source(src)
+    assert r.code == src.replace("import apex", "import fp16kit.legacy").replace("(apex,", "(fp16kit.legacy,")
+    assert r.unmigratable == [] and r.checks_rewritten == 2
+    ns = _run(r.code)
+    assert ns["fused_available"]() and ns["has_parallel"]()
+
+
+@pytest.mark.parametrize("src, line, binds", [
+    # the import-or-None fallback: `apex` is the module or None, which hasattr answers differently
+    ("try:\n    import apex\nexcept ImportError:\n    apex = None\nHAS_AMP = hasattr(apex, \"amp\")\n", 5, "line 4"),
+    # a module-level loop rebinds the global apex (libcst, like python, sees both in one scope)
+    ("import apex\nfor apex in plugins:\n    if hasattr(apex, \"parallel\"):\n        pass\n", 3, "line 2"),
+])
+def test_hasattr_of_a_name_that_may_be_apex_is_reported_not_rewritten(src, line, binds):
+    r = migrate_source(src)
+    assert "hasattr(apex," in r.code and r.checks_rewritten == 0
+    found = [p for p in r.unmigratable if "hasattr" in p.message]
+    assert [p.line for p in found] == [line], r.unmigratable
+    assert binds in found[0].message and "`import apex` on line" in found[0].message
+    assert "hasattr(fp16kit.legacy, " in found[0].message  # the rewrite to make where it is apex
+
+
+@pytest.mark.parametrize("src", [
+    # a data library's get_loader, a local find_spec, a parameter named import_module
+    "from mydata import get_loader\ntrain = get_loader(\"apex\", batch_size=4)\n",
+    "def find_spec(name):\n    return name\n\n\nprint(find_spec(\"apex\"))\n",
+    "from importlib.util import find_spec\n\n\ndef load(import_module, find_spec):\n"
+    "    return import_module(\"apex\"), find_spec('apex')\n",
+    "from mydata import get_loader\nx = get_loader(\"apex.\" + split)\n",
+])
+def test_a_users_function_named_like_a_probe_stays(src):
+    r = migrate_source(src)
+    assert r.code == src and r.unmigratable == [] and r.checks_rewritten == 0
+
+
+@pytest.mark.parametrize("src, after", [
+    ("from importlib.util import find_spec as fs\nok = fs(\"apex.amp\") is not None\n",
+     "from importlib.util import find_spec as fs\nok = fs(\"fp16kit.legacy.amp\") is not None\n"),
+    ("from importlib import import_module as load\nm = load('apex')\n",
+     "from importlib import import_module as load\nm = load('fp16kit.legacy')\n"),
+    ("from lightning_utilities.core.imports import module_available\nHAVE = module_available('apex')\n",
+     "from lightning_utilities.core.imports import module_available\nHAVE = module_available('fp16kit.legacy')\n"),
+    ("from importlib.util import *\nHAVE = find_spec('apex') is not None\n",
+     "from importlib.util import *\nHAVE = find_spec('fp16kit.legacy') is not None\n"),
+])
+def test_probes_imported_under_an_alias_are_rewritten(src, after):
+    r = migrate_source(src)
+    assert r.code == after and r.unmigratable == [] and r.checks_rewritten == 1
+
+
+def test_a_probe_name_that_may_be_the_users_function_is_reported():
+    src = "from importlib.util import find_spec\n\nif cond:\n    def find_spec(name):\n        return None\n" \
+          "HAVE = find_spec('apex') is not None\n"
+    r = migrate_source(src)
+    assert r.code == src
+    assert [p.line for p in r.unmigratable] == [6]
+    message = r.unmigratable[0].message
+    assert "find_spec imported on line 1" in message and "line 4" in message and "'fp16kit.legacy'" in message
+
+
+def test_an_uncovered_hasattr_and_its_use_on_one_line_are_one_report():
+    r = migrate_source("import apex\nif hasattr(apex, \"__version__\"): print(apex.__version__)\n")
+    assert [p.line for p in r.unmigratable] == [2], r.unmigratable
+    assert "apex.__version__ is not covered" in r.unmigratable[0].message
+    # on lines of their own each line is reported; another uncovered name on the line still is
+    assert [p.line for p in migrate_source(
+        "import apex\nif hasattr(apex, \"__version__\"):\n    print(apex.__version__)\n").unmigratable] == [2, 3]
+    assert len(migrate_source("import apex\nif hasattr(apex, 'RNN'): v = apex.__version__\n").unmigratable) == 2
