@@ -11,8 +11,9 @@ accumulated grads scaled with `multi_tensor_applier(amp_C.multi_tensor_scale, ov
 Unmodified apex code: `fp16kit run examples/apex_era/bert_run_pretraining.py --fp16`.
 `--local_rank 0` adds one gloo rank: apex DDP with gradient_predivide_factor, or with
 --allreduce_post_accumulation, `flat_dist_call(..., torch.distributed.broadcast, (0,))`.
-(The real script also imports apex_C for apex_C.unflatten of a flat all-reduce buffer; fp16kit
-does not cover apex_C, so that import and buffer are left out.)
+(The real script also imports apex_C for apex_C.unflatten of a flat all-reduce buffer; this
+one-process version leaves that buffer and its all-reduce out. fp16kit.legacy.apex_c provides
+apex_C's flatten/unflatten, and migrate rewrites `import apex_C`.)
 """
 
 import argparse
@@ -205,7 +206,7 @@ def take_optimizer_step(args, optimizer, model, overflow_buf, global_step):
     if args.allreduce_post_accumulation:
         # manually allreduce gradients after all accumulation steps
         # check for Inf/NaN
-        # (one process, no apex_C: the flat buffer and its all_reduce are left out; the grads
+        # (one process: the flat buffer and its all_reduce are left out; the grads
         # are scaled in place, as the script's two multi_tensor_scale calls did through it)
         loss_scale = _amp_state.loss_scalers[0].loss_scale() if args.fp16 else 1
         master_grads = [p.grad for p in amp.master_params(optimizer) if p.grad is not None]
