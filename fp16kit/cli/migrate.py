@@ -24,14 +24,26 @@ names built at run time, strings naming apex paths, importlib.metadata.version("
 other reads of apex's distribution metadata, transformers' is_apex_available) is left as it is
 and listed as FILE:LINE: message, with the closest replacement. So is each torch.load that
 resumes an apex FP16_Optimizer's state (its pickled loss scaler needs apex, or the alias of
-`fp16kit run`): convert those old checkpoints once with `fp16kit convert-checkpoint OLD NEW`."""
+`fp16kit run`): convert those old checkpoints once with `fp16kit convert-checkpoint OLD NEW`.
+
+It never harms the tree: nothing outside the PATHs is written (a symlinked folder inside them is
+walked once, one pointing outside them or back to a folder holding it is listed and not followed;
+a symlinked file whose target is outside is listed and left); a rewritten file keeps its owner,
+group, mode and extended attributes and is replaced atomically, and only if it is still what was
+read (an edit saved meanwhile is kept: the file is listed as changed while migrating). Left as
+they are and listed, each as PATH: reason: hard-linked files (--write-hard-links), read-only files
+(--write-read-only), files over --max-size, and files the parser cannot handle; the run goes on
+with the others."""
 
 _EPILOG = """\
 exit status:
   0  done (with --check: nothing would change)
   1  --check: some file would change
   2  bad arguments, a PATH that does not exist, or libcst missing
-  3  some file could not be read, decoded, parsed or written (the others were processed)"""
+  3  some file could not be processed (the others were): not read, decoded, parsed or written,
+     over --max-size, changed while migrating, a symlink out of the PATHs, or hard-linked or
+     read-only without --write-hard-links / --write-read-only; each is listed as PATH: reason,
+     and the summary says how many (3 wins over 1 with --check)"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,12 +61,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--megatron", action="store_true",
         help="also rewrite Megatron-LM v1's `fp16` / `megatron.fp16` package to fp16kit.legacy.megatron",
     )
+    migrate.add_argument(
+        "--max-size", type=_size, default=None, metavar="BYTES",
+        help=f"skip (and list) files larger than this; default {_DEFAULT_MAX_SIZE} (1 MiB): a generated file of "
+             "a few MB takes minutes and gigabytes to parse",
+    )
+    migrate.add_argument(
+        "--write-hard-links", action="store_true",
+        help="rewrite a hard-linked file in place, the same inode, so all its names see the change (not atomic); "
+             "without it such a file is listed and left, since a rewrite would split it from its other names",
+    )
+    migrate.add_argument(
+        "--write-read-only", action="store_true",
+        help="rewrite read-only files too (the mode stays read-only); without it they are listed and left",
+    )
     migrate.set_defaults(func=_migrate)
+
+
+_DEFAULT_MAX_SIZE = 1 << 20  # fp16kit.migrate.files.DEFAULT_MAX_SIZE (this module must import without libcst)
+
+
+def _size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes: {text!r}")
+    return value
 
 
 def _migrate(args: argparse.Namespace) -> int:
     try:
-        from ..migrate.files import VENDORED_APEX, iter_python_files, migrate_file
+        from ..migrate.files import VENDORED_APEX, given_roots, iter_python_files, migrate_file
     except ModuleNotFoundError as e:
         if e.name != "libcst":
             raise
@@ -66,13 +105,18 @@ def _migrate(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         print(f"fp16kit migrate: {e}", file=sys.stderr)
         return 2
+    roots = given_roots(args.paths)
+    max_size = _DEFAULT_MAX_SIZE if args.max_size is None else args.max_size
     write = not (args.diff or args.check)
     report = sys.stderr if args.diff else sys.stdout  # with --diff, stdout is a patch and nothing else
     for path, why in skipped:
         print(f"{path}: {why}", file=report)
     changed = imports = uses = checks = left = failed = 0
     for path in files:
-        outcome = migrate_file(path, megatron=args.megatron, write=write, diff=args.diff)
+        outcome = migrate_file(
+            path, megatron=args.megatron, write=write, diff=args.diff, roots=roots, max_size=max_size,
+            write_hard_links=args.write_hard_links, write_read_only=args.write_read_only,
+        )
         if outcome.error is not None:
             failed += 1
             where = f"{path}:{outcome.error_line}" if outcome.error_line else path  # no line for read/write errors
@@ -95,12 +139,15 @@ def _migrate(args: argparse.Namespace) -> int:
     if left:
         summary += f"; {left} use{'s' * (left != 1)} of apex left for you (listed above)"
     if failed:
-        summary += f"; {failed} file{'s' * (failed != 1)} could not be migrated (listed above)"
+        summary += f"; {failed} file{'s' * (failed != 1)} could not be processed (listed above)"
     vendored = sum(why == VENDORED_APEX for _, why in skipped)
     if vendored:
         summary += f"; {vendored} vendored apex folder{'s' * (vendored != 1)} skipped (listed above)"
-    if len(skipped) > vendored:
-        others = len(skipped) - vendored
+    links = sum(why.startswith("a symlink") for _, why in skipped)
+    if links:
+        summary += f"; {links} symlink{'s' * (links != 1)} not followed (listed above)"
+    others = len(skipped) - vendored - links
+    if others:
         summary += f"; {others} named path{'s' * (others != 1)} skipped, not Python (listed above)"
     print(summary, file=report)
     if failed:

@@ -99,7 +99,7 @@ def test_help_documents_the_exit_codes(capsys):
     with pytest.raises(SystemExit):
         main(["migrate", "--help"])
     out = capsys.readouterr().out
-    for line in ("0  done", "1  --check", "2  bad arguments", "3  some file"):
+    for line in ("0  done", "1  --check", "2  bad arguments", "3  some file could not be processed"):
         assert line in out
 
 
@@ -128,10 +128,10 @@ def test_a_file_that_cannot_be_written_does_not_stop_the_run(tmp_path, capsys, m
     (tmp_path / "b.py").write_text("from apex import amp\n")
     real = files._write_in_place
 
-    def read_only_a(path, data):
+    def read_only_a(path, *args):
         if path.endswith("a.py"):
             raise OSError(30, "Read-only file system")
-        real(path, data)
+        real(path, *args)
 
     monkeypatch.setattr(files, "_write_in_place", read_only_a)
     assert main(["migrate", str(tmp_path)]) == 3
@@ -178,3 +178,69 @@ def test_availability_checks_are_counted_checked_and_reported(tmp_path, capsys):
     assert "and 'fp16kit.legacy' not in sys.modules:" in utils.read_text()
     capsys.readouterr()
     assert main(["migrate", "--check", str(utils)]) == 0
+
+
+def test_files_it_cannot_or_must_not_rewrite_are_listed_and_the_run_goes_on(tmp_path, capsys):
+    # issue 17 §3: a link out of the tree, a hard link, a 0444 file, a deep expression, a NUL byte, an
+    # invalid escape under -W error, a big generated file: each harmed the tree or stopped the run
+    import os
+    import warnings
+
+    tree, outside = tmp_path / "tree", tmp_path / "outside"
+    tree.mkdir()
+    outside.mkdir()
+    (outside / "shared.py").write_text("from apex import amp\n")
+    (tree / "shared.py").symlink_to(outside / "shared.py")
+    (tree / "linked.py").write_text("from apex import amp\n")
+    os.link(tree / "linked.py", tmp_path / "elsewhere.py")
+    (tree / "locked.py").write_text("from apex import amp\n")
+    (tree / "locked.py").chmod(0o444)
+    (tree / "nul.py").write_bytes(b"import apex\ns = 'a\0b'\n")
+    (tree / "deep.py").write_text("import apex\nx = " + " + ".join(["a"] * 400) + "\n")
+    (tree / "escape.py").write_text("import apex\npattern = '\\d+'\n")
+    (tree / "big_pb2.py").write_text("from apex import amp\n" + "# generated\n" * 200)
+    before = {p: p.read_bytes() for p in (outside / "shared.py", tree / "linked.py", tree / "locked.py", tree / "nul.py")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code = main(["migrate", str(tree), "--max-size", "2000"])
+    captured = capsys.readouterr()
+    assert code == 3 and "Traceback" not in captured.err
+    lines = captured.err.splitlines()
+    assert lines == [
+        f"{tree / 'big_pb2.py'}: 2421 bytes, over the 2000-byte limit (a generated file?), not read: --max-size BYTES "
+        "raises the limit; file skipped",
+        f"{tree / 'linked.py'}: a hard-linked file (2 names; a rewrite would split it from the others): "
+        "--write-hard-links rewrites it in place, for all of them; file skipped",
+        f"{tree / 'locked.py'}: read-only (mode 0444): --write-read-only rewrites it, keeping the mode; file skipped",
+        f"{tree / 'nul.py'}:2: cannot parse: a NUL byte (python would refuse the file too): remove it, or write it as "
+        "\\x00; file skipped",
+        f"{tree / 'shared.py'}: a symlink to {outside / 'shared.py'}, outside the folders given: name "
+        f"{outside / 'shared.py'} itself to migrate it; file skipped",
+    ]
+    assert "2 of 7 Python files rewritten" in captured.out and "; 5 files could not be processed (listed above)" in captured.out
+    assert {p: p.read_bytes() for p in before} == before
+    assert (tree / "deep.py").read_text().startswith("import fp16kit.legacy\n")
+    assert (tree / "escape.py").read_text() == "import fp16kit.legacy\npattern = '\\d+'\n"
+    # the flags let them through; --check still says 1 for "would change", 3 only for what it cannot process
+    assert main(["migrate", "--check", str(tree / "locked.py"), str(tree / "linked.py")]) == 1
+    assert main(["migrate", "--check", str(tree), "--max-size", "2000"]) == 3
+    capsys.readouterr()
+    assert main(["migrate", str(tree), "--max-size", "3000", "--write-hard-links", "--write-read-only"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "nul.py:2: cannot parse" in err and "shared.py: a symlink to" in err
+    assert (tmp_path / "elsewhere.py").read_text() == "from fp16kit.legacy import amp\n"  # one file, both names
+    assert (tree / "locked.py").read_text() == "from fp16kit.legacy import amp\n"
+    assert (tree / "big_pb2.py").read_text().startswith("from fp16kit.legacy import amp\n")
+    assert (outside / "shared.py").read_bytes() == before[outside / "shared.py"]
+
+
+def test_help_documents_the_safety_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["migrate", "--help"])
+    out = capsys.readouterr().out
+    for text in ("--max-size BYTES", "--write-hard-links", "--write-read-only", "changed while migrating",
+                 "3  some file could not be processed"):
+        assert text in out
+    with pytest.raises(SystemExit) as e:
+        main(["migrate", ".", "--max-size", "0"])
+    assert e.value.code == 2 and "must be a positive number of bytes" in capsys.readouterr().err
