@@ -117,9 +117,8 @@ def _install() -> None:
     module = torch.nn.utils.clip_grad
     norm = getattr(module, "_get_total_norm", None)
     clip = getattr(module, "clip_grad_norm_", None)
-    # ours already, or a third party's functools.wraps of ours (which copies the mark)
-    if norm is None or clip is None or norm in _wrappers or getattr(norm, "_fp16kit_clip_watch", False):
-        return  # (or another torch: nothing watched)
+    if norm is None or clip is None or _wraps_ours(norm):
+        return  # ours already (maybe re-wrapped by a third party), or another torch: nothing watched
     clip_code = inspect.unwrap(clip).__code__
 
     @functools.wraps(norm)
@@ -127,14 +126,35 @@ def _install() -> None:
         # On the main thread the mistake shows as no grad found; inside a step job the model's
         # grads may already be the next backward's, so every clip of them there is checked.
         if _watched and isinstance(tensors, list) and (not tensors or current_optimizer_thread() is not None):
-            caller = sys._getframe(1)
-            if caller.f_code is clip_code:
+            caller = _calling_frame(clip_code)
+            if caller is not None:
                 _check(caller.f_locals.get("parameters", ()))
         return norm(tensors, *args, **kwargs)
 
-    _get_total_norm._fp16kit_clip_watch = True  # type: ignore[attr-defined]
     _wrappers.add(_get_total_norm)
     module._get_total_norm = _get_total_norm
+
+
+_WRAPPER_DEPTH = 4  # third-party wrappers (tracers, profilers) allowed between clip and the check
+
+
+def _calling_frame(code: types.CodeType) -> types.FrameType | None:
+    """The frame running ``code`` among the check's few nearest callers, if any."""
+    frame = sys._getframe(2)  # (1 is the check itself)
+    for _ in range(_WRAPPER_DEPTH):
+        if frame is None or frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _wraps_ours(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` is one of our checks, or reaches one through ``__wrapped__`` links.
+
+    A third party's ``functools.wraps`` of our check links to it; ours links on to torch's
+    helper, so the walk stops at the first of ours rather than unwrapping to the end.
+    """
+    return inspect.unwrap(function, stop=lambda f: f in _wrappers) in _wrappers
 
 
 def _check(params: Sequence[torch.Tensor]) -> None:

@@ -375,6 +375,45 @@ def test_the_watch_leaves_torchs_functions_and_numbers_and_sees_earlier_aliases(
         torch.nn.utils.clip_grad_norm_((p for p in ()), 1.0)
 
 
+def test_a_third_partys_wrap_of_the_watch_is_not_wrapped_again(caplog, monkeypatch):
+    # A tracer that wraps torch's helper with functools.wraps after the watch is installed links
+    # to ours; the next first hand-off (all earlier optimizers gone) must not stack a second check.
+    import functools
+    import gc
+
+    from fp16kit import optimizer_misuse
+
+    module = torch.nn.utils.clip_grad
+    model = mlp(torch.float16)
+    first = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    x, y = batches(1)[0]
+    mse(model, x, y).backward()
+    first.step()  # the first hand-off installs the watch
+    first.synchronize()
+    ours = module._get_total_norm
+    assert optimizer_misuse._wraps_ours(ours)
+    calls = []
+
+    @functools.wraps(ours)
+    def traced(*args, **kwargs):
+        calls.append(1)
+        return ours(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_get_total_norm", traced)
+    del first
+    gc.collect()
+    model = mlp(torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    scaler = GradScaler("cpu")
+    scaler.scale(mse(model, x, y)).backward()
+    scaler.step(opt)
+    assert module._get_total_norm is traced and optimizer_misuse._wraps_ours(traced)
+    with caplog.at_level(logging.WARNING, logger="fp16kit"):
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) == 0
+    assert len(_warnings(caplog, "clipped nothing and returned 0")) == 1 and calls == [1]
+    opt.synchronize()
+
+
 # ------------------------------------------------------------------ param groups (item 9)
 def test_a_param_in_two_groups_is_refused_with_torchs_error_and_nothing_changes():
     # torch refuses it when the optimizer is built; groups edited by hand afterwards reach here.
