@@ -33,7 +33,8 @@ import torch
 from .core.master import LOW_PRECISION, MasterParams
 
 __all__ = [
-    "MasterGroup", "MasterGroups", "check_distinct_groups", "check_master_dtypes", "check_not_sharded", "check_params",
+    "MasterGroup", "MasterGroups", "check_distinct_groups", "check_floating", "check_master_dtypes",
+    "check_not_sharded", "check_params",
     "check_not_wrapped", "drop_repeats", "mark_wrapped",
 ]
 
@@ -89,10 +90,33 @@ def check_not_sharded(params: Any, all_masters: bool, master_dtype: torch.dtype,
             )
 
 
+def check_floating(params: Any, *, where: str = "") -> None:
+    """Refuse a param that is not a floating-point tensor, in torch.optim's words: an integer or
+    bool tensor (a buffer, an index) never has a gradient, so listing it is a mistake (the wrong
+    tensors were passed); a complex one cannot be unscaled (torch's unscale kernel, which
+    torch.amp.GradScaler uses too, has no complex version). TypeError; changes nothing."""
+    for i, p in enumerate([params] if isinstance(params, torch.Tensor) else list(params)):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}")
+        if not p.is_floating_point():
+            advice = (
+                "Complex params cannot be loss-scaled (torch.amp.GradScaler cannot unscale them either): "
+                "give them an optimizer of their own, stepped without a scaler."
+                if p.is_complex() else
+                "Integer and bool tensors (buffers, indices) have no gradients: build the optimizer "
+                "on model.parameters(), not on the state dict's tensors or buffers."
+            )
+            raise TypeError(
+                f"MixedPrecisionOptimizer can only optimize Tensors of floating point dtype, but one of the "
+                f"params{where} (index {i}, shape {tuple(p.shape)}) is {p.dtype}. {advice}"
+            )
+
+
 def check_params(params: Any, all_masters: bool, master_dtype: torch.dtype, *, where: str = "") -> None:
     """Every check a param that may get a master must pass (at construction, in
-    add_param_group, when unfrozen later): :func:`check_master_dtypes` when every trainable
-    param gets a master, and :func:`check_not_sharded`. Changes nothing."""
+    add_param_group, when unfrozen later): :func:`check_floating`, :func:`check_master_dtypes`
+    when every trainable param gets a master, and :func:`check_not_sharded`. Changes nothing."""
+    check_floating(params, where=where)
     if all_masters:
         check_master_dtypes(params, master_dtype, where=where)
     check_not_sharded(params, all_masters, master_dtype, where=where)

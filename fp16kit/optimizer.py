@@ -127,6 +127,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             )
         if unfrozen not in ("adopt", "refuse"):
             raise ValueError(f"unfrozen must be 'adopt' or 'refuse', got {unfrozen!r}.")
+        _check_thread(thread)
         check_not_wrapped(optimizer)
         master_dtype = _as_dtype(master_dtype)
         # Asynchronous steps and offloaded masters need a master for every trainable param:
@@ -584,6 +585,18 @@ def _stepping(
                 delattr(inner, name)
         if view is not None:
             view.write_back()
+
+
+def _check_thread(thread: Any) -> None:
+    """``thread=`` must be None or an fp16kit OptimizerThread: a step job needs its FIFO, its
+    step count, its error hand-back and (on CUDA) its stream, which no other executor has."""
+    if thread is not None and not isinstance(thread, OptimizerThread):
+        raise TypeError(
+            f"thread must be an fp16kit.OptimizerThread (or None for the process-wide "
+            f"fp16kit.optimizer_thread()), got {type(thread).__module__}.{type(thread).__qualname__}. "
+            "Other executors (concurrent.futures.ThreadPoolExecutor, ...) lack what asynchronous steps "
+            "use: pass thread=fp16kit.OptimizerThread() for a thread of this optimizer's own."
+        )
 
 
 def _as_dtype(value: Any) -> torch.dtype:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ from ..optimizer import MixedPrecisionOptimizer
 from ..wrapping import WrappingOptimizer
 from ._messages import apex_logger, float_or_half
 from .checkpoint import scaler_state
+from .loss_scaler import check_factor, check_saved_scaler, check_scale, check_window
 # apex's 2018 module (until 2018-07) defined these beside FP16_Optimizer: a whole model pickled
 # then (torch.save(model)) names apex.fp16_utils.fp16_optimizer.FP16_Module
 from .fp16_module import FP16_Module, conversion_helper, fp16_to_fp32, fp32_to_fp16  # noqa: F401
@@ -74,10 +76,11 @@ class AmpLossScaler:
         min_loss_scale: float | None = None,
         max_loss_scale: float | None = 2.0**24,
         *,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = "cpu",
         unskipped: int = 0,
         on_min_scale: str = "ignore",
     ) -> None:
+        check_amp_settings(loss_scale, init_scale, scale_factor, scale_window, min_loss_scale, max_loss_scale)
         self.dynamic = loss_scale == "dynamic"
         if max_loss_scale is None:
             max_loss_scale = float("inf")  # no cap
@@ -126,7 +129,12 @@ class AmpLossScaler:
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
+        check_scale("loss_scale", value)
         self._state.set_scale(float(value))
+
+    def place(self, device: torch.device | str) -> None:
+        """Put the scale on ``device`` (once; a scaler built with ``device=None`` waits for this)."""
+        self._state.materialize(device)
 
     @property
     def _unskipped(self) -> int:
@@ -158,6 +166,9 @@ class AmpLossScaler:
 
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device | str) -> AmpLossScaler:
+        check_scale("loss_scale", state["loss_scale"])
+        if isinstance(state["unskipped"], bool) or not isinstance(state["unskipped"], int) or state["unskipped"] < 0:
+            raise ValueError(f"unskipped (clean steps counted) must be an int >= 0, got {state['unskipped']!r:.80}.")
         scaler = cls(
             "dynamic" if state["dynamic"] else state["loss_scale"],
             scale_factor=state["scale_factor"],
@@ -174,6 +185,35 @@ class AmpLossScaler:
 
     def __repr__(self) -> str:
         return f"AmpLossScaler({self.state_dict()})"
+
+
+def check_amp_settings(
+    loss_scale: Any, init_scale: Any, scale_factor: Any, scale_window: Any, min_loss_scale: Any, max_loss_scale: Any
+) -> None:
+    """ValueError naming the first setting of apex amp's scaler that cannot train: a loss scale
+    that is not ``"dynamic"`` or a finite number > 0, an ``init_scale`` that is NaN or <= 0 (or
+    inf with no ``max_loss_scale`` to start at), a ``scale_factor`` <= 1, a ``scale_window``
+    that is not a whole number >= 1, a floor that is NaN or negative, a cap that is NaN or <= 0,
+    or a floor above the cap. Changes nothing."""
+    if loss_scale != "dynamic":
+        try:
+            check_scale("loss_scale", float(loss_scale))
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got {loss_scale!r:.80}.') from None
+    cap = math.inf if max_loss_scale is None else max_loss_scale
+    if max_loss_scale is not None and not (_real(max_loss_scale) and max_loss_scale > 0):  # NaN > 0 is False
+        raise ValueError(f"max_loss_scale must be a number > 0 (inf or None: no cap), got {max_loss_scale!r:.80}.")
+    if min_loss_scale is not None and not (_real(min_loss_scale) and math.isfinite(min_loss_scale) and min_loss_scale >= 0):
+        raise ValueError(f"min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got {min_loss_scale!r:.80}.")
+    if min_loss_scale and min_loss_scale > cap:
+        raise ValueError(f"min_loss_scale ({min_loss_scale}) is above max_loss_scale ({max_loss_scale}); pass min_loss_scale <= max_loss_scale.")
+    check_scale("init_scale", min(cap, init_scale) if _real(init_scale) and init_scale > 0 else init_scale)
+    check_factor("scale_factor", scale_factor)
+    check_window("scale_window", scale_window)
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _check_param_types(optimizer: torch.optim.Optimizer) -> None:
@@ -278,6 +318,8 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             )
         _check_param_types(init_optimizer)
         check_dynamic_loss_args(dynamic_loss_args, type(self).DYNAMIC_LOSS_ARGS)
+        # built (its settings checked) before anything changes; put on the params' device below
+        scaler = self._new_loss_scaler(static_loss_scale, bool(dynamic_loss_scale), dynamic_loss_args)
         self.verbose = verbose
         for i, group in enumerate(init_optimizer.param_groups):
             self.maybe_print(f"FP16_Optimizer processing param group {i}:")
@@ -295,7 +337,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
         self._device = self._scale_device()
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
-        self.loss_scaler = self._new_loss_scaler(static_loss_scale, self.dynamic_loss_scale, dynamic_loss_args)
+        if isinstance(scaler, AmpLossScaler):
+            scaler.place(self._device)
+        self.loss_scaler = scaler
         self._overflow: bool | torch.Tensor = False
         # async_step: what update_master_grads prepared for step() -- (1/scale, found_inf, the
         # scale after the update) -- and what zero_grad asked of the masters' grads
@@ -308,10 +352,18 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     def _new_loss_scaler(
         self, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: dict[str, Any] | None
     ) -> Any:
-        """The scaler this optimizer drives (apex amp's, era 2), on the params' device."""
+        """The scaler this optimizer drives (apex amp's, era 2), not yet on a device. ValueError
+        naming the setting if it cannot train (see :func:`check_amp_settings`)."""
         if dynamic_loss_scale:
-            return AmpLossScaler("dynamic", **(dynamic_loss_args or {}), device=self._device)
-        return AmpLossScaler(static_loss_scale, device=self._device)
+            return AmpLossScaler("dynamic", **(dynamic_loss_args or {}), device=None)
+        try:
+            check_scale("static_loss_scale", float(static_loss_scale))
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(
+                f"static_loss_scale must be a finite number > 0, got {static_loss_scale!r:.80}. Pass the "
+                "static scale (e.g. 128.0), or dynamic_loss_scale=True."
+            ) from None
+        return AmpLossScaler(static_loss_scale, device=None)
 
     @property
     def async_step(self) -> bool:
@@ -610,7 +662,11 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
     def _loaded_scaler(self, state_dict: dict[str, Any]) -> tuple[Any, bool]:
         """The scaler a checkpoint's ``loss_scaler`` entry describes, and whether it is dynamic
-        (changes nothing; ValueError if it cannot be read)."""
+        (changes nothing; ValueError naming the field if it cannot be read or trained with)."""
+        try:
+            check_saved_scaler(state_dict["loss_scaler"])
+        except ValueError as e:
+            raise ValueError(f"Cannot load the saved loss scaler: {e}") from None
         scaler = scaler_state(state_dict["loss_scaler"], current=self.loss_scaler.state_dict())
         try:
             return AmpLossScaler.from_state(scaler, self._device), scaler["dynamic"]

@@ -29,7 +29,8 @@ import torch
 from ..core import kernels
 from ..core.floor import FLOOR_POLICIES
 from ..core.scale import LossScale
-from .checkpoint_records import FP16KIT_SCALER_CLASSES
+from ..core.scale_rules import rule_named
+from .checkpoint_records import CLASS_KEY, FP16KIT_SCALER_CLASSES
 
 __all__ = ["LossScaler", "DynamicLossScaler", "to_python_float"]
 
@@ -48,6 +49,7 @@ def _int(v: Any) -> bool:
 
 PICKLED_KINDS = {
     "scale": ("a finite number > 0", lambda v: _real(v) and math.isfinite(v) and v > 0),
+    "factor": ("a finite number > 1", lambda v: _real(v) and math.isfinite(v) and v > 1),
     "cap": ("a number > 0 (inf or None: no cap)", lambda v: v is None or (_real(v) and v > 0)),  # NaN > 0 is False
     "floor": ("a finite number >= 0 (0 or None: no floor)", lambda v: v is None or (_real(v) and math.isfinite(v) and v >= 0)),
     "window": ("a whole number >= 1", lambda v: _real(v) and math.isfinite(v) and v >= 1 and v == int(v)),
@@ -83,19 +85,90 @@ def pickled(obj: Any, state: dict[str, Any], name: str, kind: str, *, default: A
     :data:`PICKLED_KINDS`)."""
     if name not in state and default is not _REQUIRED:
         return default
-    value = state[name]
+    _check_pickled(pickled_as(obj), name, state[name], kind)
+    return state[name]
+
+
+def _check_pickled(path: str, name: str, value: Any, kind: str) -> None:
     what, ok = PICKLED_KINDS[kind]
     try:
         passes = ok(value)
     except OverflowError:  # an int too large for a float (math.isfinite(10**400))
         passes = False
     if not passes:
-        raise ValueError(f"{_not_apex(obj)}: its {name} is {value!r:.80}, not {what}. {_LOOK}")
-    return value
+        raise ValueError(f"{_not_apex(path)}: its {name} is {value!r:.80}, not {what}. {_LOOK}")
 
 
 def _not_apex(obj: Any) -> str:
-    return f"the {pickled_as(obj)} in this file is not one apex pickled"
+    return f"the {obj if isinstance(obj, str) else pickled_as(obj)} in this file is not one apex pickled"
+
+
+# The attributes each apex scaler pickled, and what apex could have written there. A record
+# (what load_checkpoint returns) is checked against these before its numbers are used: an era-1
+# scale_window of 0 would be a ZeroDivisionError, a NaN scale would be trained with.
+_RECORD_FIELDS = {
+    "apex.fp16_utils.loss_scaler.LossScaler": {"cur_scale": "scale"},
+    "apex.fp16_utils.loss_scaler.DynamicLossScaler": {
+        "cur_scale": "scale", "scale_factor": "factor", "scale_window": "window",
+        "cur_iter": "iteration", "last_overflow_iter": "iteration",
+    },
+    "apex.amp.scaler.LossScaler": {
+        "dynamic": "flag", "_loss_scale": "scale", "_scale_seq_len": "window", "_unskipped": "count",
+        "_min_loss_scale": "floor", "_max_loss_scale": "cap",
+    },
+}
+
+
+def check_saved_scaler(saved: Any) -> None:
+    """ValueError naming the attribute if ``saved`` -- an apex scaler as
+    :func:`fp16kit.legacy.load_checkpoint` returns it (a dict with ``"__apex_class__"``), or a
+    live apex object -- holds a value no apex run can write there (a scale that is NaN, 0,
+    negative or inf; a ``scale_window`` below 1 or not whole; a negative count). Attributes it
+    lacks, and every other form, are left to the reader. Changes nothing."""
+    if isinstance(saved, dict):
+        path, attributes = saved.get(CLASS_KEY), saved
+    else:
+        cls = type(saved)
+        path, attributes = f"{cls.__module__}.{cls.__qualname__}", getattr(saved, "__dict__", {})
+    for name, kind in _RECORD_FIELDS.get(path, {}).items():  # type: ignore[call-overload]
+        if name in attributes and not (kind == "floor" and attributes[name] is None):
+            _check_pickled(path, name, attributes[name], kind)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- settings a scaler runs with
+def check_scale(name: str, value: Any) -> None:
+    """ValueError unless ``value`` is a finite number > 0: a loss scale of 0 makes every
+    unscaled grad inf or NaN, inf or NaN makes every grad non-finite, and a negative one is
+    nothing apex ever ran with (its dynamic rules grow it without bound)."""
+    if not _finite_real(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0 (e.g. 128.0), got {value!r:.80}.")
+
+
+def check_factor(name: str, value: Any) -> None:
+    """ValueError unless ``value`` is a finite number > 1 (as torch's GradScaler requires of its
+    growth factor): the scale is divided by it at an overflow and multiplied by it to grow, so a
+    factor <= 1 never backs off and skips every step once the scale overflows."""
+    if not _finite_real(value) or value <= 1:
+        raise ValueError(
+            f"{name} must be a finite number > 1 (the scale is divided by it at an overflow), got {value!r:.80}."
+        )
+
+
+def check_window(name: str, value: Any) -> None:
+    """ValueError unless ``value`` is a whole number >= 1 (an int, or an integral float such
+    as 2000.0): the clean steps between two growths of the scale."""
+    if not _finite_real(value) or value < 1 or value != int(value):
+        raise ValueError(
+            f"{name} must be a whole number >= 1 (the clean steps between two growths of the scale), "
+            f"got {value!r:.80}."
+        )
+
+
+def _finite_real(value: Any) -> bool:
+    try:
+        return _real(value) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 _LOOK = ("To see what the file holds without running it, read it with fp16kit.legacy.load_checkpoint(path), "
@@ -128,6 +201,7 @@ class LossScaler:
     """Static loss scale: ``loss * scale`` before backward, never an overflow check."""
 
     def __init__(self, scale: float = 1) -> None:
+        check_scale("scale", scale)
         self.cur_scale = scale
 
     def __setstate__(self, state: Any) -> None:
@@ -164,6 +238,8 @@ class DynamicLossScaler:
     ``scale_window`` clean iterations since the last overflow (no cap)."""
 
     def __init__(self, init_scale: float = 2**32, scale_factor: float = 2.0, scale_window: int = 1000) -> None:
+        check_scale("init_scale", init_scale)
+        check_factor("scale_factor", scale_factor)
         self._state = LossScale(
             init_scale,
             rule="apex",
@@ -183,6 +259,7 @@ class DynamicLossScaler:
 
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
+        check_scale("cur_scale", value)
         self._state.set_scale(float(value))
         self._int_scale = isinstance(value, int)
 
@@ -211,6 +288,7 @@ class DynamicLossScaler:
 
     @scale_factor.setter
     def scale_factor(self, value: float) -> None:
+        check_factor("scale_factor", value)
         self._state.growth_factor = value
 
     @property
@@ -219,6 +297,7 @@ class DynamicLossScaler:
 
     @scale_window.setter
     def scale_window(self, value: int) -> None:
+        rule_named("apex").check(value)  # the rule's modulo needs an int >= 1
         self._state.growth_interval = value
 
     @property
@@ -268,7 +347,7 @@ class DynamicLossScaler:
         window = pickled(self, a, "scale_window", "window")
         self.__init__(  # type: ignore[misc]
             pickled(self, a, "cur_scale", "scale"),
-            pickled(self, a, "scale_factor", "scale"),
+            pickled(self, a, "scale_factor", "factor"),
             int(window),  # (an integral float: a window of that many iterations)
         )
         self.cur_iter = pickled(self, a, "cur_iter", "iteration")

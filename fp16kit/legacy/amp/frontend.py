@@ -9,12 +9,14 @@ reset ``_amp_state.opt_properties`` first).
 from __future__ import annotations
 
 import collections
+import math
 import re
 from typing import Any
 
 import torch
 
 from ..checkpoint import scaler_state
+from ..loss_scaler import check_saved_scaler
 from . import _model, _process_optimizer
 from ...core.log import logger
 from .._messages import apex_logger
@@ -219,6 +221,7 @@ def initialize(
             _model.check_params(model_list)
         for opt in opt_list:
             _process_optimizer.check_optimizer(opt)
+        _check_num_losses(num_losses)
         scalers = [
             LossScaler(properties.loss_scale, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
                        on_min_scale=on_min_scale)
@@ -262,6 +265,16 @@ def initialize(
     return (model_list if models_was_list else model_list[0]), opt_list[0]
 
 
+def _check_num_losses(num_losses: Any) -> None:
+    # apex made that many scalers and failed at the first scale_loss with IndexError (0) or at
+    # range() (a float)
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(
+            f"num_losses must be an int >= 1 (one loss scaler per loss, picked by "
+            f"amp.scale_loss(..., loss_id=i)), got {num_losses!r:.80}."
+        )
+
+
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}`` (plain data); ``{}``
     before ``initialize`` (FIX: apex raised AttributeError)."""
@@ -280,9 +293,26 @@ def _saved_entry(value: Any, scaler: LossScaler) -> tuple[float, int]:
     (e.g. the object ``torch.load(..., weights_only=False)`` makes of one under ``fp16kit
     run``); ValueError saying why for anything else."""
     if isinstance(value, dict) and "loss_scale" in value and "unskipped" in value:
-        return float(value["loss_scale"]), int(value["unskipped"])
-    state = scaler_state(value, current=scaler.state_dict())
-    return state["loss_scale"], state["unskipped"]
+        scale, unskipped = value["loss_scale"], value["unskipped"]
+    else:
+        check_saved_scaler(value)
+        state = scaler_state(value, current=scaler.state_dict())
+        scale, unskipped = state["loss_scale"], state["unskipped"]
+    # read as apex read them, float() and int(); a scale of NaN, 0 or inf would reach the weights
+    # or skip every step, and a negative count never reaches the growth window
+    scale_read, count = _as_number(float, scale), _as_number(int, unskipped)
+    if scale_read is None or not math.isfinite(scale_read) or scale_read <= 0:
+        raise ValueError(f"loss_scale must be a finite number > 0, got {scale!r:.80}.")
+    if count is None or count < 0 or count != unskipped:
+        raise ValueError(f"unskipped (clean steps counted) must be a whole number >= 0, got {unskipped!r:.80}.")
+    return scale_read, count
+
+
+def _as_number(kind: Any, value: Any) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def load_state_dict(state_dict: dict[str, Any]) -> None:
@@ -315,6 +345,8 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         try:
             entry = _saved_entry(value, scalers[i])
         except ValueError as e:
+            if isinstance(value, dict) and "loss_scale" in value and "unskipped" in value:
+                raise RuntimeError(f"Error(s) in loading state_dict. {key!r}: {e} Nothing was loaded.") from e
             raise RuntimeError(
                 f"Error(s) in loading state_dict. {key!r} must be a dict with 'loss_scale' and "
                 f"'unskipped' (amp.state_dict()'s) or a saved apex scaler, got a {type(value).__name__}: {e}"

@@ -28,7 +28,7 @@ import torch
 from ...core import kernels
 from ...core.floor import FLOOR_POLICIES
 from ..fp16_optimizer import AmpLossScaler
-from ..loss_scaler import pickled, pickled_attributes
+from ..loss_scaler import check_scale, check_window, pickled, pickled_attributes
 
 __all__ = ["LossScaler"]
 
@@ -93,6 +93,7 @@ class LossScaler(AmpLossScaler):
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
+        check_scale("_loss_scale", value)
         self._state.set_scale(float(value))
         self._static_scale = float(value)
 
@@ -117,6 +118,7 @@ class LossScaler(AmpLossScaler):
 
     @_scale_seq_len.setter
     def _scale_seq_len(self, value: int) -> None:
+        check_window("_scale_seq_len", value)
         self._state.growth_interval = int(value)
 
     @property  # type: ignore[override]

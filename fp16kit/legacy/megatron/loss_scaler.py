@@ -120,7 +120,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
     ) -> None:
         window = _window(scale_window)
         check_number("init_scale", init_scale, positive=True)
-        check_number("scale_factor", scale_factor, positive=True)
+        _era1.check_factor("scale_factor", scale_factor)
         check_number("min_scale", min_scale, positive=False)
         _check_count("delayed_shift", delayed_shift)
         # (the era-1 parent's state, built here with Megatron's extra settings)
