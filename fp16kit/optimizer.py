@@ -125,9 +125,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 f"MixedPrecisionOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}. "
                 "Build the optimizer on the model's parameters first, then wrap it."
             )
-        if unfrozen not in ("adopt", "refuse"):
-            raise ValueError(f"unfrozen must be 'adopt' or 'refuse', got {unfrozen!r}.")
-        _check_thread(thread)
+        _check_options(unfrozen, thread)
         check_not_wrapped(optimizer)
         master_dtype = _as_dtype(master_dtype)
         # Asynchronous steps and offloaded masters need a master for every trainable param:
@@ -587,9 +585,12 @@ def _stepping(
             view.write_back()
 
 
-def _check_thread(thread: Any) -> None:
-    """``thread=`` must be None or an fp16kit OptimizerThread: a step job needs its FIFO, its
-    step count, its error hand-back and (on CUDA) its stream, which no other executor has."""
+def _check_options(unfrozen: Any, thread: Any) -> None:
+    """Refuse an ``unfrozen=`` policy that is not one, and a ``thread=`` that is neither None nor
+    an fp16kit OptimizerThread: a step job needs its FIFO, its step count, its error hand-back and
+    (on CUDA) its stream, which no other executor has. Changes nothing."""
+    if unfrozen not in ("adopt", "refuse"):
+        raise ValueError(f"unfrozen must be 'adopt' or 'refuse', got {unfrozen!r}.")
     if thread is not None and not isinstance(thread, OptimizerThread):
         raise TypeError(
             f"thread must be an fp16kit.OptimizerThread (or None for the process-wide "
