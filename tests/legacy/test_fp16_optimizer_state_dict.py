@@ -192,3 +192,72 @@ def test_load_with_bad_scaler_settings_changes_nothing():
     after = (opt.optimizer.state_dict(), flat_masters(opt), opt.loss_scale)
     same_value(before[0], after[0], "optimizer state")
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1])) and before[2] == after[2]
+
+
+NAN, INF = float("nan"), float("inf")
+ERA1 = "apex.fp16_utils.loss_scaler.DynamicLossScaler"
+ERA2 = "apex.amp.scaler.LossScaler"
+
+
+def _era1_record(**changes):
+    """An era-1 DynamicLossScaler as load_checkpoint returns it from an apex file."""
+    return {"__apex_class__": ERA1, "cur_scale": 1024.0, "cur_iter": 5, "last_overflow_iter": 2,
+            "scale_factor": 2.0, "scale_window": 1000, **changes}
+
+
+def _era2_record(**changes):
+    return {"__apex_class__": ERA2, "dynamic": True, "_loss_scale": 1024.0, "_max_loss_scale": 2.0**24,
+            "_min_loss_scale": None, "_scale_seq_len": 2000, "_unskipped": 3, "_has_overflow": False,
+            "_overflow_buf": torch.IntTensor([0]), **changes}
+
+
+# (what the saved loss_scaler is, the message naming the field)
+BAD_SAVED_SCALERS = {
+    "loss_scale nan": (dict(loss_scale=NAN), "loss_scale must be a finite number > 0.*, got nan"),
+    "loss_scale 0": (dict(loss_scale=0.0), "loss_scale must be a finite number > 0.*, got 0.0"),
+    "loss_scale -1": (dict(loss_scale=-1.0), "loss_scale must be a finite number > 0.*, got -1.0"),
+    "loss_scale inf": (dict(loss_scale=INF), "loss_scale must be a finite number > 0.*, got inf"),
+    "static loss_scale 0": (dict(dynamic=False, loss_scale=0.0), "loss_scale must be a finite number > 0"),
+    "scale_window 0": (dict(scale_window=0), "scale_window must be a whole number >= 1.*, got 0"),
+    "scale_factor 1": (dict(scale_factor=1.0), "scale_factor must be a finite number > 1.*, got 1.0"),
+    "unskipped -1": (dict(unskipped=-1), "unskipped .* must be an int >= 0, got -1"),
+    "min above max": (dict(min_loss_scale=2.0**30), r"min_loss_scale \(1073741824.0\) is above max_loss_scale"),
+    "era-1 scale_window 0": (_era1_record(scale_window=0), f"{ERA1} in this file is not one apex pickled: "
+                             "its scale_window is 0, not a whole number >= 1"),
+    "era-1 scale_window inf": (_era1_record(scale_window=INF), "its scale_window is inf, not a whole number >= 1"),
+    "era-1 cur_scale nan": (_era1_record(cur_scale=NAN), "its cur_scale is nan, not a finite number > 0"),
+    "era-1 cur_scale 0": (_era1_record(cur_scale=0), "its cur_scale is 0, not a finite number > 0"),
+    "era-1 scale_factor 0": (_era1_record(scale_factor=0.0), "its scale_factor is 0.0, not a finite number > 1"),
+    "era-1 static cur_scale -1": ({"__apex_class__": "apex.fp16_utils.loss_scaler.LossScaler", "cur_scale": -1.0},
+                                  "its cur_scale is -1.0, not a finite number > 0"),
+    "era-2 _loss_scale nan": (_era2_record(_loss_scale=NAN), f"{ERA2} in this file is not one apex pickled: "
+                              "its _loss_scale is nan, not a finite number > 0"),
+    "era-2 _loss_scale 0": (_era2_record(_loss_scale=0.0), "its _loss_scale is 0.0, not a finite number > 0"),
+    "era-2 _loss_scale -1": (_era2_record(_loss_scale=-1.0), "its _loss_scale is -1.0"),
+    "era-2 _scale_seq_len inf": (_era2_record(_scale_seq_len=INF), "its _scale_seq_len is inf"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SAVED_SCALERS))
+def test_a_saved_loss_scaler_that_cannot_train_is_refused_naming_the_field_and_changes_nothing(case):
+    # apex (and fp16kit before) trained with a NaN or 0 scale (NaN weights, or every step
+    # skipped) and failed on an era-1 window of 0 or inf with ZeroDivisionError / OverflowError
+    saved, said = BAD_SAVED_SCALERS[case]
+    model, opt, _ = build(torch.float16, "sgd_momentum", dynamic=True, dynamic_args={"init_scale": 2.0**10})
+    for i in range(2):
+        _step(model, opt, i, torch.float16)
+    sd = copy.deepcopy(opt.state_dict())
+    if "__apex_class__" in saved:
+        sd["loss_scaler"] = saved
+    else:
+        sd["loss_scaler"] = dict(sd["loss_scaler"], **saved)
+    before = _snapshot(model, opt)
+    scaler_before = opt.loss_scaler.state_dict()
+    inner_before = copy.deepcopy(opt.optimizer.state_dict())
+    with pytest.raises(ValueError, match=said):
+        opt.load_state_dict(sd)
+    same_value(_snapshot(model, opt), before, "after the refused load")
+    same_value(opt.optimizer.state_dict(), inner_before, "inner state dict after the refused load")
+    assert opt.loss_scaler.state_dict() == scaler_before
+    _step(model, opt, 2, torch.float16)  # and it trains on as it was
+    assert all(torch.isfinite(p).all() for p in model.parameters())
