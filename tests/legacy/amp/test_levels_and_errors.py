@@ -255,3 +255,49 @@ def test_dynamic_scale_without_masters_accumulates_through_the_stash(level, dtyp
         assert amp._amp_state.loss_scalers[0].loss_scale() == ref.scaler.scale
         for a, b in zip(model.parameters(), ref.model.parameters()):
             assert a.dtype == dtype and torch.equal(a, b)
+
+
+NAN, INF = float("nan"), float("inf")
+BAD_SCALER_OPTIONS = [
+    # apex made the scalers anyway: 0 wrote NaN into the weights (1/0), NaN and inf too, and a
+    # negative scale grows without bound; num_losses=0 failed at the first scale_loss (IndexError)
+    ({"loss_scale": 0}, 'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got 0.0.'),
+    ({"loss_scale": NAN}, 'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got nan.'),
+    ({"loss_scale": INF}, 'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got inf.'),
+    ({"loss_scale": -128.0}, 'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got -128.0.'),
+    ({"num_losses": 0}, "num_losses must be an int >= 1 (one loss scaler per loss, picked by "
+                        "amp.scale_loss(..., loss_id=i)), got 0."),
+    ({"num_losses": -1}, "num_losses must be an int >= 1 (one loss scaler per loss, picked by "
+                         "amp.scale_loss(..., loss_id=i)), got -1."),
+    ({"num_losses": 2.0}, "num_losses must be an int >= 1 (one loss scaler per loss, picked by "
+                          "amp.scale_loss(..., loss_id=i)), got 2.0."),
+    ({"min_loss_scale": NAN}, "min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got nan."),
+    ({"min_loss_scale": -1.0}, "min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got -1.0."),
+    ({"max_loss_scale": NAN}, "max_loss_scale must be a number > 0 (inf or None: no cap), got nan."),
+    ({"max_loss_scale": 0.0}, "max_loss_scale must be a number > 0 (inf or None: no cap), got 0.0."),
+    ({"min_loss_scale": 2.0**10, "max_loss_scale": 2.0**8},
+     "min_loss_scale (1024.0) is above max_loss_scale (256.0); pass min_loss_scale <= max_loss_scale."),
+]
+
+
+@pytest.mark.parametrize("kw, text", BAD_SCALER_OPTIONS, ids=[repr(kw) for kw, _ in BAD_SCALER_OPTIONS])
+def test_scaler_options_that_cannot_train_are_refused_at_initialize_and_change_nothing(kw, text):
+    amp.initialize(tiny_model(), opt_level="O0", verbosity=0)
+    before = (_amp_state.opt_properties, _amp_state.loss_scalers)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1)
+    with pytest.raises(ValueError) as info:
+        amp.initialize(model, opt, opt_level="O2", verbosity=0, **kw)
+    assert str(info.value) == text
+    _untouched(model, opt)
+    assert (_amp_state.opt_properties, _amp_state.loss_scalers) == before
+
+
+@pytest.mark.parametrize("kw", [{"loss_scale": 128}, {"loss_scale": "128.0"}, {"loss_scale": "dynamic"},
+                                {"num_losses": 3}, {"min_loss_scale": 0}, {"max_loss_scale": INF}], ids=repr)
+def test_scaler_options_apex_trained_with_are_accepted(kw):
+    model = tiny_model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0, **kw)
+    _train(model, opt, batches(2))
+    assert len(_amp_state.loss_scalers) == kw.get("num_losses", 1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

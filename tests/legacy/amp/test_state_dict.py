@@ -142,3 +142,51 @@ def test_load_state_dict_count_mismatch_warns_whatever_the_verbosity(caplog):
         "Skipping loss_scaler[1], since num_losses was set to 1",
     ]
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}
+
+
+NAN, INF = float("nan"), float("inf")
+BAD_ENTRIES = {
+    # apex set _loss_scale to whatever the file held: NaN or 0 reached the weights, inf skipped
+    # every step; an era-1 window of 0 was a ZeroDivisionError
+    "loss_scale nan": ({"loss_scale": NAN, "unskipped": 0}, "loss_scale must be a finite number > 0, got nan"),
+    "loss_scale 0": ({"loss_scale": 0.0, "unskipped": 0}, "loss_scale must be a finite number > 0, got 0.0"),
+    "loss_scale -1": ({"loss_scale": -1.0, "unskipped": 0}, "loss_scale must be a finite number > 0, got -1.0"),
+    "loss_scale inf": ({"loss_scale": INF, "unskipped": 0}, "loss_scale must be a finite number > 0, got inf"),
+    "loss_scale None": ({"loss_scale": None, "unskipped": 0}, "loss_scale must be a finite number > 0, got None"),
+    "unskipped -3": ({"loss_scale": 2.0, "unskipped": -3}, "unskipped .* must be a whole number >= 0, got -3"),
+    "unskipped 1.5": ({"loss_scale": 2.0, "unskipped": 1.5}, "unskipped .* must be a whole number >= 0, got 1.5"),
+    "apex era-2 _loss_scale nan": (
+        {"__apex_class__": "apex.amp.scaler.LossScaler", "dynamic": True, "_loss_scale": NAN,
+         "_max_loss_scale": 2.0**24, "_scale_seq_len": 2000, "_unskipped": 0},
+        "apex.amp.scaler.LossScaler in this file is not one apex pickled: its _loss_scale is nan"),
+    "apex era-1 scale_window 0": (
+        {"__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler", "cur_scale": 2.0**16, "cur_iter": 3,
+         "last_overflow_iter": -1, "scale_factor": 2.0, "scale_window": 0},
+        "its scale_window is 0, not a whole number >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ENTRIES))
+def test_an_entry_that_cannot_train_is_refused_naming_the_field_and_nothing_is_loaded(case):
+    entry, said = BAD_ENTRIES[case]
+    model, opt = _setup(num_losses=2)
+    _run(model, opt, batches(3), overflow_at={1})
+    before = amp.state_dict()
+    with pytest.raises(RuntimeError, match=r"Error\(s\) in loading state_dict\. 'loss_scaler1'.*" + said):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 1}, "loss_scaler1": entry})
+    assert amp.state_dict() == before  # loss_scaler0 was not applied either
+    _run(model, opt, batches(1))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("value", [0, NAN, -4.0], ids=repr)
+def test_writing_a_scale_that_cannot_train_into_a_scaler_is_refused(value):
+    _setup()
+    scaler = _amp_state.loss_scalers[0]
+    with pytest.raises(ValueError, match="_loss_scale must be a finite number > 0"):
+        scaler._loss_scale = value
+    with pytest.raises(ValueError, match="_scale_seq_len must be a whole number >= 1"):
+        scaler._scale_seq_len = 0
+    assert scaler.loss_scale() == 65536.0 and scaler._scale_seq_len == 2000
+    scaler._loss_scale = 2**20  # what scripts write
+    assert scaler.loss_scale() == 2.0**20
