@@ -57,6 +57,7 @@ from .checkpoint_records import (
     decode,
     describe,
 )
+from .loss_scaler import check_saved_scaler
 
 __all__ = ["Conversion", "ConversionError", "OutputRefused", "WriteError", "convert_checkpoint", "convert_file"]
 
@@ -184,6 +185,7 @@ class _Converter:
             if self.default_scaler is None:
                 self.default_scaler = _default_scaler_state()
             try:
+                check_saved_scaler(record)  # a NaN scale or a window of 0 is not written on
                 state = scaler_state(record, current=self.default_scaler)
             except ValueError as e:
                 raise ConversionError(f"{format_path(path)}: {e}", format_path(path),

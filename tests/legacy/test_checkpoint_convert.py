@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp16kit.legacy import FP16_Optimizer, load_checkpoint
-from fp16kit.legacy.convert import Conversion, convert_checkpoint, convert_file
+from fp16kit.legacy.convert import Conversion, ConversionError, convert_checkpoint, convert_file
 
 
 def _reloaded(obj, tmp_path):
@@ -237,6 +237,39 @@ def test_shared_containers_stay_shared_and_cycles_are_refused():
     cyc.append(cyc)
     with pytest.raises(ValueError, match="contains itself"):
         convert_checkpoint({"c": cyc})
+
+
+NAN, INF = float("nan"), float("inf")
+# (maker, attribute, a value no apex run writes there): ZeroDivisionError / OverflowError
+# tracebacks before, or written into the converted file as they were (a NaN scale)
+IMPOSSIBLE_SCALERS = [
+    ("era1_dynamic", "scale_window", 0), ("era1_dynamic", "scale_window", INF), ("era1_dynamic", "scale_window", -3),
+    ("era1_dynamic", "cur_scale", NAN), ("era1_dynamic", "cur_scale", 0), ("era1_dynamic", "scale_factor", 0.0),
+    ("era1_static", "cur_scale", -1.0), ("era1_static", "cur_scale", INF),
+    ("era2", "_loss_scale", NAN), ("era2", "_loss_scale", 0.0), ("era2", "_loss_scale", -2.0**16),
+    ("era2", "_scale_seq_len", INF), ("era2", "_scale_seq_len", 0), ("era2", "_unskipped", -1),
+]
+
+
+@pytest.mark.parametrize(("maker", "field", "value"), IMPOSSIBLE_SCALERS,
+                         ids=[f"{m}-{f}-{v!r}" for m, f, v in IMPOSSIBLE_SCALERS])
+def test_a_scaler_record_no_apex_run_writes_is_refused_naming_the_field_and_nothing_is_written(
+        tmp_path, fake_apex, save, maker, field, value):
+    scaler = getattr(fake_apex, maker)()
+    setattr(scaler, field, value)
+    path = save({"model": {"w": torch.ones(2)}, "optimizer": {"loss_scaler": scaler}}, tmp_path / "apex.pt")
+    fake_apex.remove()
+    assert load_checkpoint(path)["optimizer"]["loss_scaler"][field] is not None  # read as it is, for a look
+    with pytest.raises(ConversionError, match=rf"optimizer\.loss_scaler: .*its {field} is {value!r}, not ") as info:
+        convert_file(path, tmp_path / "out.pt")
+    assert info.value.where == "optimizer.loss_scaler"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["apex.pt"]  # no output, no temporary file
+    # and the file itself, loaded into an optimizer, is refused as plainly
+    opt = FP16_Optimizer(torch.optim.SGD(torch.nn.Linear(2, 2).half().parameters(), lr=0.1), verbose=False)
+    sd = {**opt.state_dict(), "loss_scaler": load_checkpoint(path)["optimizer"]["loss_scaler"]}
+    with pytest.raises(ValueError, match=rf"Cannot load the saved loss scaler: .*its {field} is {value!r}, not "):
+        opt.load_state_dict(sd)
+    assert opt.loss_scale == 1.0
 
 
 def test_convert_file_refuses_hostile_input_and_writes_nothing(tmp_path):
