@@ -155,3 +155,55 @@ def test_cur_scale_keeps_apexs_python_types():
         t.update_scale(o)
         spec_update(ref, o)
         assert type(t.cur_scale) is type(ref["cur_scale"]) and t.cur_scale == ref["cur_scale"]
+
+
+NAN, INF = float("nan"), float("inf")
+# (constructor, keyword, value, message): what apex's classes took and then trained into NaN (a
+# scale of 0, NaN or inf), failed later with ZeroDivisionError (scale_window 0, scale_factor 0),
+# or skipped every step once the scale overflowed (a factor <= 1 never backs off)
+BAD_ARGS = [
+    (LossScaler, "scale", 0, "scale must be a finite number > 0 (e.g. 128.0), got 0."),
+    (LossScaler, "scale", NAN, "scale must be a finite number > 0 (e.g. 128.0), got nan."),
+    (LossScaler, "scale", INF, "scale must be a finite number > 0 (e.g. 128.0), got inf."),
+    (LossScaler, "scale", -8, "scale must be a finite number > 0 (e.g. 128.0), got -8."),
+    (DynamicLossScaler, "init_scale", 0, "init_scale must be a finite number > 0 (e.g. 128.0), got 0."),
+    (DynamicLossScaler, "init_scale", NAN, "init_scale must be a finite number > 0 (e.g. 128.0), got nan."),
+    (DynamicLossScaler, "init_scale", INF, "init_scale must be a finite number > 0 (e.g. 128.0), got inf."),
+    (DynamicLossScaler, "init_scale", -1.0, "init_scale must be a finite number > 0 (e.g. 128.0), got -1.0."),
+    (DynamicLossScaler, "scale_factor", 0, "scale_factor must be a finite number > 1 (the scale is divided by "
+                                           "it at an overflow), got 0."),
+    (DynamicLossScaler, "scale_factor", 1, "scale_factor must be a finite number > 1 (the scale is divided by "
+                                           "it at an overflow), got 1."),
+    (DynamicLossScaler, "scale_factor", NAN, "scale_factor must be a finite number > 1 (the scale is divided by "
+                                             "it at an overflow), got nan."),
+    (DynamicLossScaler, "scale_window", 0, "The apex rule grows the scale every `scale_window` clean steps (a "
+                                           "modulo), so scale_window must be an int >= 1, got 0."),
+]
+
+
+@pytest.mark.parametrize(("cls", "key", "value", "text"), BAD_ARGS,
+                         ids=[f"{c.__name__}-{k}={v!r}" for c, k, v, _ in BAD_ARGS])
+def test_settings_that_cannot_train_are_refused_at_the_call(cls, key, value, text):
+    with pytest.raises(ValueError) as info:
+        cls(**{key: value})
+    assert str(info.value) == text
+
+
+def test_settings_apex_trained_with_are_accepted():
+    assert LossScaler(1).loss_scale == 1 and LossScaler(128.0).loss_scale == 128.0 and LossScaler(2**-4).loss_scale
+    s = DynamicLossScaler(init_scale=2**16, scale_factor=1.5, scale_window=1)
+    s.update_scale(False)
+    assert s.cur_scale == 2**16 * 1.5
+
+
+@pytest.mark.parametrize(("name", "value", "said"), [
+    ("cur_scale", 0, "cur_scale must be a finite number > 0"), ("cur_scale", NAN, "cur_scale must be a finite"),
+    ("scale_factor", 0.5, "scale_factor must be a finite number > 1"),
+    ("scale_window", 0, "scale_window must be an int >= 1"),
+])
+def test_writing_a_setting_that_cannot_train_is_refused_and_changes_nothing(name, value, said):
+    s = DynamicLossScaler(init_scale=16, scale_window=4)
+    before = repr(s)
+    with pytest.raises(ValueError, match=said):
+        setattr(s, name, value)
+    assert repr(s) == before

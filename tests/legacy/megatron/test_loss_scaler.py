@@ -124,6 +124,18 @@ def test_bad_settings_name_the_fix():
     assert s.cur_hysteresis == 1
 
 
+@pytest.mark.parametrize("factor", [1, 0.5, 0.0, float("nan")], ids=repr)
+def test_a_scale_factor_that_never_backs_off_is_refused(factor):
+    # Megatron divided by it at an overflow: 1 keeps an overflowing scale, 0.5 doubles it, so
+    # every later step is skipped (0: ZeroDivisionError); torch's GradScaler also wants > 1
+    with pytest.raises(ValueError, match=rf"scale_factor must be a finite number > 1 .*got {factor!r}\."):
+        DynamicLossScaler(scale_factor=factor)
+    s = DynamicLossScaler(scale_factor=4.0)
+    with pytest.raises(ValueError, match="scale_factor must be a finite number > 1"):
+        s.scale_factor = factor
+    assert s.scale_factor == 4.0
+
+
 def test_has_overflow_checks_elements():
     p = torch.nn.Parameter(torch.zeros(2))
     q = torch.nn.Parameter(torch.zeros(3))
