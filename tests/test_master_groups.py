@@ -230,3 +230,77 @@ def test_params_unfrozen_together_are_adopted_together_in_group_order():
     late = [opt.groups[0].masters[i] for i in (1, 3, 5)]
     assert len({m.untyped_storage().data_ptr() for m in late}) == 1  # one flat block
     assert opt.groups[0].watched == []
+
+
+NOT_FLOATING = [
+    (torch.int64, r"Integer and bool tensors \(buffers, indices\) have no gradients: build the optimizer on "
+                  r"model.parameters\(\)"),
+    (torch.int32, r"Integer and bool tensors \(buffers, indices\) have no gradients"),
+    (torch.bool, r"Integer and bool tensors \(buffers, indices\) have no gradients"),
+    (torch.complex64, r"Complex params cannot be loss-scaled \(torch.amp.GradScaler cannot unscale them either\)"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "advice"), NOT_FLOATING, ids=[str(d) for d, _ in NOT_FLOATING])
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_a_param_that_is_not_floating_point_is_refused_in_torchs_words_and_nothing_is_wrapped(dtype, advice, async_step):
+    # e.g. the optimizer built on model.state_dict().values(): BatchNorm's int64 num_batches_tracked
+    # was accepted (and a complex param failed at the first unscale with NotImplementedError)
+    model = _net(torch.float16)
+    odd = torch.zeros(3, dtype=dtype)
+    inner = torch.optim.SGD([*model.parameters(), odd], lr=0.1)  # torch itself takes it
+    groups_before = [[id(p) for p in g["params"]] for g in inner.param_groups]
+    with pytest.raises(TypeError, match=rf"^MixedPrecisionOptimizer can only optimize Tensors of floating point dtype, "
+                                        rf"but one of the params in param group 0 \(index 4, shape \(3,\)\) is "
+                                        rf"{dtype}\. {advice}"):
+        MixedPrecisionOptimizer(inner, async_step=async_step)
+    assert [[id(p) for p in g["params"]] for g in inner.param_groups] == groups_before  # no masters swapped in
+    inner.param_groups[0]["params"].pop()
+    opt = MixedPrecisionOptimizer(inner, async_step=async_step)  # nor was the optimizer marked wrapped
+    assert len(opt.master_params) == 4
+
+
+@pytest.mark.parametrize(("dtype", "advice"), NOT_FLOATING, ids=[str(d) for d, _ in NOT_FLOATING])
+def test_add_param_group_refuses_a_param_that_is_not_floating_point(dtype, advice):
+    model = _net(torch.float16)
+    opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    extra = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    with pytest.raises(TypeError, match=rf"can only optimize Tensors of floating point dtype, but one of the params "
+                                        rf"\(index 1, shape \(5,\)\) is {dtype}\. {advice}"):
+        opt.add_param_group({"params": [extra, torch.zeros(5, dtype=dtype)]})
+    assert len(opt.param_groups) == 1 and len(opt.master_params) == 4
+    legacy = FP16_Optimizer(torch.optim.SGD(_net(torch.float16).parameters(), lr=0.1), verbose=False)
+    with pytest.raises(TypeError, match=rf"can only optimize Tensors of floating point dtype.* is {dtype}\."):
+        legacy.add_param_group({"params": [torch.zeros(5, dtype=dtype)]})
+    assert len(legacy.param_groups) == 1
+
+
+class _Executor:
+    """What was passed as thread= by mistake: a concurrent.futures executor (or look-alike)."""
+
+    def submit(self, fn, *args, **kwargs):
+        raise AssertionError("never used")
+
+
+@pytest.mark.parametrize("thread", ["executor", "look-alike", "name"])
+def test_thread_must_be_an_optimizer_thread_and_is_checked_at_construction(thread):
+    # a ThreadPoolExecutor was taken and failed at the first step with AttributeError ('enqueue')
+    import concurrent.futures
+
+    bad = {"executor": concurrent.futures.ThreadPoolExecutor(1), "look-alike": _Executor(), "name": "worker"}[thread]
+    model = _net(torch.float16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with pytest.raises(TypeError, match=r"^thread must be an fp16kit.OptimizerThread \(or None for the process-wide "
+                                            r"fp16kit.optimizer_thread\(\)\), got .*\. .*pass thread=fp16kit."
+                                            r"OptimizerThread\(\) for a thread of this optimizer's own\.$"):
+            MixedPrecisionOptimizer(inner, async_step=True, thread=bad)
+    finally:
+        if isinstance(bad, concurrent.futures.ThreadPoolExecutor):
+            bad.shutdown()
+    assert all(p.dtype == torch.float16 for p in inner.param_groups[0]["params"])  # nothing wrapped
+    with fp16kit.OptimizerThread() as own:
+        opt = MixedPrecisionOptimizer(inner, async_step=True, thread=own)
+        _loss(model, 0).backward()
+        opt.step()
+        opt.synchronize()
