@@ -94,3 +94,18 @@ def test_a_dynamic_checkpoint_with_tensor_settings_loads_as_numbers():
     opt.load_state_dict(sd)
     assert (opt.scale_factor, opt.scale_window, opt.last_overflow_iter) == (4.0, 7, -1)
     assert type(opt.scale_factor) is float and type(opt.scale_window) is int
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("bad", [0, -8.0, float("inf"), float("nan")], ids=repr)
+def test_writing_a_scale_that_cannot_work_is_refused(bad, dynamic):
+    # scripts write opt.cur_scale by hand; 0 or NaN made every param NaN at the next step
+    p = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    opt = FP16_Optimizer(FusedAdam([p], lr=1e-3, bias_correction=False), static_loss_scale=8.0,
+                         dynamic_loss_scale=dynamic, verbose=False)
+    before = opt.cur_scale
+    with pytest.raises(ValueError, match=rf"cur_scale must be a finite number > 0 \(e\.g\. 128\.0\), got {bad!r}\."):
+        opt.cur_scale = bad
+    assert opt.cur_scale == before
+    opt.cur_scale = 1024  # what scripts write
+    assert opt.cur_scale == 1024.0

@@ -43,6 +43,7 @@ from ....core.scale import LossScale
 from ....wrapping import WrappingOptimizer
 from ..._messages import apex_logger
 from ...checkpoint_errors import apex_object_refused
+from ...loss_scaler import check_scale
 from ._checkpoint import check_state_dict, dynamic_settings, masters_from_state, optimizer_state_from
 
 __all__ = ["FP16_Optimizer"]
@@ -110,6 +111,7 @@ class FP16_Optimizer(WrappingOptimizer):
 
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
+        check_scale("cur_scale", value)  # the update divides the grads by it
         if self._scale is not None:
             self._scale.set_scale(float(value))
         else:
