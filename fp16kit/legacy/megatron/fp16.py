@@ -195,6 +195,7 @@ class FP16_Optimizer(_FP16_Optimizer):
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
+        check_number("loss_scale", value, positive=True)  # a static scaler's cur_scale is a plain attribute
         self.loss_scaler.cur_scale = value
 
     def _checks_overflow(self) -> bool:

@@ -233,6 +233,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
         if missing:
             raise ValueError(f"a DynamicLossScaler needs {missing}")
         a = {**OLD_PICKLE_DEFAULTS, **attrs}
+        check_number("cur_scale", a["cur_scale"], positive=True)  # (named as saved, not as init_scale)
         for key in ("cur_iter", "last_overflow_iter"):
             if isinstance(a[key], bool) or not isinstance(a[key], int):
                 raise ValueError(f"{key} must be an int, got {a[key]!r}")

@@ -132,3 +132,43 @@ def test_an_apex_scaler_converted_by_convert_checkpoint_continues_as_the_origina
         original.update_scale(overflow)
         converted.update_scale(overflow)
         assert converted.cur_scale == original.cur_scale
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(("dynamic", "field", "value", "said"), [
+    (True, "cur_scale", NAN, "cur_scale must be a finite number > 0, got nan"),  # was named init_scale
+    (True, "cur_scale", 0, "cur_scale must be a finite number > 0, got 0"),
+    (True, "cur_scale", -2.0, "cur_scale must be a finite number > 0, got -2.0"),
+    (True, "scale_factor", 0.5, "scale_factor must be a finite number > 1"),  # grew at every overflow
+    (True, "scale_window", 0, "scale_window must be a whole number >= 1"),
+    (False, "cur_scale", INF, "cur_scale must be a finite number > 0, got inf"),
+    (False, "cur_scale", NAN, "cur_scale must be a finite number > 0, got nan"),
+])
+def test_a_saved_scale_that_cannot_train_is_refused_naming_the_field_and_changes_nothing(dynamic, field, value, said):
+    kwargs = dict(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS) if dynamic \
+        else dict(static_loss_scale=128.0)
+    model, opt = build(**kwargs)
+    train(model, opt, 3)
+    saved = opt.state_dict()
+    saved = {**saved, "loss_scaler": {**saved["loss_scaler"], field: value}}
+    before = (opt.loss_scaler.state_dict(), [m.clone() for m in opt.fp32_from_fp16_groups[0]], opt.optimizer.state_dict())
+    with pytest.raises(ValueError, match=rf"Cannot read the saved loss scaler \({said}"):
+        opt.load_state_dict(saved)
+    assert opt.loss_scaler.state_dict() == before[0]
+    assert all(torch.equal(m, b) for m, b in zip(opt.fp32_from_fp16_groups[0], before[1]))
+    assert str(opt.optimizer.state_dict()) == str(before[2])
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("value", [0, -1.0, NAN, INF], ids=repr)
+def test_setting_a_loss_scale_that_cannot_train_is_refused(dynamic, value):
+    # Megatron's static scaler took any cur_scale: 0 divided by zero at the next update_master_grads
+    model, opt = build(static_loss_scale=8.0, dynamic_loss_scale=dynamic)
+    before = opt.loss_scale
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        opt.loss_scale = value
+    assert opt.loss_scale == before
+    opt.loss_scale = 2**10
+    assert opt.loss_scale == 1024
