@@ -57,7 +57,7 @@ from .checkpoint_records import (
     decode,
     describe,
 )
-from .loss_scaler import check_saved_scaler
+from .loss_scaler import SavedScalerRefused, check_saved_scaler
 
 __all__ = ["Conversion", "ConversionError", "OutputRefused", "WriteError", "convert_checkpoint", "convert_file"]
 
@@ -186,6 +186,11 @@ class _Converter:
                 self.default_scaler = _default_scaler_state()
             try:
                 check_saved_scaler(record)  # a NaN scale or a window of 0 is not written on
+            except SavedScalerRefused as e:
+                raise ConversionError(f"{format_path(path)}: {e}", format_path(path),
+                                      f"the {cls} there holds {e.name} = {e.value!r:.40}, not {e.what} "
+                                      "(no apex run writes that)") from None
+            try:
                 state = scaler_state(record, current=self.default_scaler)
             except ValueError as e:
                 raise ConversionError(f"{format_path(path)}: {e}", format_path(path),

@@ -32,7 +32,7 @@ from ..core.scale import LossScale
 from ..core.scale_rules import rule_named
 from .checkpoint_records import CLASS_KEY, FP16KIT_SCALER_CLASSES
 
-__all__ = ["LossScaler", "DynamicLossScaler", "to_python_float"]
+__all__ = ["LossScaler", "DynamicLossScaler", "to_python_float", "SavedScalerRefused"]
 
 
 # ---------------------------------------------------------------- reading pickled attributes
@@ -89,6 +89,17 @@ def pickled(obj: Any, state: dict[str, Any], name: str, kind: str, *, default: A
     return state[name]
 
 
+class SavedScalerRefused(ValueError):
+    """A saved apex scaler (a pickled object, or the record ``load_checkpoint`` returns) whose
+    attribute ``name`` holds ``value``, not ``what`` apex wrote there; ``path`` is the apex class.
+    A ValueError: torch's weights-only reader rewrites a ``pickle.UnpicklingError`` raised while it
+    unpickles into its own advice (``add_safe_globals``), and passes this through as it is."""
+
+    def __init__(self, path: str, name: str, value: Any, what: str) -> None:
+        super().__init__(f"{_not_apex(path)}: its {name} is {value!r:.80}, not {what}. {_LOOK}")
+        self.path, self.name, self.value, self.what = path, name, value, what
+
+
 def _check_pickled(path: str, name: str, value: Any, kind: str) -> None:
     what, ok = PICKLED_KINDS[kind]
     try:
@@ -96,7 +107,7 @@ def _check_pickled(path: str, name: str, value: Any, kind: str) -> None:
     except OverflowError:  # an int too large for a float (math.isfinite(10**400))
         passes = False
     if not passes:
-        raise ValueError(f"{_not_apex(path)}: its {name} is {value!r:.80}, not {what}. {_LOOK}")
+        raise SavedScalerRefused(path, name, value, what)
 
 
 def _not_apex(obj: Any) -> str:
@@ -123,8 +134,9 @@ def check_saved_scaler(saved: Any) -> None:
     """ValueError naming the attribute if ``saved`` -- an apex scaler as
     :func:`fp16kit.legacy.load_checkpoint` returns it (a dict with ``"__apex_class__"``), or a
     live apex object -- holds a value no apex run can write there (a scale that is NaN, 0,
-    negative or inf; a ``scale_window`` below 1 or not whole; a negative count). Attributes it
-    lacks, and every other form, are left to the reader. Changes nothing."""
+    negative or inf; a ``scale_window`` below 1 or not whole; a negative count): a
+    :class:`SavedScalerRefused`. Attributes it lacks, and every other form, are left to the
+    reader. Changes nothing."""
     if isinstance(saved, dict):
         path, attributes = saved.get(CLASS_KEY), saved
     else:

@@ -262,7 +262,9 @@ def test_a_scaler_record_no_apex_run_writes_is_refused_naming_the_field_and_noth
     assert load_checkpoint(path)["optimizer"]["loss_scaler"][field] is not None  # read as it is, for a look
     with pytest.raises(ConversionError, match=rf"optimizer\.loss_scaler: .*its {field} is {value!r}, not ") as info:
         convert_file(path, tmp_path / "out.pt")
-    assert info.value.where == "optimizer.loss_scaler"
+    # what the command line prints after "IN was not converted: {where}: "
+    assert info.value.where == "optimizer.loss_scaler" and info.value.why.startswith(
+        f"the {load_checkpoint(path)['optimizer']['loss_scaler']['__apex_class__']} there holds {field} = {value!r}, not ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["apex.pt"]  # no output, no temporary file
     # and the file itself, loaded into an optimizer, is refused as plainly
     opt = FP16_Optimizer(torch.optim.SGD(torch.nn.Linear(2, 2).half().parameters(), lr=0.1), verbose=False)
