@@ -20,7 +20,12 @@ Differences from apex (fixes, listed in MIGRATION.md): CPU and bf16 params are a
 ``scale_factor`` in ``dynamic_loss_args`` is honoured; it is a ``torch.optim.Optimizer`` (LR
 schedulers work); ``state_dict()`` is plain data; ``load_state_dict`` reads both apex forms
 and refuses mismatched groups instead of truncating them; closure retries are bounded;
-apex's printed lines go to the ``fp16kit.apex`` logger (stdout, as apex printed them).
+apex's printed lines go to the ``fp16kit.apex`` logger (stdout, as apex printed them). A scale
+setting that cannot train -- ``static_loss_scale`` 0, negative, NaN or inf, and the
+``dynamic_loss_args`` of :func:`check_amp_settings` -- is refused at construction (ValueError
+naming it and its range) before the optimizer is wrapped; so is ``loss_scale = value`` and, in
+``load_state_dict``, a saved scaler holding one (apex trained into NaN weights, or skipped every
+step, or raised ZeroDivisionError later).
 """
 
 from __future__ import annotations

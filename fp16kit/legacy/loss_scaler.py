@@ -15,7 +15,12 @@ that every scale equals what apex computed in Python floats::
 Differences from apex (fixes): ``_has_inf_or_nan`` works on an instance too (apex's lacked
 ``self``), and overflow is checked element by element (apex summed each tensor, so two finite
 ``3e38`` values counted as an overflow). ``cur_scale`` keeps apex's Python type: the int it was
-given, a float after the first change, the int 1 at the floor.
+given, a float after the first change, the int 1 at the floor. Settings that cannot train are
+refused at the call, and when written, with ValueError naming the setting and its range: a scale
+that is not a finite number > 0 (apex trained a scale of 0, NaN or inf into NaN weights), a
+``scale_factor`` <= 1 (it never backs off: every step is skipped once the scale overflows; torch's
+GradScaler wants its growth factor > 1 too), a ``scale_window`` that is not an int >= 1 (apex's
+modulo raised ZeroDivisionError at 0).
 """
 
 from __future__ import annotations
@@ -143,7 +148,7 @@ def check_saved_scaler(saved: Any) -> None:
         cls = type(saved)
         path, attributes = f"{cls.__module__}.{cls.__qualname__}", getattr(saved, "__dict__", {})
     for name, kind in _RECORD_FIELDS.get(path, {}).items():  # type: ignore[call-overload]
-        if name in attributes and not (kind == "floor" and attributes[name] is None):
+        if name in attributes:
             _check_pickled(path, name, attributes[name], kind)  # type: ignore[arg-type]
 
 

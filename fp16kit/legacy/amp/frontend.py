@@ -1,9 +1,14 @@
 """apex.amp.frontend: ``initialize``, ``state_dict``, ``load_state_dict`` and the opt levels
 (spec/amp.md §2, §3, §9).
 
-``initialize`` checks everything (levels, overrides, models, optimizers) before it changes
-anything: an error leaves the models, the optimizers and ``_amp_state`` as they were (apex had
-reset ``_amp_state.opt_properties`` first).
+``initialize`` checks everything (levels, overrides, models, optimizers, the scaler settings)
+before it changes anything: an error leaves the models, the optimizers and ``_amp_state`` as they
+were (apex had reset ``_amp_state.opt_properties`` first). Scaler settings apex took and then
+trained into NaN weights, skipped every step with, or failed on at the first ``scale_loss`` are
+ValueErrors naming the valid values: ``loss_scale`` other than ``"dynamic"`` or a finite number
+> 0, ``num_losses`` other than an int >= 1, a NaN or negative ``min_loss_scale``, a NaN or
+non-positive ``max_loss_scale``, a floor above the cap. ``load_state_dict`` refuses, loading
+nothing, an entry whose scale is not a finite number > 0 or whose count is not a whole number >= 0.
 """
 
 from __future__ import annotations
