@@ -97,7 +97,7 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
     if not_checkpoint:
         asked = f" {LOADER} refused to load {what}, which its pickle asks for; nothing was run."
         return CheckpointRefused(
-            f"{LOADER}: {_name(f)} is not a checkpoint written by torch.save: {not_checkpoint}. "
+            f"{LOADER}: {file_name(f)} is not a checkpoint written by torch.save: {not_checkpoint}. "
             "Expected a zip archive holding a data.pkl record (torch >= 1.6) or torch's legacy "
             "format, which starts with torch's magic number (older torch, or "
             "_use_new_zipfile_serialization=False). Check that this is the file you meant; one "
@@ -107,7 +107,7 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         )
     if "TorchScript archives" in str(e):
         return CheckpointRefused(
-            f"{LOADER}: {_name(f)} is a TorchScript archive (torch.jit.save wrote it), not a checkpoint of "
+            f"{LOADER}: {file_name(f)} is a TorchScript archive (torch.jit.save wrote it), not a checkpoint of "
             "state dicts: load it with torch.jit.load. It holds no apex objects to read.", "torchscript",
         )
     if found and isinstance(e, pickle.UnpicklingError):
@@ -125,7 +125,7 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         protocol = _look(f, start, _protocol)
         if protocol and int(protocol) > 2:
             return CheckpointRefused(
-                f"{LOADER}: {_name(f)} was saved with torch.save(..., pickle_protocol={protocol}), whose "
+                f"{LOADER}: {file_name(f)} was saved with torch.save(..., pickle_protocol={protocol}), whose "
                 "opcodes torch's weights-only reader does not read (it reads protocol 2, torch.save's "
                 "default). Re-save it with the default protocol where it loads, if you trust it."
                 f"\n{torch_said}",
@@ -134,7 +134,7 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
     damage = _damage(e, f, start)
     if damage:
         return CheckpointRefused(
-            f"{LOADER}: {_name(f)} is truncated or corrupt: {damage}. It starts like a checkpoint "
+            f"{LOADER}: {file_name(f)} is truncated or corrupt: {damage}. It starts like a checkpoint "
             "written by torch.save, but is cut short or damaged (an interrupted save or copy, a "
             "full disk?). Save or copy it again, and compare its size with the original's."
             f"\n{torch_said}",
@@ -169,7 +169,8 @@ def position(f: Any) -> int | None:
         return None
 
 
-def _name(f: Any) -> str:
+def file_name(f: Any) -> str:
+    """How a refusal names the file ``f`` (a path's repr, a file object's name)."""
     if isinstance(f, (str, os.PathLike)):
         return repr(os.fspath(f))
     name = getattr(f, "name", None)
@@ -309,7 +310,7 @@ def damaged(f: Any, start: int | None, *, records: str = "pickle") -> Checkpoint
     if not found:
         return None
     return CheckpointRefused(
-        f"{LOADER}: {_name(f)} is truncated or corrupt: {found}. It starts like a checkpoint written "
+        f"{LOADER}: {file_name(f)} is truncated or corrupt: {found}. It starts like a checkpoint written "
         "by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source.",
         "damaged", found,
     )
