@@ -151,7 +151,23 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         return CheckpointRefused(
             f"{LOADER} could not read this file: {type(e).__name__}: {e}", "structure", f"{type(e).__name__}: {e}"
         )
+    if isinstance(e, _MALFORMED) or isinstance(e, RuntimeError) and not _ENVIRONMENT.search(str(e)):
+        # what torch's reader raises on bytes it does not expect (a storage reference of the wrong
+        # shape, a key it never stored, ...): the file, not the machine
+        said = f"torch's reader failed on it with {type(e).__name__}: {torch_words(e)}"
+        return CheckpointRefused(
+            f"{LOADER}: {file_name(f)} is truncated or corrupt: {said}. It starts like a checkpoint written by "
+            "torch.save, but is cut short or damaged (an interrupted save or copy, a full disk?), or crafted. "
+            "Save or copy it again, and compare its size with the original's.",
+            "damaged", said,
+        )
     return None
+
+
+_MALFORMED = (KeyError, IndexError, struct.error, AssertionError, EOFError, UnicodeError, OverflowError,
+              zipfile.BadZipFile, zlib.error, NotImplementedError, pickle.UnpicklingError)
+# torch's errors about this machine, not the file: they pass through as they are
+_ENVIRONMENT = re.compile(r"CUDA|cuda|device|out of memory|can't allocate memory|DefaultCPUAllocator")
 
 
 def structure_refused(why: str, fix: str) -> CheckpointRefused:

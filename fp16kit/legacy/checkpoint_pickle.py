@@ -55,8 +55,9 @@ def refused(f: Any, why: str, kind: str = "structure") -> CheckpointRefused:
     if kind == "damaged":
         return CheckpointRefused(
             f"fp16kit.legacy.load_checkpoint: {file_name(f)} is truncated or corrupt: {why}. It starts like a "
-            "checkpoint written by torch.save, but is damaged or crafted; nothing was loaded from it. Copy "
-            "it again from a good source.", "damaged", why)
+            "checkpoint written by torch.save, but is cut short or damaged (an interrupted save or copy, a full "
+            "disk?), or crafted; nothing was loaded from it. Save or copy it again, and compare its size with the "
+            "original's.", "damaged", why)
     return CheckpointRefused(
         f"fp16kit.legacy.load_checkpoint refused {file_name(f)}: {why}; nothing was loaded from it. torch.save "
         "never writes this: if you trust the file, load it with torch.load(..., weights_only=False) and "
@@ -153,10 +154,10 @@ class Scanner:
 
     def _read(self, n: int) -> bytes:
         if n > self.size - (self.stream.tell() - self.base):
-            raise self._damaged("claims more bytes than the file holds")
+            raise self._damaged(f"claims {n:,} bytes past the end of the file (it is cut short)")
         data = self.stream.read(n)
         if len(data) != n:
-            raise self._damaged("ends early")
+            raise _Stop  # cut short: torch says so
         return data
 
     def _line(self) -> str:
@@ -169,9 +170,11 @@ class Scanner:
             raise self._damaged("holds a global whose name is not UTF-8") from None
 
     # ----------------------------------------------------------------- the loop
-    def run(self) -> bool:
-        """Scan one pickle up to its STOP; False where torch refuses it by itself (stop)."""
-        return self._pickle() is not None
+    def run(self, expect: int | None = None) -> bool:
+        """Scan one pickle up to its STOP; False where torch refuses it by itself (stop), or
+        where it is not the int ``expect`` (torch refuses such a file after reading it)."""
+        out = self._pickle()
+        return out is not None and (expect is None or out.kind == "int" and out.value == expect)
 
     def run_keys(self) -> list[str] | None:
         """Scan the legacy format's list of stored storage keys; its keys (None: stop)."""
@@ -190,7 +193,7 @@ class Scanner:
             while True:
                 op = self.stream.read(1)
                 if not op:
-                    raise self._damaged("ends early")
+                    raise _Stop  # torch: "Ran out of input", refused as cut short
                 handler = _OPCODES.get(op[0])
                 if handler is None:
                     return None  # not an opcode torch's reader reads: it refuses there

@@ -47,6 +47,7 @@ import os
 import stat
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,9 +149,11 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
                                "a few", "damaged")
         try:
             data = archive.read(pickles[0])  # bounded: at most MAX_INFLATION times its stored size
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
-            raise refused(f, f"record {pickles[0].filename!r} of its zip archive does not read "
-                           f"({type(e).__name__}: {e})", "damaged") from None
+        except zipfile.BadZipFile as e:
+            raise refused(f, f"record data.pkl of its zip archive fails its check ({e})", "damaged") from None
+        except (OSError, ValueError, EOFError, NotImplementedError, zlib.error) as e:
+            raise refused(f, f"record data.pkl of its zip archive does not read ({type(e).__name__}: {e})",
+                          "damaged") from None
     stream = io.BytesIO(data)
     scanner = Scanner(f, stream, len(data), budget, legacy=False)
     if not scanner.run():
@@ -213,8 +216,9 @@ def _scan_legacy(f: Any, opened: Any, end: int, budget: Budget) -> None:
     """torch's legacy format: five pickles, then each storage's int64 element count and data."""
     start = opened.tell()
     scanner = Scanner(f, opened, end - start, budget, legacy=True)
-    for _ in range(4):  # magic number, protocol version, system info, the object
-        if not scanner.run():
+    # magic number, protocol version, system info, the object
+    for expect in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION, None, None):
+        if not scanner.run(expect):
             return
     storages = scanner.storages
     needed = sum(storages.values())
