@@ -74,6 +74,7 @@ def open_regular(f: Any) -> tuple[Any, bool]:
     O_NONBLOCK and checked with fstat before anything is read (a FIFO would wait for a writer
     forever); a file object with a descriptor is checked the same way."""
     if isinstance(f, (str, os.PathLike)):
+        check_regular(f)  # a socket cannot even be opened (ENXIO): say what it is first
         fd = os.open(os.fspath(f), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         try:
             _check_regular(f, os.fstat(fd).st_mode)
