@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -155,8 +156,13 @@ def read_checkpoint(
         finished.append((path, record, value))
         return value
 
-    out = _plain(obj, finish)
-    _check_all_finished(made, finished)
+    try:
+        out = _plain(obj, finish)
+        _check_all_finished(made, finished)
+    except CheckpointRefused:
+        raise
+    except (pickle.UnpicklingError, ValueError, TypeError, RuntimeError) as e:  # a record's data is not what its class pickles
+        raise structure_refused(f"{type(e).__name__}: {e}", "Re-save the checkpoint where it loads, if you trust it.") from None
     return out, finished
 
 

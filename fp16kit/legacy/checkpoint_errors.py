@@ -344,7 +344,7 @@ def _pickle_crc(opened: Any) -> str:
                 archive.read(name)  # checks the CRC
     except zipfile.BadZipFile as e:
         return f"record data.pkl of its zip archive fails its check ({e})"
-    except (EOFError, OSError, ValueError, zlib.error) as e:
+    except (EOFError, OSError, ValueError, zlib.error, NotImplementedError, RuntimeError) as e:
         return f"its zip archive ends early or is damaged ({type(e).__name__}: {e})"
     return ""
 
@@ -359,7 +359,7 @@ def _zip_damage(opened: Any) -> str:
             bad = archive.testzip()  # reads every record and checks its CRC
     except zipfile.BadZipFile as e:
         return f"its zip archive does not open ({e}; the index at the end of the file is missing or damaged)"
-    except (EOFError, OSError, ValueError, zlib.error) as e:
+    except (EOFError, OSError, ValueError, zlib.error, NotImplementedError, RuntimeError) as e:
         return f"its zip archive ends early or is damaged ({type(e).__name__}: {e})"
     if bad is not None:
         return f"record {bad!r} of its zip archive fails its CRC check"

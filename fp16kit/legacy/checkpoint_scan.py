@@ -179,7 +179,7 @@ def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile, infos: list[
             raise refused(f, f"its zip archive holds the record {info.filename!r} twice (torch reads one copy, a "
                            "zip tool the other)", "damaged")
         names.add(info.filename)
-        if info.flag_bits & 0x1:
+        if info.flag_bits & 0x41:  # traditional or strong encryption
             raise refused(f, f"its zip record {info.filename!r} is encrypted", "damaged")
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
             raise refused(f, f"its zip record {info.filename!r} is compressed with method {info.compress_type} "

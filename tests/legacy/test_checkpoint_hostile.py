@@ -500,3 +500,72 @@ def test_a_zip_storage_without_its_record_is_refused(no_torch_load):
     data = _rezip(buf.getvalue(), lambda r: r.replace(b"X\x01\x00\x00\x000", b"X\x01\x00\x00\x007"))
     with pytest.raises(CheckpointRefused, match="names storage '7', but the archive holds no record 'archive/data/7'"):
         load_checkpoint(io.BytesIO(data))
+
+
+# ---------------------------------------------------------------------------------- fuzzing
+
+
+def _seeds(fake_apex, fake_numpy) -> dict[str, bytes]:
+    """Valid checkpoints as apex-era code wrote them (era-1 and era-2 scalers, Megatron's args
+    Namespace, numpy RNG state, a tensor with an attribute, shared tensors), in both formats."""
+    import argparse
+
+    w = torch.arange(6, dtype=torch.float16).reshape(2, 3)
+    master = torch.ones(3)
+    master.model_parallel = True
+    checkpoint = {
+        "model": {"w": w, "w_view": w[1]},
+        "optimizer": {"loss_scaler": fake_apex.era1_dynamic(cur_scale=2.0**16), "overflow": False,
+                      "fp32_from_fp16": [[master]], "state": {0: {"step": 3}}},
+        "amp": {"loss_scaler0": fake_apex.era2(2.0**10)},
+        "args": argparse.Namespace(lr=1e-3, params_dtype=torch.float16),
+        "np_rng_state": fake_numpy.rng_state(list(range(8)), pos=8),
+        "iteration": 7, "blob": b"\x00\x01" * 8, "set": {1, 2}, "size": torch.Size([2, 3]),
+    }
+    out = {}
+    for legacy in (False, True):
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf, _use_new_zipfile_serialization=not legacy)
+        out["legacy" if legacy else "zip"] = buf.getvalue()
+    return out
+
+
+def _mutants(seeds: dict[str, bytes], rng: random.Random, n: int):
+    for i in range(n):
+        name = rng.choice(sorted(seeds))
+        data = bytearray(seeds[name])
+        how = rng.choice(["truncate", "flip", "flip pickle", "flip many"])
+        if how == "truncate":
+            data = data[:rng.randrange(len(data))]
+        elif how == "flip pickle" and name == "zip":
+            def edit(record, rng=rng):
+                record = bytearray(record)
+                record[rng.randrange(len(record))] ^= 1 << rng.randrange(8)
+                return bytes(record)
+            data = bytearray(_rezip(bytes(data), edit))  # a valid CRC: the pickle parser sees the damage
+        else:
+            span = len(data) if how == "flip many" or name == "zip" else min(len(data), 1200)  # legacy: its pickles
+            for _ in range(1 if how != "flip many" else rng.randint(2, 8)):
+                data[rng.randrange(span)] ^= 1 << rng.randrange(8)
+        yield f"{i}: {name} {how}", bytes(data)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_mutated_checkpoints_load_or_raise_checkpoint_refused_only(fake_apex, fake_numpy_2):
+    """400 truncations and bit flips of real apex-era checkpoints (fixed seed): each either loads
+    or raises exactly CheckpointRefused -- never KeyError, IndexError, struct.error,
+    AssertionError, RuntimeError or anything else."""
+    seeds = _seeds(fake_apex, fake_numpy_2)
+    fake_apex.remove()
+    for data in seeds.values():
+        assert load_checkpoint(io.BytesIO(data))["iteration"] == 7  # control: the seeds load
+    outcomes = {"loaded": 0, "refused": 0}
+    for label, data in _mutants(seeds, random.Random(int(os.environ.get("FUZZ_SEED", 17))), int(os.environ.get("FUZZ_N", 400))):
+        try:
+            load_checkpoint(io.BytesIO(data))
+            outcomes["loaded"] += 1
+        except CheckpointRefused:
+            outcomes["refused"] += 1
+        except Exception as e:  # noqa: BLE001 -- what the test is about
+            pytest.fail(f"mutant {label}: {type(e).__module__}.{type(e).__name__}: {e}")
+    assert outcomes["refused"] > 200, outcomes
