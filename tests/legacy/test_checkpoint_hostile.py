@@ -569,3 +569,59 @@ def test_mutated_checkpoints_load_or_raise_checkpoint_refused_only(fake_apex, fa
         except Exception as e:  # noqa: BLE001 -- what the test is about
             pytest.fail(f"mutant {label}: {type(e).__module__}.{type(e).__name__}: {e}")
     assert outcomes["refused"] > 200, outcomes
+
+
+def _legacy_cut_after(opcode: str) -> bytes:
+    """A legacy checkpoint cut just after the main pickle's first ``opcode`` (its argument gone)."""
+    import pickletools
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4), "n": 123456}, buf, _use_new_zipfile_serialization=False)
+    data = buf.getvalue()
+    stream = io.BytesIO(data)
+    for index in range(4):
+        for op, _arg, pos in pickletools.genops(stream):
+            if index == 3 and op.name == opcode:
+                return data[:pos + 1]
+    raise AssertionError(opcode)
+
+
+def _legacy_tar() -> bytes:
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("sys_info", "pickle", "tensors", "storages"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"\x80\x02."))
+    return out.getvalue()
+
+
+def _legacy_other_key() -> bytes:
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=False)
+    data = buf.getvalue()
+    keys = data.rindex(b"\x80\x02]")
+    at = data.index(b"X", keys) + 5  # the first stored key's text
+    return data[:at] + b"x" + data[at + 1:]
+
+
+LEAKS = {  # what torch raised, leaking through load_checkpoint: the file, its refusal
+    "IndexError (cut inside BININT1)": (lambda: _legacy_cut_after("BININT1"), "truncated or corrupt"),
+    "struct.error (cut inside BININT)": (lambda: _legacy_cut_after("BININT"), "truncated or corrupt"),
+    "AssertionError (a storage id not a tuple)": (lambda: _zip_with(b"\x80\x02K\x00Q."), "refers to a storage in a form"),
+    "AssertionError (a stored key no storage has)": (_legacy_other_key, "whose data the file does not hold"),
+    "KeyError (a memo entry never stored)": (lambda: _zip_with(b"\x80\x02h\x05."), "refers to a value it never stored"),
+    "IndexError (SETITEMS without a value)": (lambda: _zip_with(b"\x80\x02}(K\x01u."), "sets a dict item without a value"),
+    "RuntimeError with torch's weights_only=False advice (legacy tar)": (_legacy_tar, "legacy tar format"),
+}
+
+
+@pytest.mark.parametrize("case", list(LEAKS))
+def test_what_torch_raises_on_a_malformed_file_is_one_checkpoint_refused(case):
+    make, said = LEAKS[case]
+    with pytest.raises(CheckpointRefused, match=said) as info:
+        load_checkpoint(io.BytesIO(make()))
+    assert type(info.value) is CheckpointRefused and "weights_only=False` " not in str(info.value)
+    assert "the BytesIO it was given" in str(info.value)
