@@ -536,8 +536,7 @@ HOSTILE = {  # IN -> what the one line says after "{IN} "
                           "was not converted: it holds apex.amp.scaler.LossScaler itself (the class or function"),
     "a legacy storage never filled": (_unfilled_legacy, "is truncated or corrupt: its pickle claims storages of "
                                       "67,108,864 bytes, more than the rest of the file"),
-    "a 200k-deep tuple": (lambda p: _with_pickle(p, b"\x80\x02}N" + b"\x85" * 200_000 + b"K\x01s."),
-                          "was not converted: its containers nest deeper than"),
+    # a 200k-deep tuple: tests/legacy/test_checkpoint_hostile.py, in a child process (it crashed the reader)
 }
 
 
