@@ -95,6 +95,13 @@ def _refused(e: Any, src: str) -> str:
     if e.kind == "protocol":
         return (f"{src} was saved with pickle protocol {what}, which torch's safe reader does not read. Re-save it "
                 "with torch.save's default protocol where it loads, and convert that file.")
+    if e.kind == "not_file":
+        if what == "a directory":
+            return f"{src} is a directory; give the checkpoint file in it."
+        return f"{src} is {what}, not a regular file (reading it could wait forever): give the checkpoint file."
+    if e.kind == "legacy_tar":
+        return (f"{src} is in torch's legacy tar format (torch < 0.4), which torch's safe reader does not read. If "
+                "you trust it, load it with torch.load(..., weights_only=False), save its state dicts, and convert that.")
     if e.kind == "torchscript":
         return f"{src} is a TorchScript archive (torch.jit.save), not a checkpoint: load it with torch.jit.load."
     return f"{src} was not converted: {what}."
@@ -104,6 +111,7 @@ _OUTPUT = {
     "exists": "{out} exists; choose another name, or pass --force to replace it.",
     "is_input": "{out} is IN; write the converted checkpoint elsewhere, or pass --force to replace IN once converted.",
     "is_directory": "{out} is a directory; name the file to write in it, e.g. {example}.",
+    "not_regular": "{out} is not a regular file (a FIFO, a device or a socket); name a file to write, --force or not.",
 }
 
 # torch warns before it fails on these; the error then says what to do

@@ -43,6 +43,8 @@ checkpoint back as a file ``torch.load(weights_only=True)`` reads.
 from __future__ import annotations
 
 import math
+import os
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -51,7 +53,8 @@ from typing import Any
 import torch
 
 from ..migrate.safe_globals import replacing
-from .checkpoint_errors import damaged, position, refusal, structure_refused
+from .checkpoint_errors import CheckpointRefused, damaged, position, refusal, structure_refused
+from .checkpoint_scan import check_regular, open_regular, scan
 from .checkpoint_records import (
     APEX_SCALER_CLASSES,
     CLASS_KEY,
@@ -116,16 +119,27 @@ def read_checkpoint(
     if plain_numpy is None:
         plain_numpy = not numpy_available()
     start = position(f)
+    safetensors = isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(".safetensors")
+    opened, ours = (f, False) if safetensors else open_regular(f)
     try:
         # torch's allow-list is process-wide: one load at a time adds and removes the stand-ins, in
         # place of any other entry of their paths (the apex alias's live scaler classes, a user's own)
         with _ONE_AT_A_TIME, reading() as made, replacing(SAFE_GLOBALS):
-            obj = torch.load(f, map_location=map_location, weights_only=True)
+            if safetensors:  # torch hands these to safetensors, which bounds what it reads
+                check_regular(f)
+            else:
+                scan(f, opened)  # before torch reads anything: what the file may cost (checkpoint_scan)
+            obj = torch.load(opened, map_location=map_location, weights_only=True)
+    except CheckpointRefused:
+        raise
     except Exception as e:
         refused = refusal(e, f, start)
         if refused is None:
             raise
         raise refused from None
+    finally:
+        if ours:
+            opened.close()
     corrupt = damaged(f, start, records="pickle")
     if corrupt is not None:
         raise corrupt
@@ -142,8 +156,13 @@ def read_checkpoint(
         finished.append((path, record, value))
         return value
 
-    out = _plain(obj, finish)
-    _check_all_finished(made, finished)
+    try:
+        out = _plain(obj, finish)
+        _check_all_finished(made, finished)
+    except CheckpointRefused:
+        raise
+    except (pickle.UnpicklingError, ValueError, TypeError, RuntimeError) as e:  # a record's data is not what its class pickles
+        raise structure_refused(f"{type(e).__name__}: {e}", "Re-save the checkpoint where it loads, if you trust it.") from None
     return out, finished
 
 

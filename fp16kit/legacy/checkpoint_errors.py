@@ -97,7 +97,7 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
     if not_checkpoint:
         asked = f" {LOADER} refused to load {what}, which its pickle asks for; nothing was run."
         return CheckpointRefused(
-            f"{LOADER}: {_name(f)} is not a checkpoint written by torch.save: {not_checkpoint}. "
+            f"{LOADER}: {file_name(f)} is not a checkpoint written by torch.save: {not_checkpoint}. "
             "Expected a zip archive holding a data.pkl record (torch >= 1.6) or torch's legacy "
             "format, which starts with torch's magic number (older torch, or "
             "_use_new_zipfile_serialization=False). Check that this is the file you meant; one "
@@ -107,7 +107,7 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         )
     if "TorchScript archives" in str(e):
         return CheckpointRefused(
-            f"{LOADER}: {_name(f)} is a TorchScript archive (torch.jit.save wrote it), not a checkpoint of "
+            f"{LOADER}: {file_name(f)} is a TorchScript archive (torch.jit.save wrote it), not a checkpoint of "
             "state dicts: load it with torch.jit.load. It holds no apex objects to read.", "torchscript",
         )
     if found and isinstance(e, pickle.UnpicklingError):
@@ -125,7 +125,7 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         protocol = _look(f, start, _protocol)
         if protocol and int(protocol) > 2:
             return CheckpointRefused(
-                f"{LOADER}: {_name(f)} was saved with torch.save(..., pickle_protocol={protocol}), whose "
+                f"{LOADER}: {file_name(f)} was saved with torch.save(..., pickle_protocol={protocol}), whose "
                 "opcodes torch's weights-only reader does not read (it reads protocol 2, torch.save's "
                 "default). Re-save it with the default protocol where it loads, if you trust it."
                 f"\n{torch_said}",
@@ -134,7 +134,7 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
     damage = _damage(e, f, start)
     if damage:
         return CheckpointRefused(
-            f"{LOADER}: {_name(f)} is truncated or corrupt: {damage}. It starts like a checkpoint "
+            f"{LOADER}: {file_name(f)} is truncated or corrupt: {damage}. It starts like a checkpoint "
             "written by torch.save, but is cut short or damaged (an interrupted save or copy, a "
             "full disk?). Save or copy it again, and compare its size with the original's."
             f"\n{torch_said}",
@@ -151,7 +151,23 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         return CheckpointRefused(
             f"{LOADER} could not read this file: {type(e).__name__}: {e}", "structure", f"{type(e).__name__}: {e}"
         )
+    if isinstance(e, _MALFORMED) or isinstance(e, RuntimeError) and not _ENVIRONMENT.search(str(e)):
+        # what torch's reader raises on bytes it does not expect (a storage reference of the wrong
+        # shape, a key it never stored, ...): the file, not the machine
+        said = f"torch's reader failed on it with {type(e).__name__}: {torch_words(e)}"
+        return CheckpointRefused(
+            f"{LOADER}: {file_name(f)} is truncated or corrupt: {said}. It starts like a checkpoint written by "
+            "torch.save, but is cut short or damaged (an interrupted save or copy, a full disk?), or crafted. "
+            "Save or copy it again, and compare its size with the original's.",
+            "damaged", said,
+        )
     return None
+
+
+_MALFORMED = (KeyError, IndexError, struct.error, AssertionError, EOFError, UnicodeError, OverflowError,
+              zipfile.BadZipFile, zlib.error, NotImplementedError, pickle.UnpicklingError)
+# torch's errors about this machine, not the file: they pass through as they are
+_ENVIRONMENT = re.compile(r"CUDA|cuda|device|out of memory|can't allocate memory|DefaultCPUAllocator")
 
 
 def structure_refused(why: str, fix: str) -> CheckpointRefused:
@@ -169,7 +185,8 @@ def position(f: Any) -> int | None:
         return None
 
 
-def _name(f: Any) -> str:
+def file_name(f: Any) -> str:
+    """How a refusal names the file ``f`` (a path's repr, a file object's name)."""
     if isinstance(f, (str, os.PathLike)):
         return repr(os.fspath(f))
     name = getattr(f, "name", None)
@@ -309,7 +326,7 @@ def damaged(f: Any, start: int | None, *, records: str = "pickle") -> Checkpoint
     if not found:
         return None
     return CheckpointRefused(
-        f"{LOADER}: {_name(f)} is truncated or corrupt: {found}. It starts like a checkpoint written "
+        f"{LOADER}: {file_name(f)} is truncated or corrupt: {found}. It starts like a checkpoint written "
         "by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source.",
         "damaged", found,
     )
@@ -327,7 +344,7 @@ def _pickle_crc(opened: Any) -> str:
                 archive.read(name)  # checks the CRC
     except zipfile.BadZipFile as e:
         return f"record data.pkl of its zip archive fails its check ({e})"
-    except (EOFError, OSError, ValueError, zlib.error) as e:
+    except (EOFError, OSError, ValueError, zlib.error, NotImplementedError, RuntimeError) as e:
         return f"its zip archive ends early or is damaged ({type(e).__name__}: {e})"
     return ""
 
@@ -342,7 +359,7 @@ def _zip_damage(opened: Any) -> str:
             bad = archive.testzip()  # reads every record and checks its CRC
     except zipfile.BadZipFile as e:
         return f"its zip archive does not open ({e}; the index at the end of the file is missing or damaged)"
-    except (EOFError, OSError, ValueError, zlib.error) as e:
+    except (EOFError, OSError, ValueError, zlib.error, NotImplementedError, RuntimeError) as e:
         return f"its zip archive ends early or is damaged ({type(e).__name__}: {e})"
     if bad is not None:
         return f"record {bad!r} of its zip archive fails its CRC check"

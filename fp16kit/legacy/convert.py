@@ -49,6 +49,7 @@ import torch
 
 from .checkpoint import read_checkpoint, scaler_state
 from .checkpoint_errors import damaged
+from .checkpoint_scan import check_file
 from .checkpoint_records import (
     APEX_SCALER_CLASSES,
     CLASS_KEY,
@@ -76,7 +77,7 @@ class ConversionError(ValueError):
 
 class OutputRefused(FileExistsError):
     """:func:`convert_file` will not write ``dst`` (nothing written); ``reason`` is "exists",
-    "is_input" (both allowed by ``overwrite=True``) or "is_directory"."""
+    "is_input" (both allowed by ``overwrite=True``), "is_directory" or "not_regular" (a FIFO, a device)."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -346,7 +347,8 @@ def convert_file(
     temporary file beside it and renamed, so a failure leaves no partial file.
 
     Refuses (:class:`OutputRefused`, a ``FileExistsError``) an existing ``dst`` and ``dst`` being
-    ``src`` unless ``overwrite``, and ``dst`` being a directory; ``NotADirectoryError`` when
+    ``src`` unless ``overwrite``, and ``dst`` being a directory or another file that is not a regular
+    one (a FIFO, a device: never replaced); ``NotADirectoryError`` when
     ``dst``'s folder is missing; errors reading ``src`` are load_checkpoint's
     (:class:`~fp16kit.legacy.checkpoint_errors.CheckpointRefused` for a file it refuses) and leave
     ``dst`` untouched, as does a :class:`ConversionError`; a failure to write ``dst`` (a full disk)
@@ -356,6 +358,9 @@ def convert_file(
     if dst.is_dir():  # overwrite or not: the rename onto a folder would fail once converted
         raise OutputRefused(f"{dst} is a directory; name the file to write in it, e.g. {dst / src.name}",
                             "is_directory")
+    if dst.exists() and not dst.is_file():  # a FIFO, a device, a socket: --force or not, never replaced
+        raise OutputRefused(f"{dst} is not a regular file (a FIFO, a device or a socket); name a file to write",
+                            "not_regular")
     if not overwrite and _same_file(src, dst):
         raise OutputRefused(f"{dst} is the input file; write the converted checkpoint elsewhere "
                             "(or pass overwrite=True to replace it once converted)", "is_input")
@@ -363,6 +368,7 @@ def convert_file(
         raise OutputRefused(f"{dst} exists; choose another name or pass overwrite=True", "exists")
     if not dst.parent.is_dir():
         raise NotADirectoryError(f"{dst.parent} is not a directory: create it first, or write {dst.name} elsewhere")
+    check_file(src)  # a regular file, whose zip directory and pickle cost only what they claim: first
     corrupt = damaged(src, None, records="all")  # torch reads tensor records unchecked
     if corrupt is not None:
         raise corrupt

@@ -476,3 +476,121 @@ def test_no_message_names_python_arguments_torch_advice_or_escape_codes(tmp_path
         assert err.startswith(_PREFIX) and err.count("\n") == 1 and len(err) < 400, err
         for leak in ("\x1b[", "safe_globals", "weights_only", "=True", "torch said", "Traceback", "overwrite"):
             assert leak not in err, (leak, err)
+
+
+# ---------------------------------------- files that would cost more than they hold (issue 17 §2)
+
+
+def _with_pickle(path, pkl: bytes) -> None:
+    """A zip checkpoint whose data.pkl is ``pkl``."""
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(path, "w") as z:
+        for info in src.infolist():
+            z.writestr(info.filename, pkl if info.filename.endswith("data.pkl") else src.read(info.filename))
+
+
+def _shared_records(path) -> None:
+    """A checkpoint whose zip directory points 300 more entries at one stored 64 KB record."""
+    import struct
+    import zipfile
+    import zlib
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    data = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        infos, start = z.infolist(), z.start_dir
+    body, blob, name = bytearray(data[:start]), bytes(2**16), b"archive/data/big"
+    offset = len(body)
+    body += struct.pack(zipfile.structFileHeader, zipfile.stringFileHeader, 20, 0, 0, 0, 0, 0, zlib.crc32(blob),
+                        len(blob), len(blob), len(name), 0) + name + blob
+    rows = [(i.filename.encode(), i.CRC, i.compress_size, i.header_offset) for i in infos]
+    rows += [(b"archive/data/big%d" % k, zlib.crc32(blob), len(blob), offset) for k in range(300)]
+    directory = b"".join(struct.pack(zipfile.structCentralDir, zipfile.stringCentralDir, 20, 3, 20, 0, 0, 0, 0, 0,
+                                     crc, size, size, len(n), 0, 0, 0, 0, 0, at) + n for n, crc, size, at in rows)
+    path.write_bytes(bytes(body) + directory + struct.pack(zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0,
+                                                           len(rows), len(rows), len(directory), len(body), 0))
+
+
+def _unfilled_legacy(path) -> None:
+    """The issue's 829 bytes: a legacy FloatStorage of 2**24 items the file never fills."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=False)
+    data = buf.getvalue()
+    i = data.find(b"K\x04", data.find(b"cpu"))  # the storage's numel
+    data = data[:i] + b"J\x00\x00\x00\x01" + data[i + 2:]
+    path.write_bytes(data[:data.rindex(b"\x80\x02]")] + b"\x80\x02].")
+
+
+HOSTILE = {  # IN -> what the one line says after "{IN} "
+    "300 zip entries sharing one record": (_shared_records, "is truncated or corrupt: its zip records "
+                                           "'archive/data/big0' and 'archive/data/big1' overlap"),
+    "bytearray(2**26)": (lambda p: _with_pickle(p, b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x04\x85R."),
+                         "was not converted: its pickle builds 67,108,864 bytes by builtins.bytearray"),
+    "torch.FloatTensor(2**24)": (lambda p: _with_pickle(p, b"\x80\x02ctorch\nFloatTensor\nJ\x00\x00\x00\x01\x85R."),
+                                 "was not converted: it calls torch.FloatTensor(...) with arguments"),
+    "a bare apex class": (lambda p: _with_pickle(p, b"\x80\x02}X\x01\x00\x00\x00scapex.amp.scaler\nLossScaler\ns."),
+                          "was not converted: it holds apex.amp.scaler.LossScaler itself (the class or function"),
+    "a legacy storage never filled": (_unfilled_legacy, "is truncated or corrupt: its pickle claims storages of "
+                                      "67,108,864 bytes, more than the rest of the file"),
+    # a 200k-deep tuple: tests/legacy/test_checkpoint_hostile.py, in a child process (it crashed the reader)
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_file_that_would_cost_more_than_it_holds_is_one_line_and_nothing_written(tmp_path, capsys, case):
+    write, said = HOSTILE[case]
+    src, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    write(src)
+    code, printed, err = _run(capsys, src, out)
+    assert (code, printed) == (1, "") and err.count("\n") == 1, err
+    assert err.startswith(f"{_PREFIX}{src} {said}"), err
+    assert "Traceback" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def _unblocking(path):
+    """Writes to the FIFO ``path`` whenever someone opens it for reading (so that a reader does
+    not wait forever); returns a function that stops it and says how often that happened."""
+    import threading
+
+    done, opened = threading.Event(), []
+
+    def run():
+        while not done.wait(0.01):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                continue
+            opened.append(1)
+            os.write(fd, b"x")
+            os.close(fd)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def stop():
+        done.set()
+        thread.join()
+        return len(opened)
+
+    return stop
+
+
+def test_a_fifo_or_a_device_as_in_or_out_is_refused_at_once(tmp_path, capsys, apex_era_file):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    stop = _unblocking(fifo)
+    try:
+        got_in = _run(capsys, fifo, tmp_path / "o.pt")
+    finally:
+        opened = stop()
+    assert got_in == (1, "", f"{_PREFIX}{fifo} is a FIFO (named pipe), not a regular file (reading it could wait "
+                      "forever): give the checkpoint file.\n") and opened == 0
+    assert _run(capsys, "/dev/zero", tmp_path / "o.pt")[:2] == (1, "")
+    for out in (fifo, pathlib.Path("/dev/null")):
+        assert _run(capsys, apex_era_file, out, "--force") == (2, "", f"{_PREFIX}{out} is not a regular file (a FIFO, "
+                                                               "a device or a socket); name a file to write, --force or not.\n")
+    assert fifo.is_fifo() and pathlib.Path("/dev/null").is_char_device()

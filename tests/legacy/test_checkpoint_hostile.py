@@ -9,13 +9,24 @@ on them (exit 1, nothing written).
 from __future__ import annotations
 
 import io
+import os
+import pathlib
 import pickle
+import random
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import tracemalloc
 import zipfile
+import zlib
 
 import pytest
 import torch
 
 from fp16kit.legacy import load_checkpoint
+from fp16kit.legacy.checkpoint_errors import CheckpointRefused
 from fp16kit.legacy.convert import convert_file
 
 
@@ -154,3 +165,463 @@ def test_a_scaler_attribute_named_like_the_class_key_cannot_change_the_class(tmp
     out = load_checkpoint(save({"s": scaler}, tmp_path / "s.pt"))["s"]
     assert out["__apex_class__"] == "megatron.fp16.loss_scaler.DynamicLossScaler"
     assert list(out)[0] == "__apex_class__" and out["cur_scale"] == 4.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Files that would cost far more than they hold (issue 17 §2): each is refused by the loader's
+# pre-scan (fp16kit.legacy.checkpoint_scan) before anything is inflated or handed to torch. The
+# bounds are asserted through the loader's limits -- bytes inflated, bytes allocated (tracemalloc),
+# torch.load never called -- never by timing.
+
+
+def _zip_with(pickle_bytes: bytes, extra: dict | None = None) -> bytes:
+    """A zip checkpoint of ``{"w": zeros(4)}`` whose data.pkl is ``pickle_bytes``."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    return _rezip(buf.getvalue(), lambda record: pickle_bytes) if extra is None else _add(buf.getvalue(), extra)
+
+
+def _add(data: bytes, records: dict) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as z:
+        for info in src.infolist():
+            z.writestr(info.filename, src.read(info.filename))
+        for name, record in records.items():
+            z.writestr(name, record)
+    return out.getvalue()
+
+
+@pytest.fixture
+def no_torch_load(monkeypatch):
+    """torch.load fails the test if it is reached (the pre-scan must refuse first)."""
+    def reached(*args, **kwargs):
+        raise AssertionError("torch.load was reached")
+
+    monkeypatch.setattr(torch, "load", reached)
+
+
+@pytest.fixture
+def inflated(monkeypatch):
+    """A list whose sum is the bytes zipfile inflates (every decompressor it makes is counted);
+    more than 16 MiB fails at once (the bomb would inflate ~19 GB)."""
+    counted = [0]
+    made = zipfile._get_decompressor
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def decompress(self, data, *args):
+            out = self.inner.decompress(data, *args)
+            counted[0] += len(out)
+            assert counted[0] < 2**24, "inflated more than 16 MiB"
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(zipfile, "_get_decompressor", lambda method: Counting(made(method)))
+    return counted
+
+
+def _deflated_zeros(n: int) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    chunk = bytes(2**20)
+    return b"".join(c.compress(chunk) for _ in range(n // 2**20)) + c.flush()
+
+
+def _bomb(entries: int = 300, size: int = 2**26, stored: bool = False) -> bytes:
+    """A real checkpoint plus ``entries`` central-directory entries that all point at ONE deflated
+    record of ``size`` zeros (the issue's: ~84 KB, 300 x 64 MiB = ~19 GB to inflate), or at one
+    stored record (``stored``)."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    data = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        infos = z.infolist()
+        start = z.start_dir
+    body = bytearray(data[:start])
+    deflated = bytes(size) if stored else _deflated_zeros(size)
+    method, crc = (0, zlib.crc32(deflated)) if stored else (8, 0)
+    name = b"archive/data/big"
+    local_offset = len(body)
+    body += struct.pack(zipfile.structFileHeader, zipfile.stringFileHeader, 20, 0, 0, method, 0, 0,
+                        crc, len(deflated), size, len(name), 0) + name + deflated
+    directory = bytearray()
+
+    def entry(filename: bytes, method, crc, csize, usize, offset):
+        return struct.pack(zipfile.structCentralDir, zipfile.stringCentralDir, 20, 3, 20, 0, 0, method, 0, 0,
+                           crc, csize, usize, len(filename), 0, 0, 0, 0, 0, offset) + filename
+
+    for info in infos:
+        directory += entry(info.filename.encode(), info.compress_type, info.CRC, info.compress_size,
+                           info.file_size, info.header_offset)
+    for i in range(entries):
+        directory += entry(b"archive/data/big%d" % i, method, crc, len(deflated), size, local_offset)
+    count = len(infos) + entries
+    end = struct.pack(zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0, count, count, len(directory),
+                      len(body), 0)
+    return bytes(body + directory + end)
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["deflated (the issue's)", "stored"])
+def test_a_zip_bomb_is_refused_before_anything_is_inflated(tmp_path, inflated, stored):
+    """300 directory entries sharing one record: deflated 64 MiB (refused for its ratio and its
+    overlap), or stored 64 KB (300 entries reading the same bytes: refused for the overlap)."""
+    data = _bomb(size=2**16, stored=True) if stored else _bomb()
+    assert len(data) < 100_000  # the issue's 84 KB file
+    said = "overlap" if stored else "MAX_INFLATION = 32"
+    with pytest.raises(CheckpointRefused, match=said) as info:
+        load_checkpoint(io.BytesIO(data))
+    assert info.value.kind == "damaged"
+    path = tmp_path / "bomb.pt"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointRefused, match=said):
+        convert_file(path, tmp_path / "out.pt")  # checks every record's CRC: it inflated all 300
+    assert inflated[0] == 0 and not (tmp_path / "out.pt").exists()
+
+
+def test_a_record_deflated_far_beyond_what_torch_save_writes_is_refused_uninflated(inflated):
+    """One 64 MiB record of zeros, deflated to 64 KB: no overlap, but more than MAX_INFLATION."""
+    data = _bomb(entries=1)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        assert z.getinfo("archive/data/big0").compress_size < 2**17
+    with pytest.raises(CheckpointRefused, match=r"claims 67,108,864 bytes from 6.* stored .*MAX_INFLATION = 32"):
+        load_checkpoint(io.BytesIO(data))
+    assert inflated[0] == 0
+
+
+def test_a_pickle_record_stored_twice_is_refused():
+    """Two data.pkl records: which one a reader takes is its own choice (torch's and zipfile's, the
+    CRC check's, need not agree), so a corrupted copy could load silently."""
+    buf = io.BytesIO()
+    torch.save({"step": 1}, buf)
+    good = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with pytest.warns(UserWarning, match="Duplicate name"), zipfile.ZipFile(out, "w") as z:
+        for info in good.infolist():
+            record = good.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                z.writestr(info.filename, record.replace(b"step", b"stop"))
+            z.writestr(info.filename, record)
+    data = out.getvalue()
+    assert torch.load(io.BytesIO(data), weights_only=True)  # control: torch takes one, says nothing
+    with pytest.raises(CheckpointRefused, match="holds the record 'archive/data.pkl' twice"):
+        load_checkpoint(io.BytesIO(data))
+
+
+# ---------------------------------------------------------------------- what is not a regular file
+
+
+class _Unblock:
+    """Opens the FIFO ``path`` for writing whenever a reader has it open, and writes garbage, so
+    that a loader which opened it (the bug) gets an error instead of waiting forever."""
+
+    def __init__(self, path):
+        self.path, self.done, self.opened = path, threading.Event(), 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.wait(0.01):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
+            except OSError:
+                continue
+            self.opened += 1
+            os.write(fd, b"not a checkpoint")
+            os.close(fd)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+
+
+def _special(tmp_path, kind):
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        return path, s
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        return pathlib.Path("/dev/null"), None
+    return path, None
+
+
+@pytest.mark.parametrize("kind, said", [("fifo", "a FIFO"), ("socket", "a socket"), ("device", "a device"),
+                                        ("directory", "a directory")])
+def test_what_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, kind, said):
+    path, keep = _special(tmp_path, kind)
+    unblock = _Unblock(path) if kind == "fifo" else None
+    try:
+        with pytest.raises(CheckpointRefused, match=f"is {said}.*, not a regular file") as info:
+            load_checkpoint(path)
+    finally:
+        if unblock:
+            unblock.stop()
+        if keep:
+            keep.close()
+    assert info.value.kind == "not_file" and repr(str(path)) in str(info.value)
+    assert unblock is None or unblock.opened == 0  # never opened for reading
+
+
+def test_file_objects_still_load(tmp_path):
+    path = tmp_path / "ok.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    with open(path, "rb") as opened:
+        assert load_checkpoint(opened)["w"].tolist() == [1.0, 1.0]
+    assert load_checkpoint(io.BytesIO(path.read_bytes()))["w"].tolist() == [1.0, 1.0]
+
+
+# -------------------------------------------------------------------------- pickles that allocate
+
+_G = b"c__builtin__\nbytearray\n"
+_ENCODE = b"c_codecs\nencode\n"
+
+
+def _text(s: str) -> bytes:
+    data = s.encode()
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+def _hex_chain(levels: int) -> bytes:
+    """_codecs.encode(... _codecs.encode(_codecs.encode("ab", "utf-8"), "hex") ..., "hex"): each
+    level doubles; 25 levels of a few bytes each make 64 MiB."""
+    inner = _ENCODE + _text("a" * 2) + _text("utf-8") + b"\x86R"
+    for _ in range(levels):
+        inner = _ENCODE + inner + _text("hex") + b"\x86R"
+    return inner
+
+
+def _copies(n: int, size: int = 2**16) -> bytes:
+    """One ``size``-byte bytes object, memoized, copied ``n`` times by bytearray(...) into a list."""
+    made = _ENCODE + _text("x" * size) + _text("latin1") + b"\x86Rq\x00a"  # ..., BINPUT 0, APPEND
+    return b"]" + made + (_G + b"h\x00\x85Ra") * n  # bytearray(BINGET 0), APPEND
+
+
+PICKLE_BOMBS = {
+    "bytearray(2**26)": (b"\x80\x02" + _G + b"J\x00\x00\x00\x04\x85R.", "builds 67,108,864 bytes by builtins.bytearray"),
+    "_codecs.encode hex chain": (b"\x80\x02" + _hex_chain(25) + b".", "calls _codecs.encode on something other than text"),
+    "one bytes object copied 2,000 times": (b"\x80\x02" + _copies(2000) + b".", "more than .*ALLOCATION_RATIO = 4"),
+    "torch.FloatTensor(2**24)": (b"\x80\x02ctorch\nFloatTensor\nJ\x00\x00\x00\x01\x85R.",
+                                 r"calls torch.FloatTensor\(...\) with arguments, which allocates"),
+    "torch.Tensor.__new__(2**24)": (b"\x80\x02ctorch\nTensor\nJ\x00\x00\x00\x01\x85\x81.",
+                                    r"calls torch.Tensor\(...\) with arguments"),
+    "UntypedStorage(2**26)": (b"\x80\x02ctorch.storage\nUntypedStorage\nJ\x00\x00\x00\x04\x85R.", "with arguments"),
+}
+
+
+@pytest.mark.parametrize("case", list(PICKLE_BOMBS))
+def test_a_pickle_that_allocates_more_than_the_file_holds_is_refused_before_torch_reads_it(case, no_torch_load):
+    pkl, said = PICKLE_BOMBS[case]
+    data = _zip_with(pkl)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointRefused, match=said) as info:
+            load_checkpoint(io.BytesIO(data))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(data) + 2**21, peak  # what it holds, not what it asks for
+    assert info.value.kind == "structure" and "the BytesIO it was given" in str(info.value)
+
+
+def test_the_allocation_bound_is_the_files_size(monkeypatch):
+    """The budget scales with the file: a legit bytes object of 3 MB in a 3 MB file loads."""
+    blob = bytes(range(256)) * (3 * 2**12)
+    buf = io.BytesIO()
+    torch.save({"blob": blob, "copy": bytearray(blob)}, buf)
+    out = load_checkpoint(io.BytesIO(buf.getvalue()))
+    assert out["blob"] == blob and out["copy"] == blob
+
+
+def test_a_200k_deep_tuple_is_refused_not_a_segfault(tmp_path):
+    """Hashing it (a dict key) overflows the C stack: torch's reader died with SIGSEGV under
+    load_checkpoint. Run in a child process, so that the bug shows as a failure, not a crash."""
+    data = _zip_with(b"\x80\x02}N" + b"\x85" * 200_000 + b"K\x01s.")
+    path = tmp_path / "deep.pt"
+    path.write_bytes(data)
+    code = ("import sys\nfrom fp16kit.legacy import load_checkpoint\nfrom fp16kit.legacy.checkpoint_errors import "
+            "CheckpointRefused\ntry:\n    load_checkpoint(sys.argv[1])\nexcept CheckpointRefused as e:\n"
+            "    print(e.kind, e.subject)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "structure its containers nest deeper than" in done.stdout
+
+
+def test_a_bare_apex_class_is_refused_not_returned_as_fp16kits_stand_in(no_torch_load):
+    """GLOBAL apex.amp.scaler.LossScaler, no NEWOBJ/BUILD: load_checkpoint returned fp16kit's
+    stand-in class itself (and convert-checkpoint then failed with a PicklingError)."""
+    for pkl in (b"\x80\x02capex.amp.scaler\nLossScaler\n.", b"\x80\x02}X\x01\x00\x00\x00kcargparse\nNamespace\ns.",
+                b"\x80\x02]c__builtin__\nbytes\na."):
+        with pytest.raises(CheckpointRefused, match=r"itself \(the class or function, not an object made by it\)"):
+            load_checkpoint(io.BytesIO(_zip_with(pkl)))
+
+
+# -------------------------------------------------------------------- storages not in the file
+
+
+def _legacy_unfilled(numel: int = 2**24) -> bytes:
+    """The issue's 829-byte legacy file: a FloatStorage of ``numel`` items that the list of stored
+    keys does not name, so torch never fills it (64 MiB of uninitialized memory)."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=False)
+    data = _claim(buf.getvalue(), numel)
+    keys = data.rindex(b"\x80\x02]")  # the last pickle: the list of stored keys
+    return data[:keys] + b"\x80\x02]."  # an empty list, and no storage data
+
+
+def test_a_legacy_storage_the_file_never_fills_is_refused(tmp_path, no_torch_load):
+    data = _legacy_unfilled()
+    assert len(data) < 900
+    with pytest.raises(CheckpointRefused, match="claims storages of 67,108,864 bytes, more than the rest of the file"):
+        load_checkpoint(io.BytesIO(data))
+    small = _legacy_unfilled(numel=4) + bytes(24)  # fits the file, but still never filled
+    with pytest.raises(CheckpointRefused, match="whose data the file does not hold"):
+        load_checkpoint(io.BytesIO(small))
+
+
+def test_convert_checkpoint_never_writes_uninitialized_memory(tmp_path):
+    path = tmp_path / "old.pt"
+    path.write_bytes(_legacy_unfilled())
+    with pytest.raises(CheckpointRefused):
+        convert_file(path, tmp_path / "out.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.pt"]
+
+
+def test_a_zip_storage_without_its_record_is_refused(no_torch_load):
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    data = _rezip(buf.getvalue(), lambda r: r.replace(b"X\x01\x00\x00\x000", b"X\x01\x00\x00\x007"))
+    with pytest.raises(CheckpointRefused, match="names storage '7', but the archive holds no record 'archive/data/7'"):
+        load_checkpoint(io.BytesIO(data))
+
+
+# ---------------------------------------------------------------------------------- fuzzing
+
+
+def _seeds(fake_apex, fake_numpy) -> dict[str, bytes]:
+    """Valid checkpoints as apex-era code wrote them (era-1 and era-2 scalers, Megatron's args
+    Namespace, numpy RNG state, a tensor with an attribute, shared tensors), in both formats."""
+    import argparse
+
+    w = torch.arange(6, dtype=torch.float16).reshape(2, 3)
+    master = torch.ones(3)
+    master.model_parallel = True
+    checkpoint = {
+        "model": {"w": w, "w_view": w[1]},
+        "optimizer": {"loss_scaler": fake_apex.era1_dynamic(cur_scale=2.0**16), "overflow": False,
+                      "fp32_from_fp16": [[master]], "state": {0: {"step": 3}}},
+        "amp": {"loss_scaler0": fake_apex.era2(2.0**10)},
+        "args": argparse.Namespace(lr=1e-3, params_dtype=torch.float16),
+        "np_rng_state": fake_numpy.rng_state(list(range(8)), pos=8),
+        "iteration": 7, "blob": b"\x00\x01" * 8, "set": {1, 2}, "size": torch.Size([2, 3]),
+    }
+    out = {}
+    for legacy in (False, True):
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf, _use_new_zipfile_serialization=not legacy)
+        out["legacy" if legacy else "zip"] = buf.getvalue()
+    return out
+
+
+def _mutants(seeds: dict[str, bytes], rng: random.Random, n: int):
+    for i in range(n):
+        name = rng.choice(sorted(seeds))
+        data = bytearray(seeds[name])
+        how = rng.choice(["truncate", "flip", "flip pickle", "flip many"])
+        if how == "truncate":
+            data = data[:rng.randrange(len(data))]
+        elif how == "flip pickle" and name == "zip":
+            def edit(record, rng=rng):
+                record = bytearray(record)
+                record[rng.randrange(len(record))] ^= 1 << rng.randrange(8)
+                return bytes(record)
+            data = bytearray(_rezip(bytes(data), edit))  # a valid CRC: the pickle parser sees the damage
+        else:
+            span = len(data) if how == "flip many" or name == "zip" else min(len(data), 1200)  # legacy: its pickles
+            for _ in range(1 if how != "flip many" else rng.randint(2, 8)):
+                data[rng.randrange(span)] ^= 1 << rng.randrange(8)
+        yield f"{i}: {name} {how}", bytes(data)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_mutated_checkpoints_load_or_raise_checkpoint_refused_only(fake_apex, fake_numpy_2):
+    """400 truncations and bit flips of real apex-era checkpoints (fixed seed): each either loads
+    or raises exactly CheckpointRefused -- never KeyError, IndexError, struct.error,
+    AssertionError, RuntimeError or anything else."""
+    seeds = _seeds(fake_apex, fake_numpy_2)
+    fake_apex.remove()
+    for data in seeds.values():
+        assert load_checkpoint(io.BytesIO(data))["iteration"] == 7  # control: the seeds load
+    outcomes = {"loaded": 0, "refused": 0}
+    for label, data in _mutants(seeds, random.Random(int(os.environ.get("FUZZ_SEED", 17))), int(os.environ.get("FUZZ_N", 400))):
+        try:
+            load_checkpoint(io.BytesIO(data))
+            outcomes["loaded"] += 1
+        except CheckpointRefused:
+            outcomes["refused"] += 1
+        except Exception as e:  # noqa: BLE001 -- what the test is about
+            pytest.fail(f"mutant {label}: {type(e).__module__}.{type(e).__name__}: {e}")
+    assert outcomes["refused"] > 200, outcomes
+
+
+def _legacy_cut_after(opcode: str) -> bytes:
+    """A legacy checkpoint cut just after the main pickle's first ``opcode`` (its argument gone)."""
+    import pickletools
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4), "n": 123456}, buf, _use_new_zipfile_serialization=False)
+    data = buf.getvalue()
+    stream = io.BytesIO(data)
+    for index in range(4):
+        for op, _arg, pos in pickletools.genops(stream):
+            if index == 3 and op.name == opcode:
+                return data[:pos + 1]
+    raise AssertionError(opcode)
+
+
+def _legacy_tar() -> bytes:
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("sys_info", "pickle", "tensors", "storages"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"\x80\x02."))
+    return out.getvalue()
+
+
+def _legacy_other_key() -> bytes:
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=False)
+    data = buf.getvalue()
+    keys = data.rindex(b"\x80\x02]")
+    at = data.index(b"X", keys) + 5  # the first stored key's text
+    return data[:at] + b"x" + data[at + 1:]
+
+
+LEAKS = {  # what torch raised, leaking through load_checkpoint: the file, its refusal
+    "IndexError (cut inside BININT1)": (lambda: _legacy_cut_after("BININT1"), "truncated or corrupt"),
+    "struct.error (cut inside BININT)": (lambda: _legacy_cut_after("BININT"), "truncated or corrupt"),
+    "AssertionError (a storage id not a tuple)": (lambda: _zip_with(b"\x80\x02K\x00Q."), "refers to a storage in a form"),
+    "AssertionError (a stored key no storage has)": (_legacy_other_key, "whose data the file does not hold"),
+    "KeyError (a memo entry never stored)": (lambda: _zip_with(b"\x80\x02h\x05."), "refers to a value it never stored"),
+    "IndexError (SETITEMS without a value)": (lambda: _zip_with(b"\x80\x02}(K\x01u."), "sets a dict item without a value"),
+    "RuntimeError with torch's weights_only=False advice (legacy tar)": (_legacy_tar, "legacy tar format"),
+}
+
+
+@pytest.mark.parametrize("case", list(LEAKS))
+def test_what_torch_raises_on_a_malformed_file_is_one_checkpoint_refused(case):
+    make, said = LEAKS[case]
+    with pytest.raises(CheckpointRefused, match=said) as info:
+        load_checkpoint(io.BytesIO(make()))
+    assert type(info.value) is CheckpointRefused and "weights_only=False` " not in str(info.value)
+    assert "the BytesIO it was given" in str(info.value)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fp16kit.legacy import load_checkpoint
+from fp16kit.legacy.checkpoint_errors import CheckpointRefused
 
 # ====================================================================== 2. crafted pickles
 
@@ -243,14 +244,20 @@ def test_shared_references_are_rebuilt_once_and_stay_shared(tmp_path, fake_apex,
     assert len(bottom["plain"]) == 1 and torch.equal(bottom["plain"][0], torch.arange(2))
 
 
-def test_deep_nesting_is_no_recursion_error(tmp_path):
-    """A pickle 100,000 lists deep (torch's unpickler reads it without recursing; no checkpoint
-    nests like this, but the loader must not fail with a bare RecursionError either)."""
-    depth = 100_000
+@pytest.mark.parametrize("depth", [150, 100_000])
+def test_deep_nesting_is_no_recursion_error(tmp_path, depth):
+    """A pickle 100,000 lists deep (torch's unpickler reads it without recursing, but no
+    checkpoint nests like this, and a tuple that deep overflows the C stack when hashed): refused
+    by the pre-scan with the loader's one exception, never a bare RecursionError; 150 levels load."""
     scaler = (b"capex.fp16_utils.loss_scaler\nLossScaler\n)\x81"  # GLOBAL, EMPTY_TUPLE, NEWOBJ
               b"}X\x09\x00\x00\x00cur_scaleK\x08sb")  # EMPTY_DICT, "cur_scale", 8, SETITEM, BUILD
     data_pkl = b"\x80\x02" + b"]" * depth + scaler + b"a" * depth + b"."  # EMPTY_LISTs ... APPENDs
-    out = load_checkpoint(_with_data_pkl(tmp_path / "deep.pt", data_pkl))
+    path = _with_data_pkl(tmp_path / "deep.pt", data_pkl)
+    if depth > 200:
+        with pytest.raises(CheckpointRefused, match="nest deeper than .*MAX_DEPTH = 200 levels"):
+            load_checkpoint(path)
+        return
+    out = load_checkpoint(path)
     for _ in range(depth):
         assert type(out) is list and len(out) == 1
         out = out[0]

@@ -1,0 +1,534 @@
+"""The opcode simulation behind :mod:`fp16kit.legacy.checkpoint_scan`: one pickle, opcode by
+opcode, the way torch's weights-only reader runs it, knowing of each value only its kind, size
+and nesting depth -- never building it.
+
+The scan stops (returns False) where torch's reader refuses the file on its own, cleanly: at an
+opcode outside its set (protocol 3+), at a global it does not allow; everything before was
+checked. Per call it knows what the callee builds::
+
+    bytearray(n) / bytearray(s, codec)      n bytes / len(s) * (1 or 4)      charged to the budget
+    _codecs.encode(s, codec)                latin-1, utf-8, ascii only, on a str; len(s) * (1 or 4)
+    set / OrderedDict / Counter / torch.Size(x)   a copy of x                 charged: x's size
+    BUILD(obj, state)                       a copy of state (records, OrderedDict.__dict__)
+    torch.Tensor(...), torch.FloatTensor(n), UntypedStorage(n), ...   refused: memory of the
+                                            pickle's choosing (torch.save never calls them)
+    _rebuild_tensor*(storage, offset, size, stride)   a view (torch checks it fits)
+    _rebuild_qtensor(..., size, ...)        prod(size) bytes before it checks: charged
+    _rebuild_device_tensor_from_cpu_tensor(t, dtype, ...)   a converted copy: charged
+    _rebuild_from_type_v2(f, cls, args, state)   f(*args) as above, f a tensor rebuild
+    fp16kit's stand-ins (checkpoint_records)   as torch runs them; their class or function
+                                            itself never stored as a value
+    another global the user allowed (add_safe_globals)   trusted, as torch trusts it
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import torch
+
+from .checkpoint_errors import CheckpointRefused, file_name
+
+__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "Budget", "Scanner", "refused"]
+
+#: How deep containers (tuples, lists, dicts, sets, objects) may nest in a checkpoint's pickle.
+#: State dicts nest a few levels; ``copy.deepcopy`` and ``repr`` of deeper data fail anyway, and
+#: hashing a deep tuple overflows the C stack.
+MAX_DEPTH = 200
+#: The most bytes (or items) the calls in a file's pickles may build, per byte of the file.
+ALLOCATION_RATIO = 4
+#: ... plus this, for small files.
+ALLOCATION_SLACK = 1 << 20
+_TEXT_CODECS = {"latin1": 1, "latin-1": 1, "latin_1": 1, "iso-8859-1": 1, "iso8859-1": 1, "l1": 1,
+                "utf-8": 4, "utf8": 4, "utf_8": 4, "ascii": 1, "us-ascii": 1}
+_COPIERS = {"builtins.set", "collections.OrderedDict", "collections.Counter", "torch.Size"}
+_TENSOR_REBUILDS = {f"torch._utils._rebuild_{n}" for n in (
+    "tensor", "tensor_v2", "tensor_v3", "parameter", "parameter_with_state", "sparse_tensor",
+    "meta_tensor_no_storage", "nested_tensor", "qtensor", "device_tensor_from_cpu_tensor")}
+_NEVER = {"torch._utils._rebuild_wrapper_subclass": "a tensor subclass's wrapper (DTensor and the like)",
+          "torch._utils._rebuild_device_tensor_from_numpy": "a tensor rebuilt from a numpy array"}
+
+
+def refused(f: Any, why: str, kind: str = "structure") -> CheckpointRefused:
+    if kind == "damaged":
+        return CheckpointRefused(
+            f"fp16kit.legacy.load_checkpoint: {file_name(f)} is truncated or corrupt: {why}. It starts like a "
+            "checkpoint written by torch.save, but is cut short or damaged (an interrupted save or copy, a full "
+            "disk?), or crafted; nothing was loaded from it. Save or copy it again, and compare its size with the "
+            "original's.", "damaged", why)
+    return CheckpointRefused(
+        f"fp16kit.legacy.load_checkpoint refused {file_name(f)}: {why}; nothing was loaded from it. torch.save "
+        "never writes this: if you trust the file, load it with torch.load(..., weights_only=False) and "
+        "save its state dicts again.", kind, why)
+
+
+class Budget:
+    """What the pickles of one file may build (:data:`ALLOCATION_RATIO`)."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        self.f, self.size, self.left = f, size, ALLOCATION_RATIO * max(size, 0) + ALLOCATION_SLACK
+
+    def charge(self, n: int, what: str) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise refused(self.f, (
+                f"its pickle builds {what}, and with it more than fp16kit.legacy.checkpoint_scan."
+                f"ALLOCATION_RATIO = {ALLOCATION_RATIO} times the file's {self.size:,} bytes (a few KB "
+                "of pickle asking for much more memory or work than the file holds)"))
+
+
+
+
+# ----------------------------------------------------------------------------- values
+
+
+class _V:
+    """What the scan knows of one pickled value: its kind, size (bytes or items), nesting depth,
+    and for some kinds the value (ints, short strings, global paths, tuple items)."""
+
+    __slots__ = ("kind", "size", "depth", "value", "stand_in")
+
+    def __init__(self, kind: str, size: int = 0, depth: int = 0, value: Any = None, stand_in: bool = False) -> None:
+        self.kind, self.size, self.depth, self.value, self.stand_in = kind, size, depth, value, stand_in
+
+
+def _stand_in_paths() -> frozenset[str]:
+    from ..migrate.safe_globals import entry_path
+    from .checkpoint_records import SAFE_GLOBALS
+
+    return frozenset(entry_path(e) for e in SAFE_GLOBALS)
+
+
+def _global_path(module: str, name: str) -> str:
+    from pickle import _compat_pickle  # type: ignore[attr-defined]
+
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{name}"
+
+
+def _itemsize(path: str) -> int | None:
+    """The element size of the storage class at ``path`` (None: not a storage class)."""
+    module, _, name = path.rpartition(".")
+    if not module.startswith("torch") or not name.endswith("Storage"):
+        return None
+    if name in ("UntypedStorage", "TypedStorage"):
+        return 1
+    try:
+        return torch._utils._element_size(torch.serialization.StorageType(name).dtype)
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+
+
+
+def _allowed() -> tuple[dict[str, Any], dict[str, Any]]:
+    """torch's weights-only allow-list now: (its own, the user's -- fp16kit's stand-ins included)."""
+    from torch import _weights_only_unpickler as wo
+
+    return wo._get_allowed_globals(), wo._get_user_allowed_globals()
+
+
+class _Stop(Exception):
+    """torch's reader refuses the file at this point by itself."""
+
+
+class Scanner:
+    """One file's pickles, simulated (see the module docstring). ``storages``: storage key ->
+    bytes its pickle claims; ``itemsizes``: key -> element size."""
+
+    def __init__(self, f: Any, stream: Any, size: int, budget: Budget, *, legacy: bool) -> None:
+        self.f, self.stream, self.size, self.budget, self.legacy = f, stream, size, budget, legacy
+        self.base = stream.tell()
+        self.storages: dict[str, int] = {}
+        self.itemsizes: dict[str, int] = {}
+        self.torch_globals, self.user_globals = _allowed()
+        self.stand_ins = _stand_in_paths()
+
+    # ------------------------------------------------------------------ reading
+    def _damaged(self, why: str) -> CheckpointRefused:
+        return refused(self.f, f"its pickle {why}", "damaged")
+
+    def _read(self, n: int) -> bytes:
+        if n > self.size - (self.stream.tell() - self.base):
+            raise self._damaged(f"claims {n:,} bytes past the end of the file (it is cut short)")
+        data = self.stream.read(n)
+        if len(data) != n:
+            raise _Stop  # cut short: torch says so
+        return data
+
+    def _line(self) -> str:
+        line = self.stream.readline(1024)
+        if not line.endswith(b"\n"):
+            raise self._damaged("holds a global whose name does not end (or is over 1 KB)")
+        try:
+            return line[:-1].decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._damaged("holds a global whose name is not UTF-8") from None
+
+    # ----------------------------------------------------------------- the loop
+    def run(self, expect: int | None = None) -> bool:
+        """Scan one pickle up to its STOP; False where torch refuses it by itself (stop), or
+        where it is not the int ``expect`` (torch refuses such a file after reading it)."""
+        out = self._pickle()
+        return out is not None and (expect is None or out.kind == "int" and out.value == expect)
+
+    def run_keys(self) -> list[str] | None:
+        """Scan the legacy format's list of stored storage keys; its keys (None: stop)."""
+        out = self._pickle()
+        if out is None:
+            return None
+        if out.kind != "list" or not all(v.kind == "str" and isinstance(v.value, str) for v in out.value):
+            raise self._damaged("of stored storage keys is not a list of keys")
+        return [v.value for v in out.value]
+
+    def _pickle(self) -> _V | None:
+        self.stack: list[_V] = []
+        self.metastack: list[list[_V]] = []
+        self.memo: dict[int, _V] = {}
+        try:
+            while True:
+                op = self.stream.read(1)
+                if not op:
+                    raise _Stop  # torch: "Ran out of input", refused as cut short
+                handler = _OPCODES.get(op[0])
+                if handler is None:
+                    return None  # not an opcode torch's reader reads: it refuses there
+                if handler(self) is _END:
+                    return self._value(self.stack.pop(), "the checkpoint itself")
+        except _Stop:
+            return None
+        except IndexError:
+            raise self._damaged("is malformed (it takes more values than it has put)") from None
+
+    def _push(self, v: _V) -> None:
+        self.stack.append(v)
+
+    def _pop_mark(self) -> list[_V]:
+        items = self.stack
+        self.stack = self.metastack.pop()
+        return items
+
+    def _value(self, v: _V, where: str) -> _V:
+        """``v``, stored ``where``: never one of fp16kit's stand-in classes or functions itself."""
+        if v.stand_in:
+            raise refused(self.f, f"it holds {v.value or 'fp16kit stand-in'} itself (the class or function, not an "
+                          f"object made by it) as {where}, which no checkpoint holds")
+        return v
+
+    def _container(self, kind: str, items: list[_V], where: str, value: Any = None) -> _V:
+        depth = 1 + max((self._value(v, where).depth for v in items), default=0)
+        if depth > MAX_DEPTH:
+            self._too_deep()
+        return _V(kind, len(items), depth, value)
+
+    def _too_deep(self) -> None:
+        raise refused(self.f, f"its containers nest deeper than fp16kit.legacy.checkpoint_pickle.MAX_DEPTH = "
+                      f"{MAX_DEPTH} levels (a checkpoint's state dicts nest a few)")
+
+    def _grow(self, target: _V, items: list[_V], where: str) -> None:
+        target.size += len(items)
+        if target.value is not None:
+            target.value.extend(items)
+        depth = 1 + max((self._value(v, where).depth for v in items), default=0)
+        if depth > target.depth:
+            target.depth = depth
+            if depth > MAX_DEPTH:
+                self._too_deep()
+
+    # -------------------------------------------------------------- opcodes
+    def op_global(self) -> None:
+        path = _global_path(self._line(), self._line())
+        if path not in self.torch_globals and path not in self.user_globals:
+            raise _Stop  # torch refuses it, naming it
+        self._push(_V("global", value=path, stand_in=path in self.stand_ins))
+
+    def op_newobj(self) -> None:
+        args, cls = self.stack.pop(), self.stack.pop()
+        self._push(self._call(cls, args, new=True))
+
+    def op_reduce(self) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = self._call(self.stack[-1], args, new=False)
+
+    def op_build(self) -> None:
+        state = self._value(self.stack.pop(), "an object's state")
+        inst = self.stack[-1]
+        if state.kind in ("str", "bytes", "list", "tuple", "dict", "set"):
+            self.budget.charge(state.size, "an object from its state")
+        if state.depth + 1 > inst.depth:
+            inst.depth = state.depth + 1
+            if inst.depth > MAX_DEPTH:
+                self._too_deep()
+
+    def op_append(self) -> None:
+        item = self.stack.pop()
+        self._into(self.stack[-1], "list", [item])
+
+    def op_appends(self) -> None:
+        items = self._pop_mark()
+        self._into(self.stack[-1], "list", items)
+
+    def op_setitem(self) -> None:
+        v, k = self.stack.pop(), self.stack.pop()
+        self._into(self.stack[-1], "dict", [k, v])
+
+    def op_setitems(self) -> None:
+        items = self._pop_mark()
+        if len(items) % 2:
+            raise self._damaged("sets a dict item without a value")
+        self._into(self.stack[-1], "dict", items)
+
+    def _into(self, target: _V, kind: str, items: list[_V]) -> None:
+        if target.kind != kind:
+            raise _Stop  # torch: "Can only append to lists" / "Can only SETITEM for dict"
+        self._grow(target, items, f"an item of a {kind}")
+
+    def op_mark(self) -> None:
+        self.metastack.append(self.stack)
+        self.stack = []
+
+    def op_tuple(self) -> None:
+        items = self._pop_mark()
+        self._push(self._tuple(items))
+
+    def _tuple(self, items: list[_V]) -> _V:
+        depth = 1 + max((v.depth for v in items), default=0)
+        if depth > MAX_DEPTH:
+            self._too_deep()
+        return _V("tuple", len(items), depth, items, any(v.stand_in for v in items))
+
+    def _tuple_n(self, n: int) -> None:
+        if len(self.stack) < n:
+            raise IndexError
+        items = self.stack[-n:]
+        del self.stack[-n:]
+        self._push(self._tuple(items))
+
+    def op_tuple1(self) -> None:
+        self._tuple_n(1)
+
+    def op_tuple2(self) -> None:
+        self._tuple_n(2)
+
+    def op_tuple3(self) -> None:
+        self._tuple_n(3)
+
+    def op_none(self) -> None:
+        self._push(_V("none"))
+
+    def op_bool(self) -> None:
+        self._push(_V("bool"))
+
+    def op_empty_tuple(self) -> None:
+        self._push(_V("tuple", 0, 1, []))
+
+    def op_empty_list(self) -> None:
+        self._push(_V("list", 0, 1, []))
+
+    def op_empty_dict(self) -> None:
+        self._push(_V("dict", 0, 1))
+
+    def op_empty_set(self) -> None:
+        self._push(_V("set", 0, 1))
+
+    def op_binint(self) -> None:
+        self._push(_V("int", value=struct.unpack("<i", self._read(4))[0]))
+
+    def op_binint1(self) -> None:
+        self._push(_V("int", value=self._read(1)[0]))
+
+    def op_binint2(self) -> None:
+        self._push(_V("int", value=struct.unpack("<H", self._read(2))[0]))
+
+    def op_long1(self) -> None:
+        self._push(_V("int", value=int.from_bytes(self._read(self._read(1)[0]), "little", signed=True)))
+
+    def op_binfloat(self) -> None:
+        self._read(8)
+        self._push(_V("float"))
+
+    def op_binunicode(self) -> None:
+        self._string(struct.unpack("<I", self._read(4))[0])
+
+    def op_short_binstring(self) -> None:
+        self._string(self._read(1)[0])
+
+    def _string(self, n: int) -> None:
+        data = self._read(n)
+        try:
+            text = str(data, "utf-8", "surrogatepass") if n <= 4096 else None
+        except UnicodeDecodeError:
+            text = None
+        self._push(_V("str", n, 0, text))
+
+    def op_binpersid(self) -> None:
+        pid = self._value(self.stack.pop(), "a storage reference")
+        parts = pid.value if pid.kind == "tuple" else None
+        want = 6 if self.legacy else 5
+        if not parts or parts[0].value not in ("storage", "module") or (parts[0].value == "storage" and len(parts) != want):
+            raise self._damaged("refers to a storage in a form torch.save never writes")
+        if parts[0].value == "module":
+            raise _Stop  # a whole pickled module (legacy format): refused as such
+        kind, key, numel = parts[1], parts[2], parts[4]
+        itemsize = _itemsize(kind.value) if kind.kind == "global" else None
+        if itemsize is None or key.kind != "str" or key.value is None or numel.kind != "int" or numel.value < 0:
+            raise self._damaged("refers to a storage without a storage type, key or size")
+        nbytes = numel.value * itemsize
+        self.storages.setdefault(key.value, nbytes)
+        self.itemsizes.setdefault(key.value, itemsize)
+        self._push(_V("storage", nbytes))
+
+    def op_get(self, index: int) -> None:
+        if index not in self.memo:
+            raise self._damaged("refers to a value it never stored")
+        self._push(self.memo[index])
+
+    def op_binget(self) -> None:
+        self.op_get(self._read(1)[0])
+
+    def op_long_binget(self) -> None:
+        self.op_get(struct.unpack("<I", self._read(4))[0])
+
+    def op_binput(self) -> None:
+        self.memo[self._read(1)[0]] = self.stack[-1]
+
+    def op_long_binput(self) -> None:
+        self.memo[struct.unpack("<I", self._read(4))[0]] = self.stack[-1]
+
+    def op_proto(self) -> None:
+        self._read(1)
+
+    def op_stop(self) -> object:
+        return _END
+
+    # ---------------------------------------------------------------- calls
+    def _call(self, func: _V, args: _V, *, new: bool) -> _V:
+        if func.kind != "global":
+            raise _Stop  # torch: "Trying to call reduce for unrecognized function"
+        path = func.value
+        if args.kind != "tuple" or args.value is None:
+            raise refused(self.f, f"it calls {path} with arguments that are not a tuple")
+        a = args.value
+        if args.stand_in and not (path.endswith("multiarray._reconstruct") and a and a[0].stand_in):
+            raise refused(self.f, f"it passes fp16kit's stand-in class itself to {path}")
+        target = self.torch_globals.get(path)
+        if path in self.stand_ins or target is None:  # fp16kit's stand-ins, or what the user allowed
+            return self._container("object", [v for v in a if not v.stand_in], f"an argument of {path}")
+        return _call_torch(self, path, target, a, new)
+
+
+def _small(scanner: Scanner, path: str, a: list[_V], kinds: tuple[str, ...]) -> None:
+    for v in a:
+        if v.kind not in kinds:
+            raise refused(scanner.f, f"it calls {path} with a {v.kind}, which torch.save never passes it")
+
+
+def _call_torch(s: Scanner, path: str, target: Any, a: list[_V], new: bool) -> _V:
+    """What calling torch's allowed global ``target`` (at ``path``) on ``a`` builds."""
+    if path == "builtins.bytearray" and not new:
+        return _bytes(s, path, a, allow_int=True)
+    if path == "_codecs.encode":
+        if not a or a[0].kind != "str":
+            raise refused(s.f, "it calls _codecs.encode on something other than text (torch.save encodes a str)")
+        return _bytes(s, path, a, allow_int=False)
+    if path in _COPIERS:
+        if a and a[0].kind not in ("list", "tuple", "dict", "set", "str", "bytes"):
+            raise refused(s.f, f"it calls {path} on a {a[0].kind}, which torch.save never does")
+        if len(a) > 1:
+            raise refused(s.f, f"it calls {path} with {len(a)} arguments")
+        s.budget.charge(a[0].size if a else 0, f"a copy by {path}")
+        kind = "tuple" if path == "torch.Size" else "set" if path == "builtins.set" else "dict"
+        out = _V(kind, a[0].size if a else 0, 1 + (a[0].depth if a else 0))
+        if out.depth > MAX_DEPTH:
+            s._too_deep()
+        return out
+    if path in ("builtins.complex", "torch.device", "torch.serialization._get_layout") or new and path in (
+            "builtins.bytearray", "builtins.set", "builtins.complex"):
+        _small(s, path, a, ("int", "float", "str", "bool", "none"))
+        return _V("object")
+    if path == "torch.nn.parameter.Parameter":
+        if not a or a[0].kind != "tensor" or len(a) > 2:
+            raise refused(s.f, "it makes a torch.nn.Parameter of something other than a tensor")
+        return _V("tensor", a[0].size)
+    if target in torch._tensor_classes or target is torch.Tensor or isinstance(target, type) and issubclass(
+            target, (torch.UntypedStorage, torch.storage.TypedStorage)):
+        if a:
+            raise refused(s.f, f"it calls {path}(...) with arguments, which allocates memory of a size the pickle "
+                          "chooses (uninitialized); torch.save never does")
+        return _V("storage" if "Storage" in path else "tensor")
+    if path in _NEVER:
+        raise refused(s.f, f"it holds {_NEVER[path]} ({path}), which fp16kit.legacy.load_checkpoint does not read")
+    if path in _TENSOR_REBUILDS:
+        return _rebuild(s, path, a)
+    if path == "torch._tensor._rebuild_from_type_v2":
+        if len(a) != 4 or a[0].kind != "global" or a[0].value not in _TENSOR_REBUILDS or a[2].kind != "tuple":
+            raise refused(s.f, "it calls torch._tensor._rebuild_from_type_v2 on something other than a tensor rebuild")
+        out = _rebuild(s, a[0].value, a[2].value or [])
+        if a[3].kind in ("dict", "tuple"):
+            s.budget.charge(a[3].size, "a tensor's attributes")
+        return out
+    raise refused(s.f, f"it calls {path}, which is not a function torch.save calls")
+
+
+def _bytes(s: Scanner, path: str, a: list[_V], *, allow_int: bool) -> _V:
+    if not a:
+        return _V("bytes", 0)
+    first = a[0]
+    if first.kind == "int" and allow_int and len(a) == 1:
+        if first.value < 0:
+            raise refused(s.f, f"it calls {path} with a negative size")
+        n = first.value
+    elif first.kind in ("str", "bytes", "list", "tuple") and len(a) <= 3:
+        factor = 1
+        if first.kind == "str":
+            codec = a[1].value if len(a) > 1 else "utf-8"
+            factor = _TEXT_CODECS.get(codec.lower() if isinstance(codec, str) else "", 0)
+            if not factor:
+                raise refused(s.f, f"it calls {path} with the codec {codec!r:.40} (torch.save uses latin1)")
+        elif len(a) > 1:
+            raise refused(s.f, f"it calls {path} with a codec on bytes")
+        n = first.size * factor
+    else:
+        raise refused(s.f, f"it calls {path} on a {first.kind}, which torch.save never does")
+    s.budget.charge(n, f"{n:,} bytes by {path}")
+    return _V("bytes", n)
+
+
+def _rebuild(s: Scanner, path: str, a: list[_V]) -> _V:
+    """A tensor rebuild: a view of a storage (torch checks it fits), or a charged copy."""
+    name = path.rpartition(".")[2]
+    if not a:
+        raise refused(s.f, f"it calls {path} without arguments")
+    if name in ("_rebuild_parameter", "_rebuild_parameter_with_state", "_rebuild_device_tensor_from_cpu_tensor"):
+        if a[0].kind != "tensor":
+            raise refused(s.f, f"it calls {path} on a {a[0].kind}, not a tensor")
+        if name == "_rebuild_device_tensor_from_cpu_tensor":
+            s.budget.charge(8 * a[0].size, f"a converted copy by {path}")
+        return _V("tensor", a[0].size)
+    if name in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_qtensor"):
+        if a[0].kind != "storage" or len(a) < 4 or a[2].kind != "tuple" or not all(
+                v.kind == "int" for v in a[2].value or []):
+            raise refused(s.f, f"it calls {path} without a storage and a size")
+        numel = math.prod(v.value for v in a[2].value)
+        if name == "_rebuild_qtensor":
+            s.budget.charge(numel, f"a quantized tensor of {numel:,} items by {path}")
+        return _V("tensor", min(numel, a[0].size))
+    return _V("tensor")  # sparse, nested, meta: their parts are tensors already read
+
+
+_END = object()
+_OPCODES: dict[int, Any] = {
+    ord(c): getattr(Scanner, f"op_{name}") for c, name in (
+        ("c", "global"), ("\x81", "newobj"), ("R", "reduce"), ("b", "build"), ("a", "append"), ("e", "appends"),
+        ("s", "setitem"), ("u", "setitems"), ("(", "mark"), ("t", "tuple"), ("\x85", "tuple1"), ("\x86", "tuple2"),
+        ("\x87", "tuple3"), ("N", "none"), ("\x88", "bool"), ("\x89", "bool"), (")", "empty_tuple"),
+        ("]", "empty_list"), ("}", "empty_dict"), ("\x8f", "empty_set"), ("J", "binint"), ("K", "binint1"),
+        ("M", "binint2"), ("G", "binfloat"), ("X", "binunicode"), ("U", "short_binstring"), ("Q", "binpersid"),
+        ("h", "binget"), ("j", "long_binget"), ("q", "binput"), ("r", "long_binput"), ("\x8a", "long1"),
+        ("\x80", "proto"), (".", "stop"),
+    )
+}

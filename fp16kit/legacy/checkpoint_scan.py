@@ -1,0 +1,280 @@
+"""What a checkpoint file may make :func:`fp16kit.legacy.load_checkpoint` do, checked before any
+of it is inflated or handed to torch: work and memory bounded by a constant times the file's size.
+
+torch's weights-only reader bounds *which* code a pickle reaches, not how much work or memory it
+asks of that code: ``bytearray(2**28)`` from an 830-byte pickle, ``torch.FloatTensor(2**24)``
+(uninitialized memory), a legacy storage the file never fills, a 200,000-deep tuple (hashing it
+overflows the C stack), a zip whose directory points 300 entries at one deflated record. So the
+file is read once, cheaply, first::
+
+    the input        a regular file (a FIFO, a device, a socket, a directory waits or never ends:
+                     refused before it is opened for reading); an open file object or BytesIO as
+                     given
+    zip format       the central directory only: names unique (torch reads the first data.pkl,
+                     zipfile the last), records stored or deflated, none encrypted, no two
+                     overlapping or sharing data, all before the directory, a deflated one at
+                     most MAX_INFLATION times its size (torch.save stores, never deflates);
+                     byteorder / .format_version records small. Then data.pkl (at most its
+                     bounded size) is scanned, and each storage it names must be a record of
+                     exactly numel * itemsize bytes
+    legacy format    magic number, protocol, system info, the object, the storage keys: each
+                     pickle scanned; every storage the object names must be listed in the keys
+                     and its bytes (an int64 count, then the data) present in the file
+    legacy tar       (torch < 0.4) refused: torch's weights-only reader does not read it
+    each pickle      simulated opcode by opcode, with torch's weights-only opcode set (the scan
+                     stops at any other opcode: torch refuses it there):
+                       nesting of tuples, lists, dicts, sets and objects  <= MAX_DEPTH
+                       bytes built or copied by calls (bytearray(n), _codecs.encode, set(x),
+                       OrderedDict(x), BUILD's state, ...), summed     <= ALLOCATION_RATIO * size
+                                                                          + ALLOCATION_SLACK
+                       _codecs.encode only with latin-1 / utf-8 / ascii on a str
+                       tensor and storage classes never called with arguments (they allocate);
+                       _rebuild_qtensor's size within the budget; wrapper subclasses and numpy
+                       rebuilds (never in these checkpoints) refused
+                       fp16kit's stand-ins (apex scalers, Namespace, numpy records) only called,
+                       never held as a value (a bare class would come back as fp16kit's record)
+
+Legit checkpoints copy each byte a few times at most (``bytearray(_codecs.encode(s))``), so the
+ratio leaves a wide margin; a pickle that memoizes one big object and copies it many times runs
+into it at once. Refusals are :class:`~fp16kit.legacy.checkpoint_errors.CheckpointRefused`.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import stat
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .checkpoint_errors import CheckpointRefused, file_name
+from .checkpoint_pickle import ALLOCATION_RATIO, ALLOCATION_SLACK, MAX_DEPTH, Budget, Scanner, refused
+
+__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "open_regular", "scan"]
+
+#: The most a deflated zip record may expand (deflate's own maximum is about 1032).
+MAX_INFLATION = 32
+
+_SMALL_RECORDS = ("byteorder", ".format_version", ".storage_alignment", "version", ".data/version",
+                  ".data/serialization_id")
+
+
+# ------------------------------------------------------------------------------ the input
+
+
+def open_regular(f: Any) -> tuple[Any, bool]:
+    """``(file object to read, whether we opened it)`` for a path or file object ``f``;
+    CheckpointRefused (kind ``not_file``) when it is not a regular file. A path is opened with
+    O_NONBLOCK and checked with fstat before anything is read (a FIFO would wait for a writer
+    forever); a file object with a descriptor is checked the same way."""
+    if isinstance(f, (str, os.PathLike)):
+        check_regular(f)  # a socket cannot even be opened (ENXIO): say what it is first
+        fd = os.open(os.fspath(f), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _check_regular(f, os.fstat(fd).st_mode)
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb"), True
+        except BaseException:
+            os.close(fd)
+            raise
+    try:
+        fd = f.fileno()
+    except (AttributeError, OSError, ValueError):  # BytesIO, a wrapper without a descriptor
+        return f, False
+    _check_regular(f, os.fstat(fd).st_mode)
+    return f, False
+
+
+def _check_regular(f: Any, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file")
+    raise CheckpointRefused(
+        f"fp16kit.legacy.load_checkpoint: {file_name(f)} is {what}, not a regular file: a checkpoint is read "
+        "from a file (reading this could wait forever or never end). Give the checkpoint file itself, or "
+        "read the data into an io.BytesIO and pass that.", "not_file", what)
+
+
+def scan(f: Any, opened: Any) -> None:
+    """Check the file ``opened`` (``f`` as the caller named it) as the module docstring says,
+    leaving its position where it was. Raises CheckpointRefused; returns None when torch may
+    read it (or when it is no checkpoint format at all: torch and the error messages say so)."""
+    start = opened.tell()
+    try:
+        head = opened.read(512)
+        end = opened.seek(0, os.SEEK_END)
+        if not isinstance(head, bytes):
+            return
+        budget = Budget(f, end - start)
+        opened.seek(start)
+        if head.startswith(b"PK\x03\x04"):
+            _scan_zip(f, opened, budget)
+        elif head[257:262] == b"ustar":
+            raise CheckpointRefused(
+                f"fp16kit.legacy.load_checkpoint: {file_name(f)} is in torch's legacy tar format (torch < 0.4), "
+                "which torch's weights-only reader does not read; nothing was loaded from it. If you trust "
+                "it, load it once with torch.load(..., weights_only=False) and save its state dicts again.",
+                "legacy_tar", "torch's legacy tar format")
+        elif head.startswith(b"\x80"):
+            _scan_legacy(f, opened, end, budget)
+    finally:
+        opened.seek(start)
+
+
+# -------------------------------------------------------------------------------- zip
+
+
+def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
+    try:
+        archive = zipfile.ZipFile(opened)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
+        raise refused(f, f"its zip archive does not open ({type(e).__name__}: {e})", "damaged") from None
+    with archive:
+        infos = archive.infolist()
+        _check_directory(f, opened, archive, infos)
+        pickles = [i for i in infos if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
+        if not pickles:
+            return  # not a checkpoint: torch and the messages say so
+        prefix = pickles[0].filename[: -len("data.pkl")]
+        for info in infos:
+            if info.filename[len(prefix):] in _SMALL_RECORDS and info.file_size > 64:
+                raise refused(f, f"its record {info.filename!r} holds {info.file_size:,} bytes; torch.save writes "
+                               "a few", "damaged")
+        try:
+            data = archive.read(pickles[0])  # bounded: at most MAX_INFLATION times its stored size
+        except zipfile.BadZipFile as e:
+            raise refused(f, f"record data.pkl of its zip archive fails its check ({e})", "damaged") from None
+        except (OSError, ValueError, EOFError, NotImplementedError, zlib.error) as e:
+            raise refused(f, f"record data.pkl of its zip archive does not read ({type(e).__name__}: {e})",
+                          "damaged") from None
+    stream = io.BytesIO(data)
+    scanner = Scanner(f, stream, len(data), budget, legacy=False)
+    if not scanner.run():
+        return
+    sizes = {i.filename: i.file_size for i in infos}
+    for key, nbytes in scanner.storages.items():
+        name = f"{prefix}data/{key}"
+        if name not in sizes:
+            raise refused(f, f"its pickle names storage {key!r}, but the archive holds no record {name!r}", "damaged")
+        if sizes[name] != nbytes:
+            raise refused(f, f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {name!r} holds "
+                           f"{sizes[name]:,}", "damaged")
+
+
+def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> None:
+    """The central directory's claims, before anything is inflated (see the module docstring)."""
+    names: set[str] = set()
+    spans = []
+    directory = getattr(archive, "start_dir", None)
+    for info in infos:
+        if info.filename in names:
+            raise refused(f, f"its zip archive holds the record {info.filename!r} twice (torch reads one copy, a "
+                           "zip tool the other)", "damaged")
+        names.add(info.filename)
+        if info.flag_bits & 0x41:  # traditional or strong encryption
+            raise refused(f, f"its zip record {info.filename!r} is encrypted", "damaged")
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise refused(f, f"its zip record {info.filename!r} is compressed with method {info.compress_type} "
+                           "(torch.save stores its records)", "damaged")
+        stored = info.compress_type == zipfile.ZIP_STORED
+        if (stored and info.file_size != info.compress_size) or (
+                not stored and info.file_size > MAX_INFLATION * info.compress_size + 1024):
+            raise refused(f, f"its zip record {info.filename!r} claims {info.file_size:,} bytes from "
+                           f"{info.compress_size:,} stored (more than fp16kit.legacy.checkpoint_scan.MAX_INFLATION = "
+                           f"{MAX_INFLATION} times; torch.save stores its records uncompressed)", "damaged")
+        spans.append((info.header_offset, _local_end(f, opened, info), info.filename))
+    spans.sort()
+    for (a, a_end, a_name), (b, _b_end, b_name) in zip(spans, spans[1:]):
+        if b < a_end:
+            raise refused(f, f"its zip records {a_name!r} and {b_name!r} overlap (share their data: a zip bomb's "
+                           "shape)", "damaged")
+    if spans and directory is not None and spans[-1][1] > directory:
+        raise refused(f, f"its zip record {spans[-1][2]!r} reaches into the archive's directory", "damaged")
+
+
+def _local_end(f: Any, opened: Any, info: zipfile.ZipInfo) -> int:
+    """Where record ``info``'s data ends in the file (after its local header)."""
+    opened.seek(info.header_offset)
+    header = opened.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise refused(f, f"its zip record {info.filename!r} points at no local header", "damaged")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_length + extra_length + info.compress_size
+
+
+# ----------------------------------------------------------------------------- legacy
+
+
+def _scan_legacy(f: Any, opened: Any, end: int, budget: Budget) -> None:
+    """torch's legacy format: five pickles, then each storage's int64 element count and data."""
+    start = opened.tell()
+    scanner = Scanner(f, opened, end - start, budget, legacy=True)
+    # magic number, protocol version, system info, the object
+    for expect in (torch.serialization.MAGIC_NUMBER, torch.serialization.PROTOCOL_VERSION, None, None):
+        if not scanner.run(expect):
+            return
+    storages = scanner.storages
+    needed = sum(storages.values())
+    if needed > end - opened.tell():
+        raise refused(f, f"its pickle claims storages of {needed:,} bytes, more than the rest of the file "
+                       f"({end - opened.tell():,} bytes)", "damaged")
+    keys = scanner.run_keys()
+    if keys is None:
+        return
+    missing = [k for k in storages if k not in keys]
+    if missing:
+        raise refused(f, f"its pickle names storage {missing[0]!r}, whose data the file does not hold (its list of "
+                       "stored keys lacks it: torch would hand back uninitialized memory)", "damaged")
+    for key in keys:
+        header = opened.read(8)
+        if len(header) != 8 or key not in storages:
+            raise refused(f, f"its storage {key!r} is not in the file" if key in storages else
+                           f"its list of stored keys names {key!r}, which its pickle never uses", "damaged")
+        (count,) = struct.unpack("<q", header)
+        itemsize = scanner.itemsizes[key]
+        if count * itemsize != storages[key] or opened.tell() + count * itemsize > end:
+            raise refused(f, f"its storage {key!r} holds {count:,} items where the pickle claims "
+                           f"{storages[key] // itemsize:,}, or runs past the end of the file", "damaged")
+        opened.seek(count * itemsize, os.SEEK_CUR)
+
+
+# ---------------------------------------------------------------------------- pickles
+
+
+
+
+def check_regular(f: Any) -> None:
+    """CheckpointRefused (kind ``not_file``) when the path ``f`` exists and is not a regular file
+    (nothing is opened)."""
+    try:
+        mode = os.stat(f).st_mode
+    except OSError:
+        return  # the caller's open says what is wrong
+    _check_regular(f, mode)
+
+
+def check_file(f: Any) -> None:
+    """:func:`open_regular` and :func:`scan` for the path or file object ``f``, under the allow-list
+    :func:`fp16kit.legacy.load_checkpoint` reads with (a caller that looks at a file before loading
+    it: ``convert_file``'s CRC check of every record)."""
+    from ..migrate.safe_globals import replacing
+    from .checkpoint_records import SAFE_GLOBALS
+
+    if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(".safetensors"):
+        check_regular(f)
+        return
+    opened, ours = open_regular(f)
+    try:
+        with replacing(SAFE_GLOBALS):
+            scan(f, opened)
+    finally:
+        if ours:
+            opened.close()
