@@ -53,11 +53,11 @@ def _int(v: Any) -> bool:
 
 
 PICKLED_KINDS = {
-    "scale": ("a finite number > 0", lambda v: _real(v) and math.isfinite(v) and v > 0),
-    "factor": ("a finite number > 1", lambda v: _real(v) and math.isfinite(v) and v > 1),
+    "scale": ("a finite number > 0", lambda v: _is_scale(v)),
+    "factor": ("a finite number > 1", lambda v: _is_factor(v)),
     "cap": ("a number > 0 (inf or None: no cap)", lambda v: v is None or (_real(v) and v > 0)),  # NaN > 0 is False
     "floor": ("a finite number >= 0 (0 or None: no floor)", lambda v: v is None or (_real(v) and math.isfinite(v) and v >= 0)),
-    "window": ("a whole number >= 1", lambda v: _real(v) and math.isfinite(v) and v >= 1 and v == int(v)),
+    "window": ("a whole number >= 1", lambda v: _is_window(v)),
     "count": ("an int >= 0", lambda v: _int(v) and v >= 0),
     "iteration": ("an int", _int),
     "flag": ("True or False", lambda v: isinstance(v, bool)),
@@ -157,7 +157,7 @@ def check_scale(name: str, value: Any) -> None:
     """ValueError unless ``value`` is a finite number > 0: a loss scale of 0 makes every
     unscaled grad inf or NaN, inf or NaN makes every grad non-finite, and a negative one is
     nothing apex ever ran with (its dynamic rules grow it without bound)."""
-    if not _finite_real(value) or value <= 0:
+    if not _is_scale(value):
         raise ValueError(f"{name} must be a finite number > 0 (e.g. 128.0), got {value!r:.80}.")
 
 
@@ -165,7 +165,7 @@ def check_factor(name: str, value: Any) -> None:
     """ValueError unless ``value`` is a finite number > 1 (as torch's GradScaler requires of its
     growth factor): the scale is divided by it at an overflow and multiplied by it to grow, so a
     factor <= 1 never backs off and skips every step once the scale overflows."""
-    if not _finite_real(value) or value <= 1:
+    if not _is_factor(value):
         raise ValueError(
             f"{name} must be a finite number > 1 (the scale is divided by it at an overflow), got {value!r:.80}."
         )
@@ -174,7 +174,7 @@ def check_factor(name: str, value: Any) -> None:
 def check_window(name: str, value: Any) -> None:
     """ValueError unless ``value`` is a whole number >= 1 (an int, or an integral float such
     as 2000.0): the clean steps between two growths of the scale."""
-    if not _finite_real(value) or value < 1 or value != int(value):
+    if not _is_window(value):
         raise ValueError(
             f"{name} must be a whole number >= 1 (the clean steps between two growths of the scale), "
             f"got {value!r:.80}."
@@ -186,6 +186,19 @@ def _finite_real(value: Any) -> bool:
         return _real(value) and math.isfinite(value)
     except OverflowError:  # an int too large for a float
         return False
+
+
+# one rule per kind of setting, for the constructors' checks and for pickled attributes alike
+def _is_scale(value: Any) -> bool:
+    return _finite_real(value) and value > 0
+
+
+def _is_factor(value: Any) -> bool:
+    return _finite_real(value) and value > 1
+
+
+def _is_window(value: Any) -> bool:
+    return _finite_real(value) and value >= 1 and value == int(value)
 
 
 _LOOK = ("To see what the file holds without running it, read it with fp16kit.legacy.load_checkpoint(path), "
