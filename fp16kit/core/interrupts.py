@@ -1,0 +1,114 @@
+"""Ctrl-C and a step: a SIGINT that arrives while fp16kit commits a change is held until the change is whole.
+
+CPython turns SIGINT into ``KeyboardInterrupt`` by running the Python-level SIGINT handler
+(``signal.default_int_handler`` unless the program installed another) on the main thread,
+between two bytecodes -- so without care it lands between any two lines of a step: after the
+model grads were handed to the optimizer thread but before the job was queued, after the
+wrapped optimizer moved the masters but before the step was recorded. A *commit* is the part
+of a call that changes state; everything before it only checks and waits, so an interrupt
+there changes nothing and the call can simply be repeated. The commit itself runs under
+:func:`hold_interrupts`::
+
+    with hold_interrupts("the optimizer step"):
+        ...                 # SIGINT: recorded by a handler of ours, not raised
+    # exit: the previous handler is back; a recorded SIGINT is handed to it now. The default
+    # one raises KeyboardInterrupt, which gets the note COMPLETED + what: the call is done,
+    # and repeating it would repeat the step (see completed()).
+
+Contract:
+
+* Only where a signal can arrive: on the main thread, with a Python handler installed. Off the
+  main thread (the optimizer thread, a user's training thread) signals never arrive, and with
+  ``SIG_IGN``/``SIG_DFL`` there is no Python handler to defer: both are no-ops.
+* Holds nest: only the outermost one installs the handler and delivers.
+* A hold never spans a wait on another thread or on another process's progress (a hung job
+  would make Ctrl-C do nothing): callers wait first, outside the hold, where an interrupt
+  leaves the awaited job tracked and the call repeatable. What a hold covers is bounded work.
+* A second SIGINT during one hold is the user insisting: it raises at once, with the note
+  ABANDONED + what (the change may be half made), and ``on_abandon`` (if given) runs first so
+  the owner can refuse its next call instead of going on from half a change.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ABANDONED", "COMPLETED", "completed", "hold_interrupts"]
+
+COMPLETED = "fp16kit: Ctrl-C arrived during {what}; that was completed first, so it is done (do not repeat the call)."
+ABANDONED = (
+    "fp16kit: a second Ctrl-C arrived during {what}, which was left half done; "
+    "reload the last checkpoint before training on."
+)
+_PREFIX = COMPLETED.split("{what}")[0]
+
+
+class _Held:
+    """The handler installed by the outermost hold: records the first SIGINT, escalates on the second."""
+
+    def __init__(self, what: str, on_abandon: Callable[[], None] | None) -> None:
+        self.what = what
+        self.on_abandon = on_abandon
+        self.frame: Any = None
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.frame = frame
+            return
+        if self.on_abandon is not None:
+            self.on_abandon()
+        error = KeyboardInterrupt()
+        error.add_note(ABANDONED.format(what=self.what))
+        raise error
+
+
+class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
+    """Hold a SIGINT that arrives inside the block until the block is done (module docstring).
+
+    ``what`` names the change for the note on the KeyboardInterrupt (``"the optimizer step"``);
+    ``on_abandon`` runs if a second SIGINT breaks the hold. Put the ``with`` around the whole
+    body of a call, its ``return`` inside: whatever runs after the hold (a decorator's exit)
+    is outside it, and an interrupt there would not say that the call was completed."""
+
+    __slots__ = ("what", "on_abandon", "held", "previous")
+
+    def __init__(self, what: str, *, on_abandon: Callable[[], None] | None = None) -> None:
+        self.what = what
+        self.on_abandon = on_abandon
+        self.held: _Held | None = None
+        self.previous: Any = None
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals are delivered to the main thread only
+        previous = signal.getsignal(signal.SIGINT)
+        if isinstance(previous, _Held) or not callable(previous):
+            return  # nested (the outer hold delivers), or no Python handler to defer
+        # Known before the install: a SIGINT just after it is held, and __exit__ must restore.
+        self.previous, self.held = previous, _Held(self.what, self.on_abandon)
+        try:
+            signal.signal(signal.SIGINT, self.held)
+        except ValueError:  # not the main interpreter: no signals here either
+            self.held = None
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.held is None:
+            return
+        # One line: the restore and the check, so no line runs between them (a SIGINT at the
+        # start of this line is still held; one during the rest would come after the call).
+        if signal.signal(signal.SIGINT, self.previous) is self.held and self.held.count == 1: _deliver(self.previous, self.held)  # noqa: E701, E501
+
+
+def completed(error: BaseException) -> str | None:
+    """What a KeyboardInterrupt held by fp16kit says was completed before it was raised (the
+    call it came from did its work: go on with the next one), or None (nothing was changed by
+    the interrupted call, which may be repeated)."""
+    for note in getattr(error, "__notes__", ()):
+        if isinstance(note, str) and note.startswith(_PREFIX):
+            return note[len(_PREFIX):].split("; that was completed", 1)[0]
+    return None
