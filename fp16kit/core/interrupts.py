@@ -104,6 +104,14 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
         if signal.signal(signal.SIGINT, self.previous) is self.held and self.held.count == 1: _deliver(self.previous, self.held)  # noqa: E701, E501
 
 
+def _deliver(handler: Callable[[int, Any], Any], held: _Held) -> None:
+    try:
+        handler(signal.SIGINT, held.frame)
+    except KeyboardInterrupt as e:
+        e.add_note(COMPLETED.format(what=held.what))
+        raise
+
+
 def completed(error: BaseException) -> str | None:
     """What a KeyboardInterrupt held by fp16kit says was completed before it was raised (the
     call it came from did its work: go on with the next one), or None (nothing was changed by
