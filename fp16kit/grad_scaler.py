@@ -20,6 +20,7 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .core import kernels
+from .core.interrupts import commit_methods
 from .core.protocol import scaled_iterations, speaks_master_protocol
 from .core.scale import FloorPolicy, LossScale
 from .core.thread import OptimizerThread, current_optimizer_thread
@@ -750,6 +751,20 @@ class GradScaler(torch.amp.GradScaler):
             f"growth_interval={ls.growth_interval})"
         )
 
+
+
+# Each of these calls is one commit: a Ctrl-C inside it is held to its end (fp16kit.core.interrupts).
+commit_methods(
+    GradScaler,
+    {
+        "scale": "scaler.scale()",
+        "unscale_": "scaler.unscale_(optimizer)",
+        "step": "scaler.step(optimizer)",
+        "update": "scaler.update()",
+        "load_state_dict": "scaler.load_state_dict()",
+    },
+    recovers=('load_state_dict',),
+)
 
 def _extras_state(ls: LossScale) -> dict[str, Any]:
     """The extras' entries of a scaler's state dict: none when all are at their defaults."""
