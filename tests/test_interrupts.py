@@ -128,14 +128,16 @@ def mpo_script(
     overflow_at: int | None = None,
     extra: tuple[str, ...] = (),
     iterations: int = 3,
+    submit: bool = False,
 ) -> Script:
     """MixedPrecisionOptimizer(AdamW) on a small model, torch.amp style. ``extra``: calls added
-    at the end of each iteration ("synchronize", "state_dict")."""
+    at the end of each iteration ("synchronize", "state_dict"). ``submit``: mode 2, the step
+    and zero_grad run on the optimizer thread (``opt.submit_step``)."""
 
     def build() -> Any:
         model = _model(dtype)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused or None)
-        thread = fp16kit.OptimizerThread() if async_step else None
+        thread = fp16kit.OptimizerThread() if async_step or submit else None
         opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step, thread=thread)
         sc = fp16kit.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) if scaler else None
         return SimpleNamespace(model=model, opt=opt, scaler=sc, thread=thread, saved=None)
@@ -148,7 +150,14 @@ def mpo_script(
 
     def iteration(w: Any, i: int) -> list:
         calls: list = [("zero_grad", lambda w: w.opt.zero_grad()), ("backward", lambda w: backward(w, i))]
-        if scaler:
+        if submit:
+            def step_job(w: Any) -> None:
+                w.scaler.step(w.opt)
+                w.opt.zero_grad()
+
+            calls.append(("submit_step", lambda w: w.opt.submit_step(lambda: step_job(w), scaler=w.scaler)))
+            calls.append(("update", lambda w: w.scaler.update()))
+        elif scaler:
             if clip:
                 calls.append(("unscale_", lambda w: w.scaler.unscale_(w.opt)))
                 calls.append(("clip", lambda w: w.opt.clip_grad_norm_(0.5)))
@@ -184,7 +193,9 @@ def mpo_script(
         if w.thread is not None:
             w.thread.shutdown()
 
-    boundary = ("update",) if scaler else ("step",)
+    # (mode 2 only after synchronize(): until then the next loss is scaled with the scale of
+    # the iteration before, which a scaler's state dict does not hold)
+    boundary = () if submit else ("update",) if scaler else ("step",)
     return Script(build, iteration, checkpoint, restore, iterations, final, close, boundary_calls=boundary)
 
 
@@ -210,6 +221,11 @@ def test_ctrl_c_anywhere_with_unscale_and_clip(call: str) -> None:
     sweep(mpo_script(clip=True), at_iteration=1, call=call, **FAST)
 
 
+@pytest.mark.parametrize("call", ["submit_step", "update"])
+def test_ctrl_c_anywhere_in_a_submitted_step(call: str) -> None:
+    sweep(mpo_script(submit=True, extra=("synchronize",)), at_iteration=1, call=call, **FAST)
+
+
 @pytest.mark.parametrize("call", ["synchronize", "state_dict"])
 def test_ctrl_c_anywhere_in_synchronize_and_state_dict(call: str) -> None:
     sweep(mpo_script(async_step=True, extra=("synchronize", "state_dict")), at_iteration=1, call=call, **FAST)
@@ -223,13 +239,14 @@ SLOW_CONFIGS = [
     for f in (False, True)
     for c in (False, True)
     for o in (None, 1)
-]
+] + [dict(dtype=d, submit=True, overflow_at=o) for d in (torch.float16, torch.bfloat16) for o in (None, 1)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", SLOW_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_ctrl_c_anywhere_every_configuration(config: dict[str, Any]) -> None:
-    script = mpo_script(**config, extra=("synchronize", "state_dict") if config["async_step"] else ())
+    asynchronous = config.get("async_step") or config.get("submit")
+    script = mpo_script(**config, extra=("synchronize", "state_dict") if asynchronous else ())
     calls = [name for name, _ in script.iteration(None, 0)]
     for call in calls:
         if call in ("zero_grad", "backward"):
