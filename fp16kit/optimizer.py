@@ -528,7 +528,7 @@ commit_methods(
         "load_state_dict": "optimizer.load_state_dict()",
         "restore_masters": "optimizer.restore_masters()",
     },
-    recovers=('load_state_dict',),
+    recovers=("load_state_dict",),
 )
 
 _NO_PICKLE = (

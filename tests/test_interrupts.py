@@ -252,3 +252,33 @@ def test_ctrl_c_anywhere_every_configuration(config: dict[str, Any]) -> None:
         if call in ("zero_grad", "backward"):
             continue
         sweep(script, at_iteration=1, call=call)
+
+
+# ---------------------------------------------------------------------- a second Ctrl-C
+def test_a_second_ctrl_c_breaks_the_step_and_the_optimizer_refuses_until_restored() -> None:
+    model = _model(torch.float16)
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scaler = fp16kit.GradScaler("cpu", init_scale=2.0**8)
+    saved = opt.state_dict()
+
+    def twice(*args: Any) -> None:  # the user pressing Ctrl-C twice while the step runs
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)
+        handler(signal.SIGINT, None)
+
+    hook = opt.register_step_pre_hook(twice)
+    scaler.scale(model(_batch(0, torch.float16)).float().pow(2).mean()).backward()
+    with pytest.raises(KeyboardInterrupt) as info:
+        scaler.step(opt)
+    assert any("second Ctrl-C" in note for note in info.value.__notes__)
+    hook.remove()
+    for call in (opt.step, opt.zero_grad, opt.state_dict, lambda: scaler.step(opt)):
+        with pytest.raises(RuntimeError, match="second Ctrl-C broke off"):
+            call()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    opt.load_state_dict(saved)
+    scaler.load_state_dict(fp16kit.GradScaler("cpu", init_scale=2.0**8).state_dict())
+    opt.zero_grad()
+    scaler.scale(model(_batch(0, torch.float16)).float().pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()

@@ -20,7 +20,8 @@ Contract:
 * Only where a signal can arrive: on the main thread, with a Python handler installed. Off the
   main thread (the optimizer thread, a user's training thread) signals never arrive, and with
   ``SIG_IGN``/``SIG_DFL`` there is no Python handler to defer: both are no-ops.
-* Holds nest: only the outermost one installs the handler and delivers.
+* Holds nest: only the outermost one installs the handler and delivers; a second SIGINT
+  abandons them all.
 * A hold never spans a wait on another thread or on another process's progress (a hung job
   would make Ctrl-C do nothing): callers wait first, outside the hold, where an interrupt
   leaves the awaited job tracked and the call repeatable. What a hold covers is bounded work.
@@ -55,7 +56,7 @@ class _Held:
 
     def __init__(self, what: str, on_abandon: Callable[[], None] | None) -> None:
         self.what = what
-        self.on_abandon = on_abandon
+        self.on_abandon = [] if on_abandon is None else [on_abandon]  # nested holds' too
         self.frame: Any = None
         self.count = 0
 
@@ -64,8 +65,8 @@ class _Held:
         if self.count == 1:
             self.frame = frame
             return
-        if self.on_abandon is not None:
-            self.on_abandon()
+        for abandon in self.on_abandon:
+            abandon()
         error = KeyboardInterrupt()
         error.add_note(ABANDONED.format(what=self.what))
         raise error
@@ -91,8 +92,12 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
         if threading.current_thread() is not threading.main_thread():
             return  # signals are delivered to the main thread only
         previous = _signal.getsignal(signal.SIGINT)
-        if isinstance(previous, _Held) or not callable(previous):
-            return  # nested (the outer hold delivers), or no Python handler to defer
+        if isinstance(previous, _Held):  # nested: the outer hold delivers (and abandons us too)
+            if self.on_abandon is not None:
+                previous.on_abandon.append(self.on_abandon)
+            return
+        if not callable(previous):
+            return  # no Python handler to defer
         # Known before the install: a SIGINT just after it is held, and __exit__ must restore.
         self.previous, self.held = previous, _Held(self.what, self.on_abandon)
         try:
@@ -112,7 +117,8 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
     """Decorate a method so that each call is one commit: its whole body runs under
     :func:`hold_interrupts`. If a second SIGINT breaks it, the object is marked, and every
     later commit of it raises RuntimeError naming the broken call -- except one with
-    ``recovers`` (``load_state_dict``), which clears the mark."""
+    ``recovers`` (``load_state_dict``), which clears the mark and then calls the object's
+    ``_recovered_from_interrupt()`` if it has one (to drop what the broken call left mid-way)."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -121,8 +127,13 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
                 if _BROKEN in self.__dict__:
                     if not recovers:
                         raise RuntimeError(_BROKEN_MESSAGE.format(what=self.__dict__[_BROKEN], name=type(self).__name__))
-                    result = fn(self, *args, **kwargs)
-                    del self.__dict__[_BROKEN]
+                    broken = self.__dict__.pop(_BROKEN)  # (its own inner commits run unrefused)
+                    try:
+                        result = fn(self, *args, **kwargs)
+                    except BaseException:
+                        self.__dict__[_BROKEN] = broken  # a refused checkpoint restores nothing
+                        raise
+                    getattr(self, "_recovered_from_interrupt", lambda: None)()
                     return result
                 return fn(self, *args, **kwargs)
 
