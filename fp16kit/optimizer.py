@@ -531,6 +531,7 @@ commit_methods(
     recovers=("load_state_dict",),
 )
 
+
 _NO_PICKLE = (
     "MixedPrecisionOptimizer cannot be pickled or deep-copied (it refers to the model's params); "
     "save it with state_dict() and restore it with load_state_dict()."
