@@ -8,6 +8,7 @@ ends with the uninterrupted numbers bit for bit.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import SimpleNamespace
@@ -231,8 +232,12 @@ def test_ctrl_c_anywhere_in_synchronize_and_state_dict(call: str) -> None:
     sweep(mpo_script(async_step=True, extra=("synchronize", "state_dict")), at_iteration=1, call=call, **FAST)
 
 
-# ---------------------------------------------------------------------- slow: every configuration
-SLOW_CONFIGS = [
+# ---------------------------------------------------------------------- slow: more configurations
+# A covering set (each dtype, mode, fused, clip and overflow value appears), every 9th line of
+# every call; FP16KIT_SWEEP_EVERY_LINE=1 sweeps every line of all 36 configurations (about an
+# hour on two cores).
+EVERY_LINE = os.environ.get("FP16KIT_SWEEP_EVERY_LINE") == "1"
+ALL_CONFIGS = [
     dict(dtype=d, async_step=a, fused=f, clip=c, overflow_at=o)
     for d in (torch.float16, torch.bfloat16)
     for a in (False, True)
@@ -240,18 +245,29 @@ SLOW_CONFIGS = [
     for c in (False, True)
     for o in (None, 1)
 ] + [dict(dtype=d, submit=True, overflow_at=o) for d in (torch.float16, torch.bfloat16) for o in (None, 1)]
+COVERING = [
+    dict(dtype=torch.float16, async_step=False, fused=False, clip=False, overflow_at=None),
+    dict(dtype=torch.float16, async_step=False, fused=True, clip=True, overflow_at=1),
+    dict(dtype=torch.bfloat16, async_step=False, fused=False, clip=True, overflow_at=1),
+    dict(dtype=torch.bfloat16, async_step=True, fused=True, clip=False, overflow_at=None),
+    dict(dtype=torch.float16, async_step=True, fused=False, clip=True, overflow_at=1),
+    dict(dtype=torch.float16, async_step=True, fused=True, clip=True, overflow_at=None),
+    dict(dtype=torch.float16, submit=True, overflow_at=1),
+    dict(dtype=torch.bfloat16, submit=True, overflow_at=None),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", SLOW_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_ctrl_c_anywhere_every_configuration(config: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "config", ALL_CONFIGS if EVERY_LINE else COVERING, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
+)
+def test_ctrl_c_anywhere_more_configurations(config: dict[str, Any]) -> None:
     asynchronous = config.get("async_step") or config.get("submit")
     script = mpo_script(**config, extra=("synchronize", "state_dict") if asynchronous else ())
-    calls = [name for name, _ in script.iteration(None, 0)]
-    for call in calls:
-        if call in ("zero_grad", "backward"):
-            continue
-        sweep(script, at_iteration=1, call=call)
+    pace = {} if EVERY_LINE else dict(dense=60, stride=9, resume_every=3)
+    for call in [name for name, _ in script.iteration(None, 0)]:
+        if call not in ("zero_grad", "backward"):
+            sweep(script, at_iteration=1, call=call, **pace)
 
 
 # ---------------------------------------------------------------------- a second Ctrl-C
