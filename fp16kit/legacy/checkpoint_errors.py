@@ -227,9 +227,10 @@ def _not_torch_save(opened: Any) -> str:
         try:
             with zipfile.ZipFile(opened) as archive:
                 records = archive.namelist()
+                found = torch_record(archive.infolist(), "data.pkl")  # where torch's reader looks for it
         except (zipfile.BadZipFile, EOFError, OSError, ValueError):
             return ""  # a damaged checkpoint: see _damage
-        if any(n.endswith("/data.pkl") or n == "data.pkl" for n in records):
+        if found is not None:
             return ""
         return f"it is a zip archive without a data.pkl record (it holds {records[:3]!r}...)"
     if head[257:262] == b"ustar" or _starts_with_magic_number(head):  # torch's legacy formats
@@ -339,9 +340,9 @@ def _pickle_crc(opened: Any) -> str:
     opened.seek(start)
     try:
         with zipfile.ZipFile(opened) as archive:
-            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
-            if name is not None:
-                archive.read(name)  # checks the CRC
+            info = torch_record(archive.infolist(), "data.pkl")
+            if info is not None:
+                archive.read(info)  # checks the CRC
     except zipfile.BadZipFile as e:
         return f"record data.pkl of its zip archive fails its check ({e})"
     except (EOFError, OSError, ValueError, zlib.error, NotImplementedError, RuntimeError) as e:
@@ -364,6 +365,34 @@ def _zip_damage(opened: Any) -> str:
     if bad is not None:
         return f"record {bad!r} of its zip archive fails its CRC check"
     return ""
+
+
+# ------------------------------------------------------------------ zip names, as torch reads them
+
+
+def raw_name(info: zipfile.ZipInfo) -> bytes:
+    """The bytes of record ``info``'s name in the archive (zipfile decodes them, and cuts them at a NUL)."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
+def torch_folder(infos: list[zipfile.ZipInfo]) -> bytes | None:
+    """The folder torch's zip reader reads every record from: the first record's name up to and
+    including its first ``/`` (None: no records, or the first is in no folder -- torch refuses it)."""
+    if not infos:
+        return None
+    first = raw_name(infos[0])
+    return first[: first.index(b"/") + 1] if b"/" in first else None
+
+
+def torch_record(infos: list[zipfile.ZipInfo], name: str) -> zipfile.ZipInfo | None:
+    """The record torch's reader finds for ``name`` (e.g. "data.pkl") in its folder, or None.
+    torch's reader (miniz) looks names up ignoring ASCII case, so a name is compared lower-cased
+    (the scan refuses archives with two records of one such name)."""
+    folder = torch_folder(infos)
+    if folder is None:
+        return None
+    wanted = (folder + name.encode("utf-8")).lower()
+    return next((i for i in infos if raw_name(i).lower() == wanted), None)
 
 
 # ------------------------------------------------------------------------ whole objects
@@ -415,8 +444,10 @@ def _zip_main_pickle(opened: Any, size: int = -1) -> bytes | None:
     if head != b"PK\x03\x04":
         return None
     with zipfile.ZipFile(opened) as archive:
-        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-        with archive.open(name) as record:
+        info = torch_record(archive.infolist(), "data.pkl")
+        if info is None:
+            raise StopIteration
+        with archive.open(info) as record:
             return record.read(size)
 
 

@@ -10,8 +10,11 @@ file is read once, cheaply, first::
     the input        a regular file (a FIFO, a device, a socket, a directory waits or never ends:
                      refused before it is opened for reading); an open file object or BytesIO as
                      given
-    zip format       the central directory only: names unique (torch reads the first data.pkl,
-                     zipfile the last), records stored or deflated, none encrypted, no two
+    zip format       the central directory only: names unique as torch's reader looks them up
+                     (ignoring ASCII case; torch reads the first data.pkl, zipfile the last),
+                     none with a NUL byte, all in the first record's folder (torch reads
+                     FOLDER/data.pkl, FOLDER the first record's), records stored or deflated,
+                     none encrypted, no two
                      overlapping or sharing data, all before the directory, a deflated one at
                      most MAX_INFLATION times its size (torch.save stores, never deflates);
                      byteorder / .format_version records small. Then data.pkl (at most its
@@ -53,7 +56,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_errors import CheckpointRefused, file_name
+from .checkpoint_errors import CheckpointRefused, file_name, raw_name, torch_folder, torch_record
 from .checkpoint_pickle import ALLOCATION_RATIO, ALLOCATION_SLACK, MAX_DEPTH, Budget, Scanner, refused
 
 __all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "open_regular", "scan"]
@@ -139,17 +142,22 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
         raise refused(f, f"its zip archive does not open ({type(e).__name__}: {e})", "damaged") from None
     with archive:
         infos = archive.infolist()
-        _check_directory(f, opened, archive, infos)
-        pickles = [i for i in infos if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
-        if not pickles:
+        records = _check_directory(f, opened, archive, infos)
+        folder = torch_folder(infos)
+        pickle = torch_record(infos, "data.pkl")  # the one torch reads: in the first record's folder
+        if folder is None or pickle is None:
             return  # not a checkpoint: torch and the messages say so
-        prefix = pickles[0].filename[: -len("data.pkl")]
         for info in infos:
-            if info.filename[len(prefix):] in _SMALL_RECORDS and info.file_size > 64:
+            if not raw_name(info).startswith(folder):
+                raise refused(f, f"its zip record {info.filename!r} is outside the folder {folder.decode('cp437')!r} "
+                               "of its first record, where torch's reader reads every record", "damaged")
+        for small in _SMALL_RECORDS:
+            info = records.get((folder + small.encode()).lower())
+            if info is not None and info.file_size > 64:
                 raise refused(f, f"its record {info.filename!r} holds {info.file_size:,} bytes; torch.save writes "
                                "a few", "damaged")
         try:
-            data = archive.read(pickles[0])  # bounded: at most MAX_INFLATION times its stored size
+            data = archive.read(pickle)  # bounded: at most MAX_INFLATION times its stored size
         except zipfile.BadZipFile as e:
             raise refused(f, f"record data.pkl of its zip archive fails its check ({e})", "damaged") from None
         except (OSError, ValueError, EOFError, NotImplementedError, zlib.error) as e:
@@ -159,26 +167,36 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
     scanner = Scanner(f, stream, len(data), budget, legacy=False)
     if not scanner.run():
         return
-    sizes = {i.filename: i.file_size for i in infos}
+    prefix = folder.decode("cp437")
     for key, nbytes in scanner.storages.items():
         name = f"{prefix}data/{key}"
-        if name not in sizes:
+        info = records.get((folder + b"data/" + key.encode("utf-8", "surrogatepass")).lower())
+        if info is None:
             raise refused(f, f"its pickle names storage {key!r}, but the archive holds no record {name!r}", "damaged")
-        if sizes[name] != nbytes:
-            raise refused(f, f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {name!r} holds "
-                           f"{sizes[name]:,}", "damaged")
+        if info.file_size != nbytes:
+            raise refused(f, f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {info.filename!r} "
+                           f"holds {info.file_size:,}", "damaged")
 
 
-def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> None:
-    """The central directory's claims, before anything is inflated (see the module docstring)."""
-    names: set[str] = set()
+def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile,
+                     infos: list[zipfile.ZipInfo]) -> dict[bytes, zipfile.ZipInfo]:
+    """The central directory's claims, before anything is inflated (see the module docstring); the
+    records by their names as torch's reader looks them up (bytes, ASCII lower-cased)."""
+    names: dict[bytes, zipfile.ZipInfo] = {}
     spans = []
     directory = getattr(archive, "start_dir", None)
     for info in infos:
-        if info.filename in names:
+        raw = raw_name(info)
+        if b"\0" in raw:
+            raise refused(f, f"its zip record {info.orig_filename!r} has a NUL byte in its name (zip readers "
+                           "disagree on where such a name ends)", "damaged")
+        if raw.lower() in names:
+            twin = names[raw.lower()].filename
             raise refused(f, f"its zip archive holds the record {info.filename!r} twice (torch reads one copy, a "
-                           "zip tool the other)", "damaged")
-        names.add(info.filename)
+                           "zip tool the other)" if twin == info.filename else
+                           f"its zip archive holds the records {twin!r} and {info.filename!r}, one name to torch's "
+                           "reader (which ignores case): torch reads one, a zip tool the other", "damaged")
+        names[raw.lower()] = info
         if info.flag_bits & 0x41:  # traditional or strong encryption
             raise refused(f, f"its zip record {info.filename!r} is encrypted", "damaged")
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
@@ -198,6 +216,7 @@ def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile, infos: list[
                            "shape)", "damaged")
     if spans and directory is not None and spans[-1][1] > directory:
         raise refused(f, f"its zip record {spans[-1][2]!r} reaches into the archive's directory", "damaged")
+    return names
 
 
 def _local_end(f: Any, opened: Any, info: zipfile.ZipInfo) -> int:

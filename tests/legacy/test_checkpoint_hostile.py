@@ -625,3 +625,68 @@ def test_what_torch_raises_on_a_malformed_file_is_one_checkpoint_refused(case):
         load_checkpoint(io.BytesIO(make()))
     assert type(info.value) is CheckpointRefused and "weights_only=False` " not in str(info.value)
     assert "the BytesIO it was given" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# A second adversarial round (issue 17 §2): file forms where what the pre-scan checked was not what
+# torch then read, or where a few bytes still asked for memory or work the file does not hold.
+
+_HOSTILE_PICKLE = b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x10\x85R."  # bytearray(2**28)
+
+
+def _zip_records(records: list[tuple[str, bytes]]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, record in records:
+            z.writestr(name, record)
+    return out.getvalue()
+
+
+def _legit_records(folder: str = "archive/") -> list[tuple[str, bytes]]:
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        return [(folder + i.filename[len("archive/"):], z.read(i.filename)) for i in z.infolist()]
+
+
+ZIP_NAME_TRICKS = {
+    # torch's zip reader (miniz) looks names up ignoring ASCII case: it read the hostile twin, the
+    # scan and the CRC check the benign one (1.2 KB -> 5 GB, MemoryError)
+    "a data.pkl twin differing in case, after": (
+        lambda: _zip_records(_legit_records() + [("archive/Data.pkl", _HOSTILE_PICKLE)]), "one name to torch's reader"),
+    "a data.pkl twin differing in case, before": (
+        lambda: _zip_records(_legit_records()[:1] + [("archive/DATA.PKL", _HOSTILE_PICKLE)] + _legit_records()[1:]),
+        "one name to torch's reader"),
+    # torch reads FOLDER/data.pkl, FOLDER the first record's: the scan read the first record ending
+    # in /data.pkl (1.2 KB -> 2.3 GB, loaded)
+    "a benign data.pkl in a subfolder, the hostile one in the first record's folder": (
+        lambda: _zip_records([("a/version", b"3\n")] + _legit_records("a/b/") + [("a/data.pkl", _HOSTILE_PICKLE)]),
+        "builds 268,435,456 bytes by builtins.bytearray"),
+    "records outside the first record's folder": (
+        lambda: _zip_records([("a/version", b"3\n")] + _legit_records("b/") + [("a/data.pkl", _HOSTILE_PICKLE)]),
+        "is outside the folder 'a/' of its first record"),
+    "a NUL in a record's name": (
+        lambda: _zip_records(_legit_records() + [("archive/data/0@x", b"")]).replace(b"0@x", b"0\x00x"),
+        "has a NUL byte in its name"),
+}
+
+
+@pytest.mark.parametrize("case", list(ZIP_NAME_TRICKS))
+def test_the_pickle_scanned_is_the_one_torch_reads(case, inflated):
+    make, said = ZIP_NAME_TRICKS[case]
+    data = make()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointRefused, match=said) as info:
+            load_checkpoint(io.BytesIO(data))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**22, peak  # not the 256 MiB the hostile pickle asks for
+    assert "weights_only=False` " not in str(info.value)
+
+
+def test_records_named_in_other_cases_or_folders_still_load():
+    """Storage keys are looked up as torch does; a folder name of any case is torch's own choice."""
+    data = _zip_records(_legit_records("MyModel/"))
+    assert load_checkpoint(io.BytesIO(data))["w"].tolist() == [0.0] * 4
