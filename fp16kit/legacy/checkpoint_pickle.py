@@ -10,11 +10,16 @@ checked. Per call it knows what the callee builds::
     _codecs.encode(s, codec)                latin-1, utf-8, ascii only, on a str; len(s) * (1 or 4)
     set / OrderedDict / Counter / torch.Size(x)   a copy of x                 charged: x's size
     BUILD(obj, state)                       a copy of state (records, OrderedDict.__dict__)
-    torch.Tensor(...), torch.FloatTensor(n), UntypedStorage(n), ...   refused: memory of the
-                                            pickle's choosing (torch.save never calls them)
-    _rebuild_tensor*(storage, offset, size, stride)   a view (torch checks it fits)
+    torch.Tensor(...), torch.FloatTensor(n)  refused: memory of the pickle's choosing (torch.save
+                                            never calls them; without arguments: an empty tensor)
+    UntypedStorage(), FloatStorage(), ...   refused: an empty storage grows to fit any view set
+                                            on it (torch.save stores every storage in the file)
+    _rebuild_tensor*(storage, offset, size, stride), BUILD(tensor, (storage, offset, size,
+    stride))                                a view, which must fit its storage (a legacy-format
+                                            storage would grow to fit it)
     _rebuild_qtensor(..., size, ...)        prod(size) bytes before it checks: charged
-    _rebuild_device_tensor_from_cpu_tensor(t, dtype, ...)   a converted copy: charged
+    _rebuild_device_tensor_from_cpu_tensor(t, dtype, ...)   a converted copy of all t's items (a
+                                            zero-stride view has more than its storage): charged
     _rebuild_from_type_v2(f, cls, args, state)   f(*args) as above, f a tensor rebuild
     fp16kit's stand-ins (checkpoint_records)   as torch runs them; their class or function
                                             itself never stored as a value
@@ -257,6 +262,11 @@ class Scanner:
     def op_build(self) -> None:
         state = self._value(self.stack.pop(), "an object's state")
         inst = self.stack[-1]
+        if inst.kind == "tensor" and state.kind == "tuple" and state.value and state.value[0].kind == "storage":
+            # torch's reader runs tensor.set_(*state): a view of that storage, which a legacy-format
+            # storage grows to fit (memory of the pickle's choosing) -- so it must fit already
+            if len(state.value) != 1:
+                _view(self, "a tensor's state (tensor.set_)", state.value)
         if state.kind in ("str", "bytes", "list", "tuple", "dict", "set"):
             self.budget.charge(state.size, "an object from its state")
         if state.depth + 1 > inst.depth:
@@ -380,7 +390,7 @@ class Scanner:
         nbytes = numel.value * itemsize
         self.storages.setdefault(key.value, nbytes)
         self.itemsizes.setdefault(key.value, itemsize)
-        self._push(_V("storage", nbytes))
+        self._push(_V("storage", nbytes, value=itemsize))
 
     def op_get(self, index: int) -> None:
         if index not in self.memo:
@@ -454,12 +464,15 @@ def _call_torch(s: Scanner, path: str, target: Any, a: list[_V], new: bool) -> _
         if not a or a[0].kind != "tensor" or len(a) > 2:
             raise refused(s.f, "it makes a torch.nn.Parameter of something other than a tensor")
         return _V("tensor", a[0].size)
-    if target in torch._tensor_classes or target is torch.Tensor or isinstance(target, type) and issubclass(
-            target, (torch.UntypedStorage, torch.storage.TypedStorage)):
+    if isinstance(target, type) and issubclass(target, (torch.UntypedStorage, torch.storage.TypedStorage)):
+        raise refused(s.f, f"it makes a storage by calling {path}(...): an empty one grows to fit any tensor "
+                      "set on it (memory of a size the pickle chooses, uninitialized); torch.save stores every "
+                      "storage in the file")
+    if target in torch._tensor_classes or target is torch.Tensor:
         if a:
             raise refused(s.f, f"it calls {path}(...) with arguments, which allocates memory of a size the pickle "
                           "chooses (uninitialized); torch.save never does")
-        return _V("storage" if "Storage" in path else "tensor")
+        return _V("tensor")
     if path in _NEVER:
         raise refused(s.f, f"it holds {_NEVER[path]} ({path}), which fp16kit.legacy.load_checkpoint does not read")
     if path in _TENSOR_REBUILDS:
@@ -507,17 +520,50 @@ def _rebuild(s: Scanner, path: str, a: list[_V]) -> _V:
         if a[0].kind != "tensor":
             raise refused(s.f, f"it calls {path} on a {a[0].kind}, not a tensor")
         if name == "_rebuild_device_tensor_from_cpu_tensor":
-            s.budget.charge(8 * a[0].size, f"a converted copy by {path}")
+            # tensor.to(dtype): a copy of all its items (a view with zero strides has many more
+            # than its storage holds), each of the new dtype's size
+            itemsize = _dtype_size(a[1]) if len(a) > 1 else 16
+            s.budget.charge(a[0].size * itemsize, f"a copy of {a[0].size:,} items by {path}")
         return _V("tensor", a[0].size)
     if name in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_qtensor"):
-        if a[0].kind != "storage" or len(a) < 4 or a[2].kind != "tuple" or not all(
-                v.kind == "int" for v in a[2].value or []):
+        if a[0].kind != "storage" or len(a) < 4:
             raise refused(s.f, f"it calls {path} without a storage and a size")
-        numel = math.prod(v.value for v in a[2].value)
+        numel = _view(s, f"a tensor ({path})", a[:4])
         if name == "_rebuild_qtensor":
             s.budget.charge(numel, f"a quantized tensor of {numel:,} items by {path}")
-        return _V("tensor", min(numel, a[0].size))
+        return _V("tensor", numel)
     return _V("tensor")  # sparse, nested, meta: their parts are tensors already read
+
+
+def _dtype_size(v: _V) -> int:
+    """The item size of the torch dtype global ``v`` (16, the largest, when it is something else)."""
+    dtype = getattr(torch, v.value.rpartition(".")[2], None) if v.kind == "global" and isinstance(v.value, str) else None
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 16
+
+
+def _view(s: Scanner, what: str, a: list[_V]) -> int:
+    """The number of items of the view ``(storage, offset, size, stride)`` in ``a``, refused when
+    it is no view torch.save writes: one reaching past its storage, negative sizes or strides.
+    (Only a view's extent is computed: a product of a pickle's many sizes could take minutes.)"""
+    storage, offset, size, stride = a
+    if offset.kind != "int" or any(v.kind != "tuple" or not all(i.kind == "int" for i in v.value or []) for v in
+                                   (size, stride)):
+        raise refused(s.f, f"it makes {what} without an int offset and tuples of int sizes and strides")
+    sizes, strides = [v.value for v in size.value], [v.value for v in stride.value]
+    if len(sizes) != len(strides) or offset.value < 0 or min(sizes + strides, default=0) < 0:
+        raise refused(s.f, f"a tensor's size, strides or offset are negative or do not match: {what} of size "
+                      f"{tuple(sizes)!r:.60}, stride {tuple(strides)!r:.60}, offset {offset.value}", "damaged")
+    if 0 in sizes:
+        return 0
+    extent = offset.value + 1 + sum((n - 1) * k for n, k in zip(sizes, strides))
+    held = storage.size // (storage.value or 1)
+    if extent > held:
+        raise refused(s.f, f"a tensor's size, strides or offset reach past its storage: {what} needs {extent:,} "
+                      f"items of a storage of {held:,}", "damaged")
+    numel = 1
+    for n in sizes:  # each at least 1: the product stops growing past any bound at once
+        numel = min(numel * n, 1 << 64)
+    return numel
 
 
 _END = object()

@@ -31,8 +31,9 @@ file is read once, cheaply, first::
                        OrderedDict(x), BUILD's state, ...), summed     <= ALLOCATION_RATIO * size
                                                                           + ALLOCATION_SLACK
                        _codecs.encode only with latin-1 / utf-8 / ascii on a str
-                       tensor and storage classes never called with arguments (they allocate);
-                       _rebuild_qtensor's size within the budget; wrapper subclasses and numpy
+                       tensor classes never called with arguments, storage classes never
+                       called (they allocate); every view within its storage; _rebuild_qtensor's
+                       size and a converted copy's items within the budget; wrapper subclasses and numpy
                        rebuilds (never in these checkpoints) refused
                        fp16kit's stand-ins (apex scalers, Namespace, numpy records) only called,
                        never held as a value (a bare class would come back as fp16kit's record)

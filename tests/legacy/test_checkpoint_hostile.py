@@ -411,7 +411,7 @@ PICKLE_BOMBS = {
                                  r"calls torch.FloatTensor\(...\) with arguments, which allocates"),
     "torch.Tensor.__new__(2**24)": (b"\x80\x02ctorch\nTensor\nJ\x00\x00\x00\x01\x85\x81.",
                                     r"calls torch.Tensor\(...\) with arguments"),
-    "UntypedStorage(2**26)": (b"\x80\x02ctorch.storage\nUntypedStorage\nJ\x00\x00\x00\x04\x85R.", "with arguments"),
+    "UntypedStorage(2**26)": (b"\x80\x02ctorch.storage\nUntypedStorage\nJ\x00\x00\x00\x04\x85R.", "makes a storage by calling"),
 }
 
 
@@ -690,3 +690,103 @@ def test_records_named_in_other_cases_or_folders_still_load():
     """Storage keys are looked up as torch does; a folder name of any case is torch's own choice."""
     data = _zip_records(_legit_records("MyModel/"))
     assert load_checkpoint(io.BytesIO(data))["w"].tolist() == [0.0] * 4
+
+
+def _pid(legacy: bool) -> bytes:
+    """The persistent id (MARK ... BINPERSID) of the one 4-float storage of a real checkpoint's pickle."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=not legacy)
+    data = buf.getvalue()
+    if not legacy:
+        data = zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")
+    start = data.index(b"(X\x07\x00\x00\x00storage")
+    return data[start:data.index(b"Q", start) + 1]
+
+
+def _with_object(legacy: bool, obj: bytes) -> bytes:
+    """A checkpoint of ``{"w": zeros(4)}`` whose object pickle is ``{"w": <obj>}`` (``obj`` uses the storage)."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=not legacy)
+    data = buf.getvalue()
+    pkl = b"\x80\x02}X\x01\x00\x00\x00w" + obj + b"s."
+    if not legacy:
+        return _rezip(data, lambda record: pkl)
+    stream = io.BytesIO(data)
+    import pickletools
+    for _ in range(3):
+        for _op in pickletools.genops(stream):
+            pass
+    start = stream.tell()
+    for _op in pickletools.genops(stream):
+        pass
+    return data[:start] + pkl + data[stream.tell():]
+
+
+_J = lambda n: b"J" + struct.pack("<i", n)  # noqa: E731
+_EMPTY_STORAGE = b"ctorch.storage\nUntypedStorage\n)R"
+_V2 = b"ctorch._utils\n_rebuild_tensor_v2\n"
+_NO_HOOKS = b"\x89ccollections\nOrderedDict\n)R"
+
+
+def _growing(storage: bytes, size: int = 2**29, stride: int = 1) -> bytes:
+    """torch.FloatTensor(), then BUILD: tensor.set_(storage, 0, (size,), (stride,))."""
+    return b"ctorch\nFloatTensor\n)R(" + storage + b"K\x00" + _J(size) + b"\x85" + _J(stride) + b"\x85tb"
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+@pytest.mark.parametrize("case, said", [
+    # an empty storage made by a call grows to fit: 973 bytes loaded a 2 GiB tensor of uninitialized
+    # memory (convert-checkpoint wrote it out); 2**31 items raised a bare RuntimeError (can't allocate)
+    ("set_ on an empty storage", "makes a storage by calling torch.storage.UntypedStorage"),
+    ("rebuild on an empty storage", "makes a storage by calling torch.storage.UntypedStorage"),
+    # a legacy-format storage grew to fit a view set on it (2 GiB asked of the allocator)
+    ("set_ past the file's storage", r"reach past its storage: a tensor's state \(tensor.set_\) needs 536,870,912 items"),
+    # a zero-stride view of 2**28 items of one float, converted: 2 GiB from 1 KB (loaded)
+    ("a converted zero-stride view", "builds a copy of 268,435,456 items by torch._utils._rebuild_device_tensor"),
+])
+def test_a_view_that_grows_or_expands_into_memory_the_file_lacks_is_refused(legacy, case, said, no_torch_load):
+    pid = _pid(legacy)
+    obj = {
+        "set_ on an empty storage": lambda: _growing(_EMPTY_STORAGE),
+        "rebuild on an empty storage": lambda: _V2 + b"(" + _EMPTY_STORAGE + b"K\x00" + _J(2**29) + b"\x85K\x01\x85"
+                                       + _NO_HOOKS + b"tR",
+        "set_ past the file's storage": lambda: _growing(pid),
+        "a converted zero-stride view": lambda: b"ctorch._utils\n_rebuild_device_tensor_from_cpu_tensor\n(" + _V2 + b"("
+                                        + pid + b"K\x00" + _J(2**28) + b"\x85K\x00\x85" + _NO_HOOKS
+                                        + b"tRctorch\nfloat64\nX\x03\x00\x00\x00cpu\x89tR",
+    }[case]()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointRefused, match=said):
+            load_checkpoint(io.BytesIO(_with_object(legacy, obj)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**22, peak
+
+
+def test_a_size_of_many_huge_dimensions_is_not_multiplied_out():
+    """200,000 sizes of 2**62 and strides 0: the scan multiplied them (minutes for 2.4 MB); now
+    only the view's extent is computed, and its item count capped."""
+    k = 200_000
+    obj = (_V2 + b"(" + _pid(False) + b"K\x00(" + (b"\x8a\x08" + (2**62).to_bytes(8, "little")) * k + b"t("
+           + b"K\x00" * k + b"t" + _NO_HOOKS + b"tR")
+    with pytest.raises(CheckpointRefused):
+        load_checkpoint(io.BytesIO(_with_object(False, obj)))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+def test_views_of_every_shape_torch_save_writes_still_load(legacy):
+    """Offsets, transposes, slices, zero strides (expand), empty views, of a big storage: each
+    loads as torch.load(weights_only=True) gives it, sharing its storage."""
+    base = torch.arange(60.0).reshape(6, 10)
+    obj = {"base": base, "t": base.t(), "slice": base[2:, 3:7], "step": base[:, ::3], "row": base[5],
+           "expand": torch.arange(3.0).expand(4, 3), "empty": base[3:3], "scalar": base[1, 1],
+           "h": base.half()[1:], "c": torch.tensor([1 + 2j, 3j])[1:], "b": torch.tensor([True, False])}
+    buf = io.BytesIO()
+    torch.save(obj, buf, _use_new_zipfile_serialization=not legacy)
+    want = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    got = load_checkpoint(io.BytesIO(buf.getvalue()))
+    for k, v in want.items():
+        assert got[k].stride() == v.stride() and got[k].storage_offset() == v.storage_offset() and torch.equal(got[k], v)
+    assert got["t"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
