@@ -280,7 +280,7 @@ def _damage(e: Exception, f: Any, start: int | None) -> str:
             return sizes
     if isinstance(e, (RuntimeError, OSError, pickle.UnpicklingError)) and _TORCH_DAMAGE.search(message):
         if "Unsupported operand" in message:
-            return f"its pickle holds a byte that is no pickle opcode torch.save writes ({message})"
+            return f"its pickle holds a byte that is no pickle opcode torch.save writes ({torch_words(e)})"
         return "torch ran out of data or found it damaged"
     return ""
 

@@ -615,6 +615,10 @@ LEAKS = {  # what torch raised, leaking through load_checkpoint: the file, its r
     "KeyError (a memo entry never stored)": (lambda: _zip_with(b"\x80\x02h\x05."), "refers to a value it never stored"),
     "IndexError (SETITEMS without a value)": (lambda: _zip_with(b"\x80\x02}(K\x01u."), "sets a dict item without a value"),
     "RuntimeError with torch's weights_only=False advice (legacy tar)": (_legacy_tar, "legacy tar format"),
+    # LONG4 (protocol 1+, never in torch.save's output): the refusal quoted torch's whole message,
+    # "Re-running `torch.load` with `weights_only` set to `False` will likely succeed" included
+    "torch's advice quoted for an unsupported opcode (LONG4)": (
+        lambda: _zip_with(b"\x80\x02\x8b\xff\xff\xff\x7f."), r"no pickle opcode torch.save writes \(Unsupported operand 139\)"),
 }
 
 
@@ -624,6 +628,7 @@ def test_what_torch_raises_on_a_malformed_file_is_one_checkpoint_refused(case):
     with pytest.raises(CheckpointRefused, match=said) as info:
         load_checkpoint(io.BytesIO(make()))
     assert type(info.value) is CheckpointRefused and "weights_only=False` " not in str(info.value)
+    assert "weights_only` set to `False`" not in str(info.value) and "Weights only load failed" not in str(info.value)
     assert "the BytesIO it was given" in str(info.value)
 
 
