@@ -10,6 +10,10 @@ checked. Per call it knows what the callee builds::
     _codecs.encode(s, codec)                latin-1, utf-8, ascii only, on a str; len(s) * (1 or 4)
     set / OrderedDict / Counter / torch.Size(x)   a copy of x                 charged: x's size
     BUILD(obj, state)                       a copy of state (records, OrderedDict.__dict__)
+    SETITEM(S), set / OrderedDict / Counter(x), BUILD   each key hashed: the items of a tuple key
+                                            (a shared one counted each time), times one more
+                                            for each earlier key of its hash (ints, floats and
+                                            tuples of them: hashes a pickle can choose): charged
     torch.Tensor(...), torch.FloatTensor(n)  refused: memory of the pickle's choosing (torch.save
                                             never calls them; without arguments: an empty tensor)
     UntypedStorage(), FloatStorage(), ...   refused: an empty storage grows to fit any view set
@@ -93,10 +97,43 @@ class _V:
     """What the scan knows of one pickled value: its kind, size (bytes or items), nesting depth,
     and for some kinds the value (ints, short strings, global paths, tuple items)."""
 
-    __slots__ = ("kind", "size", "depth", "value", "stand_in")
+    __slots__ = ("kind", "size", "depth", "value", "stand_in", "tree", "hashed")
 
-    def __init__(self, kind: str, size: int = 0, depth: int = 0, value: Any = None, stand_in: bool = False) -> None:
+    def __init__(self, kind: str, size: int = 0, depth: int = 0, value: Any = None, stand_in: bool = False,
+                 tree: int = 1) -> None:
         self.kind, self.size, self.depth, self.value, self.stand_in = kind, size, depth, value, stand_in
+        self.tree, self.hashed = tree, _UNHASHED  # tree: items hashing it visits (a shared one each time)
+
+
+_UNHASHED = object()
+_MAX_TREE = 1 << 62
+
+
+class _Hash:
+    """Stands for an item of known hash in a tuple whose hash the scan works out."""
+
+    __slots__ = ("h",)
+
+    def __init__(self, h: int) -> None:
+        self.h = h
+
+    def __hash__(self) -> int:
+        return self.h
+
+
+def _hash(v: _V) -> int | None:
+    """The hash Python gives the value ``v`` stands for, where a pickle can choose it (ints, floats,
+    tuples of them): keys chosen to collide make each insertion compare with all before. None
+    where it cannot (str and bytes hashes are salted per process) or the value is unhashable."""
+    if v.hashed is _UNHASHED:
+        if v.kind in ("int", "float", "bool", "none"):
+            v.hashed = None if v.value is None and v.kind != "none" else hash(v.value)
+        elif v.kind == "tuple" and v.value is not None:
+            items = [_hash(i) for i in v.value]
+            v.hashed = None if None in items else hash(tuple(_Hash(h) for h in items))
+        else:
+            v.hashed = None
+    return v.hashed
 
 
 def _stand_in_paths() -> frozenset[str]:
@@ -194,6 +231,7 @@ class Scanner:
         self.stack: list[_V] = []
         self.metastack: list[list[_V]] = []
         self.memo: dict[int, _V] = {}
+        self.keyed: dict[int, tuple[_V, dict[int, int], list[int]]] = {}  # id(dict or set): it, hashes, cost
         try:
             while True:
                 op = self.stream.read(1)
@@ -269,6 +307,8 @@ class Scanner:
                 _view(self, "a tensor's state (tensor.set_)", state.value)
         if state.kind in ("str", "bytes", "list", "tuple", "dict", "set"):
             self.budget.charge(state.size, "an object from its state")
+        if state.kind in ("dict", "set"):
+            self._keys(_V("dict"), [], copied=state)  # its keys hashed again into the object's
         if state.depth + 1 > inst.depth:
             inst.depth = state.depth + 1
             if inst.depth > MAX_DEPTH:
@@ -296,6 +336,34 @@ class Scanner:
         if target.kind != kind:
             raise _Stop  # torch: "Can only append to lists" / "Can only SETITEM for dict"
         self._grow(target, items, f"an item of a {kind}")
+        if kind == "dict":
+            self._keys(target, items[::2])
+
+    def _keys(self, target: _V, keys: list[_V], copied: _V | None = None) -> None:
+        """``keys`` hashed into the dict or set ``target`` (or all the keys of ``copied``): Python
+        hashes a tuple anew each time, visiting every item of a shared one again (a few hundred
+        bytes of tuples of tuples take 2**60 steps), and compares a key with each earlier one of
+        its hash (ints chosen to collide: quadratic). Those steps are charged to the budget."""
+        entry = self.keyed.get(id(target))
+        if entry is None:
+            entry = self.keyed[id(target)] = (target, {}, [0])
+        counts, steps = entry[1], 0
+        if copied is not None and id(copied) in self.keyed:
+            source = self.keyed[id(copied)]
+            for h, n in source[1].items():
+                counts[h] = counts.get(h, 0) + n
+            steps = source[2][0]
+        for key in keys:
+            h = _hash(key)
+            if h is None:
+                steps += key.tree
+            else:
+                seen = counts.get(h, 0)
+                counts[h] = seen + 1
+                steps += key.tree * (1 + seen)
+        entry[2][0] += steps
+        self.budget.charge(steps, "dict keys or set members whose hashing and comparing take more steps than the "
+                                  "file has bytes (a tuple shared many times over, or keys chosen to collide)")
 
     def op_mark(self) -> None:
         self.metastack.append(self.stack)
@@ -309,7 +377,8 @@ class Scanner:
         depth = 1 + max((v.depth for v in items), default=0)
         if depth > MAX_DEPTH:
             self._too_deep()
-        return _V("tuple", len(items), depth, items, any(v.stand_in for v in items))
+        return _V("tuple", len(items), depth, items, any(v.stand_in for v in items),
+                  min(1 + sum(v.tree for v in items), _MAX_TREE))
 
     def _tuple_n(self, n: int) -> None:
         if len(self.stack) < n:
@@ -330,8 +399,11 @@ class Scanner:
     def op_none(self) -> None:
         self._push(_V("none"))
 
-    def op_bool(self) -> None:
-        self._push(_V("bool"))
+    def op_true(self) -> None:
+        self._push(_V("bool", value=True))
+
+    def op_false(self) -> None:
+        self._push(_V("bool", value=False))
 
     def op_empty_tuple(self) -> None:
         self._push(_V("tuple", 0, 1, []))
@@ -358,8 +430,7 @@ class Scanner:
         self._push(_V("int", value=int.from_bytes(self._read(self._read(1)[0]), "little", signed=True)))
 
     def op_binfloat(self) -> None:
-        self._read(8)
-        self._push(_V("float"))
+        self._push(_V("float", value=struct.unpack(">d", self._read(8))[0]))
 
     def op_binunicode(self) -> None:
         self._string(struct.unpack("<I", self._read(4))[0])
@@ -455,6 +526,11 @@ def _call_torch(s: Scanner, path: str, target: Any, a: list[_V], new: bool) -> _
         out = _V(kind, a[0].size if a else 0, 1 + (a[0].depth if a else 0))
         if out.depth > MAX_DEPTH:
             s._too_deep()
+        if a and kind != "tuple":  # the copy hashes its keys (of a list of pairs: the first items)
+            items = a[0].value if a[0].kind in ("list", "tuple") and isinstance(a[0].value, list) else []
+            if path == "collections.OrderedDict":
+                items = [i.value[0] for i in items if i.kind == "tuple" and i.value]
+            s._keys(out, items, copied=a[0] if a[0].kind in ("dict", "set") else None)
         return out
     if path in ("builtins.complex", "torch.device", "torch.serialization._get_layout") or new and path in (
             "builtins.bytearray", "builtins.set", "builtins.complex"):
@@ -571,7 +647,7 @@ _OPCODES: dict[int, Any] = {
     ord(c): getattr(Scanner, f"op_{name}") for c, name in (
         ("c", "global"), ("\x81", "newobj"), ("R", "reduce"), ("b", "build"), ("a", "append"), ("e", "appends"),
         ("s", "setitem"), ("u", "setitems"), ("(", "mark"), ("t", "tuple"), ("\x85", "tuple1"), ("\x86", "tuple2"),
-        ("\x87", "tuple3"), ("N", "none"), ("\x88", "bool"), ("\x89", "bool"), (")", "empty_tuple"),
+        ("\x87", "tuple3"), ("N", "none"), ("\x88", "true"), ("\x89", "false"), (")", "empty_tuple"),
         ("]", "empty_list"), ("}", "empty_dict"), ("\x8f", "empty_set"), ("J", "binint"), ("K", "binint1"),
         ("M", "binint2"), ("G", "binfloat"), ("X", "binunicode"), ("U", "short_binstring"), ("Q", "binpersid"),
         ("h", "binget"), ("j", "long_binget"), ("q", "binput"), ("r", "long_binput"), ("\x8a", "long1"),

@@ -28,7 +28,10 @@ file is read once, cheaply, first::
                      stops at any other opcode: torch refuses it there):
                        nesting of tuples, lists, dicts, sets and objects  <= MAX_DEPTH
                        bytes built or copied by calls (bytearray(n), _codecs.encode, set(x),
-                       OrderedDict(x), BUILD's state, ...), summed     <= ALLOCATION_RATIO * size
+                       OrderedDict(x), BUILD's state, ...), plus the steps hashing and
+                       comparing dict keys and set members takes (a shared tuple is hashed
+                       item by item each time; ints may be chosen to collide), summed
+                                                                       <= ALLOCATION_RATIO * size
                                                                           + ALLOCATION_SLACK
                        _codecs.encode only with latin-1 / utf-8 / ascii on a str
                        tensor classes never called with arguments, storage classes never

@@ -8,6 +8,7 @@ on them (exit 1, nothing written).
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pathlib
@@ -795,3 +796,45 @@ def test_views_of_every_shape_torch_save_writes_still_load(legacy):
     for k, v in want.items():
         assert got[k].stride() == v.stride() and got[k].storage_offset() == v.storage_offset() and torch.equal(got[k], v)
     assert got["t"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+
+
+def _shared_tuple(levels: int) -> bytes:
+    """T0 = (); T(i+1) = (Ti, Ti), memoized: a few bytes per level, 2**levels items to hash."""
+    return b")q\x00" + b"h\x00\x86q\x00" * levels
+
+
+_P = 2**61 - 1  # Python's int hash is the value modulo this prime: these ints all hash alike
+
+
+def _colliding_ints(n: int, after: bytes = b"") -> bytes:
+    return b"".join(b"\x8a\x10" + (k * _P).to_bytes(16, "little", signed=True) + after for k in range(1, n + 1))
+
+
+HASH_BOMBS = {
+    # a 1.2 KB file as one dict key: hashing it visited 2**60 items (never ended)
+    "a shared tuple as a dict key": b"\x80\x02}" + _shared_tuple(60) + b"K\x01s.",
+    "a shared tuple as a set member": b"\x80\x02c__builtin__\nset\n]" + _shared_tuple(60) + b"a\x85R.",
+    "a shared tuple in OrderedDict's pairs": b"\x80\x02ccollections\nOrderedDict\n]" + _shared_tuple(60)
+                                             + b"K\x01\x86a\x85R.",
+    # each copy hashes the keys again: 2**18 steps a copy, 100,000 copies
+    "a dict of one costly key, copied": b"\x80\x02]}" + _shared_tuple(18) + b"K\x01sq\x01("
+                                        + b"ccollections\nOrderedDict\nh\x01\x85R" * 100_000 + b"e.",
+    # 50,000 int keys of one hash: each compared with all before it (950 KB: 14 s, quadratic)
+    "ints chosen to collide, as dict keys": b"\x80\x02}(" + _colliding_ints(50_000, b"N") + b"u.",
+    "ints chosen to collide, in a set": b"\x80\x02c__builtin__\nset\n](" + _colliding_ints(50_000) + b"e\x85R.",
+}
+
+
+@pytest.mark.parametrize("case", list(HASH_BOMBS))
+def test_keys_that_take_more_steps_to_hash_than_the_file_has_bytes_are_refused(case, no_torch_load):
+    """Bounded by the budget the scan charges each key's hashing and comparing to (never timed)."""
+    with pytest.raises(CheckpointRefused, match="hashing and comparing take more steps than the file has bytes"):
+        load_checkpoint(io.BytesIO(_zip_with(HASH_BOMBS[case])))
+
+
+def test_int_float_and_tuple_keys_of_real_checkpoints_still_load():
+    obj = {"state": {i: {"step": i} for i in range(5000)}, (1, 2): {(3, (4, 5)), 6, -1, -2}, 1.5: 2, -7: None,
+           "od": collections.OrderedDict([((1, 2), 3), (4, 5)])}
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    assert load_checkpoint(io.BytesIO(buf.getvalue())) == torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
