@@ -37,6 +37,7 @@ import os
 import pickle
 import pickletools
 import re
+import stat
 import struct
 import zipfile
 import zlib
@@ -200,7 +201,12 @@ def _look(f: Any, start: int | None, inspect: Callable[[Any], str], *, back_to_s
         if isinstance(f, (str, os.PathLike)):
             if os.fspath(f).endswith(".safetensors"):  # torch.load hands these to safetensors
                 return ""
-            with open(f, "rb") as opened:
+            # opened afresh, after torch failed: what is there now may be a FIFO (never blocks)
+            fd = os.open(os.fspath(f), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as opened:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return ""
+                os.set_blocking(fd, True)
                 return inspect(opened)
         if start is None:
             return ""

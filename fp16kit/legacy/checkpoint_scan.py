@@ -63,7 +63,7 @@ import torch
 from .checkpoint_errors import CheckpointRefused, file_name, raw_name, torch_folder, torch_record
 from .checkpoint_pickle import ALLOCATION_RATIO, ALLOCATION_SLACK, MAX_DEPTH, Budget, Scanner, refused
 
-__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "open_regular", "scan"]
+__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "bounded", "open_regular", "scan"]
 
 #: The most a deflated zip record may expand (deflate's own maximum is about 1032).
 MAX_INFLATION = 32
@@ -110,16 +110,18 @@ def _check_regular(f: Any, mode: int) -> None:
         "read the data into an io.BytesIO and pass that.", "not_file", what)
 
 
-def scan(f: Any, opened: Any) -> None:
+def scan(f: Any, opened: Any) -> int | None:
     """Check the file ``opened`` (``f`` as the caller named it) as the module docstring says,
-    leaving its position where it was. Raises CheckpointRefused; returns None when torch may
-    read it (or when it is no checkpoint format at all: torch and the error messages say so)."""
+    leaving its position where it was. Raises CheckpointRefused; returns where the file ended
+    when it was checked (hand torch :func:`bounded` to it), or None for a file object that reads
+    text. torch may read it (or it is no checkpoint format at all: torch and the error messages
+    say so)."""
     start = opened.tell()
     try:
         head = opened.read(512)
         end = opened.seek(0, os.SEEK_END)
         if not isinstance(head, bytes):
-            return
+            return None
         budget = Budget(f, end - start)
         opened.seek(start)
         if head.startswith(b"PK\x03\x04"):
@@ -132,8 +134,52 @@ def scan(f: Any, opened: Any) -> None:
                 "legacy_tar", "torch's legacy tar format")
         elif head.startswith(b"\x80"):
             _scan_legacy(f, opened, end, budget)
+        return end
     finally:
         opened.seek(start)
+
+
+class _Window(io.RawIOBase):
+    """The file ``opened`` up to ``end``: reads stop there, and its end is there."""
+
+    def __init__(self, opened: Any, end: int) -> None:
+        super().__init__()
+        self._f, self._end = opened, end
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_END:
+            pos += self._end
+        elif whence == os.SEEK_CUR:
+            pos += self._f.tell()
+        return self._f.seek(pos)
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = max(0, min(len(view), self._end - self._f.tell()))
+        if not n:
+            return 0
+        if hasattr(self._f, "readinto"):
+            return self._f.readinto(view[:n]) or 0
+        data = self._f.read(n)
+        view[:len(data)] = data
+        return len(data)
+
+
+def bounded(opened: Any, end: int) -> io.BufferedReader:
+    """``opened`` as :func:`scan` checked it, for torch to read: nothing past ``end``, where
+    the file ended then. A zip's directory is read from the end of the file: appended to while
+    it is loaded (another process saving into it), the file would point torch at records the
+    scan never saw."""
+    return io.BufferedReader(_Window(opened, end), 1 << 16)
 
 
 # -------------------------------------------------------------------------------- zip

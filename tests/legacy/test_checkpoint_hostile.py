@@ -838,3 +838,79 @@ def test_int_float_and_tuple_keys_of_real_checkpoints_still_load():
     buf = io.BytesIO()
     torch.save(obj, buf)
     assert load_checkpoint(io.BytesIO(buf.getvalue())) == torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+def _appended_archive(good: bytes, pkl: bytes) -> bytes:
+    """Bytes that, appended to the checkpoint ``good``, make a new end of the archive: records of a
+    folder of their own and a directory (offsets counted from the start of ``good``) naming them
+    only -- what torch's reader, reading the directory at the end of the file, then reads."""
+    tail = _zip_with(pkl).replace(b"archive/", b"appendd/")  # the same length
+    start = zipfile.ZipFile(io.BytesIO(tail)).start_dir
+    directory, i = bytearray(tail[start:]), 0
+    while directory[i:i + 4] == b"PK\x01\x02":
+        n, m, k = struct.unpack("<HHH", directory[i + 28:i + 34])
+        directory[i + 42:i + 46] = struct.pack("<I", struct.unpack("<I", directory[i + 42:i + 46])[0] + len(good))
+        i += 46 + n + m + k
+    directory[i + 16:i + 20] = struct.pack("<I", struct.unpack("<I", directory[i + 16:i + 20])[0] + len(good))
+    return tail[:start] + bytes(directory)
+
+
+def test_a_file_growing_after_its_scan_is_read_as_it_was_scanned(tmp_path, monkeypatch):
+    """Appended to between the scan and torch.load, a zip checkpoint pointed torch at a new
+    directory the scan never saw (a 256 MiB bytearray from a few appended bytes, loaded)."""
+    import fp16kit.legacy.checkpoint as checkpoint
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    good = buf.getvalue()
+    tail = _appended_archive(good, _HOSTILE_PICKLE)
+    assert isinstance(torch.load(io.BytesIO(good + tail), weights_only=True), bytearray)  # control
+    path = tmp_path / "growing.pt"
+    path.write_bytes(good)
+    real = checkpoint.scan
+
+    def scan_then_grow(f, opened):
+        end = real(f, opened)
+        with open(path, "ab") as out:  # another process, saving into the file
+            out.write(tail)
+        return end
+
+    monkeypatch.setattr(checkpoint, "scan", scan_then_grow)
+    tracemalloc.start()
+    try:
+        out = load_checkpoint(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out["w"].tolist() == [1.0, 1.0] and peak < 2**24, peak
+
+
+@pytest.mark.parametrize("torch_fails", [True, False], ids=["torch fails", "torch loads"])
+def test_a_path_replaced_by_a_fifo_while_loading_is_never_opened(tmp_path, monkeypatch, torch_fails):
+    """After torch.load, the path is opened again (to word a refusal, to check data.pkl's CRC):
+    replaced by a FIFO meanwhile, that open waited forever for a writer."""
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    real = torch.load
+    unblock = []
+
+    def load_then_swap(*args, **kwargs):
+        out = real(*args, **kwargs)
+        os.unlink(path)
+        os.mkfifo(path)
+        unblock.append(_Unblock(path))
+        if torch_fails:
+            raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+        return out
+
+    monkeypatch.setattr(torch, "load", load_then_swap)
+    try:
+        if torch_fails:
+            with pytest.raises(CheckpointRefused):
+                load_checkpoint(path)
+        else:
+            assert load_checkpoint(path)["w"].tolist() == [1.0, 1.0]
+    finally:
+        for u in unblock:
+            u.stop()
+    assert unblock and unblock[0].opened == 0  # never opened for reading
