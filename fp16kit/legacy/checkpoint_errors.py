@@ -325,16 +325,17 @@ def _size_after_start(opened: Any) -> str:
     return f"zip {end - start}" if head == b"PK\x03\x04" else str(end - start)
 
 
-def damaged(f: Any, start: int | None, *, records: str = "pickle") -> CheckpointRefused | None:
+def damaged(f: Any, start: int | None, *, records: str = "pickle", name: Any = None) -> CheckpointRefused | None:
     """The error for a zip checkpoint whose records fail their CRC check (torch reads them
     unchecked), or None: ``records="pickle"`` checks ``data.pkl`` only (cheap: what a flipped
-    bit would silently change is the structure), ``"all"`` every record (reads the whole file)."""
+    bit would silently change is the structure), ``"all"`` every record (reads the whole file).
+    ``name``: how the message names the file (default: as ``f``)."""
     found = _look(f, start, _pickle_crc if records == "pickle" else _zip_damage, back_to_start=False)
     if not found:
         return None
     return CheckpointRefused(
-        f"{LOADER}: {file_name(f)} is truncated or corrupt: {found}. It starts like a checkpoint written "
-        "by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source.",
+        f"{LOADER}: {file_name(f if name is None else name)} is truncated or corrupt: {found}. It starts like a "
+        "checkpoint written by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source.",
         "damaged", found,
     )
 

@@ -330,11 +330,14 @@ def check_regular(f: Any) -> None:
     _check_regular(f, mode)
 
 
-def check_file(f: Any) -> None:
+def check_file(f: Any, *, crc: bool = False) -> None:
     """:func:`open_regular` and :func:`scan` for the path or file object ``f``, under the allow-list
     :func:`fp16kit.legacy.load_checkpoint` reads with (a caller that looks at a file before loading
-    it: ``convert_file``'s CRC check of every record)."""
+    it); with ``crc``, then every record of a zip checkpoint CRC-checked (``convert_file``), read
+    from the same open file as scanned (the path could name another by then, or the file have
+    grown a directory the scan never saw)."""
     from ..migrate.safe_globals import replacing
+    from .checkpoint_errors import damaged
     from .checkpoint_records import SAFE_GLOBALS
 
     if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(".safetensors"):
@@ -342,8 +345,13 @@ def check_file(f: Any) -> None:
         return
     opened, ours = open_regular(f)
     try:
+        start = opened.tell()
         with replacing(SAFE_GLOBALS):
-            scan(f, opened)
+            end = scan(f, opened)
+        if crc and end is not None:
+            corrupt = damaged(bounded(opened, end), start, records="all", name=f)
+            if corrupt is not None:
+                raise corrupt
     finally:
         if ours:
             opened.close()

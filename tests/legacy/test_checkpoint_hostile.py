@@ -840,11 +840,11 @@ def test_int_float_and_tuple_keys_of_real_checkpoints_still_load():
     assert load_checkpoint(io.BytesIO(buf.getvalue())) == torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
 
 
-def _appended_archive(good: bytes, pkl: bytes) -> bytes:
+def _appended_archive(good: bytes, pkl: bytes = b"", archive: bytes | None = None) -> bytes:
     """Bytes that, appended to the checkpoint ``good``, make a new end of the archive: records of a
     folder of their own and a directory (offsets counted from the start of ``good``) naming them
     only -- what torch's reader, reading the directory at the end of the file, then reads."""
-    tail = _zip_with(pkl).replace(b"archive/", b"appendd/")  # the same length
+    tail = (archive or _zip_with(pkl)).replace(b"archive/", b"appendd/")  # the same length
     start = zipfile.ZipFile(io.BytesIO(tail)).start_dir
     directory, i = bytearray(tail[start:]), 0
     while directory[i:i + 4] == b"PK\x01\x02":
@@ -914,3 +914,29 @@ def test_a_path_replaced_by_a_fifo_while_loading_is_never_opened(tmp_path, monke
         for u in unblock:
             u.stop()
     assert unblock and unblock[0].opened == 0  # never opened for reading
+
+
+def test_convert_checks_the_crcs_of_the_file_it_scanned(tmp_path, monkeypatch, inflated):
+    """convert_file scanned the path, then opened it again to CRC-check every record: a zip bomb
+    appended in between (or the path replaced) was inflated in full (19 GB)."""
+    import fp16kit.legacy.checkpoint_scan as checkpoint_scan
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    good = buf.getvalue()
+    tail = _appended_archive(good, archive=_bomb(entries=3))
+    path = tmp_path / "growing.pt"
+    path.write_bytes(good)
+    real = checkpoint_scan.scan
+
+    def scan_then_grow(f, opened):
+        end = real(f, opened)
+        with open(path, "ab") as out:
+            out.write(tail)
+        return end
+
+    monkeypatch.setattr(checkpoint_scan, "scan", scan_then_grow)
+    with pytest.raises(CheckpointRefused, match="MAX_INFLATION"):  # the load's own scan, of the grown file
+        convert_file(path, tmp_path / "out.pt")
+    assert inflated[0] < 2**16, inflated[0]  # the records scanned, not the bomb's 3 x 64 MiB
+    assert not (tmp_path / "out.pt").exists()
