@@ -150,7 +150,8 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         )
     if isinstance(e, (TypeError, AttributeError, RecursionError, ValueError)):  # e.g. a REDUCE on a record
         return CheckpointRefused(
-            f"{LOADER} could not read this file: {type(e).__name__}: {e}", "structure", f"{type(e).__name__}: {e}"
+            f"{LOADER} could not read {file_name(f)}: {type(e).__name__}: {torch_words(e)}", "structure",
+            f"{type(e).__name__}: {torch_words(e)}"
         )
     if isinstance(e, _MALFORMED) or isinstance(e, RuntimeError) and not _ENVIRONMENT.search(str(e)):
         # what torch's reader raises on bytes it does not expect (a storage reference of the wrong

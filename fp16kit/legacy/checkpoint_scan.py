@@ -160,6 +160,8 @@ class _Window(io.RawIOBase):
             pos += self._end
         elif whence == os.SEEK_CUR:
             pos += self._f.tell()
+        if pos < 0:  # what io.BytesIO says (a file says OSError EINVAL: not the file's fault)
+            raise ValueError(f"negative seek value {pos}")
         return self._f.seek(pos)
 
     def readinto(self, b: Any) -> int:

@@ -940,3 +940,17 @@ def test_convert_checks_the_crcs_of_the_file_it_scanned(tmp_path, monkeypatch, i
         convert_file(path, tmp_path / "out.pt")
     assert inflated[0] < 2**16, inflated[0]  # the records scanned, not the bomb's 3 x 64 MiB
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_zip_comment_torch_cannot_read_past_is_one_refusal_naming_the_file(tmp_path):
+    """A 64 KB archive comment: torch's zip reader seeks before the start of the file looking for
+    the directory; from a file that was a bare OSError (Errno 22, Invalid argument)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, record in _legit_records():
+            z.writestr(name, record)
+        z.comment = b"x" * 65535
+    path = tmp_path / "comment.pt"
+    path.write_bytes(out.getvalue())
+    with pytest.raises(CheckpointRefused, match="could not read .*comment.pt.*negative seek value"):
+        load_checkpoint(path)
