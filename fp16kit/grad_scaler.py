@@ -433,7 +433,7 @@ class GradScaler(torch.amp.GradScaler):
                     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
                     FutureWarning,
-                    stacklevel=2,
+                    stacklevel=3,  # the caller of scaler.step, past the commit wrapper
                 )
                 kwargs_.update({"grad_scaler": self})
             else:
