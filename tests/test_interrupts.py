@@ -194,9 +194,10 @@ def mpo_script(
         if w.thread is not None:
             w.thread.shutdown()
 
-    # (mode 2 only after synchronize(): until then the next loss is scaled with the scale of
-    # the iteration before, which a scaler's state dict does not hold)
-    boundary = () if submit else ("update",) if scaler else ("step",)
+    # The iteration ends after its last call; without extra calls, after update (or step).
+    # (Mode 2 only after synchronize(): until then the next loss is scaled with the scale of
+    # the iteration before, which a scaler's state dict does not hold.)
+    boundary = () if submit or extra else ("update",) if scaler else ("step",)
     return Script(build, iteration, checkpoint, restore, iterations, final, close, boundary_calls=boundary)
 
 
