@@ -234,7 +234,7 @@ def test_ctrl_c_anywhere_in_synchronize_and_state_dict(call: str) -> None:
 
 
 # ---------------------------------------------------------------------- slow: more configurations
-# A covering set (each dtype, mode, fused, clip and overflow value appears), every 9th line of
+# A covering set (each dtype, mode, fused, clip and overflow value appears), every 17th line of
 # every call; FP16KIT_SWEEP_EVERY_LINE=1 sweeps every line of all 36 configurations (about an
 # hour on two cores).
 EVERY_LINE = os.environ.get("FP16KIT_SWEEP_EVERY_LINE") == "1"
@@ -265,7 +265,7 @@ COVERING = [
 def test_ctrl_c_anywhere_more_configurations(config: dict[str, Any]) -> None:
     asynchronous = config.get("async_step") or config.get("submit")
     script = mpo_script(**config, extra=("synchronize", "state_dict") if asynchronous else ())
-    pace = {} if EVERY_LINE else dict(dense=60, stride=9, resume_every=3)
+    pace = {} if EVERY_LINE else dict(dense=60, stride=17, resume_every=3)
     for call in [name for name, _ in script.iteration(None, 0)]:
         if call not in ("zero_grad", "backward"):
             sweep(script, at_iteration=1, call=call, **pace)
