@@ -31,6 +31,7 @@ Contract:
 
 from __future__ import annotations
 
+import _signal
 import signal
 import threading
 from collections.abc import Callable
@@ -101,7 +102,9 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
             return
         # One line: the restore and the check, so no line runs between them (a SIGINT at the
         # start of this line is still held; one during the rest would come after the call).
-        if signal.signal(signal.SIGINT, self.previous) is self.held and self.held.count == 1: _deliver(self.previous, self.held)  # noqa: E701, E501
+        # _signal.signal, not signal.signal: that one is Python (signal.py, enum.py), and its
+        # lines after the restore would raise a SIGINT there without the note.
+        if _signal.signal(signal.SIGINT, self.previous) is self.held and self.held.count == 1: _deliver(self.previous, self.held)  # noqa: E701, E501
 
 
 def _deliver(handler: Callable[[int, Any], Any], held: _Held) -> None:
