@@ -20,6 +20,7 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .core import kernels
+from .core.interrupts import commit_methods
 from .core.protocol import scaled_iterations, speaks_master_protocol
 from .core.scale import FloorPolicy, LossScale
 from .core.thread import OptimizerThread, current_optimizer_thread
@@ -498,7 +499,7 @@ class GradScaler(torch.amp.GradScaler):
         )
         if binding is not None:
             if new_scale is not None:
-                self._check_new_scale(new_scale, self._device)
+                _check_new_scale(new_scale, self._device)
                 binding.set_scale(new_scale)
             else:
                 binding.update(is_async)
@@ -511,7 +512,7 @@ class GradScaler(torch.amp.GradScaler):
             if self._scale is None:
                 raise AssertionError("_scale is None in update")
             # Accept a new user-defined scale (copied, not aliased).
-            self._check_new_scale(new_scale, self._device)
+            _check_new_scale(new_scale, self._device)
             self._loss_scale.set_scale(new_scale)
         else:
             # Consume the inf/nan flags the optimizers recorded this iteration.
@@ -535,21 +536,6 @@ class GradScaler(torch.amp.GradScaler):
         scaled_iterations.closed(self)
         if new_scale is None:
             self._loss_scale.update(found_inf_combined)
-
-    @staticmethod
-    def _check_new_scale(new_scale: float | torch.Tensor, device: str) -> None:
-        if isinstance(new_scale, float):
-            return
-        reason = (
-            "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-            "torch.FloatTensor with requires_grad=False."
-        )
-        if new_scale.device.type != device:
-            raise AssertionError(reason)
-        if new_scale.numel() != 1:
-            raise AssertionError(reason)
-        if new_scale.requires_grad is True:
-            raise AssertionError(reason)
 
     # -------------------------------------------------------------- reads and settings
     def _get_scale_async(self) -> torch.Tensor | None:
@@ -698,6 +684,12 @@ class GradScaler(torch.amp.GradScaler):
         if binding is not None and ls.scale is not None:
             binding.reset(ls.scale)
 
+    def _recovered_from_interrupt(self) -> None:
+        # A second Ctrl-C broke a call off (fp16kit.core.interrupts): this iteration's records
+        # are half made; the restored scaler starts the next iteration afresh.
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        scaled_iterations.closed(self)
+
     def __getstate__(self) -> dict[str, Any]:
         self._threads.synchronize()
         state = self.__dict__.copy()
@@ -749,6 +741,37 @@ class GradScaler(torch.amp.GradScaler):
             f"growth_factor={ls.growth_factor}, backoff_factor={ls.backoff_factor}, "
             f"growth_interval={ls.growth_interval})"
         )
+
+
+
+# Each of these calls is one commit: a Ctrl-C inside it is held to its end (fp16kit.core.interrupts).
+commit_methods(
+    GradScaler,
+    {
+        "scale": "scaler.scale()",
+        "unscale_": "scaler.unscale_(optimizer)",
+        "step": "scaler.step(optimizer)",
+        "update": "scaler.update()",
+        "load_state_dict": "scaler.load_state_dict()",
+    },
+    recovers=("load_state_dict",),
+)
+
+
+def _check_new_scale(new_scale: float | torch.Tensor, device: str) -> None:
+    """torch's checks of update(new_scale), with its text (AssertionError)."""
+    if isinstance(new_scale, float):
+        return
+    reason = (
+        "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+        "torch.FloatTensor with requires_grad=False."
+    )
+    if new_scale.device.type != device:
+        raise AssertionError(reason)
+    if new_scale.numel() != 1:
+        raise AssertionError(reason)
+    if new_scale.requires_grad is True:
+        raise AssertionError(reason)
 
 
 def _extras_state(ls: LossScale) -> dict[str, Any]:

@@ -59,6 +59,7 @@ import torch
 
 from .async_step import AsyncSteps, log_skipped_step
 from .core import kernels
+from .core.interrupts import commit_methods
 from .core.master import LOW_PRECISION, MasterParams
 from .core.protocol import Flags, scaled_iterations
 from .core.thread import OptimizerThread
@@ -502,6 +503,33 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             f"{d['master_dtype']} on {', '.join(d['devices']) or '-'}{', flat' if d['flat'] else ''}; "
             f"wrapping {self.optimizer!r})"
         )
+
+
+
+# Each of these calls is one commit: a Ctrl-C inside it is held to its end (fp16kit.core.interrupts).
+commit_methods(
+    MixedPrecisionOptimizer,
+    {
+        "add_param_group": "optimizer.add_param_group()",
+        "grads_to_masters": "optimizer.grads_to_masters()",
+        "masters_to_model": "optimizer.masters_to_model()",
+        "unscale_grads_": "the unscale of the optimizer's grads",
+        "skip_decided": "the scaler's skip decision",
+        "submit_scaled_step": "the hand-off of the step to the optimizer thread",
+        "zero_grad": "optimizer.zero_grad()",
+        "clip_grad_norm_": "optimizer.clip_grad_norm_()",
+        "inner_step": "optimizer.inner_step()",
+        "async_check_grads": "optimizer.async_check_grads()",
+        "async_submit": "optimizer.async_submit()",
+        "submit_step": "optimizer.submit_step()",
+        "synchronize": "optimizer.synchronize()",
+        "wait_for_step": "optimizer.wait_for_step()",
+        "state_dict": "optimizer.state_dict()",
+        "load_state_dict": "optimizer.load_state_dict()",
+        "restore_masters": "optimizer.restore_masters()",
+    },
+    recovers=("load_state_dict",),
+)
 
 
 _NO_PICKLE = (

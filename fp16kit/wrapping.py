@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .core.interrupts import commit
+
 __all__ = ["WrappingOptimizer"]
 
 
@@ -33,6 +35,7 @@ class WrappingOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._patch_step_function()
+        _step_commits(type(self))
         self._warned_capturable_if_run_uncaptured = True
 
     @property
@@ -58,3 +61,13 @@ class WrappingOptimizer(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
+
+
+def _step_commits(cls: type) -> None:
+    """Make each ``step()`` of ``cls`` one commit (:func:`fp16kit.core.interrupts.commit`),
+    torch's profiling wrapper and step hooks included: a Ctrl-C after the step, inside that
+    wrapper, would otherwise not say that the step was done. Once per class, as torch patches."""
+    step = cls.step  # type: ignore[attr-defined]
+    if not step.__dict__.get("commits"):
+        cls.step = commit("optimizer.step()")(step)  # type: ignore[attr-defined]
+        cls.step.commits = True  # type: ignore[attr-defined]

@@ -20,7 +20,8 @@ Contract:
 * Only where a signal can arrive: on the main thread, with a Python handler installed. Off the
   main thread (the optimizer thread, a user's training thread) signals never arrive, and with
   ``SIG_IGN``/``SIG_DFL`` there is no Python handler to defer: both are no-ops.
-* Holds nest: only the outermost one installs the handler and delivers.
+* Holds nest: only the outermost one installs the handler and delivers; a second SIGINT
+  abandons them all.
 * A hold never spans a wait on another thread or on another process's progress (a hung job
   would make Ctrl-C do nothing): callers wait first, outside the hold, where an interrupt
   leaves the awaited job tracked and the call repeatable. What a hold covers is bounded work.
@@ -31,13 +32,16 @@ Contract:
 
 from __future__ import annotations
 
-import _signal
+import _signal  # the C functions: signal.signal's Python wrapper runs lines after the restore
+import functools
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["ABANDONED", "COMPLETED", "completed", "hold_interrupts"]
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["ABANDONED", "COMPLETED", "commit", "commit_methods", "completed", "hold_interrupts"]
 
 COMPLETED = "fp16kit: Ctrl-C arrived during {what}; that was completed first, so it is done (do not repeat the call)."
 ABANDONED = (
@@ -52,7 +56,7 @@ class _Held:
 
     def __init__(self, what: str, on_abandon: Callable[[], None] | None) -> None:
         self.what = what
-        self.on_abandon = on_abandon
+        self.on_abandon = [] if on_abandon is None else [on_abandon]  # nested holds' too
         self.frame: Any = None
         self.count = 0
 
@@ -61,8 +65,8 @@ class _Held:
         if self.count == 1:
             self.frame = frame
             return
-        if self.on_abandon is not None:
-            self.on_abandon()
+        for abandon in self.on_abandon:
+            abandon()
         error = KeyboardInterrupt()
         error.add_note(ABANDONED.format(what=self.what))
         raise error
@@ -87,13 +91,17 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
     def __enter__(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signals are delivered to the main thread only
-        previous = signal.getsignal(signal.SIGINT)
-        if isinstance(previous, _Held) or not callable(previous):
-            return  # nested (the outer hold delivers), or no Python handler to defer
+        previous = _signal.getsignal(signal.SIGINT)
+        if isinstance(previous, _Held):  # nested: the outer hold delivers (and abandons us too)
+            if self.on_abandon is not None:
+                previous.on_abandon.append(self.on_abandon)
+            return
+        if not callable(previous):
+            return  # no Python handler to defer
         # Known before the install: a SIGINT just after it is held, and __exit__ must restore.
         self.previous, self.held = previous, _Held(self.what, self.on_abandon)
         try:
-            signal.signal(signal.SIGINT, self.held)
+            _signal.signal(signal.SIGINT, self.held)
         except ValueError:  # not the main interpreter: no signals here either
             self.held = None
 
@@ -102,9 +110,50 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
             return
         # One line: the restore and the check, so no line runs between them (a SIGINT at the
         # start of this line is still held; one during the rest would come after the call).
-        # _signal.signal, not signal.signal: that one is Python (signal.py, enum.py), and its
-        # lines after the restore would raise a SIGINT there without the note.
         if _signal.signal(signal.SIGINT, self.previous) is self.held and self.held.count == 1: _deliver(self.previous, self.held)  # noqa: E701, E501
+
+
+def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
+    """Decorate a method so that each call is one commit: its whole body runs under
+    :func:`hold_interrupts`. If a second SIGINT breaks it, the object is marked, and every
+    later commit of it raises RuntimeError naming the broken call -- except one with
+    ``recovers`` (``load_state_dict``), which clears the mark and then calls the object's
+    ``_recovered_from_interrupt()`` if it has one (to drop what the broken call left mid-way)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with hold_interrupts(what, on_abandon=lambda: self.__dict__.__setitem__(_BROKEN, what)):
+                if _BROKEN in self.__dict__:
+                    if not recovers:
+                        raise RuntimeError(_BROKEN_MESSAGE.format(what=self.__dict__[_BROKEN], name=type(self).__name__))
+                    broken = self.__dict__.pop(_BROKEN)  # (its own inner commits run unrefused)
+                    try:
+                        result = fn(self, *args, **kwargs)
+                    except BaseException:
+                        self.__dict__[_BROKEN] = broken  # a refused checkpoint restores nothing
+                        raise
+                    getattr(self, "_recovered_from_interrupt", lambda: None)()
+                    return result
+                return fn(self, *args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
+def commit_methods(cls: type, commits: dict[str, str], *, recovers: tuple[str, ...] = ()) -> None:
+    """Make each method ``name`` of ``cls`` one :func:`commit` described by ``commits[name]``
+    (``recovers``: the methods that clear a broken commit's mark)."""
+    for name, what in commits.items():
+        setattr(cls, name, commit(what, recovers=name in recovers)(getattr(cls, name)))
+
+
+_BROKEN = "_interrupted_commit"
+_BROKEN_MESSAGE = (
+    "A second Ctrl-C broke off {what} half way, so this {name}'s state is part old, part new. "
+    "Restore it from the last checkpoint (load_state_dict) before using it again."
+)
 
 
 def _deliver(handler: Callable[[int, Any], Any], held: _Held) -> None:

@@ -54,7 +54,7 @@ import torch
 
 from ..migrate.safe_globals import replacing
 from .checkpoint_errors import CheckpointRefused, damaged, position, refusal, structure_refused
-from .checkpoint_scan import check_regular, open_regular, scan
+from .checkpoint_scan import bounded, check_regular, open_regular, scan
 from .checkpoint_records import (
     APEX_SCALER_CLASSES,
     CLASS_KEY,
@@ -125,11 +125,17 @@ def read_checkpoint(
         # torch's allow-list is process-wide: one load at a time adds and removes the stand-ins, in
         # place of any other entry of their paths (the apex alias's live scaler classes, a user's own)
         with _ONE_AT_A_TIME, reading() as made, replacing(SAFE_GLOBALS):
+            end = None
             if safetensors:  # torch hands these to safetensors, which bounds what it reads
                 check_regular(f)
             else:
-                scan(f, opened)  # before torch reads anything: what the file may cost (checkpoint_scan)
-            obj = torch.load(opened, map_location=map_location, weights_only=True)
+                end = scan(f, opened)  # before torch reads anything: what the file may cost (checkpoint_scan)
+            source = opened if end is None else bounded(opened, end)  # the file as it was scanned
+            try:
+                obj = torch.load(source, map_location=map_location, weights_only=True)
+            finally:
+                if source is not opened:
+                    opened.seek(source.tell())  # where torch stopped, not where the read-ahead did
     except CheckpointRefused:
         raise
     except Exception as e:

@@ -37,6 +37,7 @@ import os
 import pickle
 import pickletools
 import re
+import stat
 import struct
 import zipfile
 import zlib
@@ -149,7 +150,8 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         )
     if isinstance(e, (TypeError, AttributeError, RecursionError, ValueError)):  # e.g. a REDUCE on a record
         return CheckpointRefused(
-            f"{LOADER} could not read this file: {type(e).__name__}: {e}", "structure", f"{type(e).__name__}: {e}"
+            f"{LOADER} could not read {file_name(f)}: {type(e).__name__}: {torch_words(e)}", "structure",
+            f"{type(e).__name__}: {torch_words(e)}"
         )
     if isinstance(e, _MALFORMED) or isinstance(e, RuntimeError) and not _ENVIRONMENT.search(str(e)):
         # what torch's reader raises on bytes it does not expect (a storage reference of the wrong
@@ -200,7 +202,12 @@ def _look(f: Any, start: int | None, inspect: Callable[[Any], str], *, back_to_s
         if isinstance(f, (str, os.PathLike)):
             if os.fspath(f).endswith(".safetensors"):  # torch.load hands these to safetensors
                 return ""
-            with open(f, "rb") as opened:
+            # opened afresh, after torch failed: what is there now may be a FIFO (never blocks)
+            fd = os.open(os.fspath(f), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as opened:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return ""
+                os.set_blocking(fd, True)
                 return inspect(opened)
         if start is None:
             return ""
@@ -227,9 +234,10 @@ def _not_torch_save(opened: Any) -> str:
         try:
             with zipfile.ZipFile(opened) as archive:
                 records = archive.namelist()
+                found = torch_record(archive.infolist(), "data.pkl")  # where torch's reader looks for it
         except (zipfile.BadZipFile, EOFError, OSError, ValueError):
             return ""  # a damaged checkpoint: see _damage
-        if any(n.endswith("/data.pkl") or n == "data.pkl" for n in records):
+        if found is not None:
             return ""
         return f"it is a zip archive without a data.pkl record (it holds {records[:3]!r}...)"
     if head[257:262] == b"ustar" or _starts_with_magic_number(head):  # torch's legacy formats
@@ -279,7 +287,7 @@ def _damage(e: Exception, f: Any, start: int | None) -> str:
             return sizes
     if isinstance(e, (RuntimeError, OSError, pickle.UnpicklingError)) and _TORCH_DAMAGE.search(message):
         if "Unsupported operand" in message:
-            return f"its pickle holds a byte that is no pickle opcode torch.save writes ({message})"
+            return f"its pickle holds a byte that is no pickle opcode torch.save writes ({torch_words(e)})"
         return "torch ran out of data or found it damaged"
     return ""
 
@@ -318,16 +326,17 @@ def _size_after_start(opened: Any) -> str:
     return f"zip {end - start}" if head == b"PK\x03\x04" else str(end - start)
 
 
-def damaged(f: Any, start: int | None, *, records: str = "pickle") -> CheckpointRefused | None:
+def damaged(f: Any, start: int | None, *, records: str = "pickle", name: Any = None) -> CheckpointRefused | None:
     """The error for a zip checkpoint whose records fail their CRC check (torch reads them
     unchecked), or None: ``records="pickle"`` checks ``data.pkl`` only (cheap: what a flipped
-    bit would silently change is the structure), ``"all"`` every record (reads the whole file)."""
+    bit would silently change is the structure), ``"all"`` every record (reads the whole file).
+    ``name``: how the message names the file (default: as ``f``)."""
     found = _look(f, start, _pickle_crc if records == "pickle" else _zip_damage, back_to_start=False)
     if not found:
         return None
     return CheckpointRefused(
-        f"{LOADER}: {file_name(f)} is truncated or corrupt: {found}. It starts like a checkpoint written "
-        "by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source.",
+        f"{LOADER}: {file_name(f if name is None else name)} is truncated or corrupt: {found}. It starts like a "
+        "checkpoint written by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source.",
         "damaged", found,
     )
 
@@ -339,9 +348,9 @@ def _pickle_crc(opened: Any) -> str:
     opened.seek(start)
     try:
         with zipfile.ZipFile(opened) as archive:
-            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
-            if name is not None:
-                archive.read(name)  # checks the CRC
+            info = torch_record(archive.infolist(), "data.pkl")
+            if info is not None:
+                archive.read(info)  # checks the CRC
     except zipfile.BadZipFile as e:
         return f"record data.pkl of its zip archive fails its check ({e})"
     except (EOFError, OSError, ValueError, zlib.error, NotImplementedError, RuntimeError) as e:
@@ -364,6 +373,34 @@ def _zip_damage(opened: Any) -> str:
     if bad is not None:
         return f"record {bad!r} of its zip archive fails its CRC check"
     return ""
+
+
+# ------------------------------------------------------------------ zip names, as torch reads them
+
+
+def raw_name(info: zipfile.ZipInfo) -> bytes:
+    """The bytes of record ``info``'s name in the archive (zipfile decodes them, and cuts them at a NUL)."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
+def torch_folder(infos: list[zipfile.ZipInfo]) -> bytes | None:
+    """The folder torch's zip reader reads every record from: the first record's name up to and
+    including its first ``/`` (None: no records, or the first is in no folder -- torch refuses it)."""
+    if not infos:
+        return None
+    first = raw_name(infos[0])
+    return first[: first.index(b"/") + 1] if b"/" in first else None
+
+
+def torch_record(infos: list[zipfile.ZipInfo], name: str) -> zipfile.ZipInfo | None:
+    """The record torch's reader finds for ``name`` (e.g. "data.pkl") in its folder, or None.
+    torch's reader (miniz) looks names up ignoring ASCII case, so a name is compared lower-cased
+    (the scan refuses archives with two records of one such name)."""
+    folder = torch_folder(infos)
+    if folder is None:
+        return None
+    wanted = (folder + name.encode("utf-8")).lower()
+    return next((i for i in infos if raw_name(i).lower() == wanted), None)
 
 
 # ------------------------------------------------------------------------ whole objects
@@ -415,8 +452,10 @@ def _zip_main_pickle(opened: Any, size: int = -1) -> bytes | None:
     if head != b"PK\x03\x04":
         return None
     with zipfile.ZipFile(opened) as archive:
-        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-        with archive.open(name) as record:
+        info = torch_record(archive.infolist(), "data.pkl")
+        if info is None:
+            raise StopIteration
+        with archive.open(info) as record:
             return record.read(size)
 
 

@@ -10,11 +10,20 @@ checked. Per call it knows what the callee builds::
     _codecs.encode(s, codec)                latin-1, utf-8, ascii only, on a str; len(s) * (1 or 4)
     set / OrderedDict / Counter / torch.Size(x)   a copy of x                 charged: x's size
     BUILD(obj, state)                       a copy of state (records, OrderedDict.__dict__)
-    torch.Tensor(...), torch.FloatTensor(n), UntypedStorage(n), ...   refused: memory of the
-                                            pickle's choosing (torch.save never calls them)
-    _rebuild_tensor*(storage, offset, size, stride)   a view (torch checks it fits)
+    SETITEM(S), set / OrderedDict / Counter(x), BUILD   each key hashed: the items of a tuple key
+                                            (a shared one counted each time), times one more
+                                            for each earlier key of its hash (ints, floats and
+                                            tuples of them: hashes a pickle can choose): charged
+    torch.Tensor(...), torch.FloatTensor(n)  refused: memory of the pickle's choosing (torch.save
+                                            never calls them; without arguments: an empty tensor)
+    UntypedStorage(), FloatStorage(), ...   refused: an empty storage grows to fit any view set
+                                            on it (torch.save stores every storage in the file)
+    _rebuild_tensor*(storage, offset, size, stride), BUILD(tensor, (storage, offset, size,
+    stride))                                a view, which must fit its storage (a legacy-format
+                                            storage would grow to fit it)
     _rebuild_qtensor(..., size, ...)        prod(size) bytes before it checks: charged
-    _rebuild_device_tensor_from_cpu_tensor(t, dtype, ...)   a converted copy: charged
+    _rebuild_device_tensor_from_cpu_tensor(t, dtype, ...)   a converted copy of all t's items (a
+                                            zero-stride view has more than its storage): charged
     _rebuild_from_type_v2(f, cls, args, state)   f(*args) as above, f a tensor rebuild
     fp16kit's stand-ins (checkpoint_records)   as torch runs them; their class or function
                                             itself never stored as a value
@@ -88,10 +97,43 @@ class _V:
     """What the scan knows of one pickled value: its kind, size (bytes or items), nesting depth,
     and for some kinds the value (ints, short strings, global paths, tuple items)."""
 
-    __slots__ = ("kind", "size", "depth", "value", "stand_in")
+    __slots__ = ("kind", "size", "depth", "value", "stand_in", "tree", "hashed")
 
-    def __init__(self, kind: str, size: int = 0, depth: int = 0, value: Any = None, stand_in: bool = False) -> None:
+    def __init__(self, kind: str, size: int = 0, depth: int = 0, value: Any = None, stand_in: bool = False,
+                 tree: int = 1) -> None:
         self.kind, self.size, self.depth, self.value, self.stand_in = kind, size, depth, value, stand_in
+        self.tree, self.hashed = tree, _UNHASHED  # tree: items hashing it visits (a shared one each time)
+
+
+_UNHASHED = object()
+_MAX_TREE = 1 << 62
+
+
+class _Hash:
+    """Stands for an item of known hash in a tuple whose hash the scan works out."""
+
+    __slots__ = ("h",)
+
+    def __init__(self, h: int) -> None:
+        self.h = h
+
+    def __hash__(self) -> int:
+        return self.h
+
+
+def _hash(v: _V) -> int | None:
+    """The hash Python gives the value ``v`` stands for, where a pickle can choose it (ints, floats,
+    tuples of them): keys chosen to collide make each insertion compare with all before. None
+    where it cannot (str and bytes hashes are salted per process) or the value is unhashable."""
+    if v.hashed is _UNHASHED:
+        if v.kind in ("int", "float", "bool", "none"):
+            v.hashed = None if v.value is None and v.kind != "none" else hash(v.value)
+        elif v.kind == "tuple" and v.value is not None:
+            items = [_hash(i) for i in v.value]
+            v.hashed = None if None in items else hash(tuple(_Hash(h) for h in items))
+        else:
+            v.hashed = None
+    return v.hashed
 
 
 def _stand_in_paths() -> frozenset[str]:
@@ -189,6 +231,7 @@ class Scanner:
         self.stack: list[_V] = []
         self.metastack: list[list[_V]] = []
         self.memo: dict[int, _V] = {}
+        self.keyed: dict[int, tuple[_V, dict[int, int], list[int]]] = {}  # id(dict or set): it, hashes, cost
         try:
             while True:
                 op = self.stream.read(1)
@@ -257,8 +300,15 @@ class Scanner:
     def op_build(self) -> None:
         state = self._value(self.stack.pop(), "an object's state")
         inst = self.stack[-1]
+        if inst.kind == "tensor" and state.kind == "tuple" and state.value and state.value[0].kind == "storage":
+            # torch's reader runs tensor.set_(*state): a view of that storage, which a legacy-format
+            # storage grows to fit (memory of the pickle's choosing) -- so it must fit already
+            if len(state.value) != 1:
+                _view(self, "a tensor's state (tensor.set_)", state.value)
         if state.kind in ("str", "bytes", "list", "tuple", "dict", "set"):
             self.budget.charge(state.size, "an object from its state")
+        if state.kind in ("dict", "set"):
+            self._keys(_V("dict"), [], copied=state)  # its keys hashed again into the object's
         if state.depth + 1 > inst.depth:
             inst.depth = state.depth + 1
             if inst.depth > MAX_DEPTH:
@@ -286,6 +336,34 @@ class Scanner:
         if target.kind != kind:
             raise _Stop  # torch: "Can only append to lists" / "Can only SETITEM for dict"
         self._grow(target, items, f"an item of a {kind}")
+        if kind == "dict":
+            self._keys(target, items[::2])
+
+    def _keys(self, target: _V, keys: list[_V], copied: _V | None = None) -> None:
+        """``keys`` hashed into the dict or set ``target`` (or all the keys of ``copied``): Python
+        hashes a tuple anew each time, visiting every item of a shared one again (a few hundred
+        bytes of tuples of tuples take 2**60 steps), and compares a key with each earlier one of
+        its hash (ints chosen to collide: quadratic). Those steps are charged to the budget."""
+        entry = self.keyed.get(id(target))
+        if entry is None:
+            entry = self.keyed[id(target)] = (target, {}, [0])
+        counts, steps = entry[1], 0
+        if copied is not None and id(copied) in self.keyed:
+            source = self.keyed[id(copied)]
+            for h, n in source[1].items():
+                counts[h] = counts.get(h, 0) + n
+            steps = source[2][0]
+        for key in keys:
+            h = _hash(key)
+            if h is None:
+                steps += key.tree
+            else:
+                seen = counts.get(h, 0)
+                counts[h] = seen + 1
+                steps += key.tree * (1 + seen)
+        entry[2][0] += steps
+        self.budget.charge(steps, "dict keys or set members whose hashing and comparing take more steps than the "
+                                  "file has bytes (a tuple shared many times over, or keys chosen to collide)")
 
     def op_mark(self) -> None:
         self.metastack.append(self.stack)
@@ -299,7 +377,8 @@ class Scanner:
         depth = 1 + max((v.depth for v in items), default=0)
         if depth > MAX_DEPTH:
             self._too_deep()
-        return _V("tuple", len(items), depth, items, any(v.stand_in for v in items))
+        return _V("tuple", len(items), depth, items, any(v.stand_in for v in items),
+                  min(1 + sum(v.tree for v in items), _MAX_TREE))
 
     def _tuple_n(self, n: int) -> None:
         if len(self.stack) < n:
@@ -320,8 +399,11 @@ class Scanner:
     def op_none(self) -> None:
         self._push(_V("none"))
 
-    def op_bool(self) -> None:
-        self._push(_V("bool"))
+    def op_true(self) -> None:
+        self._push(_V("bool", value=True))
+
+    def op_false(self) -> None:
+        self._push(_V("bool", value=False))
 
     def op_empty_tuple(self) -> None:
         self._push(_V("tuple", 0, 1, []))
@@ -348,8 +430,7 @@ class Scanner:
         self._push(_V("int", value=int.from_bytes(self._read(self._read(1)[0]), "little", signed=True)))
 
     def op_binfloat(self) -> None:
-        self._read(8)
-        self._push(_V("float"))
+        self._push(_V("float", value=struct.unpack(">d", self._read(8))[0]))
 
     def op_binunicode(self) -> None:
         self._string(struct.unpack("<I", self._read(4))[0])
@@ -380,7 +461,7 @@ class Scanner:
         nbytes = numel.value * itemsize
         self.storages.setdefault(key.value, nbytes)
         self.itemsizes.setdefault(key.value, itemsize)
-        self._push(_V("storage", nbytes))
+        self._push(_V("storage", nbytes, value=itemsize))
 
     def op_get(self, index: int) -> None:
         if index not in self.memo:
@@ -445,6 +526,11 @@ def _call_torch(s: Scanner, path: str, target: Any, a: list[_V], new: bool) -> _
         out = _V(kind, a[0].size if a else 0, 1 + (a[0].depth if a else 0))
         if out.depth > MAX_DEPTH:
             s._too_deep()
+        if a and kind != "tuple":  # the copy hashes its keys (of a list of pairs: the first items)
+            items = a[0].value if a[0].kind in ("list", "tuple") and isinstance(a[0].value, list) else []
+            if path == "collections.OrderedDict":
+                items = [i.value[0] for i in items if i.kind == "tuple" and i.value]
+            s._keys(out, items, copied=a[0] if a[0].kind in ("dict", "set") else None)
         return out
     if path in ("builtins.complex", "torch.device", "torch.serialization._get_layout") or new and path in (
             "builtins.bytearray", "builtins.set", "builtins.complex"):
@@ -454,12 +540,15 @@ def _call_torch(s: Scanner, path: str, target: Any, a: list[_V], new: bool) -> _
         if not a or a[0].kind != "tensor" or len(a) > 2:
             raise refused(s.f, "it makes a torch.nn.Parameter of something other than a tensor")
         return _V("tensor", a[0].size)
-    if target in torch._tensor_classes or target is torch.Tensor or isinstance(target, type) and issubclass(
-            target, (torch.UntypedStorage, torch.storage.TypedStorage)):
+    if isinstance(target, type) and issubclass(target, (torch.UntypedStorage, torch.storage.TypedStorage)):
+        raise refused(s.f, f"it makes a storage by calling {path}(...): an empty one grows to fit any tensor "
+                      "set on it (memory of a size the pickle chooses, uninitialized); torch.save stores every "
+                      "storage in the file")
+    if target in torch._tensor_classes or target is torch.Tensor:
         if a:
             raise refused(s.f, f"it calls {path}(...) with arguments, which allocates memory of a size the pickle "
                           "chooses (uninitialized); torch.save never does")
-        return _V("storage" if "Storage" in path else "tensor")
+        return _V("tensor")
     if path in _NEVER:
         raise refused(s.f, f"it holds {_NEVER[path]} ({path}), which fp16kit.legacy.load_checkpoint does not read")
     if path in _TENSOR_REBUILDS:
@@ -507,17 +596,50 @@ def _rebuild(s: Scanner, path: str, a: list[_V]) -> _V:
         if a[0].kind != "tensor":
             raise refused(s.f, f"it calls {path} on a {a[0].kind}, not a tensor")
         if name == "_rebuild_device_tensor_from_cpu_tensor":
-            s.budget.charge(8 * a[0].size, f"a converted copy by {path}")
+            # tensor.to(dtype): a copy of all its items (a view with zero strides has many more
+            # than its storage holds), each of the new dtype's size
+            itemsize = _dtype_size(a[1]) if len(a) > 1 else 16
+            s.budget.charge(a[0].size * itemsize, f"a copy of {a[0].size:,} items by {path}")
         return _V("tensor", a[0].size)
     if name in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_qtensor"):
-        if a[0].kind != "storage" or len(a) < 4 or a[2].kind != "tuple" or not all(
-                v.kind == "int" for v in a[2].value or []):
+        if a[0].kind != "storage" or len(a) < 4:
             raise refused(s.f, f"it calls {path} without a storage and a size")
-        numel = math.prod(v.value for v in a[2].value)
+        numel = _view(s, f"a tensor ({path})", a[:4])
         if name == "_rebuild_qtensor":
             s.budget.charge(numel, f"a quantized tensor of {numel:,} items by {path}")
-        return _V("tensor", min(numel, a[0].size))
+        return _V("tensor", numel)
     return _V("tensor")  # sparse, nested, meta: their parts are tensors already read
+
+
+def _dtype_size(v: _V) -> int:
+    """The item size of the torch dtype global ``v`` (16, the largest, when it is something else)."""
+    dtype = getattr(torch, v.value.rpartition(".")[2], None) if v.kind == "global" and isinstance(v.value, str) else None
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 16
+
+
+def _view(s: Scanner, what: str, a: list[_V]) -> int:
+    """The number of items of the view ``(storage, offset, size, stride)`` in ``a``, refused when
+    it is no view torch.save writes: one reaching past its storage, negative sizes or strides.
+    (Only a view's extent is computed: a product of a pickle's many sizes could take minutes.)"""
+    storage, offset, size, stride = a
+    if offset.kind != "int" or any(v.kind != "tuple" or not all(i.kind == "int" for i in v.value or []) for v in
+                                   (size, stride)):
+        raise refused(s.f, f"it makes {what} without an int offset and tuples of int sizes and strides")
+    sizes, strides = [v.value for v in size.value], [v.value for v in stride.value]
+    if len(sizes) != len(strides) or offset.value < 0 or min(sizes + strides, default=0) < 0:
+        raise refused(s.f, f"a tensor's size, strides or offset are negative or do not match: {what} of size "
+                      f"{tuple(sizes)!r:.60}, stride {tuple(strides)!r:.60}, offset {offset.value}", "damaged")
+    if 0 in sizes:
+        return 0
+    extent = offset.value + 1 + sum((n - 1) * k for n, k in zip(sizes, strides))
+    held = storage.size // (storage.value or 1)
+    if extent > held:
+        raise refused(s.f, f"a tensor's size, strides or offset reach past its storage: {what} needs {extent:,} "
+                      f"items of a storage of {held:,}", "damaged")
+    numel = 1
+    for n in sizes:  # each at least 1: the product stops growing past any bound at once
+        numel = min(numel * n, 1 << 64)
+    return numel
 
 
 _END = object()
@@ -525,7 +647,7 @@ _OPCODES: dict[int, Any] = {
     ord(c): getattr(Scanner, f"op_{name}") for c, name in (
         ("c", "global"), ("\x81", "newobj"), ("R", "reduce"), ("b", "build"), ("a", "append"), ("e", "appends"),
         ("s", "setitem"), ("u", "setitems"), ("(", "mark"), ("t", "tuple"), ("\x85", "tuple1"), ("\x86", "tuple2"),
-        ("\x87", "tuple3"), ("N", "none"), ("\x88", "bool"), ("\x89", "bool"), (")", "empty_tuple"),
+        ("\x87", "tuple3"), ("N", "none"), ("\x88", "true"), ("\x89", "false"), (")", "empty_tuple"),
         ("]", "empty_list"), ("}", "empty_dict"), ("\x8f", "empty_set"), ("J", "binint"), ("K", "binint1"),
         ("M", "binint2"), ("G", "binfloat"), ("X", "binunicode"), ("U", "short_binstring"), ("Q", "binpersid"),
         ("h", "binget"), ("j", "long_binget"), ("q", "binput"), ("r", "long_binput"), ("\x8a", "long1"),

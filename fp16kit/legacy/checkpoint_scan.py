@@ -10,8 +10,11 @@ file is read once, cheaply, first::
     the input        a regular file (a FIFO, a device, a socket, a directory waits or never ends:
                      refused before it is opened for reading); an open file object or BytesIO as
                      given
-    zip format       the central directory only: names unique (torch reads the first data.pkl,
-                     zipfile the last), records stored or deflated, none encrypted, no two
+    zip format       the central directory only: names unique as torch's reader looks them up
+                     (ignoring ASCII case; torch reads the first data.pkl, zipfile the last),
+                     none with a NUL byte, all in the first record's folder (torch reads
+                     FOLDER/data.pkl, FOLDER the first record's), records stored or deflated,
+                     none encrypted, no two
                      overlapping or sharing data, all before the directory, a deflated one at
                      most MAX_INFLATION times its size (torch.save stores, never deflates);
                      byteorder / .format_version records small. Then data.pkl (at most its
@@ -25,11 +28,15 @@ file is read once, cheaply, first::
                      stops at any other opcode: torch refuses it there):
                        nesting of tuples, lists, dicts, sets and objects  <= MAX_DEPTH
                        bytes built or copied by calls (bytearray(n), _codecs.encode, set(x),
-                       OrderedDict(x), BUILD's state, ...), summed     <= ALLOCATION_RATIO * size
+                       OrderedDict(x), BUILD's state, ...), plus the steps hashing and
+                       comparing dict keys and set members takes (a shared tuple is hashed
+                       item by item each time; ints may be chosen to collide), summed
+                                                                       <= ALLOCATION_RATIO * size
                                                                           + ALLOCATION_SLACK
                        _codecs.encode only with latin-1 / utf-8 / ascii on a str
-                       tensor and storage classes never called with arguments (they allocate);
-                       _rebuild_qtensor's size within the budget; wrapper subclasses and numpy
+                       tensor classes never called with arguments, storage classes never
+                       called (they allocate); every view within its storage; _rebuild_qtensor's
+                       size and a converted copy's items within the budget; wrapper subclasses and numpy
                        rebuilds (never in these checkpoints) refused
                        fp16kit's stand-ins (apex scalers, Namespace, numpy records) only called,
                        never held as a value (a bare class would come back as fp16kit's record)
@@ -53,10 +60,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint_errors import CheckpointRefused, file_name
+from .checkpoint_errors import CheckpointRefused, file_name, raw_name, torch_folder, torch_record
 from .checkpoint_pickle import ALLOCATION_RATIO, ALLOCATION_SLACK, MAX_DEPTH, Budget, Scanner, refused
 
-__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "open_regular", "scan"]
+__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "bounded", "open_regular", "scan"]
 
 #: The most a deflated zip record may expand (deflate's own maximum is about 1032).
 MAX_INFLATION = 32
@@ -103,16 +110,18 @@ def _check_regular(f: Any, mode: int) -> None:
         "read the data into an io.BytesIO and pass that.", "not_file", what)
 
 
-def scan(f: Any, opened: Any) -> None:
+def scan(f: Any, opened: Any) -> int | None:
     """Check the file ``opened`` (``f`` as the caller named it) as the module docstring says,
-    leaving its position where it was. Raises CheckpointRefused; returns None when torch may
-    read it (or when it is no checkpoint format at all: torch and the error messages say so)."""
+    leaving its position where it was. Raises CheckpointRefused; returns where the file ended
+    when it was checked (hand torch :func:`bounded` to it), or None for a file object that reads
+    text. torch may read it (or it is no checkpoint format at all: torch and the error messages
+    say so)."""
     start = opened.tell()
     try:
         head = opened.read(512)
         end = opened.seek(0, os.SEEK_END)
         if not isinstance(head, bytes):
-            return
+            return None
         budget = Budget(f, end - start)
         opened.seek(start)
         if head.startswith(b"PK\x03\x04"):
@@ -125,8 +134,54 @@ def scan(f: Any, opened: Any) -> None:
                 "legacy_tar", "torch's legacy tar format")
         elif head.startswith(b"\x80"):
             _scan_legacy(f, opened, end, budget)
+        return end
     finally:
         opened.seek(start)
+
+
+class _Window(io.RawIOBase):
+    """The file ``opened`` up to ``end``: reads stop there, and its end is there."""
+
+    def __init__(self, opened: Any, end: int) -> None:
+        super().__init__()
+        self._f, self._end = opened, end
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_END:
+            pos += self._end
+        elif whence == os.SEEK_CUR:
+            pos += self._f.tell()
+        if pos < 0:  # what io.BytesIO says (a file says OSError EINVAL: not the file's fault)
+            raise ValueError(f"negative seek value {pos}")
+        return self._f.seek(pos)
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = max(0, min(len(view), self._end - self._f.tell()))
+        if not n:
+            return 0
+        if hasattr(self._f, "readinto"):
+            return self._f.readinto(view[:n]) or 0
+        data = self._f.read(n)
+        view[:len(data)] = data
+        return len(data)
+
+
+def bounded(opened: Any, end: int) -> io.BufferedReader:
+    """``opened`` as :func:`scan` checked it, for torch to read: nothing past ``end``, where
+    the file ended then. A zip's directory is read from the end of the file: appended to while
+    it is loaded (another process saving into it), the file would point torch at records the
+    scan never saw."""
+    return io.BufferedReader(_Window(opened, end), 1 << 16)
 
 
 # -------------------------------------------------------------------------------- zip
@@ -139,17 +194,22 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
         raise refused(f, f"its zip archive does not open ({type(e).__name__}: {e})", "damaged") from None
     with archive:
         infos = archive.infolist()
-        _check_directory(f, opened, archive, infos)
-        pickles = [i for i in infos if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
-        if not pickles:
+        records = _check_directory(f, opened, archive, infos)
+        folder = torch_folder(infos)
+        pickle = torch_record(infos, "data.pkl")  # the one torch reads: in the first record's folder
+        if folder is None or pickle is None:
             return  # not a checkpoint: torch and the messages say so
-        prefix = pickles[0].filename[: -len("data.pkl")]
         for info in infos:
-            if info.filename[len(prefix):] in _SMALL_RECORDS and info.file_size > 64:
+            if not raw_name(info).startswith(folder):
+                raise refused(f, f"its zip record {info.filename!r} is outside the folder {folder.decode('cp437')!r} "
+                               "of its first record, where torch's reader reads every record", "damaged")
+        for small in _SMALL_RECORDS:
+            info = records.get((folder + small.encode()).lower())
+            if info is not None and info.file_size > 64:
                 raise refused(f, f"its record {info.filename!r} holds {info.file_size:,} bytes; torch.save writes "
                                "a few", "damaged")
         try:
-            data = archive.read(pickles[0])  # bounded: at most MAX_INFLATION times its stored size
+            data = archive.read(pickle)  # bounded: at most MAX_INFLATION times its stored size
         except zipfile.BadZipFile as e:
             raise refused(f, f"record data.pkl of its zip archive fails its check ({e})", "damaged") from None
         except (OSError, ValueError, EOFError, NotImplementedError, zlib.error) as e:
@@ -159,26 +219,36 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
     scanner = Scanner(f, stream, len(data), budget, legacy=False)
     if not scanner.run():
         return
-    sizes = {i.filename: i.file_size for i in infos}
+    prefix = folder.decode("cp437")
     for key, nbytes in scanner.storages.items():
         name = f"{prefix}data/{key}"
-        if name not in sizes:
+        info = records.get((folder + b"data/" + key.encode("utf-8", "surrogatepass")).lower())
+        if info is None:
             raise refused(f, f"its pickle names storage {key!r}, but the archive holds no record {name!r}", "damaged")
-        if sizes[name] != nbytes:
-            raise refused(f, f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {name!r} holds "
-                           f"{sizes[name]:,}", "damaged")
+        if info.file_size != nbytes:
+            raise refused(f, f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {info.filename!r} "
+                           f"holds {info.file_size:,}", "damaged")
 
 
-def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> None:
-    """The central directory's claims, before anything is inflated (see the module docstring)."""
-    names: set[str] = set()
+def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile,
+                     infos: list[zipfile.ZipInfo]) -> dict[bytes, zipfile.ZipInfo]:
+    """The central directory's claims, before anything is inflated (see the module docstring); the
+    records by their names as torch's reader looks them up (bytes, ASCII lower-cased)."""
+    names: dict[bytes, zipfile.ZipInfo] = {}
     spans = []
     directory = getattr(archive, "start_dir", None)
     for info in infos:
-        if info.filename in names:
+        raw = raw_name(info)
+        if b"\0" in raw:
+            raise refused(f, f"its zip record {info.orig_filename!r} has a NUL byte in its name (zip readers "
+                           "disagree on where such a name ends)", "damaged")
+        if raw.lower() in names:
+            twin = names[raw.lower()].filename
             raise refused(f, f"its zip archive holds the record {info.filename!r} twice (torch reads one copy, a "
-                           "zip tool the other)", "damaged")
-        names.add(info.filename)
+                           "zip tool the other)" if twin == info.filename else
+                           f"its zip archive holds the records {twin!r} and {info.filename!r}, one name to torch's "
+                           "reader (which ignores case): torch reads one, a zip tool the other", "damaged")
+        names[raw.lower()] = info
         if info.flag_bits & 0x41:  # traditional or strong encryption
             raise refused(f, f"its zip record {info.filename!r} is encrypted", "damaged")
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
@@ -198,6 +268,7 @@ def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile, infos: list[
                            "shape)", "damaged")
     if spans and directory is not None and spans[-1][1] > directory:
         raise refused(f, f"its zip record {spans[-1][2]!r} reaches into the archive's directory", "damaged")
+    return names
 
 
 def _local_end(f: Any, opened: Any, info: zipfile.ZipInfo) -> int:
@@ -261,11 +332,14 @@ def check_regular(f: Any) -> None:
     _check_regular(f, mode)
 
 
-def check_file(f: Any) -> None:
+def check_file(f: Any, *, crc: bool = False) -> None:
     """:func:`open_regular` and :func:`scan` for the path or file object ``f``, under the allow-list
     :func:`fp16kit.legacy.load_checkpoint` reads with (a caller that looks at a file before loading
-    it: ``convert_file``'s CRC check of every record)."""
+    it); with ``crc``, then every record of a zip checkpoint CRC-checked (``convert_file``), read
+    from the same open file as scanned (the path could name another by then, or the file have
+    grown a directory the scan never saw)."""
     from ..migrate.safe_globals import replacing
+    from .checkpoint_errors import damaged
     from .checkpoint_records import SAFE_GLOBALS
 
     if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(".safetensors"):
@@ -273,8 +347,13 @@ def check_file(f: Any) -> None:
         return
     opened, ours = open_regular(f)
     try:
+        start = opened.tell()
         with replacing(SAFE_GLOBALS):
-            scan(f, opened)
+            end = scan(f, opened)
+        if crc and end is not None:
+            corrupt = damaged(bounded(opened, end), start, records="all", name=f)
+            if corrupt is not None:
+                raise corrupt
     finally:
         if ours:
             opened.close()

@@ -8,6 +8,7 @@ on them (exit 1, nothing written).
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pathlib
@@ -411,7 +412,7 @@ PICKLE_BOMBS = {
                                  r"calls torch.FloatTensor\(...\) with arguments, which allocates"),
     "torch.Tensor.__new__(2**24)": (b"\x80\x02ctorch\nTensor\nJ\x00\x00\x00\x01\x85\x81.",
                                     r"calls torch.Tensor\(...\) with arguments"),
-    "UntypedStorage(2**26)": (b"\x80\x02ctorch.storage\nUntypedStorage\nJ\x00\x00\x00\x04\x85R.", "with arguments"),
+    "UntypedStorage(2**26)": (b"\x80\x02ctorch.storage\nUntypedStorage\nJ\x00\x00\x00\x04\x85R.", "makes a storage by calling"),
 }
 
 
@@ -615,6 +616,10 @@ LEAKS = {  # what torch raised, leaking through load_checkpoint: the file, its r
     "KeyError (a memo entry never stored)": (lambda: _zip_with(b"\x80\x02h\x05."), "refers to a value it never stored"),
     "IndexError (SETITEMS without a value)": (lambda: _zip_with(b"\x80\x02}(K\x01u."), "sets a dict item without a value"),
     "RuntimeError with torch's weights_only=False advice (legacy tar)": (_legacy_tar, "legacy tar format"),
+    # LONG4 (protocol 1+, never in torch.save's output): the refusal quoted torch's whole message,
+    # "Re-running `torch.load` with `weights_only` set to `False` will likely succeed" included
+    "torch's advice quoted for an unsupported opcode (LONG4)": (
+        lambda: _zip_with(b"\x80\x02\x8b\xff\xff\xff\x7f."), r"no pickle opcode torch.save writes \(Unsupported operand 139\)"),
 }
 
 
@@ -624,4 +629,328 @@ def test_what_torch_raises_on_a_malformed_file_is_one_checkpoint_refused(case):
     with pytest.raises(CheckpointRefused, match=said) as info:
         load_checkpoint(io.BytesIO(make()))
     assert type(info.value) is CheckpointRefused and "weights_only=False` " not in str(info.value)
+    assert "weights_only` set to `False`" not in str(info.value) and "Weights only load failed" not in str(info.value)
     assert "the BytesIO it was given" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# A second adversarial round (issue 17 §2): file forms where what the pre-scan checked was not what
+# torch then read, or where a few bytes still asked for memory or work the file does not hold.
+
+_HOSTILE_PICKLE = b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x10\x85R."  # bytearray(2**28)
+
+
+def _zip_records(records: list[tuple[str, bytes]]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, record in records:
+            z.writestr(name, record)
+    return out.getvalue()
+
+
+def _legit_records(folder: str = "archive/") -> list[tuple[str, bytes]]:
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        return [(folder + i.filename[len("archive/"):], z.read(i.filename)) for i in z.infolist()]
+
+
+ZIP_NAME_TRICKS = {
+    # torch's zip reader (miniz) looks names up ignoring ASCII case: it read the hostile twin, the
+    # scan and the CRC check the benign one (1.2 KB -> 5 GB, MemoryError)
+    "a data.pkl twin differing in case, after": (
+        lambda: _zip_records(_legit_records() + [("archive/Data.pkl", _HOSTILE_PICKLE)]), "one name to torch's reader"),
+    "a data.pkl twin differing in case, before": (
+        lambda: _zip_records(_legit_records()[:1] + [("archive/DATA.PKL", _HOSTILE_PICKLE)] + _legit_records()[1:]),
+        "one name to torch's reader"),
+    # torch reads FOLDER/data.pkl, FOLDER the first record's: the scan read the first record ending
+    # in /data.pkl (1.2 KB -> 2.3 GB, loaded)
+    "a benign data.pkl in a subfolder, the hostile one in the first record's folder": (
+        lambda: _zip_records([("a/version", b"3\n")] + _legit_records("a/b/") + [("a/data.pkl", _HOSTILE_PICKLE)]),
+        "builds 268,435,456 bytes by builtins.bytearray"),
+    "records outside the first record's folder": (
+        lambda: _zip_records([("a/version", b"3\n")] + _legit_records("b/") + [("a/data.pkl", _HOSTILE_PICKLE)]),
+        "is outside the folder 'a/' of its first record"),
+    "a NUL in a record's name": (
+        lambda: _zip_records(_legit_records() + [("archive/data/0@x", b"")]).replace(b"0@x", b"0\x00x"),
+        "has a NUL byte in its name"),
+}
+
+
+@pytest.mark.parametrize("case", list(ZIP_NAME_TRICKS))
+def test_the_pickle_scanned_is_the_one_torch_reads(case, inflated):
+    make, said = ZIP_NAME_TRICKS[case]
+    data = make()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointRefused, match=said) as info:
+            load_checkpoint(io.BytesIO(data))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**22, peak  # not the 256 MiB the hostile pickle asks for
+    assert "weights_only=False` " not in str(info.value)
+
+
+def test_records_named_in_other_cases_or_folders_still_load():
+    """Storage keys are looked up as torch does; a folder name of any case is torch's own choice."""
+    data = _zip_records(_legit_records("MyModel/"))
+    assert load_checkpoint(io.BytesIO(data))["w"].tolist() == [0.0] * 4
+
+
+def _pid(legacy: bool) -> bytes:
+    """The persistent id (MARK ... BINPERSID) of the one 4-float storage of a real checkpoint's pickle."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=not legacy)
+    data = buf.getvalue()
+    if not legacy:
+        data = zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")
+    start = data.index(b"(X\x07\x00\x00\x00storage")
+    return data[start:data.index(b"Q", start) + 1]
+
+
+def _with_object(legacy: bool, obj: bytes) -> bytes:
+    """A checkpoint of ``{"w": zeros(4)}`` whose object pickle is ``{"w": <obj>}`` (``obj`` uses the storage)."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=not legacy)
+    data = buf.getvalue()
+    pkl = b"\x80\x02}X\x01\x00\x00\x00w" + obj + b"s."
+    if not legacy:
+        return _rezip(data, lambda record: pkl)
+    stream = io.BytesIO(data)
+    import pickletools
+    for _ in range(3):
+        for _op in pickletools.genops(stream):
+            pass
+    start = stream.tell()
+    for _op in pickletools.genops(stream):
+        pass
+    return data[:start] + pkl + data[stream.tell():]
+
+
+_J = lambda n: b"J" + struct.pack("<i", n)  # noqa: E731
+_EMPTY_STORAGE = b"ctorch.storage\nUntypedStorage\n)R"
+_V2 = b"ctorch._utils\n_rebuild_tensor_v2\n"
+_NO_HOOKS = b"\x89ccollections\nOrderedDict\n)R"
+
+
+def _growing(storage: bytes, size: int = 2**29, stride: int = 1) -> bytes:
+    """torch.FloatTensor(), then BUILD: tensor.set_(storage, 0, (size,), (stride,))."""
+    return b"ctorch\nFloatTensor\n)R(" + storage + b"K\x00" + _J(size) + b"\x85" + _J(stride) + b"\x85tb"
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+@pytest.mark.parametrize("case, said", [
+    # an empty storage made by a call grows to fit: 973 bytes loaded a 2 GiB tensor of uninitialized
+    # memory (convert-checkpoint wrote it out); 2**31 items raised a bare RuntimeError (can't allocate)
+    ("set_ on an empty storage", "makes a storage by calling torch.storage.UntypedStorage"),
+    ("rebuild on an empty storage", "makes a storage by calling torch.storage.UntypedStorage"),
+    # a legacy-format storage grew to fit a view set on it (2 GiB asked of the allocator)
+    ("set_ past the file's storage", r"reach past its storage: a tensor's state \(tensor.set_\) needs 536,870,912 items"),
+    # a zero-stride view of 2**28 items of one float, converted: 2 GiB from 1 KB (loaded)
+    ("a converted zero-stride view", "builds a copy of 268,435,456 items by torch._utils._rebuild_device_tensor"),
+])
+def test_a_view_that_grows_or_expands_into_memory_the_file_lacks_is_refused(legacy, case, said, no_torch_load):
+    pid = _pid(legacy)
+    obj = {
+        "set_ on an empty storage": lambda: _growing(_EMPTY_STORAGE),
+        "rebuild on an empty storage": lambda: _V2 + b"(" + _EMPTY_STORAGE + b"K\x00" + _J(2**29) + b"\x85K\x01\x85"
+                                       + _NO_HOOKS + b"tR",
+        "set_ past the file's storage": lambda: _growing(pid),
+        "a converted zero-stride view": lambda: b"ctorch._utils\n_rebuild_device_tensor_from_cpu_tensor\n(" + _V2 + b"("
+                                        + pid + b"K\x00" + _J(2**28) + b"\x85K\x00\x85" + _NO_HOOKS
+                                        + b"tRctorch\nfloat64\nX\x03\x00\x00\x00cpu\x89tR",
+    }[case]()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointRefused, match=said):
+            load_checkpoint(io.BytesIO(_with_object(legacy, obj)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**22, peak
+
+
+def test_a_size_of_many_huge_dimensions_is_not_multiplied_out():
+    """200,000 sizes of 2**62 and strides 0: the scan multiplied them (minutes for 2.4 MB); now
+    only the view's extent is computed, and its item count capped."""
+    k = 200_000
+    obj = (_V2 + b"(" + _pid(False) + b"K\x00(" + (b"\x8a\x08" + (2**62).to_bytes(8, "little")) * k + b"t("
+           + b"K\x00" * k + b"t" + _NO_HOOKS + b"tR")
+    with pytest.raises(CheckpointRefused):
+        load_checkpoint(io.BytesIO(_with_object(False, obj)))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+def test_views_of_every_shape_torch_save_writes_still_load(legacy):
+    """Offsets, transposes, slices, zero strides (expand), empty views, of a big storage: each
+    loads as torch.load(weights_only=True) gives it, sharing its storage."""
+    base = torch.arange(60.0).reshape(6, 10)
+    obj = {"base": base, "t": base.t(), "slice": base[2:, 3:7], "step": base[:, ::3], "row": base[5],
+           "expand": torch.arange(3.0).expand(4, 3), "empty": base[3:3], "scalar": base[1, 1],
+           "h": base.half()[1:], "c": torch.tensor([1 + 2j, 3j])[1:], "b": torch.tensor([True, False])}
+    buf = io.BytesIO()
+    torch.save(obj, buf, _use_new_zipfile_serialization=not legacy)
+    want = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    got = load_checkpoint(io.BytesIO(buf.getvalue()))
+    for k, v in want.items():
+        assert got[k].stride() == v.stride() and got[k].storage_offset() == v.storage_offset() and torch.equal(got[k], v)
+    assert got["t"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+
+
+def _shared_tuple(levels: int) -> bytes:
+    """T0 = (); T(i+1) = (Ti, Ti), memoized: a few bytes per level, 2**levels items to hash."""
+    return b")q\x00" + b"h\x00\x86q\x00" * levels
+
+
+_P = 2**61 - 1  # Python's int hash is the value modulo this prime: these ints all hash alike
+
+
+def _colliding_ints(n: int, after: bytes = b"") -> bytes:
+    return b"".join(b"\x8a\x10" + (k * _P).to_bytes(16, "little", signed=True) + after for k in range(1, n + 1))
+
+
+HASH_BOMBS = {
+    # a 1.2 KB file as one dict key: hashing it visited 2**60 items (never ended)
+    "a shared tuple as a dict key": b"\x80\x02}" + _shared_tuple(60) + b"K\x01s.",
+    "a shared tuple as a set member": b"\x80\x02c__builtin__\nset\n]" + _shared_tuple(60) + b"a\x85R.",
+    "a shared tuple in OrderedDict's pairs": b"\x80\x02ccollections\nOrderedDict\n]" + _shared_tuple(60)
+                                             + b"K\x01\x86a\x85R.",
+    # each copy hashes the keys again: 2**18 steps a copy, 100,000 copies
+    "a dict of one costly key, copied": b"\x80\x02]}" + _shared_tuple(18) + b"K\x01sq\x01("
+                                        + b"ccollections\nOrderedDict\nh\x01\x85R" * 100_000 + b"e.",
+    # 50,000 int keys of one hash: each compared with all before it (950 KB: 14 s, quadratic)
+    "ints chosen to collide, as dict keys": b"\x80\x02}(" + _colliding_ints(50_000, b"N") + b"u.",
+    "ints chosen to collide, in a set": b"\x80\x02c__builtin__\nset\n](" + _colliding_ints(50_000) + b"e\x85R.",
+}
+
+
+@pytest.mark.parametrize("case", list(HASH_BOMBS))
+def test_keys_that_take_more_steps_to_hash_than_the_file_has_bytes_are_refused(case, no_torch_load):
+    """Bounded by the budget the scan charges each key's hashing and comparing to (never timed)."""
+    with pytest.raises(CheckpointRefused, match="hashing and comparing take more steps than the file has bytes"):
+        load_checkpoint(io.BytesIO(_zip_with(HASH_BOMBS[case])))
+
+
+def test_int_float_and_tuple_keys_of_real_checkpoints_still_load():
+    obj = {"state": {i: {"step": i} for i in range(5000)}, (1, 2): {(3, (4, 5)), 6, -1, -2}, 1.5: 2, -7: None,
+           "od": collections.OrderedDict([((1, 2), 3), (4, 5)])}
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    assert load_checkpoint(io.BytesIO(buf.getvalue())) == torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+def _appended_archive(good: bytes, pkl: bytes = b"", archive: bytes | None = None) -> bytes:
+    """Bytes that, appended to the checkpoint ``good``, make a new end of the archive: records of a
+    folder of their own and a directory (offsets counted from the start of ``good``) naming them
+    only -- what torch's reader, reading the directory at the end of the file, then reads."""
+    tail = (archive or _zip_with(pkl)).replace(b"archive/", b"appendd/")  # the same length
+    start = zipfile.ZipFile(io.BytesIO(tail)).start_dir
+    directory, i = bytearray(tail[start:]), 0
+    while directory[i:i + 4] == b"PK\x01\x02":
+        n, m, k = struct.unpack("<HHH", directory[i + 28:i + 34])
+        directory[i + 42:i + 46] = struct.pack("<I", struct.unpack("<I", directory[i + 42:i + 46])[0] + len(good))
+        i += 46 + n + m + k
+    directory[i + 16:i + 20] = struct.pack("<I", struct.unpack("<I", directory[i + 16:i + 20])[0] + len(good))
+    return tail[:start] + bytes(directory)
+
+
+def test_a_file_growing_after_its_scan_is_read_as_it_was_scanned(tmp_path, monkeypatch):
+    """Appended to between the scan and torch.load, a zip checkpoint pointed torch at a new
+    directory the scan never saw (a 256 MiB bytearray from a few appended bytes, loaded)."""
+    import fp16kit.legacy.checkpoint as checkpoint
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    good = buf.getvalue()
+    tail = _appended_archive(good, _HOSTILE_PICKLE)
+    assert isinstance(torch.load(io.BytesIO(good + tail), weights_only=True), bytearray)  # control
+    path = tmp_path / "growing.pt"
+    path.write_bytes(good)
+    real = checkpoint.scan
+
+    def scan_then_grow(f, opened):
+        end = real(f, opened)
+        with open(path, "ab") as out:  # another process, saving into the file
+            out.write(tail)
+        return end
+
+    monkeypatch.setattr(checkpoint, "scan", scan_then_grow)
+    tracemalloc.start()
+    try:
+        out = load_checkpoint(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out["w"].tolist() == [1.0, 1.0] and peak < 2**24, peak
+
+
+@pytest.mark.parametrize("torch_fails", [True, False], ids=["torch fails", "torch loads"])
+def test_a_path_replaced_by_a_fifo_while_loading_is_never_opened(tmp_path, monkeypatch, torch_fails):
+    """After torch.load, the path is opened again (to word a refusal, to check data.pkl's CRC):
+    replaced by a FIFO meanwhile, that open waited forever for a writer."""
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    real = torch.load
+    unblock = []
+
+    def load_then_swap(*args, **kwargs):
+        out = real(*args, **kwargs)
+        os.unlink(path)
+        os.mkfifo(path)
+        unblock.append(_Unblock(path))
+        if torch_fails:
+            raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+        return out
+
+    monkeypatch.setattr(torch, "load", load_then_swap)
+    try:
+        if torch_fails:
+            with pytest.raises(CheckpointRefused):
+                load_checkpoint(path)
+        else:
+            assert load_checkpoint(path)["w"].tolist() == [1.0, 1.0]
+    finally:
+        for u in unblock:
+            u.stop()
+    assert unblock and unblock[0].opened == 0  # never opened for reading
+
+
+def test_convert_checks_the_crcs_of_the_file_it_scanned(tmp_path, monkeypatch, inflated):
+    """convert_file scanned the path, then opened it again to CRC-check every record: a zip bomb
+    appended in between (or the path replaced) was inflated in full (19 GB)."""
+    import fp16kit.legacy.checkpoint_scan as checkpoint_scan
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    good = buf.getvalue()
+    tail = _appended_archive(good, archive=_bomb(entries=3))
+    path = tmp_path / "growing.pt"
+    path.write_bytes(good)
+    real = checkpoint_scan.scan
+
+    def scan_then_grow(f, opened):
+        end = real(f, opened)
+        with open(path, "ab") as out:
+            out.write(tail)
+        return end
+
+    monkeypatch.setattr(checkpoint_scan, "scan", scan_then_grow)
+    with pytest.raises(CheckpointRefused, match="MAX_INFLATION"):  # the load's own scan, of the grown file
+        convert_file(path, tmp_path / "out.pt")
+    assert inflated[0] < 2**16, inflated[0]  # the records scanned, not the bomb's 3 x 64 MiB
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_zip_comment_torch_cannot_read_past_is_one_refusal_naming_the_file(tmp_path):
+    """A 64 KB archive comment: torch's zip reader seeks before the start of the file looking for
+    the directory; from a file that was a bare OSError (Errno 22, Invalid argument)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, record in _legit_records():
+            z.writestr(name, record)
+        z.comment = b"x" * 65535
+    path = tmp_path / "comment.pt"
+    path.write_bytes(out.getvalue())
+    with pytest.raises(CheckpointRefused, match="could not read .*comment.pt.*negative seek value"):
+        load_checkpoint(path)
