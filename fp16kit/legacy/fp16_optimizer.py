@@ -39,9 +39,8 @@ from typing import Any
 import torch
 
 from ..core import kernels
-from ..core.interrupts import hold_interrupts
+from ..core.interrupts import commit_methods
 from ..core.scale import LossScale
-from ..master_checkpoint import match_saved_masters, validate_optimizer_groups
 from ..optimizer import MixedPrecisionOptimizer
 from ..wrapping import WrappingOptimizer
 from ._messages import apex_logger, float_or_half
@@ -427,27 +426,25 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         clears them before it writes this iteration's grads."""
         if set_to_none is not None:
             set_grads_to_None = set_to_none
-        with hold_interrupts("optimizer.zero_grad()"):
-            if self.async_step:
-                kernels.clear_grads_(self.all_fp16_params, set_to_none=set_grads_to_None)
-                self._master_grads_reset = "none" if set_grads_to_None else "zero"
-                self._prepared = None  # those grads are gone: step() needs a new backward
-                return
-            owned = [p for group in self.optimizer.param_groups for p in group["params"]]
-            kernels.clear_grads_(owned + self.all_fp16_params, set_to_none=set_grads_to_None)
+        if self.async_step:
+            kernels.clear_grads_(self.all_fp16_params, set_to_none=set_grads_to_None)
+            self._master_grads_reset = "none" if set_grads_to_None else "zero"
+            self._prepared = None  # those grads are gone: step() needs a new backward
+            return
+        owned = [p for group in self.optimizer.param_groups for p in group["params"]]
+        kernels.clear_grads_(owned + self.all_fp16_params, set_to_none=set_grads_to_None)
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """``(loss.float() * loss_scale).backward(retain_graph=retain_graph)``, then
         :meth:`update_master_grads` unless ``update_master_grads=False`` (for several losses:
         ``backward(l1, False); backward(l2, False); update_master_grads()``).
 
-        One commit, the autograd backward included: once it has added to the grads, repeating
-        it would add again (a Ctrl-C during the C++ backward is run after it returns anyway)."""
-        with hold_interrupts("optimizer.backward(loss)"):
-            scaled_loss = kernels.scale_outputs(loss.float(), lambda _d: self.loss_scaler.scale_tensor())
-            scaled_loss.backward(retain_graph=retain_graph)
-            if update_master_grads:
-                self.update_master_grads()
+        One commit, the autograd backward included: once that has added to the grads, repeating
+        the call would add again (and a Ctrl-C during the C++ backward runs when it returns)."""
+        scaled_loss = kernels.scale_outputs(loss.float(), lambda _d: self.loss_scaler.scale_tensor())
+        scaled_loss.backward(retain_graph=retain_graph)
+        if update_master_grads:
+            self.update_master_grads()
 
     def update_master_grads(self) -> None:
         """fp16 model grads -> fp32 master grads * 1/scale, fp32 params' grads * 1/scale in
@@ -456,22 +453,21 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         With ``async_step``: check the model grads and update the scale on their device; the
         transfer into the master grads runs in the step's job. (The model keeps its weights
         until ``step()``, as in apex: a second loss may still backpropagate through them.)"""
-        with hold_interrupts("optimizer.update_master_grads()"):
-            scale = self.loss_scaler.scale_tensor()
-            self._grads_since_step = True
-            if self.async_step:
-                self._prepare_async_step(scale)
-                return
-            flags = self._mpo.grads_to_masters(
-                kernels.inv_scale(scale), kernels.new_found_inf(scale.device), clear_missing=False
-            )
-            if self.dynamic_loss_scale:
-                found_inf = kernels.combine_found_inf(flags.values(), scale.device)
-                self.loss_scaler.update(found_inf)
-                self._overflow = found_inf != 0
-            else:
-                self.loss_scaler.update(None)
-                self._overflow = False  # apex never checked with a static scale
+        scale = self.loss_scaler.scale_tensor()
+        self._grads_since_step = True
+        if self.async_step:
+            self._prepare_async_step(scale)
+            return
+        flags = self._mpo.grads_to_masters(
+            kernels.inv_scale(scale), kernels.new_found_inf(scale.device), clear_missing=False
+        )
+        if self.dynamic_loss_scale:
+            found_inf = kernels.combine_found_inf(flags.values(), scale.device)
+            self.loss_scaler.update(found_inf)
+            self._overflow = found_inf != 0
+        else:
+            self.loss_scaler.update(None)
+            self._overflow = False  # apex never checked with a static scale
 
     def _prepare_async_step(self, scale: torch.Tensor) -> None:
         inv = kernels.inv_scale(scale)
@@ -492,22 +488,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
         With ``async_step``: hand the grads to the optimizer thread and return None at once
         (no host read of the overflow flag); the job skips or steps, and its errors surface
-        at the next call that waits for it.
-
-        One commit with torch's step hooks and profiler label inside it (a Ctrl-C is raised
-        when the step is whole); the wait for the step in flight comes first, outside it."""
-        if self.async_step:
-            self._mpo.wait_for_step()  # raises its error before anything changes: call step() again
-        with hold_interrupts("optimizer.step()"):
-            return self._hooked_step(closure)
-
-    # torch wraps a class's step() in its hooks and profiler label (Optimizer._patch_step_function),
-    # which would run after the commit, outside the hold: here they run inside it (_hooked_step),
-    # and this mark tells torch that step() is wrapped already.
-    step.hooked = True  # type: ignore[attr-defined]
-
-    @torch.optim.Optimizer.profile_hook_step
-    def _hooked_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        at the next call that waits for it."""
         if self.async_step:
             return self._submit_step(closure)
         if closure is None and not self._grads_since_step:
@@ -586,11 +567,10 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         """Clip the grads of every param in ``param_groups`` (the fp32 masters and fp32 params)
         by their total norm; return that norm, or ``-1`` if the last backward overflowed."""
         self._refuse_when_async("clip_master_grads")
-        with hold_interrupts("optimizer.clip_master_grads()"):
-            if self.overflow:
-                return -1
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            return self.clip_grad_norm(params, max_norm, norm_type)
+        if self.overflow:
+            return -1
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return self.clip_grad_norm(params, max_norm, norm_type)
 
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """The master grads per group (None where a param has none), or None while in an
@@ -628,9 +608,8 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             params = param_group["params"]  # a generator is read once: keep the list
             param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_param_types_of(param_group.get("params", []))
-        with hold_interrupts("optimizer.add_param_group()"):
-            self._mpo.add_param_group(param_group)
-            self._index_groups()
+        self._mpo.add_param_group(param_group)
+        self._index_groups()
 
     def _index_groups(self) -> None:
         """apex's per-group and flat lists, read off the MixedPrecisionOptimizer's groups."""
@@ -678,17 +657,14 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
                 "FP16_Optimizer.state_dict() (or an apex checkpoint's optimizer entry)."
             )
         new_scaler, dynamic = self._loaded_scaler(state_dict)
-        validate_optimizer_groups(state_dict["optimizer_state_dict"], self.optimizer)
-        self._mpo.wait_for_step()
-        matched = match_saved_masters(state_dict["fp32_from_fp16"], self._mpo.groups, self.optimizer.param_groups)
-        with hold_interrupts("optimizer.load_state_dict()"):  # checked and waited: now all of it
-            self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
-            self.loss_scaler = new_scaler
-            self.dynamic_loss_scale = dynamic
-            self.overflow = bool(state_dict["overflow"])
-            self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
-            self._mpo.restore_masters(matched)
-            self._prepared = None
+        # the masters' own load (it checks everything before it changes anything), which also
+        # recovers them from a commit a second Ctrl-C broke off
+        self._mpo.load_state_dict({"optimizer": state_dict["optimizer_state_dict"], "masters": state_dict["fp32_from_fp16"]})
+        self.loss_scaler = new_scaler
+        self.dynamic_loss_scale = dynamic
+        self.overflow = bool(state_dict["overflow"])
+        self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
+        self._prepared = None
 
     def _loaded_scaler(self, state_dict: dict[str, Any]) -> tuple[Any, bool]:
         """The scaler a checkpoint's ``loss_scaler`` entry describes, and whether it is dynamic
@@ -708,6 +684,22 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             f"FP16_Optimizer(dynamic_loss_scale={self.dynamic_loss_scale}, "
             f"loss_scale={self.loss_scale}, optimizer={self.optimizer!r})"
         )
+
+
+# Each of these calls is one commit: a Ctrl-C inside it is held to its end (fp16kit.core.interrupts);
+# step() is one through WrappingOptimizer, torch's step hooks included.
+commit_methods(
+    FP16_Optimizer,
+    {
+        "zero_grad": "optimizer.zero_grad()",
+        "backward": "optimizer.backward(loss)",
+        "update_master_grads": "optimizer.update_master_grads()",
+        "clip_master_grads": "optimizer.clip_master_grads()",
+        "add_param_group": "optimizer.add_param_group()",
+        "load_state_dict": "optimizer.load_state_dict()",
+    },
+    recovers=("load_state_dict",),
+)
 
 
 def _log_overflow(scale_after: float | torch.Tensor) -> None:

@@ -17,7 +17,8 @@ The calls of an iteration are the ones apex documented::
 
 from __future__ import annotations
 
-import gc
+import os
+import signal
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,25 +27,12 @@ import torch
 
 from fp16kit.legacy import FP16_Optimizer, amp
 from fp16kit.legacy.amp._amp_state import _amp_state
-from _helpers.interrupt import Script, sweep
+from _helpers.interrupt import Script, _assert_equal as assert_equal, sweep
 
 OPTS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
 }
-
-
-@pytest.fixture(autouse=True)
-def _no_gc():
-    """No collection in the middle of a swept call: a weakref callback of a dead world from an
-    earlier point would run there, at a line the tracer counts, and the KeyboardInterrupt raised
-    in it would be lost to "Exception ignored" (CPython's, for any callback) instead of showing
-    what fp16kit does at that line. Each world is built after a full collection instead."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _model(*, batchnorm: bool = False) -> torch.nn.Module:
@@ -81,7 +69,6 @@ def fp16_optimizer_script(
     with a window of 2, so the scale grows within the run; else a static scale of 128)."""
 
     def build() -> Any:
-        gc.collect()  # see _no_gc
         model = _model().half()
         inner = OPTS[opt](model.parameters())
         if dynamic:
@@ -139,7 +126,6 @@ def amp_o2_script(
     grows within the run; or a static ``loss_scale``)."""
 
     def build() -> Any:
-        gc.collect()  # see _no_gc
         model = _model(batchnorm=batchnorm)
         inner = OPTS[opt](model.parameters())
         model, o = amp.initialize(model, inner, opt_level="O2", loss_scale=loss_scale, verbosity=0)
@@ -177,28 +163,32 @@ def amp_o2_script(
 
 
 # ---------------------------------------------------------------------- the sweeps (CI: small)
+# Every line of the checks before a commit, then every 29th line; the slow tests sweep more
+# configurations (static scales, AdamW, fp32 params, async backward) and lines.
+FAST = dict(dense=30, stride=29, resume_every=5)
+CI = dict(iterations=2)  # the swept iteration is the last
+
+
 @pytest.mark.parametrize("call", ["backward", "clip", "step"])
 def test_ctrl_c_anywhere_in_an_fp16_optimizer_iteration(call: str) -> None:
-    counts = sweep(fp16_optimizer_script(clip=True, overflow_at=1), at_iteration=1, call=call)
-    assert counts["points"] > 0
+    counts = sweep(fp16_optimizer_script(clip=True, overflow_at=1, **CI), at_iteration=1, call=call, **FAST)
+    assert counts["points"] > 0 and counts["completed"] > 0
 
 
-def test_ctrl_c_anywhere_in_an_fp16_optimizer_step_static_adamw() -> None:
-    sweep(fp16_optimizer_script(opt="adamw", dynamic=False), at_iteration=1, call="step")
-
-
-@pytest.mark.parametrize("call", ["backward", "step"])
-def test_ctrl_c_anywhere_in_an_async_fp16_optimizer_iteration(call: str) -> None:
-    sweep(fp16_optimizer_script(async_step=True), at_iteration=1, call=call)
+def test_ctrl_c_anywhere_in_an_async_fp16_optimizer_step() -> None:
+    sweep(fp16_optimizer_script(async_step=True, overflow_at=1, **CI), at_iteration=1, call="step", **FAST)
 
 
 @pytest.mark.parametrize("call", ["scale_loss", "step"])
 def test_ctrl_c_anywhere_in_an_amp_o2_iteration(call: str) -> None:
-    counts = sweep(amp_o2_script(overflow_at=1), at_iteration=1, call=call)
-    assert counts["points"] > 0
+    counts = sweep(amp_o2_script(overflow_at=1, **CI), at_iteration=1, call=call, **FAST)
+    assert counts["points"] > 0 and counts["completed"] > 0 and counts["repeated"] > 0
 
 
-# ---------------------------------------------------------------------- slow: every configuration
+# ---------------------------------------------------------------------- slow: more configurations
+# A covering set, every 9th line of every call but zero_grad, at iterations 0 and 1;
+# FP16KIT_SWEEP_EVERY_LINE=1 sweeps every line of every configuration.
+EVERY_LINE = os.environ.get("FP16KIT_SWEEP_EVERY_LINE") == "1"
 FP16_OPTIMIZER_CONFIGS = [
     dict(opt=o, dynamic=d, clip=c, async_step=a, overflow_at=ov)
     for o in sorted(OPTS)
@@ -207,6 +197,13 @@ FP16_OPTIMIZER_CONFIGS = [
     for c in ((False,) if a else (False, True))  # async: clip_master_grads is refused
     for ov in ((None, 1) if d else (None,))  # a static scale never skips: an overflow is NaN weights
 ]
+FP16_OPTIMIZER_COVERING = [
+    dict(opt="sgd", dynamic=True, clip=True, async_step=False, overflow_at=None),
+    dict(opt="adamw", dynamic=True, clip=True, async_step=False, overflow_at=1),
+    dict(opt="sgd", dynamic=False, clip=False, async_step=True, overflow_at=None),
+    dict(opt="adamw", dynamic=True, clip=False, async_step=True, overflow_at=1),
+    dict(opt="adamw", dynamic=False, clip=True, async_step=False, overflow_at=None),
+]
 AMP_O2_CONFIGS = [
     dict(opt=o, loss_scale=s, batchnorm=b, overflow_at=ov)
     for o in sorted(OPTS)
@@ -214,26 +211,64 @@ AMP_O2_CONFIGS = [
     for b in (False, True)
     for ov in ((None, 1) if s == "dynamic" else (None,))
 ]
+AMP_O2_COVERING = [
+    dict(opt="sgd", loss_scale="dynamic", batchnorm=True, overflow_at=1),
+    dict(opt="adamw", loss_scale="dynamic", batchnorm=False, overflow_at=None),
+    dict(opt="adamw", loss_scale=128.0, batchnorm=True, overflow_at=None),
+    dict(opt="sgd", loss_scale=128.0, batchnorm=False, overflow_at=None),
+]
 
 
 def _ids(config: dict[str, Any]) -> str:
     return "-".join(f"{k}={v}" for k, v in config.items())
 
 
-def _sweep_all(script: Script, skip: tuple[str, ...] = ("zero_grad",)) -> None:
+def _sweep_all(script: Script) -> None:
+    pace = {} if EVERY_LINE else dict(dense=60, stride=9, resume_every=3)
     for at in (0, 1):
-        for call in [name for name, _ in script.iteration(script.build(), at)]:
-            if call not in skip:
-                sweep(script, at_iteration=at, call=call)
+        for call in [name for name, _ in script.iteration(None, at)]:
+            if call != "zero_grad":
+                sweep(script, at_iteration=at, call=call, **pace)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", FP16_OPTIMIZER_CONFIGS, ids=_ids)
-def test_ctrl_c_anywhere_fp16_optimizer_every_configuration(config: dict[str, Any]) -> None:
+@pytest.mark.parametrize("config", FP16_OPTIMIZER_CONFIGS if EVERY_LINE else FP16_OPTIMIZER_COVERING, ids=_ids)
+def test_ctrl_c_anywhere_fp16_optimizer_more_configurations(config: dict[str, Any]) -> None:
     _sweep_all(fp16_optimizer_script(**config))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", AMP_O2_CONFIGS, ids=_ids)
-def test_ctrl_c_anywhere_amp_o2_every_configuration(config: dict[str, Any]) -> None:
+@pytest.mark.parametrize("config", AMP_O2_CONFIGS if EVERY_LINE else AMP_O2_COVERING, ids=_ids)
+def test_ctrl_c_anywhere_amp_o2_more_configurations(config: dict[str, Any]) -> None:
     _sweep_all(amp_o2_script(**config))
+
+
+# ---------------------------------------------------------------------- a second Ctrl-C
+def _twice(*args: Any) -> None:  # the user pressing Ctrl-C twice while the step runs
+    handler = signal.getsignal(signal.SIGINT)
+    handler(signal.SIGINT, None)
+    handler(signal.SIGINT, None)
+
+
+def test_a_second_ctrl_c_breaks_the_fp16_optimizer_step_and_it_refuses_until_restored() -> None:
+    script = fp16_optimizer_script(opt="adamw")
+    w = script.build()
+    saved = script.checkpoint(w)
+    hook = w.opt.register_step_pre_hook(_twice)
+    for _, fn in script.iteration(w, 0)[:-1]:
+        fn(w)
+    with pytest.raises(KeyboardInterrupt) as info:
+        w.opt.step()
+    assert any("second Ctrl-C" in note for note in info.value.__notes__)
+    hook.remove()
+    for call in (w.opt.step, w.opt.zero_grad, lambda: w.opt.backward(_loss(w.model, 0, torch.float16, None))):
+        with pytest.raises(RuntimeError, match="second Ctrl-C broke off"):
+            call()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    script.restore(w, saved)  # recovers the optimizer and its masters
+    ref = script.build()
+    for world in (w, ref):
+        for i in range(2):
+            for _, fn in script.iteration(world, i):
+                fn(world)
+    assert_equal(script.state(w), script.state(ref), "after load_state_dict")

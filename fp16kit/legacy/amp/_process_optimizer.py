@@ -139,6 +139,10 @@ def _stashed_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _prepare(optimizer: torch.optim.Optimizer) -> None:
     optimizer._amp_lazy_init()
     stash = optimizer._amp_stash
+    if stash.grads_at_entry:
+        # the last entry's exit never ran (a Ctrl-C at its first line, before its commit, is
+        # raised from __exit__ itself): the grads go back as they were before that with
+        unprepare(optimizer)
     if stash.master_groups is not None:
         if stash.master_groups.unfrozen():
             stash.master_groups.refresh(lambda: None)

@@ -67,7 +67,9 @@ class ScaleLoss:
       a SIGINT there is raised after they are put back, so the block never started (repeat
       the ``with``);
     * exit after an error in the block (a KeyboardInterrupt in its backward included): the
-      grads as they were before the ``with``, then the error (repeat the ``with``);
+      grads as they were before the ``with``, then the error (repeat the ``with``); a SIGINT at
+      the exit's first line, before its commit, is raised from it with nothing put back: the
+      next entry puts the grads back first;
     * exit after the block: the unscale and the scale update as one commit; a SIGINT during it
       is raised after it, saying it was completed (go on with ``optimizer.step()``)."""
 
@@ -142,6 +144,7 @@ class ScaleLoss:
         if self.delay_unscale:
             for opt in optimizers:
                 opt._amp_stash.params_have_scaled_gradients = True
+                opt._amp_stash.grads_at_entry = []  # kept: the window's last exit unscales them
             return
         scaler = _amp_state.loss_scalers[self.loss_id]
         scaler.clear_overflow_state()
