@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from ..core import kernels
+from ..core.interrupts import commit_methods
 from ..core.scale import LossScale
-from ..master_checkpoint import match_saved_masters, validate_optimizer_groups
 from ..optimizer import MixedPrecisionOptimizer
 from ..wrapping import WrappingOptimizer
 from ._messages import apex_logger, float_or_half
@@ -437,7 +437,10 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """``(loss.float() * loss_scale).backward(retain_graph=retain_graph)``, then
         :meth:`update_master_grads` unless ``update_master_grads=False`` (for several losses:
-        ``backward(l1, False); backward(l2, False); update_master_grads()``)."""
+        ``backward(l1, False); backward(l2, False); update_master_grads()``).
+
+        One commit, the autograd backward included: once that has added to the grads, repeating
+        the call would add again (and a Ctrl-C during the C++ backward runs when it returns)."""
         scaled_loss = kernels.scale_outputs(loss.float(), lambda _d: self.loss_scaler.scale_tensor())
         scaled_loss.backward(retain_graph=retain_graph)
         if update_master_grads:
@@ -654,15 +657,13 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
                 "FP16_Optimizer.state_dict() (or an apex checkpoint's optimizer entry)."
             )
         new_scaler, dynamic = self._loaded_scaler(state_dict)
-        validate_optimizer_groups(state_dict["optimizer_state_dict"], self.optimizer)
-        self._mpo.wait_for_step()
-        matched = match_saved_masters(state_dict["fp32_from_fp16"], self._mpo.groups, self.optimizer.param_groups)
-        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        # the masters' own load (it checks everything before it changes anything), which also
+        # recovers them from a commit a second Ctrl-C broke off
+        self._mpo.load_state_dict({"optimizer": state_dict["optimizer_state_dict"], "masters": state_dict["fp32_from_fp16"]})
         self.loss_scaler = new_scaler
         self.dynamic_loss_scale = dynamic
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
-        self._mpo.restore_masters(matched)
         self._prepared = None
 
     def _loaded_scaler(self, state_dict: dict[str, Any]) -> tuple[Any, bool]:
@@ -683,6 +684,22 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             f"FP16_Optimizer(dynamic_loss_scale={self.dynamic_loss_scale}, "
             f"loss_scale={self.loss_scale}, optimizer={self.optimizer!r})"
         )
+
+
+# Each of these calls is one commit: a Ctrl-C inside it is held to its end (fp16kit.core.interrupts);
+# step() is one through WrappingOptimizer, torch's step hooks included.
+commit_methods(
+    FP16_Optimizer,
+    {
+        "zero_grad": "optimizer.zero_grad()",
+        "backward": "optimizer.backward(loss)",
+        "update_master_grads": "optimizer.update_master_grads()",
+        "clip_master_grads": "optimizer.clip_master_grads()",
+        "add_param_group": "optimizer.add_param_group()",
+        "load_state_dict": "optimizer.load_state_dict()",
+    },
+    recovers=("load_state_dict",),
+)
 
 
 def _log_overflow(scale_after: float | torch.Tensor) -> None:

@@ -33,6 +33,7 @@ import torch
 
 from ..core import kernels
 from ..core.floor import FLOOR_POLICIES
+from ..core.interrupts import hold_interrupts
 from ..core.scale import LossScale
 from ..core.scale_rules import rule_named
 from .checkpoint_records import CLASS_KEY, FP16KIT_SCALER_CLASSES
@@ -256,8 +257,11 @@ class LossScaler:
         return _scale_grads_in(self.loss_scale, grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        scaled_loss = kernels.scale_outputs(loss, lambda _d: self.loss_scale)
-        scaled_loss.backward(retain_graph=retain_graph)
+        """``(loss * loss_scale).backward()``, one commit: once it has added to the grads, a
+        Ctrl-C is raised saying so (repeating it would add again)."""
+        with hold_interrupts("loss_scaler.backward(loss)"):
+            scaled_loss = kernels.scale_outputs(loss, lambda _d: self.loss_scale)
+            scaled_loss.backward(retain_graph=retain_graph)
 
 
 _ERA1_DYNAMIC = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
@@ -344,22 +348,28 @@ class DynamicLossScaler:
         return _any_non_finite([x.detach().clone()])
 
     def update_scale(self, overflow: bool) -> None:
-        before = self._state.get_scale()
-        self._state.update(bool(overflow))
-        self._cur_iter += 1
-        # Python's types, as apex's arithmetic produced them: max(s / f, 1) is the int 1 when
-        # s / f < 1 and a float otherwise; s * f keeps int only for an int factor.
-        if overflow:
-            self._int_scale = before / self.scale_factor < 1
-        elif self._state.get_scale() != before:
-            self._int_scale = self._int_scale and isinstance(self.scale_factor, int)
+        """One step of the rule (module docstring): one commit, a Ctrl-C during it is raised
+        when the scale, the iteration count and the last overflow agree again."""
+        with hold_interrupts("loss_scaler.update_scale()"):
+            before = self._state.get_scale()
+            self._state.update(bool(overflow))
+            self._cur_iter += 1
+            # Python's types, as apex's arithmetic produced them: max(s / f, 1) is the int 1 when
+            # s / f < 1 and a float otherwise; s * f keeps int only for an int factor.
+            if overflow:
+                self._int_scale = before / self.scale_factor < 1
+            elif self._state.get_scale() != before:
+                self._int_scale = self._int_scale and isinstance(self.scale_factor, int)
 
     def scale_gradient(self, module: Any, grad_in: tuple, grad_out: tuple) -> tuple:
         return _scale_grads_in(self.loss_scale, grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        scaled_loss = kernels.scale_outputs(loss, lambda _d: self.loss_scale)
-        scaled_loss.backward(retain_graph=retain_graph)
+        """``(loss * loss_scale).backward()``, one commit: once it has added to the grads, a
+        Ctrl-C is raised saying so (repeating it would add again)."""
+        with hold_interrupts("loss_scaler.backward(loss)"):
+            scaled_loss = kernels.scale_outputs(loss, lambda _d: self.loss_scale)
+            scaled_loss.backward(retain_graph=retain_graph)
 
     def __getstate__(self) -> dict[str, Any]:
         # apex pickled these attributes; keep the pickle plain and readable.

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from ...core import kernels
+from ...core.interrupts import hold_interrupts
 from ...core.master import MasterParams
 from ...master_groups import MasterGroups
 from .._messages import apex_logger, float_or_half
 from ._amp_state import _amp_state
 
-__all__ = ["AmpOptimizerState", "process_optimizer", "unscale_into_stash", "MASTERS_KEY", "AMP_METHODS"]
+__all__ = ["AmpOptimizerState", "process_optimizer", "unprepare", "unscale_into_stash", "MASTERS_KEY", "AMP_METHODS"]
 
 MASTERS_KEY = "amp_fp32_masters"
 """The extra ``optimizer.state_dict()`` entry holding the exact fp32 masters per group (O2)."""
@@ -72,6 +73,9 @@ class AmpOptimizerState:
         self.all_fp32_from_fp16_params: list[torch.Tensor] = []
         self.all_fp32_from_fp32_params: list[torch.Tensor] = []
         self.grad_stash: dict[int, torch.Tensor | None] = {}  # id(param) -> stashed grad
+        # (param, its grad) for each grad the last scale_loss entry changed, until its exit:
+        # what the exit puts back if the block failed (or Ctrl-C came)
+        self.grads_at_entry: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
 
 def _check_types(params: Any) -> None:
@@ -135,16 +139,30 @@ def _stashed_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _prepare(optimizer: torch.optim.Optimizer) -> None:
     optimizer._amp_lazy_init()
     stash = optimizer._amp_stash
+    if stash.grads_at_entry:
+        # the last entry's exit never ran (a Ctrl-C at its first line, before its commit, is
+        # raised from __exit__ itself): the grads go back as they were before that with
+        unprepare(optimizer)
     if stash.master_groups is not None:
         if stash.master_groups.unfrozen():
             stash.master_groups.refresh(lambda: None)
             _record_master_lists(stash)
-        for p in stash.all_fp16_params:
-            p.grad = None
-    stash.grad_stash = {}
-    for p in _stashed_params(optimizer):
-        stash.grad_stash[id(p)] = p.grad
+    stashed = _stashed_params(optimizer)
+    cleared = (stash.all_fp16_params if stash.master_groups is not None else []) + stashed
+    stash.grads_at_entry = [(p, p.grad) for p in cleared]
+    for p in cleared:
         p.grad = None
+    stash.grad_stash = {id(p): g for p, g in stash.grads_at_entry[len(cleared) - len(stashed):]}
+
+
+def unprepare(optimizer: torch.optim.Optimizer) -> None:
+    """Undo the last ``_prepare_amp_backward``: every grad it changed as it was (a scale_loss
+    block that failed, or was interrupted, leaves the grads as before the ``with``)."""
+    stash = optimizer._amp_stash
+    for p, g in stash.grads_at_entry:
+        p.grad = g
+    stash.grads_at_entry = []
+    stash.grad_stash = {}
 
 
 def _post(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
@@ -167,6 +185,7 @@ def _post(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
         if acc_src:
             scaler.record(kernels.unscale_add_to_(acc_src, acc_dst, inv, scaler.new_flag()))
     _post_stashed(optimizer, scaler, inv)
+    stash.grads_at_entry = []
 
 
 def _post_stashed(optimizer: torch.optim.Optimizer, scaler: Any, inv: torch.Tensor) -> None:
@@ -231,6 +250,10 @@ def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: An
     old_step = optimizer.step
 
     def step(self: Any, closure: Callable[[], Any] | None = None) -> Any:
+        with hold_interrupts("optimizer.step()"):  # one commit, torch's step hooks included
+            return amp_step(closure)
+
+    def amp_step(closure: Callable[[], Any] | None) -> Any:
         skip = _take_skip(optimizer)
         for deferring in getattr(_amp_state, "loss_scalers", ()):  # delay_overflow_check exits
             if hasattr(deferring, "apply_deferred"):
@@ -273,10 +296,11 @@ def _make_zero_grad(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
     def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
         """apex zeroed the fp16 and fp32 grads in place and set the master grads to None;
         ``set_to_none=True`` sets them all to None (FIX: apex took no argument)."""
-        optimizer._amp_lazy_init()
-        stash = optimizer._amp_stash
-        kernels.clear_grads_(stash.all_fp16_params + stash.all_fp32_from_fp32_params, set_to_none=bool(set_to_none))
-        _clear_master_grads(optimizer)
+        with hold_interrupts("optimizer.zero_grad()"):
+            optimizer._amp_lazy_init()
+            stash = optimizer._amp_stash
+            kernels.clear_grads_(stash.all_fp16_params + stash.all_fp32_from_fp32_params, set_to_none=bool(set_to_none))
+            _clear_master_grads(optimizer)
 
     return types.MethodType(zero_grad, optimizer)
 
@@ -285,6 +309,10 @@ def _make_add_param_group(optimizer: torch.optim.Optimizer, master_weights: bool
     old_add = optimizer.add_param_group
 
     def add_param_group(self: Any, new_group: dict[str, Any]) -> None:
+        with hold_interrupts("optimizer.add_param_group()"):
+            add(new_group)
+
+    def add(new_group: dict[str, Any]) -> None:
         optimizer._amp_lazy_init()
         assert isinstance(new_group, dict), "param group must be a dict"
         params = new_group["params"]
@@ -331,12 +359,13 @@ def _make_checkpointing(optimizer: torch.optim.Optimizer) -> tuple[Callable[...,
         groups = optimizer._amp_stash.master_groups
         saved = sd.get(MASTERS_KEY) if isinstance(sd, dict) else None
         pairs = _match_masters(saved, groups) if saved is not None else None
-        old_load({k: v for k, v in sd.items() if k != MASTERS_KEY} if isinstance(sd, dict) else sd)
-        if pairs is not None:
-            kernels.copy_pairs_(pairs)
-        else:
-            if groups.masters.masters:
-                kernels.copy_to_(groups.masters.model_params, groups.masters.masters)
+        with hold_interrupts("optimizer.load_state_dict()"):
+            old_load({k: v for k, v in sd.items() if k != MASTERS_KEY} if isinstance(sd, dict) else sd)
+            if pairs is not None:
+                kernels.copy_pairs_(pairs)
+            else:
+                if groups.masters.masters:
+                    kernels.copy_to_(groups.masters.model_params, groups.masters.masters)
 
     return state_dict, load_state_dict
 

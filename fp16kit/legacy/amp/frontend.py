@@ -23,6 +23,7 @@ import torch
 from ..checkpoint import scaler_state
 from ..loss_scaler import check_saved_scaler
 from . import _model, _process_optimizer
+from ...core.interrupts import hold_interrupts
 from ...core.log import logger
 from .._messages import apex_logger
 from ._amp_state import _amp_state, maybe_print, warn_or_err
@@ -357,6 +358,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
                 f"'unskipped' (amp.state_dict()'s) or a saved apex scaler, got a {type(value).__name__}: {e}"
             ) from e
         updates.append((scalers[i], *entry))
-    for scaler, scale, unskipped in updates:
-        scaler._loss_scale = scale
-        scaler._unskipped = unskipped
+    with hold_interrupts("amp.load_state_dict()"):  # all checked: now every scaler or none
+        for scaler, scale, unskipped in updates:
+            scaler._loss_scale = scale
+            scaler._unskipped = unskipped

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from ...core import kernels
+from ...core.interrupts import COMPLETED, hold_interrupts
 from .._messages import apex_logger
 from ._amp_state import _amp_state
-from ._process_optimizer import unscale_into_stash
+from ._process_optimizer import unprepare, unscale_into_stash
 from .scaler import LossScaler
 
 __all__ = ["scale_loss", "disable_casts", "init", "AmpHandle", "NoOpHandle", "OptimWrapper"]
@@ -39,7 +40,6 @@ def _clear_cache(properties: Any) -> None:
         casts.clear_cache()
 
 
-@contextlib.contextmanager
 def scale_loss(
     loss: torch.Tensor,
     optimizers: Any,
@@ -47,35 +47,106 @@ def scale_loss(
     model: Any = None,
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
-) -> Iterator[torch.Tensor]:
+) -> ScaleLoss:
     """Yield ``loss.float() * S``; on exit unscale this backward's grads into what the
-    optimizers step (the masters at O2) and update the scale (see the module docstring)."""
-    properties = getattr(_amp_state, "opt_properties", None)
-    if properties is None:
-        raise RuntimeError(_NOT_INITIALIZED)
-    if not properties.enabled:
-        yield loss
-        return
-    if isinstance(optimizers, torch.optim.Optimizer) or type(optimizers).__name__ == "LARC":
-        optimizers = [optimizers]
-    optimizers = list(optimizers)  # FIX: a tuple is prepared too
-    scaler = _amp_state.loss_scalers[loss_id]
-    if not properties.master_weights and scaler.is_static_one():
+    optimizers step (the masters at O2) and update the scale (see the module docstring and
+    :class:`ScaleLoss`, what this returns)."""
+    return ScaleLoss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
+
+
+_ENTRY = "the entry of amp.scale_loss"
+_EXIT = "amp.scale_loss's exit (this backward's grads unscaled, the loss scale updated)"
+
+
+class ScaleLoss:
+    """The context manager :func:`scale_loss` returns; each side of the ``with`` is all or
+    nothing under Ctrl-C (a class, not a generator: contextlib's lines after the generator's
+    end would run after the exit's commit, outside it).
+
+    * entry: the grads are put aside under :func:`~fp16kit.core.interrupts.hold_interrupts`;
+      a SIGINT there is raised after they are put back, so the block never started (repeat
+      the ``with``);
+    * exit after an error in the block (a KeyboardInterrupt in its backward included): the
+      grads as they were before the ``with``, then the error (repeat the ``with``); a SIGINT at
+      the exit's first line, before its commit, is raised from it with nothing put back: the
+      next entry puts the grads back first;
+    * exit after the block: the unscale and the scale update as one commit; a SIGINT during it
+      is raised after it, saying it was completed (go on with ``optimizer.step()``)."""
+
+    def __init__(
+        self, loss: torch.Tensor, optimizers: Any, loss_id: int, delay_unscale: bool, delay_overflow_check: bool
+    ) -> None:
+        self.loss = loss
+        self.optimizers = optimizers
+        self.loss_id = loss_id
+        self.delay_unscale = delay_unscale
+        self.delay_overflow_check = delay_overflow_check
+        self.mode = ""  # "", "off" (amp disabled), "float" (no scaling) or "scaled", set at entry
+        self.properties: Any = None
+        self.prepared: list[Any] = []  # the optimizers whose grads the entry put aside
+
+    def __enter__(self) -> torch.Tensor:
+        properties = getattr(_amp_state, "opt_properties", None)
+        if properties is None:
+            raise RuntimeError(_NOT_INITIALIZED)
+        self.properties = properties
+        if not properties.enabled:
+            self.mode = "off"
+            return self.loss
+        optimizers = self.optimizers
+        if isinstance(optimizers, torch.optim.Optimizer) or type(optimizers).__name__ == "LARC":
+            optimizers = [optimizers]
+        self.optimizers = list(optimizers)  # FIX: a tuple is prepared too
+        scaler = _amp_state.loss_scalers[self.loss_id]
+        if not properties.master_weights and scaler.is_static_one():
+            self.mode = "float"
+            return self.loss.float()
         try:
-            yield loss.float()
-        finally:
-            _clear_cache(properties)
-        return
-    if not delay_unscale:
-        for opt in optimizers:
-            if not opt._amp_stash.params_have_scaled_gradients:
-                opt._prepare_amp_backward()
-    try:
-        yield kernels.scale_outputs(loss.float(), scaler.scale_on)
-        if delay_unscale:
+            with hold_interrupts(_ENTRY):
+                if not self.delay_unscale:
+                    for opt in self.optimizers:
+                        if not opt._amp_stash.params_have_scaled_gradients:
+                            self.prepared.append(opt)
+                            opt._prepare_amp_backward()
+                scaled = kernels.scale_outputs(self.loss.float(), scaler.scale_on)
+                self.mode = "scaled"
+                return scaled
+        except BaseException as e:
+            self._put_back()  # the block never runs: nothing was changed
+            if COMPLETED.format(what=_ENTRY) in getattr(e, "__notes__", ()):
+                e.__notes__.remove(COMPLETED.format(what=_ENTRY))  # it was not: repeat the with
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if self.mode == "off":
+            return False
+        if self.mode == "float":
+            _clear_cache(self.properties)
+            return False
+        if exc_type is not None:
+            self._put_back()
+            _clear_cache(self.properties)
+            return False
+        with hold_interrupts(_EXIT):
+            try:
+                self._commit()
+            finally:
+                _clear_cache(self.properties)
+            return False
+
+    def _put_back(self) -> None:
+        for opt in self.prepared:
+            unprepare(opt)
+        self.prepared = []
+
+    def _commit(self) -> None:
+        optimizers = self.optimizers
+        if self.delay_unscale:
             for opt in optimizers:
                 opt._amp_stash.params_have_scaled_gradients = True
+                opt._amp_stash.grads_at_entry = []  # kept: the window's last exit unscales them
             return
+        scaler = _amp_state.loss_scalers[self.loss_id]
         scaler.clear_overflow_state()
         for opt in optimizers:
             opt._post_amp_backward(scaler)
@@ -83,13 +154,11 @@ def scale_loss(
         found = scaler.take_found()
         if found is not None:  # recorded before the update: a floor policy "raise" still skips
             for opt in optimizers:
-                opt._amp_stash.pending.append((loss_id, scaler, found))
-        if not delay_overflow_check:
+                opt._amp_stash.pending.append((self.loss_id, scaler, found))
+        if not self.delay_overflow_check:
             scaler.update(found)
         elif found is not None:  # apex: no update here; the script's update_scale() (or step) applies it
             scaler.defer(found)
-    finally:
-        _clear_cache(properties)
 
 
 def disable_casts() -> Any:

@@ -27,6 +27,7 @@ import torch
 
 from ...core import kernels
 from ...core.floor import FLOOR_POLICIES
+from ...core.interrupts import hold_interrupts
 from ..fp16_optimizer import AmpLossScaler
 from ..loss_scaler import check_scale, check_window, pickled, pickled_attributes
 
@@ -189,15 +190,17 @@ class LossScaler(AmpLossScaler):
         (reads the flag on the host). Flags deferred by ``scale_loss(...,
         delay_overflow_check=True)`` count here, once: they are consumed (zeroed in place, so the
         optimizer's next ``step()`` does not skip for them again) -- the script that delayed the
-        check decided with this call (NVIDIA's BERT: no ``step()`` on overflow)."""
-        found = self.take_found()
-        if found is not None and self._deferred:
-            deferred, self._deferred = self._deferred, []
-            found = kernels.combine_found_inf([found, *deferred], self._device())
-            for flag in deferred:
-                kernels.clear_overflow_buf_(flag)
-        self.update(found)
-        return found is not None and bool(found.item())
+        check decided with this call (NVIDIA's BERT: no ``step()`` on overflow). One commit
+        (a Ctrl-C during it is raised when it is whole)."""
+        with hold_interrupts("loss_scaler.update_scale()"):
+            found = self.take_found()
+            if found is not None and self._deferred:
+                deferred, self._deferred = self._deferred, []
+                found = kernels.combine_found_inf([found, *deferred], self._device())
+                for flag in deferred:
+                    kernels.clear_overflow_buf_(flag)
+            self.update(found)
+            return found is not None and bool(found.item())
 
     def defer(self, found: torch.Tensor) -> None:
         """A ``scale_loss(..., delay_overflow_check=True)`` exit: keep its found flag for the

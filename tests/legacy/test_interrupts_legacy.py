@@ -1,0 +1,274 @@
+"""Ctrl-C at every line of a step, for the legacy faces: FP16_Optimizer (sync and async) and amp O2 (issue 17 §1).
+
+Each test sweeps one call of one iteration (tests/_helpers/interrupt.py): the interrupt is
+never lost, a checkpoint right after it is the uninterrupted run's before or after the call,
+and repeating the call (unless it says it was completed) or resuming from that checkpoint in a
+fresh world ends with the uninterrupted numbers bit for bit.
+
+The calls of an iteration are the ones apex documented::
+
+    FP16_Optimizer:  optimizer.zero_grad(); optimizer.backward(loss);
+                     [optimizer.clip_master_grads(1.0)]; optimizer.step()
+    amp O2:          optimizer.zero_grad()
+                     with amp.scale_loss(loss, optimizer) as scaled:   # one call: the whole with
+                         scaled.backward()
+                     optimizer.step()
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from fp16kit.legacy import FP16_Optimizer, amp
+from fp16kit.legacy.amp._amp_state import _amp_state
+from _helpers.interrupt import Script, _assert_equal as assert_equal, sweep
+
+OPTS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+def _model(*, batchnorm: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)]
+    if batchnorm:  # amp O2 keeps it fp32: params without masters, whose grads amp stashes
+        layers.insert(1, torch.nn.BatchNorm1d(5))
+    # eval(): a forward in training mode updates the running stats, so a repeated forward (of
+    # an interrupted iteration) would count twice -- the user's forward, not fp16kit's calls
+    return torch.nn.Sequential(*layers).eval() if batchnorm else torch.nn.Sequential(*layers)
+
+
+def _loss(model: torch.nn.Module, i: int, dtype: torch.dtype, overflow_at: int | None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + i)
+    loss = model(torch.randn(4, 6, generator=g).to(dtype)).float().pow(2).mean()
+    return loss * 1e30 if i == overflow_at else loss
+
+
+def _clone(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+# ---------------------------------------------------------------------- FP16_Optimizer
+def fp16_optimizer_script(
+    *,
+    opt: str = "sgd",
+    dynamic: bool = True,
+    clip: bool = False,
+    async_step: bool = False,
+    overflow_at: int | None = None,
+    iterations: int = 3,
+) -> Script:
+    """apex's FP16_Optimizer loop on an fp16 model (``dynamic``: apex amp's rule from 2**8
+    with a window of 2, so the scale grows within the run; else a static scale of 128)."""
+
+    def build() -> Any:
+        model = _model().half()
+        inner = OPTS[opt](model.parameters())
+        if dynamic:
+            o = FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 2},
+                               verbose=False, async_step=async_step)
+        else:
+            o = FP16_Optimizer(inner, static_loss_scale=128.0, verbose=False, async_step=async_step)
+        return SimpleNamespace(model=model, opt=o)
+
+    def iteration(w: Any, i: int) -> list:
+        calls: list = [
+            ("zero_grad", lambda w: w.opt.zero_grad()),
+            # the forward too: a backward that was not completed is repeated from the forward
+            ("backward", lambda w: w.opt.backward(_loss(w.model, i, torch.float16, overflow_at))),
+        ]
+        if clip:
+            calls.append(("clip", lambda w: w.opt.clip_master_grads(1.0)))
+        calls.append(("step", lambda w: w.opt.step()))
+        return calls
+
+    def checkpoint(w: Any) -> dict[str, Any]:
+        return {"model": _clone(w.model.state_dict()), "opt": w.opt.state_dict()}
+
+    def restore(w: Any, ckpt: dict[str, Any]) -> None:
+        w.model.load_state_dict(ckpt["model"])
+        w.opt.load_state_dict(ckpt["opt"])
+
+    def final(w: Any) -> Any:
+        w.opt.synchronize()
+        return {**checkpoint(w), "masters": [m.detach().clone() for m in w.opt.all_fp32_from_fp16_params]}
+
+    def close(w: Any) -> None:
+        w.opt.synchronize()
+
+    return Script(build, iteration, checkpoint, restore, iterations, final, close, boundary_calls=("step",))
+
+
+# ---------------------------------------------------------------------- amp O2
+def _activate(w: Any) -> Any:
+    """amp's state is process-wide; the sweep keeps two worlds alive at once (the interrupted
+    one and the one resumed from its checkpoint): each call puts its own world's state in."""
+    _amp_state.__dict__.update(w.amp_state)
+    return w
+
+
+def amp_o2_script(
+    *,
+    opt: str = "sgd",
+    loss_scale: float | str = "dynamic",
+    batchnorm: bool = False,
+    overflow_at: int | None = None,
+    iterations: int = 3,
+) -> Script:
+    """``amp.initialize(model, optimizer, opt_level="O2")`` (dynamic: window 2, so the scale
+    grows within the run; or a static ``loss_scale``)."""
+
+    def build() -> Any:
+        model = _model(batchnorm=batchnorm)
+        inner = OPTS[opt](model.parameters())
+        model, o = amp.initialize(model, inner, opt_level="O2", loss_scale=loss_scale, verbosity=0)
+        for scaler in _amp_state.loss_scalers:
+            scaler._scale_seq_len = 2
+        return SimpleNamespace(model=model, opt=o, amp_state=dict(_amp_state.__dict__))
+
+    def backward(w: Any, i: int) -> None:
+        _activate(w)
+        loss = _loss(w.model, i, torch.float16, overflow_at)
+        with amp.scale_loss(loss, w.opt) as scaled:
+            scaled.backward()
+
+    def iteration(w: Any, i: int) -> list:
+        return [
+            ("zero_grad", lambda w: _activate(w).opt.zero_grad()),
+            ("scale_loss", lambda w: backward(w, i)),
+            ("step", lambda w: _activate(w).opt.step()),
+        ]
+
+    def checkpoint(w: Any) -> dict[str, Any]:
+        _activate(w)
+        return {"model": _clone(w.model.state_dict()), "opt": w.opt.state_dict(), "amp": amp.state_dict()}
+
+    def restore(w: Any, ckpt: dict[str, Any]) -> None:
+        _activate(w)
+        w.model.load_state_dict(ckpt["model"])
+        w.opt.load_state_dict(ckpt["opt"])
+        amp.load_state_dict(ckpt["amp"])
+
+    def final(w: Any) -> Any:
+        return {**checkpoint(w), "masters": [m.detach().clone() for m in amp.master_params(w.opt)]}
+
+    return Script(build, iteration, checkpoint, restore, iterations, final, boundary_calls=("step",))
+
+
+# ---------------------------------------------------------------------- the sweeps (CI: small)
+# Every line of the checks before a commit, then every 29th line; the slow tests sweep more
+# configurations (static scales, AdamW, fp32 params, async backward) and lines.
+FAST = dict(dense=30, stride=29, resume_every=5)
+CI = dict(iterations=2)  # the swept iteration is the last
+
+
+@pytest.mark.parametrize("call", ["backward", "clip", "step"])
+def test_ctrl_c_anywhere_in_an_fp16_optimizer_iteration(call: str) -> None:
+    counts = sweep(fp16_optimizer_script(clip=True, overflow_at=1, **CI), at_iteration=1, call=call, **FAST)
+    assert counts["points"] > 0 and counts["completed"] > 0
+
+
+def test_ctrl_c_anywhere_in_an_async_fp16_optimizer_step() -> None:
+    sweep(fp16_optimizer_script(async_step=True, overflow_at=1, **CI), at_iteration=1, call="step", **FAST)
+
+
+@pytest.mark.parametrize("call", ["scale_loss", "step"])
+def test_ctrl_c_anywhere_in_an_amp_o2_iteration(call: str) -> None:
+    counts = sweep(amp_o2_script(overflow_at=1, **CI), at_iteration=1, call=call, **FAST)
+    assert counts["points"] > 0 and counts["completed"] > 0 and counts["repeated"] > 0
+
+
+# ---------------------------------------------------------------------- slow: more configurations
+# A covering set, every 9th line of every call but zero_grad, at iterations 0 and 1;
+# FP16KIT_SWEEP_EVERY_LINE=1 sweeps every line of every configuration.
+EVERY_LINE = os.environ.get("FP16KIT_SWEEP_EVERY_LINE") == "1"
+FP16_OPTIMIZER_CONFIGS = [
+    dict(opt=o, dynamic=d, clip=c, async_step=a, overflow_at=ov)
+    for o in sorted(OPTS)
+    for d in (True, False)
+    for a in (False, True)
+    for c in ((False,) if a else (False, True))  # async: clip_master_grads is refused
+    for ov in ((None, 1) if d else (None,))  # a static scale never skips: an overflow is NaN weights
+]
+FP16_OPTIMIZER_COVERING = [
+    dict(opt="sgd", dynamic=True, clip=True, async_step=False, overflow_at=None),
+    dict(opt="adamw", dynamic=True, clip=True, async_step=False, overflow_at=1),
+    dict(opt="sgd", dynamic=False, clip=False, async_step=True, overflow_at=None),
+    dict(opt="adamw", dynamic=True, clip=False, async_step=True, overflow_at=1),
+    dict(opt="adamw", dynamic=False, clip=True, async_step=False, overflow_at=None),
+]
+AMP_O2_CONFIGS = [
+    dict(opt=o, loss_scale=s, batchnorm=b, overflow_at=ov)
+    for o in sorted(OPTS)
+    for s in ("dynamic", 128.0)
+    for b in (False, True)
+    for ov in ((None, 1) if s == "dynamic" else (None,))
+]
+AMP_O2_COVERING = [
+    dict(opt="sgd", loss_scale="dynamic", batchnorm=True, overflow_at=1),
+    dict(opt="adamw", loss_scale="dynamic", batchnorm=False, overflow_at=None),
+    dict(opt="adamw", loss_scale=128.0, batchnorm=True, overflow_at=None),
+    dict(opt="sgd", loss_scale=128.0, batchnorm=False, overflow_at=None),
+]
+
+
+def _ids(config: dict[str, Any]) -> str:
+    return "-".join(f"{k}={v}" for k, v in config.items())
+
+
+def _sweep_all(script: Script) -> None:
+    pace = {} if EVERY_LINE else dict(dense=60, stride=9, resume_every=3)
+    for at in (0, 1):
+        for call in [name for name, _ in script.iteration(None, at)]:
+            if call != "zero_grad":
+                sweep(script, at_iteration=at, call=call, **pace)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", FP16_OPTIMIZER_CONFIGS if EVERY_LINE else FP16_OPTIMIZER_COVERING, ids=_ids)
+def test_ctrl_c_anywhere_fp16_optimizer_more_configurations(config: dict[str, Any]) -> None:
+    _sweep_all(fp16_optimizer_script(**config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", AMP_O2_CONFIGS if EVERY_LINE else AMP_O2_COVERING, ids=_ids)
+def test_ctrl_c_anywhere_amp_o2_more_configurations(config: dict[str, Any]) -> None:
+    _sweep_all(amp_o2_script(**config))
+
+
+# ---------------------------------------------------------------------- a second Ctrl-C
+def _twice(*args: Any) -> None:  # the user pressing Ctrl-C twice while the step runs
+    handler = signal.getsignal(signal.SIGINT)
+    handler(signal.SIGINT, None)
+    handler(signal.SIGINT, None)
+
+
+def test_a_second_ctrl_c_breaks_the_fp16_optimizer_step_and_it_refuses_until_restored() -> None:
+    script = fp16_optimizer_script(opt="adamw")
+    w = script.build()
+    saved = script.checkpoint(w)
+    hook = w.opt.register_step_pre_hook(_twice)
+    for _, fn in script.iteration(w, 0)[:-1]:
+        fn(w)
+    with pytest.raises(KeyboardInterrupt) as info:
+        w.opt.step()
+    assert any("second Ctrl-C" in note for note in info.value.__notes__)
+    hook.remove()
+    for call in (w.opt.step, w.opt.zero_grad, lambda: w.opt.backward(_loss(w.model, 0, torch.float16, None))):
+        with pytest.raises(RuntimeError, match="second Ctrl-C broke off"):
+            call()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    script.restore(w, saved)  # recovers the optimizer and its masters
+    ref = script.build()
+    for world in (w, ref):
+        for i in range(2):
+            for _, fn in script.iteration(world, i):
+                fn(world)
+    assert_equal(script.state(w), script.state(ref), "after load_state_dict")
