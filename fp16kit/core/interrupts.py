@@ -22,12 +22,18 @@ Contract:
   ``SIG_IGN``/``SIG_DFL`` there is no Python handler to defer: both are no-ops.
 * Holds nest: only the outermost one installs the handler and delivers; a second SIGINT
   abandons them all.
-* A hold never spans a wait on another thread or on another process's progress (a hung job
-  would make Ctrl-C do nothing): callers wait first, outside the hold, where an interrupt
-  leaves the awaited job tracked and the call repeatable. What a hold covers is bounded work.
+* A hold may span a wait for the previous asynchronous step (a step commits only once the
+  one before it has landed): the first Ctrl-C then takes effect when the wait and the commit
+  are done; a job that hangs is escaped with a second Ctrl-C.
 * A second SIGINT during one hold is the user insisting: it raises at once, with the note
-  ABANDONED + what (the change may be half made), and ``on_abandon`` (if given) runs first so
-  the owner can refuse its next call instead of going on from half a change.
+  ABANDONED + what (the change may be half made), after the ``on_abandon`` of every nested
+  hold ran (so the owners refuse their next call instead of going on from half a change) and
+  torch's grad mode was put back as it was when the hold began (the second SIGINT may land
+  inside a ``torch.no_grad()`` entry, which then never exits). Only with the default handler:
+  a handler of the program's own (a graceful stop that sets a flag) never raises, so it gets
+  every held SIGINT when the hold ends instead.
+* :func:`completed` also finds the note on a KeyboardInterrupt a second, late SIGINT raised
+  while the first was being delivered (the first is its ``__context__``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ import signal
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,19 +62,22 @@ _PREFIX = COMPLETED.split("{what}")[0]
 class _Held:
     """The handler installed by the outermost hold: records the first SIGINT, escalates on the second."""
 
-    def __init__(self, what: str, on_abandon: Callable[[], None] | None) -> None:
+    def __init__(self, what: str, on_abandon: Callable[[], None] | None, escalates: bool) -> None:
         self.what = what
         self.on_abandon = [] if on_abandon is None else [on_abandon]  # nested holds' too
+        self.escalates = escalates  # the default handler: a second SIGINT breaks the hold
+        self.grad_mode = torch.is_grad_enabled()
         self.frame: Any = None
         self.count = 0
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
-        if self.count == 1:
-            self.frame = frame
+        if self.count == 1 or not self.escalates:
+            self.frame = self.frame or frame
             return
         for abandon in self.on_abandon:
             abandon()
+        torch._C._set_grad_enabled(self.grad_mode)
         error = KeyboardInterrupt()
         error.add_note(ABANDONED.format(what=self.what))
         raise error
@@ -99,7 +110,7 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
         if not callable(previous):
             return  # no Python handler to defer
         # Known before the install: a SIGINT just after it is held, and __exit__ must restore.
-        self.previous, self.held = previous, _Held(self.what, self.on_abandon)
+        self.previous, self.held = previous, _Held(self.what, self.on_abandon, previous is signal.default_int_handler)
         try:
             _signal.signal(signal.SIGINT, self.held)
         except ValueError:  # not the main interpreter: no signals here either
@@ -110,7 +121,7 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
             return
         # One line: the restore and the check, so no line runs between them (a SIGINT at the
         # start of this line is still held; one during the rest would come after the call).
-        if _signal.signal(signal.SIGINT, self.previous) is self.held and self.held.count == 1: _deliver(self.previous, self.held)  # noqa: E701, E501
+        if _signal.signal(signal.SIGINT, self.previous) is self.held and self.held.count and (self.held.count == 1 or not self.held.escalates): _deliver(self.previous, self.held)  # noqa: E701, E501
 
 
 def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
@@ -158,7 +169,8 @@ _BROKEN_MESSAGE = (
 
 def _deliver(handler: Callable[[int, Any], Any], held: _Held) -> None:
     try:
-        handler(signal.SIGINT, held.frame)
+        for _ in range(held.count):  # (more than one only for a handler that does not raise)
+            handler(signal.SIGINT, held.frame)
     except KeyboardInterrupt as e:
         e.add_note(COMPLETED.format(what=held.what))
         raise
@@ -168,7 +180,10 @@ def completed(error: BaseException) -> str | None:
     """What a KeyboardInterrupt held by fp16kit says was completed before it was raised (the
     call it came from did its work: go on with the next one), or None (nothing was changed by
     the interrupted call, which may be repeated)."""
-    for note in getattr(error, "__notes__", ()):
-        if isinstance(note, str) and note.startswith(_PREFIX):
-            return note[len(_PREFIX):].split("; that was completed", 1)[0]
+    seen: BaseException | None = error
+    while isinstance(seen, KeyboardInterrupt):
+        for note in getattr(seen, "__notes__", ()):
+            if isinstance(note, str) and note.startswith(_PREFIX):
+                return note[len(_PREFIX):].split("; that was completed", 1)[0]
+        seen = seen.__context__
     return None
