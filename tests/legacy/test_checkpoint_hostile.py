@@ -416,17 +416,23 @@ PICKLE_BOMBS = {
 }
 
 
-@pytest.mark.parametrize("case", list(PICKLE_BOMBS))
-def test_a_pickle_that_allocates_more_than_the_file_holds_is_refused_before_torch_reads_it(case, no_torch_load):
-    pkl, said = PICKLE_BOMBS[case]
-    data = _zip_with(pkl)
+
+def _refused_with_peak(data: bytes, said: str):
+    """load_checkpoint(data) refuses with ``said``; returns the refusal and the peak traced memory."""
     tracemalloc.start()
     try:
         with pytest.raises(CheckpointRefused, match=said) as info:
             load_checkpoint(io.BytesIO(data))
-        peak = tracemalloc.get_traced_memory()[1]
+        return info, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.parametrize("case", list(PICKLE_BOMBS))
+def test_a_pickle_that_allocates_more_than_the_file_holds_is_refused_before_torch_reads_it(case, no_torch_load):
+    pkl, said = PICKLE_BOMBS[case]
+    data = _zip_with(pkl)
+    info, peak = _refused_with_peak(data, said)
     assert peak < 2 * len(data) + 2**21, peak  # what it holds, not what it asks for
     assert info.value.kind == "structure" and "the BytesIO it was given" in str(info.value)
 
@@ -681,13 +687,7 @@ ZIP_NAME_TRICKS = {
 def test_the_pickle_scanned_is_the_one_torch_reads(case, inflated):
     make, said = ZIP_NAME_TRICKS[case]
     data = make()
-    tracemalloc.start()
-    try:
-        with pytest.raises(CheckpointRefused, match=said) as info:
-            load_checkpoint(io.BytesIO(data))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    info, peak = _refused_with_peak(data, said)
     assert peak < 2**22, peak  # not the 256 MiB the hostile pickle asks for
     assert "weights_only=False` " not in str(info.value)
 
