@@ -646,21 +646,22 @@ class GradScaler(torch.amp.GradScaler):
         Five entries, as torch's: ``"scale"``, ``"growth_factor"``, ``"backoff_factor"``,
         ``"growth_interval"``, ``"_growth_tracker"``. When an extra is not at its default,
         ``"hysteresis"``, ``"_hysteresis_tracker"``, ``"min_scale"``, ``"max_scale"`` and
-        ``"on_min_scale"`` follow (torch's ``load_state_dict`` ignores them). Empty when
+        ``"on_min_scale"`` follow (torch's ``load_state_dict`` ignores them); with steps on an
+        optimizer thread, ``"next_scale"`` may (see :meth:`ScalerThreads.saved`). Empty when
         disabled. Call it after :meth:`update` to checkpoint the end of an iteration.
         """
         if self._enabled:
             self._threads.synchronize()
-            bound = self._threads.binding is not None
+            scale, lag = self._threads.saved(self._loss_scale, self.get_scale())
             state = {
-                # bound to an optimizer thread: the thread's (latest) scale, not the lagged one
-                "scale": self._loss_scale.get_scale() if bound else self.get_scale(),
+                "scale": scale,
                 "growth_factor": self._growth_factor,
                 "backoff_factor": self._backoff_factor,
                 "growth_interval": self._growth_interval,
                 "_growth_tracker": self._get_growth_tracker(),
             }
             state.update(_extras_state(self._loss_scale))
+            state.update(lag)
             return state
         return {}
 
@@ -679,10 +680,9 @@ class GradScaler(torch.amp.GradScaler):
 
         self._threads.synchronize()
         ls = self._loss_scale
+        next_scale = self._threads.check_loaded(state_dict)
         ls.load_state_dict(_loss_scale_state(state_dict, ls))  # validates before changing
-        binding = self._threads.binding
-        if binding is not None and ls.scale is not None:
-            binding.reset(ls.scale)
+        self._threads.loaded(ls, next_scale)
 
     def _recovered_from_interrupt(self) -> None:
         # A second Ctrl-C broke a call off (fp16kit.core.interrupts): this iteration's records

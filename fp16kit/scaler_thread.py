@@ -32,6 +32,7 @@ forward's on the main thread. The records are shared between the two threads und
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -226,6 +227,17 @@ class ThreadBinding:
         if not self.on_thread():
             self.thread.synchronize()
 
+    def resume(self, next_scale: float) -> None:
+        """Main thread, after a load of a checkpoint saved mid-lag (see :meth:`ScalerThreads.saved`):
+        the loaded scale stays the forward one; ``next_scale`` -- what the update queued before
+        the save computed -- becomes the thread's, and the next ``update()`` publishes it."""
+        scale = self.loss_scale.scale
+        assert scale is not None
+        scale.fill_(next_scale)
+        done: Future = Future()
+        done.set_result(scale.clone())
+        self.last_update = done
+
     def __getstate__(self) -> Any:
         raise TypeError("internal: a ThreadBinding is never pickled")
 
@@ -240,6 +252,8 @@ class ScalerThreads:
         self.binding: ThreadBinding | None = None
         self._pending: tuple[OptimizerThread, int | None] | None = None
         self._serial: int | None = None
+        # "next_scale" of a loaded checkpoint, for the binding made next (None: not saved mid-lag)
+        self._next_scale: float | None = None
         self._lock = threading.Lock()
 
     def bind(self, thread: OptimizerThread, loss_scale: LossScale, *, mark: int | None) -> ThreadBinding | None:
@@ -258,9 +272,17 @@ class ScalerThreads:
             if loss_scale.scale is None:  # no scale() yet: bind at the first one
                 self._pending = (thread, mark)
                 return None
-            self.binding = ThreadBinding(thread, loss_scale, _refresh_per_optimizer_state, mark=mark)
+            binding = ThreadBinding(thread, loss_scale, _refresh_per_optimizer_state, mark=mark)
+            if not binding.on_thread():
+                # This iteration's record, with the scale its loss was (or will be) scaled with:
+                # made later, it could see one that this iteration's update() publishes.
+                binding.open_record()
+            if self._next_scale is not None:  # before it is published: main may read it at once
+                binding.resume(self._next_scale)
+                self._next_scale = None
+            self.binding = binding
             self._pending = None
-            return self.binding
+            return binding
 
     def for_caller(self, loss_scale: LossScale) -> ThreadBinding | None:
         """The binding; made when the scaler is first used from inside an optimizer job (it
@@ -292,6 +314,8 @@ class ScalerThreads:
         """``update()`` on the main thread: the binding, or -- with no inf checks recorded here
         and exactly one thread that received steps since ``scale()`` -- a lazy one to it."""
         if self.binding is not None or has_checks or self._serial is None or loss_scale.scale is None:
+            if self.binding is None:
+                self._next_scale = None  # an update without a thread: a loaded lag is over
             return self.binding
         threads = threads_with_steps_since(self._serial)
         if len(threads) > 1:
@@ -301,7 +325,10 @@ class ScalerThreads:
                 "one its steps run on, with opt.submit_step(fn, scaler=scaler) or "
                 "scaler.bind(opt.thread)."
             )
-        return self.bind(threads[0], loss_scale, mark=None) if threads else None
+        if not threads:
+            self._next_scale = None
+            return None
+        return self.bind(threads[0], loss_scale, mark=None)
 
     def route(self, loss_scale: LossScale, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any) -> bool:
         """Main thread of a bound scaler: run ``fn`` on the optimizer thread and wait; False
@@ -321,6 +348,50 @@ class ScalerThreads:
     def synchronize(self) -> None:
         if self.binding is not None:
             self.binding.synchronize()
+
+    # ------------------------------------------------------------------ checkpoints
+    def saved(self, loss_scale: LossScale, unbound_scale: float) -> tuple[float, dict[str, Any]]:
+        """``state_dict()``'s scale entries, after :meth:`synchronize`: ``"scale"``, and the
+        entries that go last. Unbound, ``"scale"`` is ``unbound_scale`` (``get_scale()``); on
+        the optimizer thread, the thread's. On the main thread between an ``update()`` and the
+        next, it is the forward scale -- what the next loss is multiplied with -- and the newer
+        one the queued update computed, which the next ``update()`` publishes (the lag), is
+        saved as ``"next_scale"``: a run resumed from the checkpoint in mode 2 goes on bit for
+        bit. (torch's ``load_state_dict`` ignores the key; a resume without a thread starts
+        from ``"scale"``.)"""
+        binding = self.binding
+        if binding is None:
+            return unbound_scale, {}
+        latest = loss_scale.get_scale()
+        if binding.on_thread():
+            return latest, {}
+        forward = float(binding.forward_scale.item())
+        return forward, ({} if latest == forward else {"next_scale": latest})
+
+    @staticmethod
+    def check_loaded(state_dict: dict[str, Any]) -> float | None:
+        """The ``"next_scale"`` of a state dict being loaded, checked (before anything changes)."""
+        value = state_dict.get("next_scale")
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(
+                f"GradScaler state dict: next_scale must be a finite number > 0 (the scale the "
+                f"update queued before the save computed), got {value!r}; load a state dict "
+                "saved by GradScaler.state_dict(), or drop the key to resume from \"scale\"."
+            )
+        return float(value)
+
+    def loaded(self, loss_scale: LossScale, next_scale: float | None) -> None:
+        """After ``load_state_dict``: restart a binding from the loaded scale, and restore a
+        saved lag now (bound) or at the binding made next."""
+        self._next_scale = next_scale
+        binding = self.binding
+        if binding is not None and loss_scale.scale is not None:
+            binding.reset(loss_scale.scale)
+            if next_scale is not None:
+                binding.resume(next_scale)
+                self._next_scale = None
 
     def __getstate__(self) -> Any:
         raise TypeError("internal: a scaler's thread side is never pickled (copies start unbound)")

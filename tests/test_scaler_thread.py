@@ -4,6 +4,7 @@ scaler <-> optimizer protocol (fp16kit.core.protocol) as users meet it."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -251,3 +252,107 @@ def test_one_scaler_two_submitted_optimizers_per_iteration(threads):
         runs.append(([p.detach().clone() for m in models for p in m.parameters()], scaler.get_scale()))
     (a, sa), (b, sb) = runs
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and sa == sb
+
+
+# ---------------------------------------------------------------------- checkpoints in the lag
+OVERFLOW = 2
+
+
+def _iterate(model, opt, scaler, steps, *, explicit):
+    for i in steps:
+        opt.zero_grad()
+        loss = scaler.scale(_loss(model, i) * (1e30 if i == OVERFLOW else 1.0))  # one overflow
+        loss.backward()
+        fn = lambda: (scaler.step(opt), opt.zero_grad())  # noqa: E731
+        opt.submit_step(fn, scaler=scaler) if explicit else opt.submit_step(fn)
+        scaler.update()
+
+
+def _world(threads):
+    model = _net()
+    opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), thread=threads())
+    return model, opt, GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+
+
+def _finish(model, opt, scaler):
+    opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()], scaler.state_dict(), opt.state_dict()
+
+
+def _same(a, b):
+    (pa, sa, oa), (pb, sb, ob) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    assert sa == sb
+    ta, tb = torch.utils._pytree.tree_leaves(oa), torch.utils._pytree.tree_leaves(ob)
+    assert len(ta) == len(tb)
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(ta, tb))
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["scaler=", "lazy"])
+@pytest.mark.parametrize("cut", [1, 2, 3, 4])
+def test_a_checkpoint_saved_right_after_update_resumes_bit_for_bit(threads, explicit, cut):
+    # After update() the next loss is scaled with the previous iteration's result while the
+    # queued update computes a newer one (growth every step here, and a back-off at 2): the
+    # state dict keeps both, so a fresh world resumed from it goes on exactly.
+    model, opt, scaler = _world(threads)
+    _iterate(model, opt, scaler, range(cut), explicit=explicit)
+    saved = copy.deepcopy((opt.state_dict(), model.state_dict(), scaler.state_dict()))  # opt first: it waits
+    assert saved[2]["next_scale"] != saved[2]["scale"]  # the lag this test is about
+    assert saved[2]["scale"] == scaler.get_scale()  # "scale": what the next loss is scaled with
+    _iterate(model, opt, scaler, range(cut, 6), explicit=explicit)
+    reference = _finish(model, opt, scaler)
+
+    model2, opt2, scaler2 = _world(threads)
+    opt2.load_state_dict(saved[0])
+    model2.load_state_dict(saved[1])
+    scaler2.load_state_dict(saved[2])
+    _iterate(model2, opt2, scaler2, range(cut, 6), explicit=explicit)
+    _same(_finish(model2, opt2, scaler2), reference)
+
+
+def test_loading_into_the_bound_scaler_itself_restores_the_lag(threads):
+    model, opt, scaler = _world(threads)
+    _iterate(model, opt, scaler, range(2), explicit=True)
+    saved = copy.deepcopy((opt.state_dict(), model.state_dict(), scaler.state_dict()))  # opt first: it waits
+    _iterate(model, opt, scaler, range(2, 6), explicit=True)
+    reference = _finish(model, opt, scaler)
+    opt.load_state_dict(saved[0])  # back in time, in the same objects (e.g. after a failure)
+    model.load_state_dict(saved[1])
+    scaler.load_state_dict(saved[2])
+    _iterate(model, opt, scaler, range(2, 6), explicit=True)
+    _same(_finish(model, opt, scaler), reference)
+
+
+def test_a_lagged_checkpoint_loads_into_torch_and_into_a_run_without_a_thread(threads):
+    model, opt, scaler = _world(threads)
+    _iterate(model, opt, scaler, range(2), explicit=True)
+    saved = scaler.state_dict()
+    ours, theirs = GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    ours.load_state_dict(saved)
+    theirs.load_state_dict(saved)  # torch ignores the extra key
+    assert ours.get_scale() == theirs.get_scale() == saved["scale"]
+    # Without a thread, training goes on from "scale" as torch's would; the lag is dropped at
+    # the first update, so a later binding starts from the scale of then.
+    plain = _net()
+    sync_opt = MixedPrecisionOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1), thread=threads())
+    ours.scale(_loss(plain, 0)).backward()
+    ours.step(sync_opt)
+    ours.update()
+    assert ours.get_scale() == saved["scale"] * 2  # a clean step, growth_interval=1
+    assert "next_scale" not in ours.state_dict()
+    sync_opt.zero_grad()
+    ours.scale(_loss(plain, 1)).backward()
+    sync_opt.submit_step(lambda: (ours.step(sync_opt), sync_opt.zero_grad()), scaler=ours)
+    ours.update(is_async=False)
+    assert ours.get_scale() == saved["scale"] * 4
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), "2", True])
+def test_a_bad_next_scale_is_refused_and_nothing_changes(threads, bad):
+    model, opt, scaler = _world(threads)
+    _iterate(model, opt, scaler, range(2), explicit=True)
+    opt.synchronize()
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match="next_scale must be a finite number > 0"):
+        scaler.load_state_dict({**before, "scale": 1.0, "next_scale": bad})
+    assert scaler.state_dict() == before
