@@ -436,3 +436,26 @@ def test_ctrl_c_while_waiting_keeps_the_job_tracked(thread, monkeypatch, waiting
     assert ran == ["ran"] and thread.idle()
     thread.synchronize()
     assert thread.wait(fut) is None
+
+
+@pytest.mark.parametrize("wait", ["wait", "synchronize"])
+def test_ctrl_c_at_any_line_of_a_wait_is_a_keyboard_interrupt_and_the_job_stays_tracked(thread, wait):
+    # A wait outside fp16kit's holds (a user's own thread.wait): at some lines of
+    # threading.Condition.wait an interrupt leaves the lock free and CPython raises
+    # "cannot release un-acquired lock" instead; the waiter must see the KeyboardInterrupt.
+    from _helpers.interrupt import sigint_at
+
+    n, hits = 1, 0
+    while True:
+        fut = thread.submit(time.sleep, 0.02)
+        call = (lambda: thread.wait(fut)) if wait == "wait" else thread.synchronize
+        outcome = sigint_at(n, call)
+        if not outcome.fired:
+            assert outcome.error is None
+            break
+        assert isinstance(outcome.error, KeyboardInterrupt), f"line {n}: {outcome.error!r}"
+        hits += 1
+        assert thread.wait(fut) is None  # still tracked: waiting again gets its result
+        thread.synchronize()
+        n += 1
+    assert hits > 3
