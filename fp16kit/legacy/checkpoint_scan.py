@@ -26,7 +26,9 @@ file is read once, cheaply, first::
     legacy tar       (torch < 0.4) refused: torch's weights-only reader does not read it
     each pickle      simulated opcode by opcode, with torch's weights-only opcode set (the scan
                      stops at any other opcode: torch refuses it there):
-                       nesting of tuples, lists, dicts, sets and objects  <= MAX_DEPTH
+                       nesting of tuples, lists, dicts, sets, objects, marks  <= MAX_DEPTH
+                       memory the scan itself keeps   <= SCAN_MEMORY_RATIO * size (None,
+                       small ints, ... shared: a reference each, as torch's reader keeps)
                        bytes built or copied by calls (bytearray(n), _codecs.encode, set(x),
                        OrderedDict(x), BUILD's state, ...), plus the steps hashing and
                        comparing dict keys and set members takes (a shared tuple is hashed

@@ -954,3 +954,85 @@ def test_a_zip_comment_torch_cannot_read_past_is_one_refusal_naming_the_file(tmp
     path.write_bytes(out.getvalue())
     with pytest.raises(CheckpointRefused, match="could not read .*comment.pt.*negative seek value"):
         load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the pre-scan itself keeps in memory, per byte of pickle (issue 17 §2, third round): a flat
+# pickle of 10 million Nones cost the scan ~108 bytes of memory per file byte (1.08 GB for 10 MB)
+# where torch's own reader keeps a reference per None (~8). Measured up to the moment torch.load
+# would start (the file's bytes themselves are allocated before tracing starts).
+
+
+class _TorchReached(BaseException):
+    """Raised where torch.load would start reading (a BaseException: the loader lets it pass)."""
+
+
+def _scanned_with_peak(monkeypatch, data: bytes) -> int:
+    """The peak traced memory of load_checkpoint(data) up to torch.load (which is never run)."""
+    peaks = []
+
+    def reached(*args, **kwargs):
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        raise _TorchReached
+
+    monkeypatch.setattr(torch, "load", reached)
+    tracemalloc.start()
+    try:
+        with pytest.raises(_TorchReached):
+            load_checkpoint(io.BytesIO(data))
+    finally:
+        tracemalloc.stop()
+    return peaks[0]
+
+
+def _ints(opcode: bytes, fmt: str, n: int) -> bytes:
+    return b"".join(opcode + struct.pack(fmt, i % 65536 if fmt == "<H" else i) for i in range(n))
+
+
+FLAT_PICKLES = {  # name: (the pickle's body, built in about n bytes; bytes per byte it may cost)
+    "a list of Nones, by APPENDS": (lambda n: b"](" + b"N" * n + b"e", 16),
+    "a tuple of Nones": (lambda n: b"(" + b"N" * n + b"t", 16),
+    "Nones left on the stack": (lambda n: b"N" * n, 16),
+    "a list of small ints": (lambda n: b"](" + b"K\x07" * (n // 2) + b"e", 16),
+    "a list of memo references": (lambda n: b"]Nq\x00(" + b"h\x00" * (n // 2) + b"e", 16),
+}
+FLAT_CONTAINERS = {  # values the scan cannot share: its ratio, at most
+    "empty lists": lambda n: b"](" + b"]" * n + b"e",
+    "empty dicts": lambda n: b"](" + b"}" * n + b"e",
+    "empty sets": lambda n: b"](" + b"\x8f" * n + b"e",
+    "1-tuples": lambda n: b"](" + b"N\x85" * (n // 2) + b"e",
+    "dicts of one int key": lambda n: b"](" + b"}K\x01Ns" * (n // 4) + b"e",
+    "distinct BININT2s": lambda n: b"](" + _ints(b"M", "<H", n // 3) + b"e",
+    "distinct BININTs": lambda n: b"](" + _ints(b"J", "<i", n // 5) + b"e",
+    "memo entries (LONG_BINPUT)": lambda n: b"N" + _ints(b"r", "<I", n // 5),
+    "short strings": lambda n: b"](" + b"".join(b"X\x02\x00\x00\x00%02d" % (i % 100) for i in range(n // 7)) + b"e",
+}
+
+
+@pytest.mark.parametrize("case", list(FLAT_PICKLES))
+def test_the_scan_of_a_flat_pickle_keeps_a_reference_per_value(case, monkeypatch):
+    """1M one-byte values: the scan shares None, True, False, small ints and memoized values, so it
+    keeps what torch's own reader keeps (a reference each), not a record per opcode (~100 bytes)."""
+    make, ratio = FLAT_PICKLES[case]
+    pkl = b"\x80\x02" + make(1_000_000) + b"."
+    peak = _scanned_with_peak(monkeypatch, _zip_with(pkl))
+    assert peak < ratio * len(pkl) + 2**20, f"{peak / len(pkl):.1f} bytes per byte"
+
+
+@pytest.mark.parametrize("case", list(FLAT_CONTAINERS))
+def test_the_scan_keeps_at_most_its_memory_ratio_per_byte(case, monkeypatch):
+    from fp16kit.legacy.checkpoint_pickle import SCAN_MEMORY_RATIO
+
+    pkl = b"\x80\x02" + FLAT_CONTAINERS[case](200_000) + b"."
+    peak = _scanned_with_peak(monkeypatch, _zip_with(pkl))
+    assert peak < SCAN_MEMORY_RATIO * len(pkl) + 2**20, f"{peak / len(pkl):.1f} bytes per byte"
+
+
+def test_marks_nested_deeper_than_any_container_are_refused(monkeypatch):
+    """Each MARK keeps a stack of its own (a list: 56 bytes) until it closes into a container; nested
+    deeper than MAX_DEPTH, whatever closes them would be refused as too deep, so they are at once."""
+    pkl = b"\x80\x02" + b"(" * 1_000_000 + b"N."
+    with pytest.raises(CheckpointRefused, match="nest deeper than"):
+        load_checkpoint(io.BytesIO(_zip_with(pkl)))
+    legit = b"\x80\x02" + b"(" * 150 + b"N" + b"t" * 150 + b"."  # 150 nested tuples: torch.save's shape
+    assert _scanned_with_peak(monkeypatch, _zip_with(legit)) < 2**21
