@@ -163,16 +163,16 @@ def read_checkpoint(
         return value
 
     try:
-        out = _plain(obj, finish)
-        _check_all_finished(made, finished)
+        out = _plain(obj, finish, f)
+        _check_all_finished(made, finished, f)
     except CheckpointRefused:
         raise
     except (pickle.UnpicklingError, ValueError, TypeError, RuntimeError) as e:  # a record's data is not what its class pickles
-        raise structure_refused(f"{type(e).__name__}: {e}", "Re-save the checkpoint where it loads, if you trust it.") from None
+        raise structure_refused(f, f"{type(e).__name__}: {e}", "Re-save the checkpoint where it loads, if you trust it.") from None
     return out, finished
 
 
-def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...], Record, Any]]) -> None:
+def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...], Record, Any]], f: Any) -> None:
     """Refuse a record the walk never reached: one hidden in a dict key, a set or a tensor
     attribute would come back as a stand-in object, not plain data."""
     done = set()
@@ -184,7 +184,7 @@ def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...]
     for record in made:
         if id(record) not in done:
             raise structure_refused(
-                f"it holds a {describe(record)} where a checkpoint never holds one (a dict key, a set "
+                f, f"it holds a {describe(record)} where a checkpoint never holds one (a dict key, a set "
                 "member, a tensor attribute, or nowhere at all)",
                 "Re-save the checkpoint with that object in a state dict's value, or without it.",
             )
@@ -209,9 +209,9 @@ def _items(obj: Any) -> Any:
     return obj.items() if isinstance(obj, dict) else enumerate(obj)
 
 
-def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any, ...]], Any]) -> Any:
+def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any, ...]], Any], f: Any = None) -> Any:
     """``root`` with each record replaced by ``finish(record, its plain attributes or None,
-    path)``, ``path`` the keys from ``root`` to it.
+    path)``, ``path`` the keys from ``root`` to it (``f``: the file, for the refusals).
 
     pickle memoizes: a container referred to twice is one object in ``root`` (``b = [a, a]; c =
     [b, b]; ...`` is a small file whose paths double at each level). Each container (and each
@@ -236,7 +236,7 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
         references += 1
         if references > MAX_CONTAINERS:
             raise structure_refused(
-                f"it refers to containers (dicts, lists, tuples) more than "
+                f, f"it refers to containers (dicts, lists, tuples) more than "
                 f"fp16kit.legacy.checkpoint.MAX_CONTAINERS = {MAX_CONTAINERS:,} times, far more than a "
                 "checkpoint holds",
                 "If you trust the file, raise that limit.",
@@ -245,7 +245,7 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
             return done[id(obj)]
         if id(obj) in being_rebuilt:
             raise structure_refused(
-                "it holds a cyclic structure (a container that contains itself), which a "
+                f, "it holds a cyclic structure (a container that contains itself), which a "
                 "checkpoint's state dicts never hold",
                 "Re-save the checkpoint without the cycle.",
             )

@@ -1036,3 +1036,130 @@ def test_marks_nested_deeper_than_any_container_are_refused(monkeypatch):
         load_checkpoint(io.BytesIO(_zip_with(pkl)))
     legit = b"\x80\x02" + b"(" * 150 + b"N" + b"t" * 150 + b"."  # 150 nested tuples: torch.save's shape
     assert _scanned_with_peak(monkeypatch, _zip_with(legit)) < 2**21
+
+
+# ------------------------------------------------------------------------------------------------
+# Every refusal names the file (issue 17 §2): "refused to load os.system", "refused this file" did
+# not say which, a problem when a script loads many. Every hostile form this module (and its
+# friends: test_checkpoint_refusals, test_checkpoint_load) builds, as a file: load_checkpoint's
+# one CheckpointRefused names its path (and an open file's name); convert-checkpoint prints one
+# line naming it and exits 1, writing nothing.
+
+
+def _duplicate_pickle() -> bytes:
+    buf = io.BytesIO()
+    torch.save({"step": 1}, buf)
+    good = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in good.infolist():
+            if info.filename.endswith("data.pkl"):
+                z.writestr(zipfile.ZipInfo(info.filename), good.read(info.filename).replace(b"step", b"stop"))
+            z.writestr(zipfile.ZipInfo(info.filename), good.read(info.filename))
+    return out.getvalue()
+
+
+def _saved(obj, legacy: bool = False, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf, _use_new_zipfile_serialization=not legacy, **kwargs)
+    return buf.getvalue()
+
+
+def _cycle() -> bytes:
+    loop: list = []
+    loop.append(loop)
+    return _saved({"optimizer": loop})
+
+
+class _System:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def _refused_forms() -> dict[str, bytes]:
+    forms: dict[str, bytes] = {}
+    for legacy in (False, True):
+        fmt = "legacy" if legacy else "zip"
+        forms[f"{fmt}: a tensor claiming 4 TB"] = (_legacy_file if legacy else _zip_file)(2**40)
+        good = _saved({"w": torch.zeros(4)}, legacy)
+        for part, value in [("offset", 1000), ("stride", -1), ("size", -1)]:
+            forms[f"{fmt}: a view's {part} of {value}"] = (
+                _view(good, part, value) if legacy else _rezip(good, lambda r, p=part, v=value: _view(r, p, v)))
+        pid = _pid(legacy)
+        forms[f"{fmt}: set_ on an empty storage"] = _with_object(legacy, _growing(_EMPTY_STORAGE))
+        forms[f"{fmt}: set_ past the file's storage"] = _with_object(legacy, _growing(pid))
+        forms[f"{fmt}: os.system"] = _saved({"x": _System()}, legacy)
+        forms[f"{fmt}: a whole pickled module"] = _saved(torch.nn.Sequential(torch.nn.Linear(2, 2)), legacy)
+        forms[f"{fmt}: a cut at half"] = good[:len(good) // 2]
+        forms[f"{fmt}: a cut 30 bytes short"] = good[:-30]
+    for name, (pkl, _said) in PICKLE_BOMBS.items():
+        forms[f"pickle bomb: {name}"] = _zip_with(pkl)
+    for name, pkl in HASH_BOMBS.items():
+        forms[f"hash bomb: {name}"] = _zip_with(pkl)
+    for name, (make, _said) in {**LEAKS, **ZIP_NAME_TRICKS}.items():
+        forms[name] = make()
+    forms["a zip bomb"] = _bomb()
+    forms["a stored zip bomb"] = _bomb(size=2**16, stored=True)
+    forms["data.pkl twice"] = _duplicate_pickle()
+    forms["a legacy storage never filled"] = _legacy_unfilled()
+    forms["a legacy storage not in the stored keys"] = _legacy_unfilled(numel=4) + bytes(24)
+    forms["a bare apex class"] = _zip_with(b"\x80\x02capex.amp.scaler\nLossScaler\n.")
+    forms["a scaler record as a dict key"] = _zip_with(b"\x80\x02}capex.amp.scaler\nLossScaler\n)\x81K\x01s.")
+    forms["a cycle"] = _cycle()
+    forms["marks nested 1,000 deep"] = _zip_with(b"\x80\x02" + b"(" * 1000 + b"N.")
+    forms["a newer pickle protocol"] = _saved({"w": torch.ones(2)}, pickle_protocol=4)
+    forms["an empty file"] = b""
+    forms["a text file"] = b"step,loss\n1,0.5\n"
+    forms["a plain pickle"] = pickle.dumps({"w": [1.0]}, protocol=4)
+    forms["a zip without data.pkl"] = _zip_records([("notes.txt", b"hello")])
+    forms["a 64 KB zip comment"] = _zip_records(_legit_records())[:-2] + b"\xff\xff" + b"x" * 65535
+    forms["torch's legacy tar format"] = _legacy_tar()
+    return forms
+
+
+REFUSED_FORMS = _refused_forms()
+
+
+def _one_line_naming(capsys, path: pathlib.Path, out: pathlib.Path) -> str:
+    from fp16kit.cli import main
+
+    code = main(["convert-checkpoint", str(path), str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 1 and stdout == "" and stderr.count("\n") == 1, (code, stdout, stderr)
+    assert stderr.startswith("fp16kit convert-checkpoint: error: ") and str(path) in stderr, stderr
+    assert not out.exists()
+    return stderr
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's and zipfile's, on some of these files
+@pytest.mark.parametrize("case", list(REFUSED_FORMS))
+def test_every_refusal_names_the_file_and_the_cli_prints_one_line(case, tmp_path, capsys):
+    path = tmp_path / "hostile ckpt.pt"
+    path.write_bytes(REFUSED_FORMS[case])
+    with pytest.raises(CheckpointRefused) as info:
+        load_checkpoint(path)
+    assert type(info.value) is CheckpointRefused and repr(str(path)) in str(info.value), str(info.value)
+    with open(path, "rb") as opened, pytest.raises(CheckpointRefused) as info:
+        load_checkpoint(opened)
+    assert repr(str(path)) in str(info.value), str(info.value)
+    _one_line_naming(capsys, path, tmp_path / "out.pt")
+
+
+def test_refusals_after_torch_read_the_file_name_it(tmp_path, capsys, monkeypatch, fake_numpy, save):
+    """Refused once torch has loaded it: a record whose data its class cannot hold (a numpy array
+    of an impossible shape), more containers than MAX_CONTAINERS -- 'refused this file' said not which."""
+    import fp16kit.legacy.checkpoint as checkpoint
+
+    path = save({"a": fake_numpy.ndarray((0, 2**62, 2**62), "<f8", b"")}, tmp_path / "numpy ckpt.pt")
+    with pytest.raises(CheckpointRefused, match="bad array shape") as info:
+        load_checkpoint(path)
+    assert repr(str(path)) in str(info.value)
+    _one_line_naming(capsys, path, tmp_path / "out.pt")
+
+    path = tmp_path / "many ckpt.pt"
+    torch.save({"a": [[1], [2], [3]]}, path)
+    monkeypatch.setattr(checkpoint, "MAX_CONTAINERS", 3)
+    with pytest.raises(CheckpointRefused, match="MAX_CONTAINERS") as info:
+        load_checkpoint(path)
+    assert repr(str(path)) in str(info.value)
+    _one_line_naming(capsys, path, tmp_path / "out.pt")
