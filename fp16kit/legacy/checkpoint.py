@@ -125,17 +125,25 @@ def read_checkpoint(
         # torch's allow-list is process-wide: one load at a time adds and removes the stand-ins, in
         # place of any other entry of their paths (the apex alias's live scaler classes, a user's own)
         with _ONE_AT_A_TIME, reading() as made, replacing(SAFE_GLOBALS):
-            end = None
+            scanned = None
             if safetensors:  # torch hands these to safetensors, which bounds what it reads
                 check_regular(f)
             else:
-                end = scan(f, opened)  # before torch reads anything: what the file may cost (checkpoint_scan)
-            source = opened if end is None else bounded(opened, end)  # the file as it was scanned
+                scan_start = opened.tell()
+                scanned = scan(f, opened)  # before torch reads anything: what the file may cost (checkpoint_scan)
+            # the file as it was scanned: its bytes as the scan read them (a rewrite since is not seen)
+            source = opened if scanned is None else bounded(opened, scanned)
             try:
                 obj = torch.load(source, map_location=map_location, weights_only=True)
             finally:
                 if source is not opened:
-                    opened.seek(source.tell())  # where torch stopped, not where the read-ahead did
+                    stopped = source.tell()  # where torch stopped, not where the read-ahead did
+                    opened.seek(stopped)
+            if scanned is not None:  # data.pkl's CRC, of the bytes torch read, from the same open file
+                corrupt = damaged(bounded(opened, scanned), scan_start, records="pickle", name=f)
+                opened.seek(stopped)
+                if corrupt is not None:
+                    raise corrupt
     except CheckpointRefused:
         raise
     except Exception as e:
@@ -146,7 +154,7 @@ def read_checkpoint(
     finally:
         if ours:
             opened.close()
-    corrupt = damaged(f, start, records="pickle")
+    corrupt = None if scanned is not None else damaged(f, start, records="pickle")
     if corrupt is not None:
         raise corrupt
     finished: list[tuple[tuple[Any, ...], Record, Any]] = []

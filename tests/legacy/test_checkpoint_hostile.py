@@ -1163,3 +1163,65 @@ def test_refusals_after_torch_read_the_file_name_it(tmp_path, capsys, monkeypatc
         load_checkpoint(path)
     assert repr(str(path)) in str(info.value)
     _one_line_naming(capsys, path, tmp_path / "out.pt")
+
+
+def _same_size_hostile(length: int) -> bytes:
+    """A pickle of exactly ``length`` bytes: {padding: bytearray(2**28)} (256 MiB from a few bytes)."""
+    alloc = b"c__builtin__\nbytearray\nJ\x00\x00\x00\x10\x85R"
+    pad = length - len(b"\x80\x02}X\x00\x00\x00\x00" + alloc + b"s.")
+    assert pad >= 0
+    return b"\x80\x02}X" + struct.pack("<I", pad) + b"p" * pad + alloc + b"s."
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+def test_a_file_rewritten_in_place_after_its_scan_is_read_as_it_was_scanned(tmp_path, monkeypatch, legacy):
+    """The same size, the same inode, another pickle: rewritten between the scan and torch.load
+    (another process saving into the file), torch read a pickle the scan never saw (256 MiB
+    allocated from 1 KB). torch is handed the bytes the scan read, from the same open file."""
+    import pickletools
+
+    import fp16kit.legacy.checkpoint as checkpoint
+
+    good = _saved({"w": torch.ones(2)}, legacy)
+    if legacy:  # the object's pickle: the fourth in the file
+        stream = io.BytesIO(good)
+        for _ in range(3):
+            for _op in pickletools.genops(stream):
+                pass
+        at = stream.tell()
+        for _op in pickletools.genops(stream):
+            pass
+        old = good[at:stream.tell()]
+    else:
+        old = zipfile.ZipFile(io.BytesIO(good)).read("archive/data.pkl")
+        at = good.index(old)
+    hostile = _same_size_hostile(len(old))
+    rewritten = good[:at] + hostile + good[at + len(old):]
+    assert len(rewritten) == len(good)
+    if not legacy:  # control: what torch makes of the rewrite (the legacy format's then fails on its keys)
+        loaded = torch.load(io.BytesIO(rewritten), weights_only=True)
+        assert [len(v) for v in loaded.values()] == [2**28]
+        del loaded
+    path = tmp_path / "rewritten.pt"
+    path.write_bytes(good)
+    real = checkpoint.scan
+
+    def scan_then_rewrite(f, opened):
+        scanned = real(f, opened)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, hostile, at)  # in place: same size, same inode
+        finally:
+            os.close(fd)
+        return scanned
+
+    monkeypatch.setattr(checkpoint, "scan", scan_then_rewrite)
+    tracemalloc.start()
+    try:
+        out = load_checkpoint(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert path.read_bytes() == rewritten  # the rewrite happened
+    assert list(out) == ["w"] and out["w"].tolist() == [1.0, 1.0]  # the file as scanned
+    assert peak < 2**24, peak
