@@ -383,5 +383,14 @@ def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
         ) from None
     for key in ("min_loss_scale", "max_loss_scale"):
         v = state[key]
-        state[key] = None if v is None or (isinstance(v, float) and math.isinf(v)) else float(v)
+        try:
+            state[key] = None if v is None or (isinstance(v, float) and math.isinf(v)) else float(v)
+        except (TypeError, ValueError, OverflowError):
+            state[key] = math.nan
+        if isinstance(v, bool) or state[key] is not None and math.isnan(state[key]):
+            raise ValueError(
+                f"Cannot read the saved loss scaler: its {key} is {v!r:.80}, not a number or None (None: no "
+                f"{'floor' if key == 'min_loss_scale' else 'cap'}). Re-save the optimizer's state_dict() where it "
+                "loads; load apex files with fp16kit.legacy.load_checkpoint."
+            )
     return state
