@@ -345,7 +345,10 @@ class Scanner:
         if inst.kind == "tensor" and state.kind == "tuple" and state.value and state.value[0].kind == "storage":
             # torch's reader runs tensor.set_(*state): a view of that storage, which a legacy-format
             # storage grows to fit (memory of the pickle's choosing) -- so it must fit already
-            if len(state.value) != 1:
+            if len(state.value) not in (1, 4):  # set_(storage) or set_(storage, offset, size, stride)
+                raise refused(self.f, f"it sets a tensor's state (tensor.set_) from {len(state.value)} values; "
+                              "torch.save writes a storage, or a storage, offset, size and stride")
+            if len(state.value) == 4:
                 _view(self, "a tensor's state (tensor.set_)", state.value)
         if state.kind in ("str", "bytes", "list", "tuple", "dict", "set"):
             self.budget.charge(state.size, "an object from its state")

@@ -771,6 +771,15 @@ def test_a_view_that_grows_or_expands_into_memory_the_file_lacks_is_refused(lega
     assert peak < 2**22, peak
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_tensor_state_of_another_length_is_refused_in_words(n, no_torch_load):
+    """BUILD(tensor, (storage, 0)): the scan's own 'not enough values to unpack' was the reason given."""
+    state = [_pid(False), b"K\x00", b"K\x04\x85", b"K\x01\x85", b"K\x00"][:n]
+    obj = b"ctorch\nFloatTensor\n)R(" + b"".join(state) + b"tb"
+    with pytest.raises(CheckpointRefused, match=f"sets a tensor's state \\(tensor.set_\\) from {n} values"):
+        load_checkpoint(io.BytesIO(_with_object(False, obj)))
+
+
 def test_a_size_of_many_huge_dimensions_is_not_multiplied_out():
     """200,000 sizes of 2**62 and strides 0: the scan multiplied them (minutes for 2.4 MB); now
     only the view's extent is computed, and its item count capped."""
