@@ -57,7 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _error(message: str, code: int) -> int:
-    print(f"fp16kit convert-checkpoint: error: {message}", file=sys.stderr)
+    # one line, whatever it quotes (a file name, or a record's, holding a newline)
+    one_line = message.replace("\r", "\\r").replace("\n", "\\n")
+    print(f"fp16kit convert-checkpoint: error: {one_line}", file=sys.stderr)
     return code
 
 

@@ -125,17 +125,25 @@ def read_checkpoint(
         # torch's allow-list is process-wide: one load at a time adds and removes the stand-ins, in
         # place of any other entry of their paths (the apex alias's live scaler classes, a user's own)
         with _ONE_AT_A_TIME, reading() as made, replacing(SAFE_GLOBALS):
-            end = None
+            scanned = None
             if safetensors:  # torch hands these to safetensors, which bounds what it reads
                 check_regular(f)
             else:
-                end = scan(f, opened)  # before torch reads anything: what the file may cost (checkpoint_scan)
-            source = opened if end is None else bounded(opened, end)  # the file as it was scanned
+                scan_start = opened.tell()
+                scanned = scan(f, opened)  # before torch reads anything: what the file may cost (checkpoint_scan)
+            # the file as it was scanned: its bytes as the scan read them (a rewrite since is not seen)
+            source = opened if scanned is None else bounded(opened, scanned)
             try:
                 obj = torch.load(source, map_location=map_location, weights_only=True)
             finally:
                 if source is not opened:
-                    opened.seek(source.tell())  # where torch stopped, not where the read-ahead did
+                    stopped = source.tell()  # where torch stopped, not where the read-ahead did
+                    opened.seek(stopped)
+            if scanned is not None:  # data.pkl's CRC, of the bytes torch read, from the same open file
+                corrupt = damaged(bounded(opened, scanned), scan_start, records="pickle", name=f)
+                opened.seek(stopped)
+                if corrupt is not None:
+                    raise corrupt
     except CheckpointRefused:
         raise
     except Exception as e:
@@ -146,7 +154,7 @@ def read_checkpoint(
     finally:
         if ours:
             opened.close()
-    corrupt = damaged(f, start, records="pickle")
+    corrupt = None if scanned is not None else damaged(f, start, records="pickle")
     if corrupt is not None:
         raise corrupt
     finished: list[tuple[tuple[Any, ...], Record, Any]] = []
@@ -163,16 +171,16 @@ def read_checkpoint(
         return value
 
     try:
-        out = _plain(obj, finish)
-        _check_all_finished(made, finished)
+        out = _plain(obj, finish, f)
+        _check_all_finished(made, finished, f)
     except CheckpointRefused:
         raise
     except (pickle.UnpicklingError, ValueError, TypeError, RuntimeError) as e:  # a record's data is not what its class pickles
-        raise structure_refused(f"{type(e).__name__}: {e}", "Re-save the checkpoint where it loads, if you trust it.") from None
+        raise structure_refused(f, f"{type(e).__name__}: {e}", "Re-save the checkpoint where it loads, if you trust it.") from None
     return out, finished
 
 
-def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...], Record, Any]]) -> None:
+def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...], Record, Any]], f: Any) -> None:
     """Refuse a record the walk never reached: one hidden in a dict key, a set or a tensor
     attribute would come back as a stand-in object, not plain data."""
     done = set()
@@ -184,7 +192,7 @@ def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...]
     for record in made:
         if id(record) not in done:
             raise structure_refused(
-                f"it holds a {describe(record)} where a checkpoint never holds one (a dict key, a set "
+                f, f"it holds a {describe(record)} where a checkpoint never holds one (a dict key, a set "
                 "member, a tensor attribute, or nowhere at all)",
                 "Re-save the checkpoint with that object in a state dict's value, or without it.",
             )
@@ -209,9 +217,9 @@ def _items(obj: Any) -> Any:
     return obj.items() if isinstance(obj, dict) else enumerate(obj)
 
 
-def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any, ...]], Any]) -> Any:
+def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any, ...]], Any], f: Any = None) -> Any:
     """``root`` with each record replaced by ``finish(record, its plain attributes or None,
-    path)``, ``path`` the keys from ``root`` to it.
+    path)``, ``path`` the keys from ``root`` to it (``f``: the file, for the refusals).
 
     pickle memoizes: a container referred to twice is one object in ``root`` (``b = [a, a]; c =
     [b, b]; ...`` is a small file whose paths double at each level). Each container (and each
@@ -236,7 +244,7 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
         references += 1
         if references > MAX_CONTAINERS:
             raise structure_refused(
-                f"it refers to containers (dicts, lists, tuples) more than "
+                f, f"it refers to containers (dicts, lists, tuples) more than "
                 f"fp16kit.legacy.checkpoint.MAX_CONTAINERS = {MAX_CONTAINERS:,} times, far more than a "
                 "checkpoint holds",
                 "If you trust the file, raise that limit.",
@@ -245,7 +253,7 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
             return done[id(obj)]
         if id(obj) in being_rebuilt:
             raise structure_refused(
-                "it holds a cyclic structure (a container that contains itself), which a "
+                f, "it holds a cyclic structure (a container that contains itself), which a "
                 "checkpoint's state dicts never hold",
                 "Re-save the checkpoint without the cycle.",
             )
@@ -375,5 +383,14 @@ def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
         ) from None
     for key in ("min_loss_scale", "max_loss_scale"):
         v = state[key]
-        state[key] = None if v is None or (isinstance(v, float) and math.isinf(v)) else float(v)
+        try:
+            state[key] = None if v is None or (isinstance(v, float) and math.isinf(v)) else float(v)
+        except (TypeError, ValueError, OverflowError):
+            state[key] = math.nan
+        if isinstance(v, bool) or state[key] is not None and math.isnan(state[key]):
+            raise ValueError(
+                f"Cannot read the saved loss scaler: its {key} is {v!r:.80}, not a number or None (None: no "
+                f"{'floor' if key == 'min_loss_scale' else 'cap'}). Re-save the optimizer's state_dict() where it "
+                "loads; load apex files with fp16kit.legacy.load_checkpoint."
+            )
     return state

@@ -114,9 +114,10 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
     if found and isinstance(e, pickle.UnpicklingError):
         kind, whole = _whole_object(what, f, start)
         if whole:
-            return CheckpointRefused(f"{LOADER} refused to load {what}: {whole}\n{torch_said}", "whole", what, kind)
+            return CheckpointRefused(f"{LOADER} refused to load {what} in {file_name(f)}: {whole}\n{torch_said}",
+                                     "whole", what, kind)
         return CheckpointRefused(
-            f"{LOADER} refused to load {what}: only tensors, plain containers, apex's and Megatron's "
+            f"{LOADER} refused to load {what} in {file_name(f)}: only tensors, plain containers, apex's and Megatron's "
             f"loss scalers ({', '.join(SCALER_CLASSES)}), argparse.Namespace and numpy arrays and "
             "numbers are read; nothing was run. If you trust this file and need that object, use "
             f"torch.load(..., weights_only=False) yourself.\n{torch_said}",
@@ -143,8 +144,8 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
         )
     if isinstance(e, pickle.UnpicklingError):
         return CheckpointRefused(
-            f"{LOADER} refused to load {what}: only tensors, plain containers, apex's and Megatron's "
-            "loss scalers, argparse.Namespace and numpy arrays and numbers are read; nothing was "
+            f"{LOADER} refused to load {what} in {file_name(f)}: only tensors, plain containers, apex's and "
+            "Megatron's loss scalers, argparse.Namespace and numpy arrays and numbers are read; nothing was "
             f"run.\n{torch_said}",
             "structure", torch_words(e),
         )
@@ -172,9 +173,9 @@ _MALFORMED = (KeyError, IndexError, struct.error, AssertionError, EOFError, Unic
 _ENVIRONMENT = re.compile(r"CUDA|cuda|device|out of memory|can't allocate memory|DefaultCPUAllocator")
 
 
-def structure_refused(why: str, fix: str) -> CheckpointRefused:
-    """A file whose structure :func:`fp16kit.legacy.load_checkpoint` refuses: ``why``, then ``fix``."""
-    return CheckpointRefused(f"{LOADER} refused this file: {why}. {fix}", "structure", why)
+def structure_refused(f: Any, why: str, fix: str) -> CheckpointRefused:
+    """The file ``f``, whose structure :func:`fp16kit.legacy.load_checkpoint` refuses: ``why``, then ``fix``."""
+    return CheckpointRefused(f"{LOADER} refused {file_name(f)}: {why}. {fix}", "structure", why)
 
 
 def position(f: Any) -> int | None:

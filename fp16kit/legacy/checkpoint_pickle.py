@@ -40,7 +40,7 @@ import torch
 
 from .checkpoint_errors import CheckpointRefused, file_name
 
-__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "Budget", "Scanner", "refused"]
+__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "SCAN_MEMORY_RATIO", "Budget", "Scanner", "refused"]
 
 #: How deep containers (tuples, lists, dicts, sets, objects) may nest in a checkpoint's pickle.
 #: State dicts nest a few levels; ``copy.deepcopy`` and ``repr`` of deeper data fail anyway, and
@@ -50,6 +50,13 @@ MAX_DEPTH = 200
 ALLOCATION_RATIO = 4
 #: ... plus this, for small files.
 ALLOCATION_SLACK = 1 << 20
+#: The most memory (bytes) the scan keeps per byte of a pickle, whatever its opcodes: a record of
+#: 64-88 bytes per value it cannot share (an opcode makes at most one, and takes a byte at least;
+#: a 1-tuple takes two and holds its item) and a reference per item of a list or tuple. None,
+#: True, False, small ints and the empty tuple are shared, so a list of 10 million Nones costs a
+#: reference each (about 9.5 bytes per byte), as it costs torch's own reader; a list of empty
+#: dicts costs torch 72 bytes per byte, the scan 89.
+SCAN_MEMORY_RATIO = 96
 _TEXT_CODECS = {"latin1": 1, "latin-1": 1, "latin_1": 1, "iso-8859-1": 1, "iso8859-1": 1, "l1": 1,
                 "utf-8": 4, "utf8": 4, "utf_8": 4, "ascii": 1, "us-ascii": 1}
 _COPIERS = {"builtins.set", "collections.OrderedDict", "collections.Counter", "torch.Size"}
@@ -95,17 +102,49 @@ class Budget:
 
 class _V:
     """What the scan knows of one pickled value: its kind, size (bytes or items), nesting depth,
-    and for some kinds the value (ints, short strings, global paths, tuple items)."""
+    and for some kinds the value (ints, short strings, global paths, list and tuple items).
 
-    __slots__ = ("kind", "size", "depth", "value", "stand_in", "tree", "hashed")
+    The scan keeps one of these per value a pickle builds, so it is kept small (four slots: a
+    pickle of one-byte opcodes makes one value per byte); tuples and globals, which need more,
+    are :class:`_Rich`, dicts and sets :class:`_Keyed`, and the values every pickle repeats
+    (None, True, False, small ints, the empty tuple) are shared (:data:`_SHARED`)."""
 
-    def __init__(self, kind: str, size: int = 0, depth: int = 0, value: Any = None, stand_in: bool = False,
-                 tree: int = 1) -> None:
-        self.kind, self.size, self.depth, self.value, self.stand_in = kind, size, depth, value, stand_in
-        self.tree, self.hashed = tree, _UNHASHED  # tree: items hashing it visits (a shared one each time)
+    __slots__ = ("kind", "size", "depth", "value")
+    stand_in = False  # whether it is (or holds) one of fp16kit's stand-in classes itself: see _Rich
+    tree = 1  # the items hashing it visits (a shared one each time): see _Rich
+
+    def __init__(self, kind: str, size: int = 0, depth: int = 0, value: Any = None) -> None:
+        self.kind, self.size, self.depth, self.value = kind, size, depth, value
+
+
+class _Rich(_V):
+    """A tuple or a global: whether it holds a stand-in, its hash tree's size and its hash."""
+
+    __slots__ = ("stand_in", "tree", "hashed")
+
+    def __init__(self, kind: str, size: int, depth: int, value: Any, stand_in: bool, tree: int = 1) -> None:
+        super().__init__(kind, size, depth, value)
+        self.stand_in, self.tree, self.hashed = stand_in, tree, _UNHASHED
+
+
+class _Keyed(_V):
+    """A dict or a set: how many of its keys have each hash a pickle can choose (None: none yet),
+    and the steps hashing them took."""
+
+    __slots__ = ("counts", "steps")
+
+    def __init__(self, kind: str, size: int = 0, depth: int = 1) -> None:
+        super().__init__(kind, size, depth)
+        self.counts: dict[int, int] | None = None
+        self.steps = 0
 
 
 _UNHASHED = object()
+_NONE, _TRUE, _FALSE = _V("none"), _V("bool", value=True), _V("bool", value=False)
+_SMALL_INTS = [_V("int", value=i) for i in range(256)]  # BININT1's
+_EMPTY_TUPLE = _Rich("tuple", 0, 1, (), False)
+#: Values shared by every reference to them (never changed: a BUILD on one works on a copy).
+_SHARED = frozenset(map(id, [_NONE, _TRUE, _FALSE, _EMPTY_TUPLE, *_SMALL_INTS]))
 _MAX_TREE = 1 << 62
 
 
@@ -125,14 +164,13 @@ def _hash(v: _V) -> int | None:
     """The hash Python gives the value ``v`` stands for, where a pickle can choose it (ints, floats,
     tuples of them): keys chosen to collide make each insertion compare with all before. None
     where it cannot (str and bytes hashes are salted per process) or the value is unhashable."""
-    if v.hashed is _UNHASHED:
-        if v.kind in ("int", "float", "bool", "none"):
-            v.hashed = None if v.value is None and v.kind != "none" else hash(v.value)
-        elif v.kind == "tuple" and v.value is not None:
-            items = [_hash(i) for i in v.value]
-            v.hashed = None if None in items else hash(tuple(_Hash(h) for h in items))
-        else:
-            v.hashed = None
+    if v.kind in ("int", "float", "bool", "none"):
+        return None if v.value is None and v.kind != "none" else hash(v.value)
+    if not isinstance(v, _Rich) or v.kind != "tuple" or v.value is None:
+        return None
+    if v.hashed is _UNHASHED:  # worked out once: a shared tuple is a key many times over
+        items = [_hash(i) for i in v.value]
+        v.hashed = None if None in items else hash(tuple(_Hash(h) for h in items))
     return v.hashed
 
 
@@ -231,7 +269,6 @@ class Scanner:
         self.stack: list[_V] = []
         self.metastack: list[list[_V]] = []
         self.memo: dict[int, _V] = {}
-        self.keyed: dict[int, tuple[_V, dict[int, int], list[int]]] = {}  # id(dict or set): it, hashes, cost
         try:
             while True:
                 op = self.stream.read(1)
@@ -273,9 +310,12 @@ class Scanner:
                       f"{MAX_DEPTH} levels (a checkpoint's state dicts nest a few)")
 
     def _grow(self, target: _V, items: list[_V], where: str) -> None:
+        """``items`` (a list of the scan's own, taken over) added to the list or dict ``target``."""
         target.size += len(items)
-        if target.value is not None:
+        if isinstance(target.value, list):
             target.value.extend(items)
+        elif target.value is not None:  # an empty list holds no list of its own until now
+            target.value = items
         depth = 1 + max((self._value(v, where).depth for v in items), default=0)
         if depth > target.depth:
             target.depth = depth
@@ -287,7 +327,7 @@ class Scanner:
         path = _global_path(self._line(), self._line())
         if path not in self.torch_globals and path not in self.user_globals:
             raise _Stop  # torch refuses it, naming it
-        self._push(_V("global", value=path, stand_in=path in self.stand_ins))
+        self._push(_Rich("global", 0, 0, path, path in self.stand_ins))
 
     def op_newobj(self) -> None:
         args, cls = self.stack.pop(), self.stack.pop()
@@ -300,15 +340,20 @@ class Scanner:
     def op_build(self) -> None:
         state = self._value(self.stack.pop(), "an object's state")
         inst = self.stack[-1]
+        if id(inst) in _SHARED:  # its depth changes below: this reference's own copy
+            inst = self.stack[-1] = _V(inst.kind, inst.size, inst.depth, inst.value)
         if inst.kind == "tensor" and state.kind == "tuple" and state.value and state.value[0].kind == "storage":
             # torch's reader runs tensor.set_(*state): a view of that storage, which a legacy-format
             # storage grows to fit (memory of the pickle's choosing) -- so it must fit already
-            if len(state.value) != 1:
+            if len(state.value) not in (1, 4):  # set_(storage) or set_(storage, offset, size, stride)
+                raise refused(self.f, f"it sets a tensor's state (tensor.set_) from {len(state.value)} values; "
+                              "torch.save writes a storage, or a storage, offset, size and stride")
+            if len(state.value) == 4:
                 _view(self, "a tensor's state (tensor.set_)", state.value)
         if state.kind in ("str", "bytes", "list", "tuple", "dict", "set"):
             self.budget.charge(state.size, "an object from its state")
         if state.kind in ("dict", "set"):
-            self._keys(_V("dict"), [], copied=state)  # its keys hashed again into the object's
+            self._keys(_Keyed("dict"), [], copied=state)  # its keys hashed again into the object's
         if state.depth + 1 > inst.depth:
             inst.depth = state.depth + 1
             if inst.depth > MAX_DEPTH:
@@ -339,33 +384,36 @@ class Scanner:
         if kind == "dict":
             self._keys(target, items[::2])
 
-    def _keys(self, target: _V, keys: list[_V], copied: _V | None = None) -> None:
+    def _keys(self, target: _Keyed, keys: list[_V], copied: _V | None = None) -> None:
         """``keys`` hashed into the dict or set ``target`` (or all the keys of ``copied``): Python
         hashes a tuple anew each time, visiting every item of a shared one again (a few hundred
         bytes of tuples of tuples take 2**60 steps), and compares a key with each earlier one of
         its hash (ints chosen to collide: quadratic). Those steps are charged to the budget."""
-        entry = self.keyed.get(id(target))
-        if entry is None:
-            entry = self.keyed[id(target)] = (target, {}, [0])
-        counts, steps = entry[1], 0
-        if copied is not None and id(copied) in self.keyed:
-            source = self.keyed[id(copied)]
-            for h, n in source[1].items():
-                counts[h] = counts.get(h, 0) + n
-            steps = source[2][0]
+        counts, steps = target.counts, 0
+        if isinstance(copied, _Keyed):
+            if copied.counts:
+                if counts is None:
+                    counts = target.counts = {}
+                for h, n in copied.counts.items():
+                    counts[h] = counts.get(h, 0) + n
+            steps = copied.steps
         for key in keys:
             h = _hash(key)
             if h is None:
                 steps += key.tree
             else:
+                if counts is None:
+                    counts = target.counts = {}
                 seen = counts.get(h, 0)
                 counts[h] = seen + 1
                 steps += key.tree * (1 + seen)
-        entry[2][0] += steps
+        target.steps += steps
         self.budget.charge(steps, "dict keys or set members whose hashing and comparing take more steps than the "
                                   "file has bytes (a tuple shared many times over, or keys chosen to collide)")
 
     def op_mark(self) -> None:
+        if len(self.metastack) >= MAX_DEPTH:  # each mark closes into a container holding what follows
+            self._too_deep()
         self.metastack.append(self.stack)
         self.stack = []
 
@@ -373,17 +421,17 @@ class Scanner:
         items = self._pop_mark()
         self._push(self._tuple(items))
 
-    def _tuple(self, items: list[_V]) -> _V:
+    def _tuple(self, items: list[_V] | tuple[_V, ...]) -> _V:
         depth = 1 + max((v.depth for v in items), default=0)
         if depth > MAX_DEPTH:
             self._too_deep()
-        return _V("tuple", len(items), depth, items, any(v.stand_in for v in items),
-                  min(1 + sum(v.tree for v in items), _MAX_TREE))
+        return _Rich("tuple", len(items), depth, items, any(v.stand_in for v in items),
+                     min(1 + sum(v.tree for v in items), _MAX_TREE))
 
     def _tuple_n(self, n: int) -> None:
         if len(self.stack) < n:
             raise IndexError
-        items = self.stack[-n:]
+        items = tuple(self.stack[-n:])  # a tuple of 1-3 items: smaller than a list of them
         del self.stack[-n:]
         self._push(self._tuple(items))
 
@@ -397,31 +445,31 @@ class Scanner:
         self._tuple_n(3)
 
     def op_none(self) -> None:
-        self._push(_V("none"))
+        self._push(_NONE)
 
     def op_true(self) -> None:
-        self._push(_V("bool", value=True))
+        self._push(_TRUE)
 
     def op_false(self) -> None:
-        self._push(_V("bool", value=False))
+        self._push(_FALSE)
 
     def op_empty_tuple(self) -> None:
-        self._push(_V("tuple", 0, 1, []))
+        self._push(_EMPTY_TUPLE)
 
     def op_empty_list(self) -> None:
-        self._push(_V("list", 0, 1, []))
+        self._push(_V("list", 0, 1, ()))  # its items: a list of its own once it has some
 
     def op_empty_dict(self) -> None:
-        self._push(_V("dict", 0, 1))
+        self._push(_Keyed("dict"))
 
     def op_empty_set(self) -> None:
-        self._push(_V("set", 0, 1))
+        self._push(_Keyed("set"))
 
     def op_binint(self) -> None:
         self._push(_V("int", value=struct.unpack("<i", self._read(4))[0]))
 
     def op_binint1(self) -> None:
-        self._push(_V("int", value=self._read(1)[0]))
+        self._push(_SMALL_INTS[self._read(1)[0]])
 
     def op_binint2(self) -> None:
         self._push(_V("int", value=struct.unpack("<H", self._read(2))[0]))
@@ -523,14 +571,15 @@ def _call_torch(s: Scanner, path: str, target: Any, a: list[_V], new: bool) -> _
             raise refused(s.f, f"it calls {path} with {len(a)} arguments")
         s.budget.charge(a[0].size if a else 0, f"a copy by {path}")
         kind = "tuple" if path == "torch.Size" else "set" if path == "builtins.set" else "dict"
-        out = _V(kind, a[0].size if a else 0, 1 + (a[0].depth if a else 0))
+        size, depth = a[0].size if a else 0, 1 + (a[0].depth if a else 0)
+        out = _V(kind, size, depth) if kind == "tuple" else _Keyed(kind, size, depth)
         if out.depth > MAX_DEPTH:
             s._too_deep()
         if a and kind != "tuple":  # the copy hashes its keys (of a list of pairs: the first items)
-            items = a[0].value if a[0].kind in ("list", "tuple") and isinstance(a[0].value, list) else []
+            items = a[0].value if a[0].kind in ("list", "tuple") and isinstance(a[0].value, (list, tuple)) else []
             if path == "collections.OrderedDict":
                 items = [i.value[0] for i in items if i.kind == "tuple" and i.value]
-            s._keys(out, items, copied=a[0] if a[0].kind in ("dict", "set") else None)
+            s._keys(out, items, copied=a[0] if a[0].kind in ("dict", "set") else None)  # type: ignore[arg-type]
         return out
     if path in ("builtins.complex", "torch.device", "torch.serialization._get_layout") or new and path in (
             "builtins.bytearray", "builtins.set", "builtins.complex"):

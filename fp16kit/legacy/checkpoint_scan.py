@@ -26,7 +26,9 @@ file is read once, cheaply, first::
     legacy tar       (torch < 0.4) refused: torch's weights-only reader does not read it
     each pickle      simulated opcode by opcode, with torch's weights-only opcode set (the scan
                      stops at any other opcode: torch refuses it there):
-                       nesting of tuples, lists, dicts, sets and objects  <= MAX_DEPTH
+                       nesting of tuples, lists, dicts, sets, objects, marks  <= MAX_DEPTH
+                       memory the scan itself keeps   <= SCAN_MEMORY_RATIO * size (None,
+                       small ints, ... shared: a reference each, as torch's reader keeps)
                        bytes built or copied by calls (bytearray(n), _codecs.encode, set(x),
                        OrderedDict(x), BUILD's state, ...), plus the steps hashing and
                        comparing dict keys and set members takes (a shared tuple is hashed
@@ -41,6 +43,11 @@ file is read once, cheaply, first::
                        fp16kit's stand-ins (apex scalers, Namespace, numpy records) only called,
                        never held as a value (a bare class would come back as fp16kit's record)
 
+torch is then handed the file as it was scanned (:func:`bounded`): nothing past its end then, and
+every byte the scan read (the zip's directory, headers and data.pkl; the legacy format's pickles
+and storage headers) as the scan read it, from the same open file -- appended to or rewritten in
+place meanwhile, the file cannot show torch what the scan never saw.
+
 Legit checkpoints copy each byte a few times at most (``bytearray(_codecs.encode(s))``), so the
 ratio leaves a wide margin; a pickle that memoizes one big object and copies it many times runs
 into it at once. Refusals are :class:`~fp16kit.legacy.checkpoint_errors.CheckpointRefused`.
@@ -48,6 +55,7 @@ into it at once. Refusals are :class:`~fp16kit.legacy.checkpoint_errors.Checkpoi
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import os
@@ -63,7 +71,7 @@ import torch
 from .checkpoint_errors import CheckpointRefused, file_name, raw_name, torch_folder, torch_record
 from .checkpoint_pickle import ALLOCATION_RATIO, ALLOCATION_SLACK, MAX_DEPTH, Budget, Scanner, refused
 
-__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "bounded", "open_regular", "scan"]
+__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "Scanned", "bounded", "open_regular", "scan"]
 
 #: The most a deflated zip record may expand (deflate's own maximum is about 1032).
 MAX_INFLATION = 32
@@ -110,12 +118,11 @@ def _check_regular(f: Any, mode: int) -> None:
         "read the data into an io.BytesIO and pass that.", "not_file", what)
 
 
-def scan(f: Any, opened: Any) -> int | None:
+def scan(f: Any, opened: Any) -> Scanned | None:
     """Check the file ``opened`` (``f`` as the caller named it) as the module docstring says,
-    leaving its position where it was. Raises CheckpointRefused; returns where the file ended
-    when it was checked (hand torch :func:`bounded` to it), or None for a file object that reads
-    text. torch may read it (or it is no checkpoint format at all: torch and the error messages
-    say so)."""
+    leaving its position where it was. Raises CheckpointRefused; returns what was scanned (hand
+    torch :func:`bounded` of it), or None for a file object that reads text. torch may read it
+    (or it is no checkpoint format at all: torch and the error messages say so)."""
     start = opened.tell()
     try:
         head = opened.read(512)
@@ -124,8 +131,11 @@ def scan(f: Any, opened: Any) -> int | None:
             return None
         budget = Budget(f, end - start)
         opened.seek(start)
+        snapshot = _Snapshot()
+        # every byte the scan reads is kept, and torch reads those as kept (bounded)
+        reader = io.BufferedReader(_Recording(opened, snapshot), _RECORDED_CHUNK)
         if head.startswith(b"PK\x03\x04"):
-            _scan_zip(f, opened, budget)
+            _scan_zip(f, reader, budget)
         elif head[257:262] == b"ustar":
             raise CheckpointRefused(
                 f"fp16kit.legacy.load_checkpoint: {file_name(f)} is in torch's legacy tar format (torch < 0.4), "
@@ -133,18 +143,100 @@ def scan(f: Any, opened: Any) -> int | None:
                 "it, load it once with torch.load(..., weights_only=False) and save its state dicts again.",
                 "legacy_tar", "torch's legacy tar format")
         elif head.startswith(b"\x80"):
-            _scan_legacy(f, opened, end, budget)
-        return end
+            _scan_legacy(f, reader, end, budget)
+        return Scanned(end, snapshot)
     finally:
         opened.seek(start)
 
 
-class _Window(io.RawIOBase):
-    """The file ``opened`` up to ``end``: reads stop there, and its end is there."""
+_RECORDED_CHUNK = 1 << 12  # what the scan reads at a time past what it needs (kept): a zip's local headers
 
-    def __init__(self, opened: Any, end: int) -> None:
+
+class Scanned:
+    """What :func:`scan` checked: where the file ended then, and every byte it read (the zip's
+    directory and headers, data.pkl; the legacy format's pickles and storage headers)."""
+
+    def __init__(self, end: int, snapshot: _Snapshot) -> None:
+        self.end, self.snapshot = end, snapshot
+
+
+class _Snapshot:
+    """Bytes of a file at known offsets, as first read: sorted spans that do not overlap."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.chunks: list[bytes] = []
+
+    def patch(self, pos: int, view: memoryview) -> None:
+        """``view`` (read at ``pos``) with every byte this snapshot holds there as it holds it."""
+        end = pos + len(view)
+        i = max(bisect.bisect_right(self.starts, pos) - 1, 0)
+        while i < len(self.starts) and self.starts[i] < end:
+            a, chunk = self.starts[i], self.chunks[i]
+            lo, hi = max(a, pos), min(a + len(chunk), end)
+            if lo < hi:
+                view[lo - pos:hi - pos] = chunk[lo - a:hi - a]
+            i += 1
+
+    def add(self, pos: int, data: bytes) -> None:
+        """Keep ``data``, read at ``pos`` and patched (so it agrees with what is kept where both are)."""
+        if not data:
+            return
+        end = pos + len(data)
+        i = bisect.bisect_left(self.starts, pos)
+        if i and self.starts[i - 1] + len(self.chunks[i - 1]) > pos:
+            i -= 1
+        j = i
+        while j < len(self.starts) and self.starts[j] < end:
+            j += 1
+        if i < j:  # overlapping spans: one span of their union
+            lo, hi = min(self.starts[i], pos), max(self.starts[j - 1] + len(self.chunks[j - 1]), end)
+            merged = bytearray(hi - lo)
+            for a, chunk in zip(self.starts[i:j], self.chunks[i:j]):
+                merged[a - lo:a - lo + len(chunk)] = chunk
+            merged[pos - lo:end - lo] = data
+            pos, data = lo, bytes(merged)
+        self.starts[i:j], self.chunks[i:j] = [pos], [data]
+
+
+class _Recording(io.RawIOBase):
+    """The file ``opened``, each byte read kept in ``snapshot`` -- and read from there when it
+    is read again (the scan sees one version of the file, however often it looks)."""
+
+    def __init__(self, opened: Any, snapshot: _Snapshot) -> None:
         super().__init__()
-        self._f, self._end = opened, end
+        self._f, self._snapshot = opened, snapshot
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(pos, whence)
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        pos = self._f.tell()
+        data = self._f.read(len(view))
+        n = len(data)
+        view[:n] = data
+        self._snapshot.patch(pos, view[:n])
+        self._snapshot.add(pos, bytes(view[:n]))
+        return n
+
+
+class _Window(io.RawIOBase):
+    """The file ``opened`` as :func:`scan` read it: reads stop where it ended then, and every byte
+    the scan read is read as the scan read it (a rewrite in place since is not seen)."""
+
+    def __init__(self, opened: Any, scanned: Scanned) -> None:
+        super().__init__()
+        self._f, self._end, self._snapshot = opened, scanned.end, scanned.snapshot
 
     def readable(self) -> bool:
         return True
@@ -166,22 +258,27 @@ class _Window(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        n = max(0, min(len(view), self._end - self._f.tell()))
+        pos = self._f.tell()
+        n = max(0, min(len(view), self._end - pos))
         if not n:
             return 0
         if hasattr(self._f, "readinto"):
-            return self._f.readinto(view[:n]) or 0
-        data = self._f.read(n)
-        view[:len(data)] = data
-        return len(data)
+            got = self._f.readinto(view[:n]) or 0
+        else:
+            data = self._f.read(n)
+            got = len(data)
+            view[:got] = data
+        self._snapshot.patch(pos, view[:got])
+        return got
 
 
-def bounded(opened: Any, end: int) -> io.BufferedReader:
-    """``opened`` as :func:`scan` checked it, for torch to read: nothing past ``end``, where
-    the file ended then. A zip's directory is read from the end of the file: appended to while
-    it is loaded (another process saving into it), the file would point torch at records the
-    scan never saw."""
-    return io.BufferedReader(_Window(opened, end), 1 << 16)
+def bounded(opened: Any, scanned: Scanned) -> io.BufferedReader:
+    """``opened`` as :func:`scan` checked it, for torch to read: nothing past where the file
+    ended then, and the bytes the scan read as it read them. A zip's directory is read from the
+    end of the file: appended to while it is loaded (another process saving into it), the file
+    would point torch at records the scan never saw; rewritten in place (the same size), at a
+    pickle the scan never saw. Tensor data the scan did not read is read as the file holds it."""
+    return io.BufferedReader(_Window(opened, scanned), 1 << 16)
 
 
 # -------------------------------------------------------------------------------- zip
@@ -349,9 +446,9 @@ def check_file(f: Any, *, crc: bool = False) -> None:
     try:
         start = opened.tell()
         with replacing(SAFE_GLOBALS):
-            end = scan(f, opened)
-        if crc and end is not None:
-            corrupt = damaged(bounded(opened, end), start, records="all", name=f)
+            scanned = scan(f, opened)
+        if crc and scanned is not None:
+            corrupt = damaged(bounded(opened, scanned), start, records="all", name=f)
             if corrupt is not None:
                 raise corrupt
     finally:

@@ -39,6 +39,7 @@ import collections
 import errno
 import os
 import pathlib
+import pickle
 import shutil
 import stat
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 from .checkpoint import read_checkpoint, scaler_state
+from .checkpoint_errors import file_name
 from .checkpoint_scan import check_file
 from .checkpoint_records import (
     APEX_SCALER_CLASSES,
@@ -65,9 +67,11 @@ __all__ = ["Conversion", "ConversionError", "OutputRefused", "WriteError", "conv
 MAX_DEPTH = 200
 
 
-class ConversionError(ValueError):
+class ConversionError(pickle.UnpicklingError, ValueError):
     """An item of a loaded checkpoint :func:`convert_checkpoint` cannot convert: at ``where``
-    (e.g. ``optimizer.loss_scaler``), ``why``."""
+    (e.g. ``optimizer.loss_scaler``), ``why``. A ValueError, and a ``pickle.UnpicklingError`` as
+    every other refusal of a file :func:`convert_file` reads (one ``except`` for "not converted";
+    from :func:`convert_file` the message names the file)."""
 
     def __init__(self, message: str, where: str, why: str) -> None:
         super().__init__(message)
@@ -376,7 +380,11 @@ def convert_file(
     obj, finished = read_checkpoint(src, where, plain_numpy=True)
     report = [Conversion(format_path(path), describe(record), _describe_value(value))
               for path, record, value in finished if isinstance(record, NUMPY_RECORDS)]
-    converted, more = convert_checkpoint(obj, torch_optimizer_state=torch_optimizer_state)
+    try:
+        converted, more = convert_checkpoint(obj, torch_optimizer_state=torch_optimizer_state)
+    except ConversionError as e:
+        raise ConversionError(f"fp16kit.legacy.convert_file: {file_name(src)} was not converted: {e}", e.where,
+                              e.why) from None
     report += more
     target = str(map_location)
     for location, count in sorted(seen.items()):

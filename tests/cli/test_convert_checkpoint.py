@@ -594,3 +594,11 @@ def test_a_fifo_or_a_device_as_in_or_out_is_refused_at_once(tmp_path, capsys, ap
         assert _run(capsys, apex_era_file, out, "--force") == (2, "", f"{_PREFIX}{out} is not a regular file (a FIFO, "
                                                                "a device or a socket); name a file to write, --force or not.\n")
     assert fifo.is_fifo() and pathlib.Path("/dev/null").is_char_device()
+
+
+def test_a_file_name_with_a_newline_is_still_one_line(tmp_path, capsys):
+    """The one-line promise holds for what the message quotes: IN's own name may hold a newline."""
+    src = tmp_path / "two\nlines.pt"
+    src.write_bytes(b"step,loss\n1,0.5\n")
+    code, out, err = _run(capsys, src, tmp_path / "out.pt")
+    assert code == 1 and out == "" and err.count("\n") == 1 and "two\\nlines.pt is not a checkpoint" in err, err

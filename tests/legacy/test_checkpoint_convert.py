@@ -262,6 +262,8 @@ def test_a_scaler_record_no_apex_run_writes_is_refused_naming_the_field_and_noth
     assert load_checkpoint(path)["optimizer"]["loss_scaler"][field] is not None  # read as it is, for a look
     with pytest.raises(ConversionError, match=rf"optimizer\.loss_scaler: .*its {field} is {value!r}, not ") as info:
         convert_file(path, tmp_path / "out.pt")
+    assert f"{str(path)!r} was not converted: optimizer.loss_scaler: " in str(info.value)
+    assert isinstance(info.value, pickle.UnpicklingError)  # one except clause for "not converted"
     # what the command line prints after "IN was not converted: {where}: "
     assert info.value.where == "optimizer.loss_scaler" and info.value.why.startswith(
         f"the {load_checkpoint(path)['optimizer']['loss_scaler']['__apex_class__']} there holds {field} = {value!r}, not ")

@@ -771,6 +771,15 @@ def test_a_view_that_grows_or_expands_into_memory_the_file_lacks_is_refused(lega
     assert peak < 2**22, peak
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_a_tensor_state_of_another_length_is_refused_in_words(n, no_torch_load):
+    """BUILD(tensor, (storage, 0)): the scan's own 'not enough values to unpack' was the reason given."""
+    state = [_pid(False), b"K\x00", b"K\x04\x85", b"K\x01\x85", b"K\x00"][:n]
+    obj = b"ctorch\nFloatTensor\n)R(" + b"".join(state) + b"tb"
+    with pytest.raises(CheckpointRefused, match=f"sets a tensor's state \\(tensor.set_\\) from {n} values"):
+        load_checkpoint(io.BytesIO(_with_object(False, obj)))
+
+
 def test_a_size_of_many_huge_dimensions_is_not_multiplied_out():
     """200,000 sizes of 2**62 and strides 0: the scan multiplied them (minutes for 2.4 MB); now
     only the view's extent is computed, and its item count capped."""
@@ -954,3 +963,274 @@ def test_a_zip_comment_torch_cannot_read_past_is_one_refusal_naming_the_file(tmp
     path.write_bytes(out.getvalue())
     with pytest.raises(CheckpointRefused, match="could not read .*comment.pt.*negative seek value"):
         load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the pre-scan itself keeps in memory, per byte of pickle (issue 17 §2, third round): a flat
+# pickle of 10 million Nones cost the scan ~108 bytes of memory per file byte (1.08 GB for 10 MB)
+# where torch's own reader keeps a reference per None (~8). Measured up to the moment torch.load
+# would start (the file's bytes themselves are allocated before tracing starts).
+
+
+class _TorchReached(BaseException):
+    """Raised where torch.load would start reading (a BaseException: the loader lets it pass)."""
+
+
+def _scanned_with_peak(monkeypatch, data: bytes) -> int:
+    """The peak traced memory of load_checkpoint(data) up to torch.load (which is never run)."""
+    peaks = []
+
+    def reached(*args, **kwargs):
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        raise _TorchReached
+
+    monkeypatch.setattr(torch, "load", reached)
+    tracemalloc.start()
+    try:
+        with pytest.raises(_TorchReached):
+            load_checkpoint(io.BytesIO(data))
+    finally:
+        tracemalloc.stop()
+    return peaks[0]
+
+
+def _ints(opcode: bytes, fmt: str, n: int) -> bytes:
+    return b"".join(opcode + struct.pack(fmt, i % 65536 if fmt == "<H" else i) for i in range(n))
+
+
+FLAT_PICKLES = {  # name: (the pickle's body, built in about n bytes; bytes per byte it may cost)
+    "a list of Nones, by APPENDS": (lambda n: b"](" + b"N" * n + b"e", 16),
+    "a tuple of Nones": (lambda n: b"(" + b"N" * n + b"t", 16),
+    "Nones left on the stack": (lambda n: b"N" * n, 16),
+    "a list of small ints": (lambda n: b"](" + b"K\x07" * (n // 2) + b"e", 16),
+    "a list of memo references": (lambda n: b"]Nq\x00(" + b"h\x00" * (n // 2) + b"e", 16),
+}
+FLAT_CONTAINERS = {  # values the scan cannot share: its ratio, at most
+    "empty lists": lambda n: b"](" + b"]" * n + b"e",
+    "empty dicts": lambda n: b"](" + b"}" * n + b"e",
+    "empty sets": lambda n: b"](" + b"\x8f" * n + b"e",
+    "1-tuples": lambda n: b"](" + b"N\x85" * (n // 2) + b"e",
+    "dicts of one int key": lambda n: b"](" + b"}K\x01Ns" * (n // 4) + b"e",
+    "distinct BININT2s": lambda n: b"](" + _ints(b"M", "<H", n // 3) + b"e",
+    "distinct BININTs": lambda n: b"](" + _ints(b"J", "<i", n // 5) + b"e",
+    "memo entries (LONG_BINPUT)": lambda n: b"N" + _ints(b"r", "<I", n // 5),
+    "short strings": lambda n: b"](" + b"".join(b"X\x02\x00\x00\x00%02d" % (i % 100) for i in range(n // 7)) + b"e",
+}
+
+
+@pytest.mark.parametrize("case", list(FLAT_PICKLES))
+def test_the_scan_of_a_flat_pickle_keeps_a_reference_per_value(case, monkeypatch):
+    """1M one-byte values: the scan shares None, True, False, small ints and memoized values, so it
+    keeps what torch's own reader keeps (a reference each), not a record per opcode (~100 bytes)."""
+    make, ratio = FLAT_PICKLES[case]
+    pkl = b"\x80\x02" + make(1_000_000) + b"."
+    peak = _scanned_with_peak(monkeypatch, _zip_with(pkl))
+    assert peak < ratio * len(pkl) + 2**20, f"{peak / len(pkl):.1f} bytes per byte"
+
+
+@pytest.mark.parametrize("case", list(FLAT_CONTAINERS))
+def test_the_scan_keeps_at_most_its_memory_ratio_per_byte(case, monkeypatch):
+    from fp16kit.legacy.checkpoint_pickle import SCAN_MEMORY_RATIO
+
+    pkl = b"\x80\x02" + FLAT_CONTAINERS[case](200_000) + b"."
+    peak = _scanned_with_peak(monkeypatch, _zip_with(pkl))
+    assert peak < SCAN_MEMORY_RATIO * len(pkl) + 2**20, f"{peak / len(pkl):.1f} bytes per byte"
+
+
+def test_marks_nested_deeper_than_any_container_are_refused(monkeypatch):
+    """Each MARK keeps a stack of its own (a list: 56 bytes) until it closes into a container; nested
+    deeper than MAX_DEPTH, whatever closes them would be refused as too deep, so they are at once."""
+    pkl = b"\x80\x02" + b"(" * 1_000_000 + b"N."
+    with pytest.raises(CheckpointRefused, match="nest deeper than"):
+        load_checkpoint(io.BytesIO(_zip_with(pkl)))
+    legit = b"\x80\x02" + b"(" * 150 + b"N" + b"t" * 150 + b"."  # 150 nested tuples: torch.save's shape
+    assert _scanned_with_peak(monkeypatch, _zip_with(legit)) < 2**21
+
+
+# ------------------------------------------------------------------------------------------------
+# Every refusal names the file (issue 17 §2): "refused to load os.system", "refused this file" did
+# not say which, a problem when a script loads many. Every hostile form this module (and its
+# friends: test_checkpoint_refusals, test_checkpoint_load) builds, as a file: load_checkpoint's
+# one CheckpointRefused names its path (and an open file's name); convert-checkpoint prints one
+# line naming it and exits 1, writing nothing.
+
+
+def _duplicate_pickle() -> bytes:
+    buf = io.BytesIO()
+    torch.save({"step": 1}, buf)
+    good = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in good.infolist():
+            if info.filename.endswith("data.pkl"):
+                z.writestr(zipfile.ZipInfo(info.filename), good.read(info.filename).replace(b"step", b"stop"))
+            z.writestr(zipfile.ZipInfo(info.filename), good.read(info.filename))
+    return out.getvalue()
+
+
+def _saved(obj, legacy: bool = False, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf, _use_new_zipfile_serialization=not legacy, **kwargs)
+    return buf.getvalue()
+
+
+def _cycle() -> bytes:
+    loop: list = []
+    loop.append(loop)
+    return _saved({"optimizer": loop})
+
+
+class _System:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def _refused_forms() -> dict[str, bytes]:
+    forms: dict[str, bytes] = {}
+    for legacy in (False, True):
+        fmt = "legacy" if legacy else "zip"
+        forms[f"{fmt}: a tensor claiming 4 TB"] = (_legacy_file if legacy else _zip_file)(2**40)
+        good = _saved({"w": torch.zeros(4)}, legacy)
+        for part, value in [("offset", 1000), ("stride", -1), ("size", -1)]:
+            forms[f"{fmt}: a view's {part} of {value}"] = (
+                _view(good, part, value) if legacy else _rezip(good, lambda r, p=part, v=value: _view(r, p, v)))
+        pid = _pid(legacy)
+        forms[f"{fmt}: set_ on an empty storage"] = _with_object(legacy, _growing(_EMPTY_STORAGE))
+        forms[f"{fmt}: set_ past the file's storage"] = _with_object(legacy, _growing(pid))
+        forms[f"{fmt}: os.system"] = _saved({"x": _System()}, legacy)
+        forms[f"{fmt}: a whole pickled module"] = _saved(torch.nn.Sequential(torch.nn.Linear(2, 2)), legacy)
+        forms[f"{fmt}: a cut at half"] = good[:len(good) // 2]
+        forms[f"{fmt}: a cut 30 bytes short"] = good[:-30]
+    for name, (pkl, _said) in PICKLE_BOMBS.items():
+        forms[f"pickle bomb: {name}"] = _zip_with(pkl)
+    for name, pkl in HASH_BOMBS.items():
+        forms[f"hash bomb: {name}"] = _zip_with(pkl)
+    for name, (make, _said) in {**LEAKS, **ZIP_NAME_TRICKS}.items():
+        forms[name] = make()
+    forms["a zip bomb"] = _bomb()
+    forms["a stored zip bomb"] = _bomb(size=2**16, stored=True)
+    forms["data.pkl twice"] = _duplicate_pickle()
+    forms["a legacy storage never filled"] = _legacy_unfilled()
+    forms["a legacy storage not in the stored keys"] = _legacy_unfilled(numel=4) + bytes(24)
+    forms["a bare apex class"] = _zip_with(b"\x80\x02capex.amp.scaler\nLossScaler\n.")
+    forms["a scaler record as a dict key"] = _zip_with(b"\x80\x02}capex.amp.scaler\nLossScaler\n)\x81K\x01s.")
+    forms["a cycle"] = _cycle()
+    forms["marks nested 1,000 deep"] = _zip_with(b"\x80\x02" + b"(" * 1000 + b"N.")
+    forms["a newer pickle protocol"] = _saved({"w": torch.ones(2)}, pickle_protocol=4)
+    forms["an empty file"] = b""
+    forms["a text file"] = b"step,loss\n1,0.5\n"
+    forms["a plain pickle"] = pickle.dumps({"w": [1.0]}, protocol=4)
+    forms["a zip without data.pkl"] = _zip_records([("notes.txt", b"hello")])
+    forms["a 64 KB zip comment"] = _zip_records(_legit_records())[:-2] + b"\xff\xff" + b"x" * 65535
+    forms["torch's legacy tar format"] = _legacy_tar()
+    return forms
+
+
+REFUSED_FORMS = _refused_forms()
+
+
+def _one_line_naming(capsys, path: pathlib.Path, out: pathlib.Path) -> str:
+    from fp16kit.cli import main
+
+    code = main(["convert-checkpoint", str(path), str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 1 and stdout == "" and stderr.count("\n") == 1, (code, stdout, stderr)
+    assert stderr.startswith("fp16kit convert-checkpoint: error: ") and str(path) in stderr, stderr
+    assert not out.exists()
+    return stderr
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's and zipfile's, on some of these files
+@pytest.mark.parametrize("case", list(REFUSED_FORMS))
+def test_every_refusal_names_the_file_and_the_cli_prints_one_line(case, tmp_path, capsys):
+    path = tmp_path / "hostile ckpt.pt"
+    path.write_bytes(REFUSED_FORMS[case])
+    with pytest.raises(CheckpointRefused) as info:
+        load_checkpoint(path)
+    assert type(info.value) is CheckpointRefused and repr(str(path)) in str(info.value), str(info.value)
+    with open(path, "rb") as opened, pytest.raises(CheckpointRefused) as info:
+        load_checkpoint(opened)
+    assert repr(str(path)) in str(info.value), str(info.value)
+    _one_line_naming(capsys, path, tmp_path / "out.pt")
+
+
+def test_refusals_after_torch_read_the_file_name_it(tmp_path, capsys, monkeypatch, fake_numpy, save):
+    """Refused once torch has loaded it: a record whose data its class cannot hold (a numpy array
+    of an impossible shape), more containers than MAX_CONTAINERS -- 'refused this file' said not which."""
+    import fp16kit.legacy.checkpoint as checkpoint
+
+    path = save({"a": fake_numpy.ndarray((0, 2**62, 2**62), "<f8", b"")}, tmp_path / "numpy ckpt.pt")
+    with pytest.raises(CheckpointRefused, match="bad array shape") as info:
+        load_checkpoint(path)
+    assert repr(str(path)) in str(info.value)
+    _one_line_naming(capsys, path, tmp_path / "out.pt")
+
+    path = tmp_path / "many ckpt.pt"
+    torch.save({"a": [[1], [2], [3]]}, path)
+    monkeypatch.setattr(checkpoint, "MAX_CONTAINERS", 3)
+    with pytest.raises(CheckpointRefused, match="MAX_CONTAINERS") as info:
+        load_checkpoint(path)
+    assert repr(str(path)) in str(info.value)
+    _one_line_naming(capsys, path, tmp_path / "out.pt")
+
+
+def _same_size_hostile(length: int) -> bytes:
+    """A pickle of exactly ``length`` bytes: {padding: bytearray(2**28)} (256 MiB from a few bytes)."""
+    alloc = b"c__builtin__\nbytearray\nJ\x00\x00\x00\x10\x85R"
+    pad = length - len(b"\x80\x02}X\x00\x00\x00\x00" + alloc + b"s.")
+    assert pad >= 0
+    return b"\x80\x02}X" + struct.pack("<I", pad) + b"p" * pad + alloc + b"s."
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+def test_a_file_rewritten_in_place_after_its_scan_is_read_as_it_was_scanned(tmp_path, monkeypatch, legacy):
+    """The same size, the same inode, another pickle: rewritten between the scan and torch.load
+    (another process saving into the file), torch read a pickle the scan never saw (256 MiB
+    allocated from 1 KB). torch is handed the bytes the scan read, from the same open file."""
+    import pickletools
+
+    import fp16kit.legacy.checkpoint as checkpoint
+
+    good = _saved({"w": torch.ones(2)}, legacy)
+    if legacy:  # the object's pickle: the fourth in the file
+        stream = io.BytesIO(good)
+        for _ in range(3):
+            for _op in pickletools.genops(stream):
+                pass
+        at = stream.tell()
+        for _op in pickletools.genops(stream):
+            pass
+        old = good[at:stream.tell()]
+    else:
+        old = zipfile.ZipFile(io.BytesIO(good)).read("archive/data.pkl")
+        at = good.index(old)
+    hostile = _same_size_hostile(len(old))
+    rewritten = good[:at] + hostile + good[at + len(old):]
+    assert len(rewritten) == len(good)
+    if not legacy:  # control: what torch makes of the rewrite (the legacy format's then fails on its keys)
+        loaded = torch.load(io.BytesIO(rewritten), weights_only=True)
+        assert [len(v) for v in loaded.values()] == [2**28]
+        del loaded
+    path = tmp_path / "rewritten.pt"
+    path.write_bytes(good)
+    real = checkpoint.scan
+
+    def scan_then_rewrite(f, opened):
+        scanned = real(f, opened)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, hostile, at)  # in place: same size, same inode
+        finally:
+            os.close(fd)
+        return scanned
+
+    monkeypatch.setattr(checkpoint, "scan", scan_then_rewrite)
+    tracemalloc.start()
+    try:
+        out = load_checkpoint(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert path.read_bytes() == rewritten  # the rewrite happened
+    assert list(out) == ["w"] and out["w"].tolist() == [1.0, 1.0]  # the file as scanned
+    assert peak < 2**24, peak

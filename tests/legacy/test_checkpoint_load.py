@@ -334,3 +334,18 @@ def test_a_truncated_legacy_checkpoint_is_refused_as_cut_short(tmp_path):
 def test_a_missing_file_raises_torchs_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_checkpoint(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("key", ["_min_loss_scale", "_max_loss_scale"])
+@pytest.mark.parametrize("bad", ["1.0x", [1.0], float("nan"), True], ids=["text", "list", "nan", "bool"])
+def test_a_saved_min_or_max_scale_that_is_no_number_is_refused_naming_the_field(key, bad):
+    """A bare ValueError ("could not convert string to float") or TypeError said neither which field
+    nor what to do."""
+    from fp16kit.legacy.checkpoint import scaler_state
+    from fp16kit.legacy.fp16_optimizer import AmpLossScaler
+
+    saved = {"__apex_class__": "apex.amp.scaler.LossScaler", "dynamic": True, "_loss_scale": 2.0**16,
+             "_scale_seq_len": 2000, "_unskipped": 0, "_min_loss_scale": None, "_max_loss_scale": 2.0**24, key: bad}
+    field = key.lstrip("_")
+    with pytest.raises(ValueError, match=rf"its {field} is .*, not a number or None \(None: no (floor|cap)\)\. Re-save"):
+        scaler_state(saved, current=AmpLossScaler(1.0).state_dict())

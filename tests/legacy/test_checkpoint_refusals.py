@@ -111,7 +111,7 @@ def test_a_whole_pickled_apex_or_megatron_module_is_refused_with_how_to_resave(t
     with pytest.raises(pickle.UnpicklingError) as info:
         load_checkpoint(path)
     message = str(info.value)
-    assert f"refused to load {path_}: the file holds a whole pickled {kind} object" in message
+    assert f"refused to load {path_} in {str(path)!r}: the file holds a whole pickled {kind} object" in message
     assert "torch.save(obj.state_dict(), NEW_PATH)" in message and "obj.module.state_dict()" in message
     assert "apex or Megatron-LM installed" in message
 
@@ -120,11 +120,11 @@ def test_a_whole_pickled_apex_or_megatron_module_is_refused_with_how_to_resave(t
 def test_whole_torch_modules_and_optimizers_are_refused_as_such(tmp_path, legacy):
     model = nn.Sequential(nn.Linear(2, 2))
     path = _save(model, tmp_path / "m.pt", legacy)
-    with pytest.raises(pickle.UnpicklingError, match=r"refused to load torch\.nn\.modules\.container\.Sequential: "
+    with pytest.raises(pickle.UnpicklingError, match=r"refused to load torch\.nn\.modules\.container\.Sequential in '.*m\.pt': "
                                                      r"the file holds a whole pickled module object"):
         load_checkpoint(path)
     path = _save(torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "o.pt", legacy)
-    with pytest.raises(pickle.UnpicklingError, match=r"refused to load torch\.optim\.sgd\.SGD: the file holds a "
+    with pytest.raises(pickle.UnpicklingError, match=r"refused to load torch\.optim\.sgd\.SGD in '.*o\.pt': the file holds a "
                                                      r"whole pickled optimizer object"):
         load_checkpoint(path)
 
@@ -137,7 +137,7 @@ def test_a_pickled_module_of_a_class_not_imported_is_told_by_its_state(tmp_path,
     cls = stand_ins.add("mymodels.gpt.GPT", bases=(_Wrapper,))
     path = _save(cls(), tmp_path / "m.pt", legacy)
     stand_ins.remove()
-    with pytest.raises(pickle.UnpicklingError, match=r"refused to load mymodels\.gpt\.GPT: the file holds a whole "
+    with pytest.raises(pickle.UnpicklingError, match=r"refused to load mymodels\.gpt\.GPT in '.*m\.pt': the file holds a whole "
                                                      r"pickled module object"):
         load_checkpoint(path)
 
@@ -147,7 +147,7 @@ def test_an_unknown_class_that_is_no_module_gets_the_plain_refusal(tmp_path, sta
     path = _save({"x": cls()}, tmp_path / "t.pt", False)
     with pytest.raises(pickle.UnpicklingError) as info:
         load_checkpoint(path)
-    assert "refused to load mylib.Thing: only tensors, plain containers" in str(info.value)
+    assert f"refused to load mylib.Thing in {str(path)!r}: only tensors, plain containers" in str(info.value)
     assert "whole pickled" not in str(info.value)
 
 
@@ -246,7 +246,7 @@ def test_an_enum_under_a_module_path_is_not_taken_for_a_whole_module(tmp_path, s
     path = _save({"args": argparse.Namespace(attn_mask_type=cls.causal)}, tmp_path / "e.pt", False)
     with pytest.raises(pickle.UnpicklingError) as info:
         load_checkpoint(path)
-    assert "refused to load megatron.model.enums.AttnMaskType: only tensors" in str(info.value)
+    assert f"refused to load megatron.model.enums.AttnMaskType in {str(path)!r}: only tensors" in str(info.value)
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")

@@ -235,8 +235,9 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
         a = {**OLD_PICKLE_DEFAULTS, **attrs}
         check_number("cur_scale", a["cur_scale"], positive=True)  # (named as saved, not as init_scale)
         for key in ("cur_iter", "last_overflow_iter"):
-            if isinstance(a[key], bool) or not isinstance(a[key], int):
-                raise ValueError(f"{key} must be an int, got {a[key]!r}")
+            # their difference is counted on the device in int32 (10**400 raised OverflowError there)
+            if isinstance(a[key], bool) or not isinstance(a[key], int) or not -_MAX_ITER <= a[key] <= _MAX_ITER:
+                raise ValueError(f"{key} must be an int (a step count, at most 2**30 in size), got {a[key]!r:.80}")
         scaler = cls(
             a["cur_scale"], a["scale_factor"], a["scale_window"], a["min_scale"], a["delayed_shift"],
             a["consecutive_hysteresis"], model_parallel_group=model_parallel_group,
@@ -314,8 +315,10 @@ def _window(value: Any) -> int:
     as in Megatron (``n % inf == n``, never 0): an interval no count reaches."""
     if isinstance(value, float) and value == math.inf:
         return sys.maxsize
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return min(value, sys.maxsize)  # one no count reaches (10**400 is no float: math.isfinite overflows)
     if (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)
         or value < 1 or value != int(value)
     ):
         raise ValueError(
@@ -326,14 +329,22 @@ def _window(value: Any) -> int:
 
 
 def check_number(name: str, value: Any, *, positive: bool) -> None:
-    """ValueError unless ``value`` is a finite int or float > 0 (``positive``) or >= 0."""
-    if (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-        or value < 0 or (positive and value == 0)
-    ):
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}.")
+    """ValueError unless ``value`` is a finite int or float > 0 (``positive``) or >= 0 (an int too
+    large for a float, such as 10**400, is none: no scale Megatron computed)."""
+    try:
+        ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+              and value >= 0 and not (positive and value == 0))
+    except OverflowError:  # math.isfinite(10**400)
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r:.80}.")
+
+
+_MAX_COUNT = 2**31 - 1  # the core's trackers are int32 device tensors
+_MAX_ITER = 2**30  # cur_iter - last_overflow_iter fits one
 
 
 def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1 (1 reduces the scale at every overflow), got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_COUNT:
+        raise ValueError(f"{name} must be an int >= 1 (1 reduces the scale at every overflow; at most 2**31 - 1), "
+                         f"got {value!r:.80}.")

@@ -47,6 +47,7 @@ def test_opennmt_passes_a_zero_static_scale_with_the_dynamic_one():
 
 
 @pytest.mark.parametrize("key,bad", [("cur_scale", 0.0), ("cur_scale", float("nan")), ("cur_scale", "65536"),
+                                     ("cur_scale", 10**400),  # OverflowError from math.isfinite
                                      ("cur_iter", 2.5), ("cur_iter", -1)])
 def test_a_checkpoint_with_an_unusable_scale_or_count_is_refused_before_any_change(key, bad):
     p = torch.ones(3, dtype=torch.float16, requires_grad=True)
@@ -64,7 +65,7 @@ def test_a_checkpoint_with_an_unusable_scale_or_count_is_refused_before_any_chan
 
 @pytest.mark.parametrize("key,bad", [("scale_window", None), ("scale_window", 0), ("scale_window", 2.5),
                                      ("scale_factor", None), ("scale_factor", 0.0), ("scale_factor", float("inf")),
-                                     ("scale_factor", "2"), ("last_overflow_iter", None),
+                                     ("scale_factor", "2"), ("scale_factor", 10**400), ("last_overflow_iter", None),
                                      ("last_overflow_iter", -2), ("last_overflow_iter", 1.5)])
 def test_a_dynamic_checkpoint_with_unusable_scale_settings_is_refused_before_any_change(key, bad):
     # scale_window=None raised a bare TypeError after the masters, inner state and scale were replaced
@@ -109,3 +110,17 @@ def test_writing_a_scale_that_cannot_work_is_refused(bad, dynamic):
     assert opt.cur_scale == before
     opt.cur_scale = 1024  # what scripts write
     assert opt.cur_scale == 1024.0
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, 1, torch.tensor(0.5)])
+def test_a_saved_scale_factor_of_at_most_1_is_refused_naming_the_valid_range(bad):
+    """apex divides the scale by scale_factor at an overflow and multiplies at a growth: a factor
+    in (0, 1] (accepted before) never backs off, so every step after an overflow is skipped."""
+    p = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    saved = FP16_Optimizer(FusedAdam([p], lr=1e-3), dynamic_loss_scale=True, verbose=False)
+    sd = {**saved.state_dict(), "scale_factor": bad}
+    q = torch.zeros(3, dtype=torch.float16, requires_grad=True)
+    opt = FP16_Optimizer(FusedAdam([q], lr=1e-3), dynamic_loss_scale=True, verbose=False)
+    with pytest.raises(ValueError, match=r"scale_factor must be a finite number > 1 \(the scale is divided by it"):
+        opt.load_state_dict(sd)
+    assert opt.scale_factor == 2.0 and opt.cur_scale == 2.0**16

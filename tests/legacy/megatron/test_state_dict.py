@@ -172,3 +172,31 @@ def test_setting_a_loss_scale_that_cannot_train_is_refused(dynamic, value):
     assert opt.loss_scale == before
     opt.loss_scale = 2**10
     assert opt.loss_scale == 1024
+
+
+@pytest.mark.parametrize("field", ["cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "min_scale",
+                                   "delayed_shift"])
+@pytest.mark.parametrize("bad", [10**400, -10**400, 2**62], ids=["10**400", "-10**400", "2**62"])
+def test_a_saved_number_too_large_for_its_field_is_a_valueerror_naming_it(field, bad):
+    """10**400 raised OverflowError (math.isfinite) or, in a counter, RuntimeError/OverflowError from
+    the core's int32 trackers; a saved value no Megatron run wrote is a ValueError naming its field."""
+    from fp16kit.legacy.megatron.loss_scaler import scaler_from_state
+
+    saved = {"cur_scale": 2.0**16, "cur_iter": 5, "last_overflow_iter": -1, "scale_factor": 2.0,
+             "scale_window": 1000, "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 2,
+             "consecutive_hysteresis": False, field: bad}
+    if field in ("scale_factor", "min_scale", "cur_scale") and bad == 2**62:
+        scaler_from_state(saved)  # a large number, but a float: Megatron's arithmetic runs on
+        return
+    with pytest.raises(ValueError, match=field):
+        scaler_from_state(saved)
+
+
+def test_a_huge_whole_scale_window_never_grows_the_scale_as_inf_does():
+    from fp16kit.legacy.megatron.loss_scaler import scaler_from_state
+
+    saved = {"cur_scale": 4.0, "cur_iter": 5, "last_overflow_iter": -1, "scale_factor": 2.0, "scale_window": 10**400}
+    scaler = scaler_from_state(saved)
+    for _ in range(3):
+        scaler.update_scale(False)
+    assert scaler.cur_scale == 4.0

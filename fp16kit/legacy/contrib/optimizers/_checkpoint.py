@@ -12,13 +12,13 @@ Every check runs before anything is changed; a mismatch names the group and the 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from ....core import kernels
 from ...checkpoint_errors import apex_object_refused
+from ...loss_scaler import check_factor, check_scale
 
 __all__ = [
     "check_state_dict", "check_unpickled_settings", "dynamic_settings", "masters_from_state", "optimizer_state_from",
@@ -86,11 +86,13 @@ def _check_counters(sd: dict[str, Any]) -> None:
     # a scale of 0 or nan trained every param into NaN; a fractional or negative count broke
     # the modulo growth rule
     scale = _number(sd["cur_scale"])
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    try:
+        check_scale("cur_scale", scale)  # (an int too large for a float, 10**400, raised OverflowError)
+    except ValueError:
         raise ValueError(
             f"FP16_Optimizer state dict: cur_scale must be a finite number > 0, got {sd['cur_scale']!r}; "
             "pass the dict FP16_Optimizer.state_dict() saved."
-        )
+        ) from None
     _whole(sd, "cur_iter", 0)
     if sd["dynamic_loss_scale"]:
         dynamic_settings(sd)
@@ -110,13 +112,16 @@ def _whole(sd: dict[str, Any], key: str, low: int) -> int:
 def dynamic_settings(sd: dict[str, Any]) -> tuple[float, int, int]:
     """``(scale_factor, scale_window, last_overflow_iter)`` of a dynamic-scale checkpoint as
     Python numbers (apex's defaults 2.0, 1000, -1 where absent); ValueError for values the
-    scale rule cannot use (a factor that is not a finite number > 0, a window < 1, ...)."""
+    scale rule cannot use (a factor that is not a finite number > 1, a window < 1, ...)."""
     factor = _number(sd.get("scale_factor", 2.0))
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+    try:
+        # apex divides the scale by it at an overflow and multiplies at a growth: <= 1 is no apex run's
+        check_factor("scale_factor", factor)
+    except ValueError as e:
         raise ValueError(
-            f"FP16_Optimizer state dict: scale_factor must be a finite number > 0, got {sd['scale_factor']!r}; "
-            "pass the dict FP16_Optimizer.state_dict() saved."
-        )
+            f"FP16_Optimizer state dict: {e} No apex run saves another; pass the dict FP16_Optimizer.state_dict() "
+            "saved."
+        ) from None
     window = _whole({"scale_window": 1000, **sd}, "scale_window", 1)
     last = _whole({"last_overflow_iter": -1, **sd}, "last_overflow_iter", -1)
     return float(factor), window, last
