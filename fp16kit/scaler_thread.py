@@ -88,6 +88,8 @@ class ThreadBinding:
         # ids of the optimizers that submit_step(fn, scaler=) submitted since the last
         # update() (main thread only)
         self.submitted: set[int] = set()
+        # a loaded "next_scale" until the first update() hands it to its job (main thread only)
+        self.resumed_scale: float | None = None
         self.lock = threading.Lock()
         self._refresh = refresh
 
@@ -149,6 +151,7 @@ class ThreadBinding:
             self.open = None
         self.forward_scale.copy_(scale)
         self.last_update = None
+        self.resumed_scale = None
         self.mark = self.thread.steps
         self.submitted = set()
 
@@ -183,7 +186,8 @@ class ThreadBinding:
             self._publish(self.last_update)  # the next loss uses iteration k-1's result
             self.last_update = None
         record = self._close_open()
-        self.last_update = self.thread.enqueue(self._update_job, (record,))
+        resumed, self.resumed_scale = self.resumed_scale, None
+        self.last_update = self.thread.enqueue(self._update_job, (record, resumed))
         self.mark = self.thread.steps
         self.submitted = set()
         if not is_async:
@@ -204,8 +208,9 @@ class ThreadBinding:
         if new_scale is not None:  # None: its error was delivered already
             self.forward_scale.copy_(new_scale)
 
-    def _update_job(self, record: IterationRecord) -> torch.Tensor:
-        """On the optimizer thread, after the iteration's step: the scale update."""
+    def _update_job(self, record: IterationRecord, resumed: float | None) -> torch.Tensor:
+        """On the optimizer thread, after the iteration's step: the scale update (from
+        ``resumed``, the saved ``next_scale``, in the first one after a load)."""
         self._pop(record)
         found_infs = [f for st in record.states.values() for f in st["found_inf_per_device"].values()]
         if not found_infs:
@@ -215,6 +220,8 @@ class ThreadBinding:
             )
         scale = self.loss_scale.scale
         assert scale is not None
+        if resumed is not None:
+            scale.fill_(resumed)
         found = kernels.combine_found_inf(found_infs, scale.device)
         self.loss_scale.update(found, used_scale=record.scale)
         return scale.clone()
@@ -230,12 +237,14 @@ class ThreadBinding:
     def resume(self, next_scale: float) -> None:
         """Main thread, after a load of a checkpoint saved mid-lag (see :meth:`ScalerThreads.saved`):
         the loaded scale stays the forward one; ``next_scale`` -- what the update queued before
-        the save computed -- becomes the thread's, and the next ``update()`` publishes it."""
+        the save computed -- is the one the next ``update()`` publishes, and the one its job
+        starts from. (Not written into the scale now: this iteration's loss may have been
+        multiplied by that very tensor, and autograd refuses it changed before backward.)"""
         scale = self.loss_scale.scale
         assert scale is not None
-        scale.fill_(next_scale)
+        self.resumed_scale = next_scale
         done: Future = Future()
-        done.set_result(scale.clone())
+        done.set_result(torch.full_like(scale, next_scale))
         self.last_update = done
 
     def __getstate__(self) -> Any:
@@ -360,11 +369,13 @@ class ScalerThreads:
         bit. (torch's ``load_state_dict`` ignores the key; a resume without a thread starts
         from ``"scale"``.)"""
         binding = self.binding
-        if binding is None:
-            return unbound_scale, {}
+        if binding is None:  # (a lag loaded for the binding made next is kept)
+            return unbound_scale, ({} if self._next_scale is None else {"next_scale": self._next_scale})
         latest = loss_scale.get_scale()
         if binding.on_thread():
             return latest, {}
+        if binding.resumed_scale is not None:  # loaded, no update() yet
+            latest = binding.resumed_scale
         forward = float(binding.forward_scale.item())
         return forward, ({} if latest == forward else {"next_scale": latest})
 

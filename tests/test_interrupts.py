@@ -95,6 +95,36 @@ def test_another_error_inside_a_hold_still_delivers_the_interrupt() -> None:
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
             raise ValueError("boom")
     assert isinstance(info.value.__context__, ValueError)
+    assert completed(info.value) is None  # the call raised: it changed nothing, repeat it
+
+
+def test_a_sigint_right_after_the_restore_still_says_completed() -> None:
+    # The body's Ctrl-C is held; a second one fires at every line (the tracer). Each time the
+    # body ran to its end and was not abandoned -- the second one came during the exit, after
+    # the restore, from the default handler -- the interrupt must carry the COMPLETED note.
+    reached: list[bool] = []
+
+    def block() -> None:
+        with hold_interrupts("the test step"):
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+            reached.append(True)
+
+    n, after_the_body = 1, 0
+    while True:
+        reached.clear()
+        outcome = sigint_at(n, block)
+        if not outcome.fired:
+            break
+        error = outcome.error
+        assert isinstance(error, KeyboardInterrupt)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, f"line {n}: left installed"
+        abandoned = any(note.startswith("fp16kit: a second") for note in getattr(error, "__notes__", ()))
+        if reached and not abandoned:
+            after_the_body += 1
+            assert completed(error) == "the test step", f"line {n}"
+        n += 1
+    assert after_the_body >= 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_the_tracer_delivers_through_the_installed_handler() -> None:
@@ -130,17 +160,21 @@ def mpo_script(
     extra: tuple[str, ...] = (),
     iterations: int = 3,
     submit: bool = False,
+    routed: bool = False,
 ) -> Script:
     """MixedPrecisionOptimizer(AdamW) on a small model, torch.amp style. ``extra``: calls added
     at the end of each iteration ("synchronize", "state_dict"). ``submit``: mode 2, the step
-    and zero_grad run on the optimizer thread (``opt.submit_step``)."""
+    and zero_grad run on the optimizer thread (``opt.submit_step``). ``routed``: the scaler is
+    bound to the thread and ``scaler.step(opt)``, called on the main thread, runs there."""
 
     def build() -> Any:
         model = _model(dtype)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused or None)
-        thread = fp16kit.OptimizerThread() if async_step or submit else None
+        thread = fp16kit.OptimizerThread() if async_step or submit or routed else None
         opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step, thread=thread)
         sc = fp16kit.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) if scaler else None
+        if routed:
+            sc.bind(thread)
         return SimpleNamespace(model=model, opt=opt, scaler=sc, thread=thread, saved=None)
 
     def backward(w: Any, i: int) -> None:
@@ -227,6 +261,12 @@ def test_ctrl_c_anywhere_with_unscale_and_clip(call: str) -> None:
 def test_ctrl_c_anywhere_in_a_submitted_step(call: str) -> None:
     # Saved and resumed right after update(), in the lag (the scale of iteration 0 changes).
     sweep(mpo_script(submit=True, overflow_at=0), at_iteration=1, call=call, **FAST)
+
+
+@pytest.mark.parametrize("call", ["step", "update"])
+def test_ctrl_c_anywhere_in_a_step_routed_to_the_thread(call: str) -> None:
+    # A bound scaler's step called on the main thread runs on the optimizer thread (and waits).
+    sweep(mpo_script(routed=True, overflow_at=0), at_iteration=1, call=call, **FAST)
 
 
 @pytest.mark.parametrize("call", ["synchronize", "state_dict"])

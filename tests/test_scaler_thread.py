@@ -288,12 +288,13 @@ def _same(a, b):
     assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(ta, tb))
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["scaler=", "lazy"])
+@pytest.mark.parametrize("how", ["scaler=", "lazy", "bind() first"])
 @pytest.mark.parametrize("cut", [1, 2, 3, 4])
-def test_a_checkpoint_saved_right_after_update_resumes_bit_for_bit(threads, explicit, cut):
+def test_a_checkpoint_saved_right_after_update_resumes_bit_for_bit(threads, how, cut):
     # After update() the next loss is scaled with the previous iteration's result while the
     # queued update computes a newer one (growth every step here, and a back-off at 2): the
     # state dict keeps both, so a fresh world resumed from it goes on exactly.
+    explicit = how != "lazy"
     model, opt, scaler = _world(threads)
     _iterate(model, opt, scaler, range(cut), explicit=explicit)
     saved = copy.deepcopy((opt.state_dict(), model.state_dict(), scaler.state_dict()))  # opt first: it waits
@@ -303,9 +304,12 @@ def test_a_checkpoint_saved_right_after_update_resumes_bit_for_bit(threads, expl
     reference = _finish(model, opt, scaler)
 
     model2, opt2, scaler2 = _world(threads)
+    if how == "bind() first":  # bound before the load: this iteration's loss is scaled by
+        scaler2.bind(opt2.thread)  # the loaded scale itself (autograd keeps it for backward)
     opt2.load_state_dict(saved[0])
     model2.load_state_dict(saved[1])
     scaler2.load_state_dict(saved[2])
+    assert scaler2.state_dict() == saved[2]  # saved again at once, nothing is lost
     _iterate(model2, opt2, scaler2, range(cut, 6), explicit=explicit)
     _same(_finish(model2, opt2, scaler2), reference)
 

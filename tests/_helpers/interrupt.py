@@ -82,15 +82,16 @@ def sigint_at(n: int, fn: Callable[[], Any]) -> Outcome:
     gc.disable()
     previous = sys.gettrace()
     sys.settrace(tracer)
+    result = error = None
     try:
         result = fn()
     except BaseException as e:  # noqa: BLE001 - what the call raised is the outcome
-        return Outcome(fired, e)
+        error = e
     finally:
-        sys.settrace(previous)
+        sys.settrace(previous)  # before anything else is called (it would be traced)
         if gc_was_enabled:
             gc.enable()
-    return Outcome(fired, None, result)
+    return Outcome(fired, error, result)
 
 
 @dataclass
