@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -56,16 +56,31 @@ from .optimizer_misuse import watch_clips
 from .step_snapshot import StepView, snapshot, write_back
 from .step_state import StepState
 
-if TYPE_CHECKING:
-    from .optimizer import MixedPrecisionOptimizer
-
-__all__ = ["AsyncSteps", "Handoff", "StepJob", "MISSING_GRADS", "log_skipped_step"]
+__all__ = ["AsyncSteps", "Handoff", "StepJob", "SteppedOptimizer", "MISSING_GRADS", "log_skipped_step"]
 
 logger = logging.getLogger("fp16kit")
 
 Flags = dict[torch.device, torch.Tensor]
 Reduce = Callable[[Flags], Flags]
 MISSING_GRADS = ("none", "zero", "keep")
+
+
+class SteppedOptimizer(Protocol):
+    """What :class:`AsyncSteps` needs of the optimizer whose steps it runs (the optimizer is
+    :class:`~fp16kit.MixedPrecisionOptimizer`; naming it here would make the two modules import
+    each other): the wrapped optimizer, the mode, and the step on the masters."""
+
+    optimizer: torch.optim.Optimizer
+    async_step: bool
+    _step_supports_amp_scaling: bool  # torch's GradScaler's flag: the step takes grad_scale
+
+    def inner_step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grad_scale: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> Any: ...
 
 
 @dataclass
@@ -90,7 +105,7 @@ class AsyncSteps:
 
     def __init__(
         self,
-        opt: MixedPrecisionOptimizer,
+        opt: SteppedOptimizer,
         masters: MasterParams,
         groups: MasterGroups,
         thread: OptimizerThread | None = None,
@@ -522,7 +537,7 @@ def receive(handoff: Handoff) -> list[torch.Tensor | None]:
     return handoff.grads
 
 
-def _note_step_taken(opt: torch.optim.Optimizer) -> None:
+def _note_step_taken(opt: SteppedOptimizer) -> None:
     # As LR schedulers' call-order trackers do (on the wrapper and the wrapped optimizer): the
     # step is taken now, so scheduler.step() may follow at once without a warning.
     opt._opt_called = True  # type: ignore[attr-defined]
