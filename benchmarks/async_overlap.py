@@ -1,4 +1,4 @@
-"""Throughput of synchronous vs asynchronous optimizer steps (spec/async.md, mode 1).
+"""Throughput of synchronous vs asynchronous optimizer steps (docs/async.md §3, mode 1).
 
 A bf16 MLP trains with fp32 masters and Adam through fp16kit.MixedPrecisionOptimizer and
 fp16kit.GradScaler. Synchronous: forward, backward and step in sequence, with every core for

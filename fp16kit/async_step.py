@@ -1,4 +1,4 @@
-"""Asynchronous steps for :class:`fp16kit.MixedPrecisionOptimizer` (spec/async.md).
+"""Asynchronous steps for :class:`fp16kit.MixedPrecisionOptimizer` (docs/async.md).
 
 The optimizer step on the fp32 masters runs on an :class:`~fp16kit.core.thread.OptimizerThread`
 while the main thread computes the next forward/backward. :class:`AsyncSteps` owns one

@@ -78,7 +78,7 @@ class _LossScaleField:
 
 class _ScaleField(_LossScaleField):
     """``_scale``: bound to an optimizer thread, each side sees its own scale -- the step being
-    run on the optimizer thread, the next forward's on the main thread (spec/async.md)."""
+    run on the optimizer thread, the next forward's on the main thread (docs/async.md)."""
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
@@ -203,7 +203,7 @@ class GradScaler(torch.amp.GradScaler):
 
     # -------------------------------------------------------------- the optimizer thread
     def bind(self, thread: OptimizerThread, *, step_of: Any = None) -> None:
-        """Run this scaler's steps on ``thread`` (spec/async.md, mode 2): ``scale()`` and
+        """Run this scaler's steps on ``thread`` (docs/async.md §4, mode 2): ``scale()`` and
         ``update()`` stay on the main thread, ``step()`` runs in the jobs there, each side
         seeing its own scale (see :mod:`fp16kit.scaler_thread`). ``opt.submit_step(fn,
         scaler=scaler)`` calls this with ``step_of=opt`` before it hands anything off: a second
@@ -396,7 +396,7 @@ class GradScaler(torch.amp.GradScaler):
             )
 
         if self._threads.route(self._loss_scale, self.step, optimizer, *args, step=True, **kwargs):
-            return None  # ran on the optimizer thread (spec/async.md): the value stays there
+            return None  # ran on the optimizer thread (docs/async.md): the value stays there
 
         self._check_scale_growth_tracker("step")
 

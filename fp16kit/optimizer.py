@@ -421,7 +421,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         return fut
 
     def submit_step(self, fn: Callable[[], Any], *, scaler: Any = None) -> Future:
-        """Mode 2 (spec/async.md): run ``fn`` -- e.g. ``lambda: (scaler.step(opt), opt.zero_grad())``
+        """Mode 2 (docs/async.md): run ``fn`` -- e.g. ``lambda: (scaler.step(opt), opt.zero_grad())``
         -- on the optimizer thread, beside the next forward/backward.
 
         On the main thread: wait for the previous submitted step (re-raising its error), copy

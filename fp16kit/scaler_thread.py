@@ -1,4 +1,4 @@
-"""A GradScaler whose steps run on the optimizer thread (spec/async.md, mode 2).
+"""A GradScaler whose steps run on the optimizer thread (docs/async.md §4, mode 2).
 
 A :class:`fp16kit.GradScaler` is *bound* to an :class:`~fp16kit.core.thread.OptimizerThread`
 explicitly -- ``opt.submit_step(fn, scaler=scaler)`` or ``scaler.bind(thread)`` -- or lazily

@@ -1,4 +1,4 @@
-"""Asynchronous steps (spec/async.md): mode 1 (async_step=True), mode 2 (submit_step) and the
+"""Asynchronous steps (docs/async.md): mode 1 (async_step=True), mode 2 (submit_step) and the
 thread-aware GradScaler."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
     fut = thread.submit(fn, *args, **kwargs)      # -> JobFuture, FIFO order
     thread.synchronize()                          # wait for everything submitted so far
 
-Contract (spec/async.md):
+Contract (docs/async.md):
 
 * One worker thread, strict FIFO: jobs run one at a time in submission order. Called from a
   job (on the worker), :meth:`~OptimizerThread.submit` runs the new job inline: a job waiting

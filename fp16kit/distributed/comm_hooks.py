@@ -1,5 +1,5 @@
 """A DDP communication hook with apex.parallel.DistributedDataParallel's gradient arithmetic
-(spec apex-others.md §4.1).
+(docs/apex-others.md §4.1).
 
 Per bucket (apex's ``allreduce_bucket``):
 

@@ -2,7 +2,7 @@
 
 apex's FP16_Optimizer stored its loss-scaler *object* in ``state_dict()["loss_scaler"]``,
 Megatron-LM v1 its own scaler there and its ``args`` as an ``argparse.Namespace``, with numpy's
-RNG state beside them (spec/apex-others.md §6). ``torch.load(weights_only=True)`` refuses those
+RNG state beside them (docs/apex-others.md §6). ``torch.load(weights_only=True)`` refuses those
 objects and ``weights_only=False`` cannot import apex (it is gone) -- and must not be trusted
 anyway. :func:`load_checkpoint` reads them with torch's restricted (weights-only) unpickler,
 allowing exactly the paths of :mod:`fp16kit.legacy.checkpoint_records` in addition to what

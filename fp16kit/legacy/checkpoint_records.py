@@ -1,5 +1,5 @@
 """The non-tensor objects apex-era checkpoints pickle, and the inert stand-ins
-:func:`fp16kit.legacy.load_checkpoint` unpickles them into (spec/apex-others.md §6).
+:func:`fp16kit.legacy.load_checkpoint` unpickles them into (docs/apex-others.md §6).
 
 torch's weights-only unpickler resolves a pickle's globals through an allow-list. For each path
 below this module registers a stand-in under that path, so a pickle that asks for it gets the
@@ -58,7 +58,7 @@ APEX_SCALER_CLASSES = (
     "apex.amp.scaler.LossScaler",
 )
 #: Megatron-LM v1's scalers (``megatron/fp16`` 2019-10 -> 2020-12, and ``fp16/`` before that, as
-#: copied into GLM, sentiment-discovery and other forks): spec/apex-others.md §2.3.
+#: copied into GLM, sentiment-discovery and other forks): docs/apex-others.md §2.3.
 MEGATRON_SCALER_CLASSES = (
     "megatron.fp16.loss_scaler.LossScaler",
     "megatron.fp16.loss_scaler.DynamicLossScaler",

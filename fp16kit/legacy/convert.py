@@ -3,7 +3,7 @@ reads, and fp16kit's loaders too (``fp16kit convert-checkpoint IN OUT``).
 
 :func:`convert_checkpoint` works on what :func:`fp16kit.legacy.load_checkpoint` returned;
 :func:`convert_file` reads, converts, checks and writes. What becomes what
-(spec/apex-others.md §6)::
+(docs/apex-others.md §6)::
 
     apex scaler record {"__apex_class__": "apex...."}  -> fp16kit's scaler state (scaler_state):
                                                           FP16_Optimizer.load_state_dict reads it

@@ -10,7 +10,7 @@ loop apex documented::
     optimizer.backward(loss)    # (loss.float() * scale).backward(); fp16 grads -> fp32 masters
     optimizer.step()            # skipped (and logged) on overflow; masters -> fp16 params
 
-With ``async_step=True`` (spec/async.md, mode 1) ``step()`` runs on the optimizer thread
+With ``async_step=True`` (docs/async.md §3, mode 1) ``step()`` runs on the optimizer thread
 beside the next forward/backward, a one-step delayed update; ``update_master_grads`` checks
 the grads and updates the scale on their device with no lag and no host sync, and the worker
 logs apex's overflow message. ``master_device="cpu"`` keeps the fp32 masters and optimizer
@@ -278,7 +278,7 @@ class _MasterProtocolByDelegation:
 
 
 class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
-    """apex's FP16_Optimizer (era 2). See the module docstring and ``spec/apex.md``.
+    """apex's FP16_Optimizer (era 2). See the module docstring and ``docs/apex-fp16-optimizer.md``.
 
     Args:
         init_optimizer: a torch optimizer over the (fp16/bf16/fp32) model params.

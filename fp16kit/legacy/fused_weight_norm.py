@@ -1,4 +1,4 @@
-"""apex.fp16_utils.Fused_Weight_Norm (apex's first release, 2018; spec apex-others.md §4.6).
+"""apex.fp16_utils.Fused_Weight_Norm (apex's first release, 2018; docs/apex-others.md §4.6).
 
 ``Fused_Weight_Norm.apply(input, g, dim=0)`` = ``g * input / ||input||`` with the norm over every
 dim but the first (``dim=0``) or the last, fp32 math, output in ``input``'s dtype: the arithmetic

@@ -1,4 +1,4 @@
-"""Layer norm and RMS norm with apex's dtype contract (apex.normalization, spec apex-others.md §4.5).
+"""Layer norm and RMS norm with apex's dtype contract (apex.normalization, docs/apex-others.md §4.5).
 
 Arithmetic contract (every function below):
 

@@ -1,5 +1,5 @@
 """Weight normalisation ``w = g * v / ||v||`` (Salimans & Kingma 2016) as one autograd Function,
-the arithmetic of apex's 2018 ``Fused_Weight_Norm`` (spec apex-others.md §4.6).
+the arithmetic of apex's 2018 ``Fused_Weight_Norm`` (docs/apex-others.md §4.6).
 
     dim = 0:       ||v|| over every dim but the first,  norms shaped (v.size(0), 1, ..., 1)
     dim = last:    ||v|| over every dim but the last,   norms shaped (1, ..., 1, v.size(-1))

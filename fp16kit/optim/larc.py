@@ -1,5 +1,5 @@
 """LARC: layer-wise adaptive rate control around any optimizer (You et al. 2017; apex.parallel.LARC,
-spec apex-others.md §4.4).
+docs/apex-others.md §4.4).
 
     step():
         for each group:

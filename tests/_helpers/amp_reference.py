@@ -1,4 +1,4 @@
-"""A hand-written reference of what apex.amp did, written from spec/amp.md (§4-§8), in plain
+"""A hand-written reference of what apex.amp did, written from docs/apex-amp.md (§4-§8), in plain
 torch with Python-float scales -- independent of fp16kit's code. Used by tests/legacy/amp.
 
 O2: the model converted to fp16 except affine BatchNorm; fp32 masters cloned from the

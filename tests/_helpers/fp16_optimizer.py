@@ -2,7 +2,7 @@
 (tests/legacy/test_fp16_optimizer.py, test_fp16_optimizer_state_dict.py,
 test_fp16_optimizer_async.py).
 
-``Reference`` is apex's era-2 FP16_Optimizer by hand (spec/apex.md) in plain torch and Python
+``Reference`` is apex's era-2 FP16_Optimizer by hand (docs/apex-fp16-optimizer.md) in plain torch and Python
 floats: an fp32 master per fp16/bf16 param, the same torch optimizer on the masters (and on fp32
 params directly), ``(loss.float() * scale).backward()``, master grads
 ``float(model_grad) * float32(1/scale)``, fp32 grads unscaled in place by the same factor, one

@@ -1,4 +1,4 @@
-"""Megatron-LM v1's DynamicLossScaler.update_scale (spec/apex-others.md §2.3), transcribed with
+"""Megatron-LM v1's DynamicLossScaler.update_scale (docs/apex-others.md §2.3), transcribed with
 Python numbers: the reference the Megatron tests compare fp16kit.legacy.megatron against."""
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ nothing -- and runs nothing -- for hostile, truncated or damaged input, and neve
 
 Checkpoints are written here as apex- and Megatron-era code wrote them: stand-in classes under
 those libraries' module paths (removed before converting), storages recorded as saved on
-``cuda:0`` (no GPU needed). The converted values expected are worked out from spec/apex.md and
-spec/apex-others.md §6 in tests/legacy/test_checkpoint_convert.py; here the command's behaviour.
+``cuda:0`` (no GPU needed). The converted values expected are worked out from docs/apex-fp16-optimizer.md and
+docs/apex-others.md §6 in tests/legacy/test_checkpoint_convert.py; here the command's behaviour.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def stand_ins():
 
 
 def megatron_scaler(stand_ins: StandIns, module: str = "megatron.fp16.loss_scaler", **attrs):
-    """A Megatron ``DynamicLossScaler`` with spec §2.3's attributes (``attrs`` override; pass
+    """A Megatron ``DynamicLossScaler`` with docs/apex-others.md §2.3's attributes (``attrs`` override; pass
     ``None`` to leave one out, as older code pickled)."""
     cls = getattr(stand_ins.modules.get(module), "DynamicLossScaler", None)
     cls = cls or stand_ins.add(f"{module}.DynamicLossScaler")
@@ -188,7 +188,7 @@ _STRUCT = {("b", 1): "?", ("i", 1): "b", ("u", 1): "B", ("i", 2): "h", ("u", 2):
 
 class FakeNumpy:
     """numpy's pickle format without numpy: ``ndarray``, ``dtype`` and ``multiarray.scalar``
-    objects whose ``__reduce__`` return what numpy's do (spec §6; checked byte for byte against
+    objects whose ``__reduce__`` return what numpy's do (docs/apex-others.md §6; checked byte for byte against
     a pickle numpy 2.4 wrote in test_checkpoint_formats.py). ``core`` is "core" (numpy 1.x) or
     "_core" (numpy 2)."""
 

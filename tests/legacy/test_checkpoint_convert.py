@@ -1,7 +1,7 @@
 """``fp16kit.legacy.convert``: apex-era checkpoints -> plain data ``torch.load(weights_only=True)``
 reads and fp16kit loads. Each format's converted form is checked against values worked out here
-from spec/apex.md (era-1 -> era-2 counter: ``unskipped = (cur_iter - last_overflow_iter - 1) %
-scale_window``) and spec/apex-others.md §6 (FusedAdam's group ``step`` into torch's per-param
+from docs/apex-fp16-optimizer.md (era-1 -> era-2 counter: ``unskipped = (cur_iter - last_overflow_iter - 1) %
+scale_window``) and docs/apex-others.md §6 (FusedAdam's group ``step`` into torch's per-param
 ``state[p]['step']``), and the converted optimizer state is stepped by torch's AdamW against a
 hand-written AdamW update using that step count.
 """
@@ -137,7 +137,7 @@ def test_numpy_rng_state_becomes_tensors_and_numbers(tmp_path, fake_numpy, save)
 
 
 def _fused_adam_state(step, lr=1e-3, capturable=False) -> dict:
-    """apex FusedAdam.state_dict(): a per-group step, per-param exp_avg/exp_avg_sq (spec §3)."""
+    """apex FusedAdam.state_dict(): a per-group step, per-param exp_avg/exp_avg_sq (docs/apex-others.md §3)."""
     torch.manual_seed(1)
     group = {"lr": torch.tensor(lr) if capturable else lr, "bias_correction": True, "betas": (0.9, 0.999),
              "eps": 1e-8, "weight_decay": 0.01, "step": torch.tensor(step) if capturable else step, "params": [0, 1, 2]}
@@ -155,7 +155,7 @@ def test_fused_adam_group_step_is_kept_unless_asked_and_torch_needs_it(tmp_path)
         "/ torch_optimizer_state=True moves it into each param's state for torch.optim.Adam/AdamW)"]
     params = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)]
     adam = torch.optim.AdamW(params)
-    with pytest.raises(KeyError, match="step"):  # why the option exists (spec §6)
+    with pytest.raises(KeyError, match="step"):  # why the option exists (docs/apex-others.md §6)
         adam.load_state_dict(sd)
         for p in params:
             p.grad = torch.ones_like(p)

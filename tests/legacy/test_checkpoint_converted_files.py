@@ -1,7 +1,7 @@
 """Converted files (``fp16kit convert-checkpoint``) loaded into the classes that should take them:
 the apex-era optimizer a script still uses (``fp16kit.legacy.optimizers.FusedAdam`` inside
 Megatron's ``FP16_Optimizer``) and torch's AdamW, each stepped once against apex's rule written
-out by hand (spec/apex-others.md §3.1, §2.3) -- files written as 2019-2020 code wrote them:
+out by hand (docs/apex-others.md §3.1, §2.3) -- files written as 2019-2020 code wrote them:
 torch's legacy format, pickle protocol 2, tensors on ``cuda:0``, Megatron's scaler pickled as
 an object of its own module path.
 """
@@ -21,7 +21,7 @@ LR, B1, B2, EPS, WD, STEP = 1e-3, 0.9, 0.999, 1e-8, 0.01, 57
 
 
 def _megatron_file(tmp_path, megatron, save_on):
-    """A Megatron-LM v1 checkpoint (spec §6): args, fp16 model, FP16_Optimizer over FusedAdam
+    """A Megatron-LM v1 checkpoint (docs/apex-others.md §6): args, fp16 model, FP16_Optimizer over FusedAdam
     (group step 57), its DynamicLossScaler pickled as an object."""
     torch.manual_seed(3)
     w = torch.randn(4, 3).half()
@@ -39,7 +39,7 @@ def _megatron_file(tmp_path, megatron, save_on):
 
 
 def _apex_adam(master, m, v, g, t):
-    """apex FusedAdam (adam_w_mode), spec §3.1, in double."""
+    """apex FusedAdam (adam_w_mode), docs/apex-others.md §3.1, in double."""
     out = []
     for p, mi, vi, gi in zip(master.flatten().tolist(), m.flatten().tolist(), v.flatten().tolist(),
                              g.flatten().tolist()):
@@ -168,7 +168,7 @@ def _fused_era_state(layout: str):
 
 
 def _legacy_adam(masters, m, v, grads, scale):
-    """The fused-era step (spec §1.3-1.4), in double: per-group clip from the scaled grads'
+    """The fused-era step (docs/apex-others.md §1.3-1.4), in double: per-group clip from the scaled grads'
     norm, then legacy FusedAdam at t = 11 (eps outside the sqrt, decay times step_size)."""
     g = [x for t in grads for x in t.double().flatten().tolist()]
     norm = math.sqrt(sum(x * x for x in g))
@@ -250,7 +250,7 @@ def test_an_era2_scaler_pickled_before_min_loss_scale_existed_loads_without_a_fl
 
 def test_fused_adagrad_state_loads_into_torchs_adagrad_after_torch_optimizer_state(tmp_path, save_on):
     """apex FusedAdagrad's state is 'sum' only; torch's Adagrad raised KeyError 'step' in
-    load_state_dict. Rule (spec §3.5, adagrad_w_mode False, no decay): sum += g*g;
+    load_state_dict. Rule (docs/apex-others.md §3.5, adagrad_w_mode False, no decay): sum += g*g;
     p -= lr * g / (sqrt(sum) + eps) -- torch's with lr_decay 0 and the count unused."""
     lr, eps = 0.01, 1e-10
     saved_sum = torch.tensor([0.5, 2.0, 0.25])

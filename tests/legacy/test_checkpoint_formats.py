@@ -1,5 +1,5 @@
-"""Every apex-era checkpoint layout ``fp16kit.legacy.load_checkpoint`` reads (spec/apex-others.md
-§6, §1.5, §2.2-2.3; apex.md; amp.md): Megatron-LM v1 files (``args`` Namespace, numpy and torch
+"""Every apex-era checkpoint layout ``fp16kit.legacy.load_checkpoint`` reads (docs/apex-others.md
+§6, §1.5, §2.2-2.3; docs/apex-fp16-optimizer.md; docs/apex-amp.md): Megatron-LM v1 files (``args`` Namespace, numpy and torch
 RNG states, rng tracker states, ``model_parallel`` attributes, Megatron and fork scalers), apex
 era-2 scalers holding a CUDA int tensor, the fused-era FP16_Optimizer state in both master
 layouts, amp state -- each written as that era wrote it, with every storage recorded as saved on
@@ -142,7 +142,7 @@ def test_map_location_is_torchs(tmp_path, megatron, save_on, legacy):
 def test_megatron_and_fork_scalers_come_back_with_exactly_their_attributes(tmp_path, stand_ins, megatron, module, save):
     """``fp16.loss_scaler`` is Megatron's 2019 path (GLM, sentiment-discovery, ...). An object
     pickled by older code lacks ``min_scale``/``delayed_shift``/...: those stay absent (the
-    Megatron loader applies spec §2.3's defaults)."""
+    Megatron loader applies docs/apex-others.md §2.3's defaults)."""
     static = stand_ins.add(f"{module}.LossScaler")()
     static.cur_scale = 128
     old = megatron(module, min_scale=None, delayed_shift=None, cur_hysteresis=None, consecutive_hysteresis=None)
@@ -170,7 +170,7 @@ def test_an_era2_scaler_holding_a_cuda_int_tensor_loads_on_cpu(tmp_path, fake_ap
 
 
 def _fused_era_state(layout: str) -> dict:
-    """spec §1.5: apex.optimizers.FP16_Optimizer.state_dict() around the legacy FusedAdam (per-param
+    """docs/apex-others.md §1.5: apex.optimizers.FP16_Optimizer.state_dict() around the legacy FusedAdam (per-param
     int ``step``; groups carry ``max_grad_norm``/``bias_correction``)."""
     sizes = [(3, 5), (4,)]
     masters = [torch.randn(*s) for s in sizes]
@@ -207,7 +207,7 @@ def test_a_fused_era_fp16_optimizer_state_loads_as_saved(tmp_path, save_on, layo
 
 
 def test_amp_state_is_plain_already(tmp_path, save):
-    """amp.state_dict(): one {'loss_scale', 'unskipped'} dict per loss (amp.md §9)."""
+    """amp.state_dict(): one {'loss_scale', 'unskipped'} dict per loss (docs/apex-amp.md §9)."""
     saved = {"model": {"w": torch.ones(2)}, "amp": {"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 17},
                                                     "loss_scaler1": {"loss_scale": 1.0, "unskipped": 0}}}
     out = load_checkpoint(save(saved, tmp_path / "amp.pt"))

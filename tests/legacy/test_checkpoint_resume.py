@@ -11,7 +11,7 @@ registered in ``sys.modules`` under apex's real module paths (``apex.fp16_utils.
 the situation of a user with an old checkpoint and no apex.
 
 The scale sequences expected after loading are worked out by hand from the rules in
-``spec/apex.md`` (era 2: the clean-step counter ``_unskipped`` grows to ``scale_window``; era 1:
+``docs/apex-fp16-optimizer.md`` (era 2: the clean-step counter ``_unskipped`` grows to ``scale_window``; era 1:
 ``(cur_iter - last_overflow_iter) % scale_window == 0``), and the weights are compared bit for
 bit with a run that continues from the same numbers through fp16kit's own state dict.
 """
@@ -305,7 +305,7 @@ def test_era2_static_checkpoint_continues_identically(tmp_path, fake_apex):
 
 
 def _apex_era1_scales(cur_scale, cur_iter, last_overflow_iter, factor, window, pattern):
-    """apex's era-1 DynamicLossScaler.update_scale, verbatim from the spec."""
+    """apex's era-1 DynamicLossScaler.update_scale, verbatim from docs/apex-fp16-optimizer.md §5."""
     out = []
     for overflow in pattern:
         if overflow:

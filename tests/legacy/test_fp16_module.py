@@ -1,4 +1,4 @@
-"""apex 2018's FP16_Module, fp32_to_fp16, fp16_to_fp32 (spec/apex-others.md §4.6 and §2.1)."""
+"""apex 2018's FP16_Module, fp32_to_fp16, fp16_to_fp32 (docs/apex-others.md §4.6 and §2.1)."""
 
 from __future__ import annotations
 

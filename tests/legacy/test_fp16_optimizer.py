@@ -1,4 +1,4 @@
-"""fp16kit.legacy.FP16_Optimizer, written from spec/apex.md (apex's era-2 FP16_Optimizer).
+"""fp16kit.legacy.FP16_Optimizer, written from docs/apex-fp16-optimizer.md (apex's era-2 FP16_Optimizer).
 
 The core check: FP16_Optimizer produces, bit for bit, what a hand-written pure-torch reference
 of apex's algorithm produces -- an fp32 master per fp16/bf16 param, the same torch optimizer on

@@ -1,4 +1,4 @@
-"""fp16kit.legacy.FP16_Optimizer with ``async_step=True`` (spec/async.md, mode 1) and with
+"""fp16kit.legacy.FP16_Optimizer with ``async_step=True`` (docs/async.md §3, mode 1) and with
 ``master_device``: the one-step-delayed apex reference bit for bit, errors, checkpoints across
 modes. The model, data and synchronous reference are in tests/_helpers/fp16_optimizer.py.
 """
@@ -27,7 +27,7 @@ from _helpers.fp16_optimizer import (
 
 
 # ---------------------------------------------------------------- async_step / master_device
-# The asynchronous FP16_Optimizer (spec/async.md, mode 1) equals, bit for bit, a one-step-delayed
+# The asynchronous FP16_Optimizer (docs/async.md §3, mode 1) equals, bit for bit, a one-step-delayed
 # version of the reference: every trainable param has an fp32 master, the grads of iteration k
 # are applied after step k-1's masters have reached the model, and the scale follows apex amp's
 # rule with no lag.

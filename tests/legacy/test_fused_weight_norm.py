@@ -1,4 +1,4 @@
-"""fp16kit.legacy.fused_weight_norm.Fused_Weight_Norm: apex's 2018 autograd Function (spec §4.6)."""
+"""fp16kit.legacy.fused_weight_norm.Fused_Weight_Norm: apex's 2018 autograd Function (docs/apex-others.md §4.6)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from fp16kit.legacy import DynamicLossScaler, LossScaler, to_python_float
 
 
 def spec_update(state, overflow):
-    """spec/apex.md's pseudo-code, in Python floats."""
+    """docs/apex-fp16-optimizer.md's pseudo-code, in Python floats."""
     if overflow:
         state["cur_scale"] = max(state["cur_scale"] / state["scale_factor"], 1)
         state["last_overflow_iter"] = state["cur_iter"]

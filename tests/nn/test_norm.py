@@ -1,4 +1,4 @@
-"""fp16kit.nn's norms against the spec's formulas (apex-others.md §4.5), written out here."""
+"""fp16kit.nn's norms against the formulas of docs/apex-others.md §4.5, written out here."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _ref_layer_norm_fp32(x, w, b, eps, dims):
 
 
 def _ref_rms(x, nshape, w, eps):
-    """apex's manual_rms_norm, as the spec writes it."""
+    """apex's manual_rms_norm, as docs/apex-others.md §4.5 writes it."""
     dims = tuple(range(-1, -len(nshape) - 1, -1))
     ms = torch.mean(x.to(torch.float32) ** 2, dim=dims, keepdim=True)
     y = x * torch.rsqrt(ms + eps)

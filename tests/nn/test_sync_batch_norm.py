@@ -1,4 +1,4 @@
-"""fp16kit.nn.SyncBatchNorm in one process (spec apex-others.md §4.3); two ranks with unequal
+"""fp16kit.nn.SyncBatchNorm in one process (docs/apex-others.md §4.3); two ranks with unequal
 batches are in tests/legacy/parallel/test_two_ranks.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fp16kit.nn.weight_norm: g * v / ||v|| over every dim but the first or last (spec §4.6)."""
+"""fp16kit.nn.weight_norm: g * v / ||v|| over every dim but the first or last (docs/apex-others.md §4.6)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checkpoints crossing between torch's optimizers and fp16kit.optim / the apex facades: a user
 who trained with ``torch.optim.AdamW`` (or whose checkpoint lacks a setting the class keeps in
 its param groups) resumes with fp16kit's Adam / FusedAdam / LAMB and gets the numbers a
-continued AdamW run gives (spec/apex-others.md §3.1: equal in exact arithmetic), or the
+continued AdamW run gives (docs/apex-others.md §3.1: equal in exact arithmetic), or the
 constructor's settings for what the checkpoint does not have -- never a KeyError at the first
 step after a successful load, and never a bias correction restarted at step 1."""
 
@@ -34,7 +34,7 @@ def _weights_only(sd):
 
 
 def _adam_reference(p, m, v, g, t, *, lr, b1, b2, eps, wd):
-    """AdamW step t from moments m, v (float64), spec §3.1 with adam_w_mode."""
+    """AdamW step t from moments m, v (float64), docs/apex-others.md §3.1 with adam_w_mode."""
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
     u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) + wd * p
@@ -166,7 +166,7 @@ def test_the_legacy_rule_continues_the_group_count_of_a_current_fused_adam_check
             g = p.grad.double()
             m = 0.9 * m + 0.1 * g
             v = 0.999 * v + 0.001 * g * g
-            step_size = lr * (1 - 0.999**t) ** 0.5 / (1 - 0.9**t)  # spec §1.4
+            step_size = lr * (1 - 0.999**t) ** 0.5 / (1 - 0.9**t)  # docs/apex-others.md §1.4
             ref[i] = (w - step_size * (m / (v.sqrt() + 1e-8)), m, v)
         legacy.step()
     for p, (r, _, _) in zip(resumed, ref):

@@ -1,7 +1,7 @@
-"""Each fp16kit.optim optimizer against a hand-written per-tensor reference of the spec's
-pseudo-code (spec/apex-others.md §1.4, §3.1-3.5), several steps, fp32 and fp16/bf16 params.
+"""Each fp16kit.optim optimizer against a hand-written per-tensor reference of the
+pseudo-code (docs/apex-others.md §1.4, §3.1-3.5), several steps, fp32 and fp16/bf16 params.
 
-The references below are written from the spec, tensor by tensor in plain arithmetic, not with
+The references below are written from docs/apex-others.md, tensor by tensor in plain arithmetic, not with
 the code under test: fp32 params are compared with a float64 reference, low-precision params
 with an fp32 reference that rounds the param to its dtype after every step (one rounding, as
 apex's kernels)."""

@@ -2,7 +2,7 @@
 lists: the shortest one decides, and a param past the end of a supplied list is not stepped,
 even when it has a ``.grad`` (apex/optimizers/fused_adam.py @2019, contrib fused_sgd.py:
 ``for p, grad, output_param in zip(group['params'], grads_this_group, output_params_this_group)``).
-References hand-written from spec/apex-others.md §1.4 (first Adam step) and §3.3 (plain SGD)."""
+References hand-written from docs/apex-others.md §1.4 (first Adam step) and §3.3 (plain SGD)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ LR, B1, B2, EPS = 1e-2, 0.9, 0.999, 1e-8
 
 
 def _adam_first_step(p, g, scale=1.0):
-    # spec §1.4, t = 1, no weight decay, float64 reference
+    # docs/apex-others.md §1.4, t = 1, no weight decay, float64 reference
     g = g.double() / scale
     m, v = (1 - B1) * g, (1 - B2) * g * g
     step_size = LR * math.sqrt(1 - B2) / (1 - B1)

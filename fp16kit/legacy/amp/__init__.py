@@ -1,4 +1,4 @@
-"""fp16kit.legacy.amp: apex's ``apex.amp`` on fp16kit's core (spec/amp.md).
+"""fp16kit.legacy.amp: apex's ``apex.amp`` on fp16kit's core (docs/apex-amp.md).
 
 Change ``from apex import amp`` to ``from fp16kit.legacy import amp``::
 

@@ -1,4 +1,4 @@
-"""What ``amp.initialize`` does to models (spec/amp.md §2.7-8, §4): the incoming checks, the
+"""What ``amp.initialize`` does to models (docs/apex-amp.md §2.7-8, §4): the incoming checks, the
 cast (``convert_network`` keeps affine BatchNorm in fp32), the forward casting of inputs and
 outputs, and the state-dict hook that makes ``model.state_dict()`` fp32.
 

@@ -1,4 +1,4 @@
-"""What ``amp.initialize`` does to optimizers (spec/amp.md §5, §8): the SAME optimizer object
+"""What ``amp.initialize`` does to optimizers (docs/apex-amp.md §5, §8): the SAME optimizer object
 (its class kept) gets ``_amp_stash`` and apex's instance methods; with master weights (O2) its
 param groups hold fp32 masters after the lazy init, made by :class:`fp16kit.master_groups.
 MasterGroups` / :class:`fp16kit.core.master.MasterParams` (the code FP16_Optimizer and

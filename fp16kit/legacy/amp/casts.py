@@ -1,4 +1,4 @@
-"""apex amp's O1 casts (spec/amp.md §10) on ``torch.autocast`` (§12) and apex's op lists.
+"""apex amp's O1 casts (docs/apex-amp.md §10) on ``torch.autocast`` (§12) and apex's op lists.
 
 apex O1 patched ``torch``, ``torch.Tensor`` and ``torch.nn.functional`` process-wide so that
 matmul-like ops ran in fp16 and precision-sensitive ones in fp32. The port enters torch's

@@ -1,5 +1,5 @@
 """apex.amp.frontend: ``initialize``, ``state_dict``, ``load_state_dict`` and the opt levels
-(spec/amp.md §2, §3, §9).
+(docs/apex-amp.md §2, §3, §9).
 
 ``initialize`` checks everything (levels, overrides, models, optimizers, the scaler settings)
 before it changes anything: an error leaves the models, the optimizers and ``_amp_state`` as they
@@ -184,7 +184,7 @@ def initialize(
     *,
     on_min_scale: str = "ignore",
 ) -> Any:
-    """apex's ``amp.initialize`` (spec/amp.md §2): cast the models for ``opt_level``, give the
+    """apex's ``amp.initialize`` (docs/apex-amp.md §2): cast the models for ``opt_level``, give the
     optimizers amp's methods, create ``num_losses`` loss scalers. Returns the same objects in
     the structure given.
 

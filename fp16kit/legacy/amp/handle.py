@@ -1,4 +1,4 @@
-"""apex.amp.handle: ``scale_loss`` (spec/amp.md §6), ``disable_casts``, and the 2018 handle
+"""apex.amp.handle: ``scale_loss`` (docs/apex-amp.md §6), ``disable_casts``, and the 2018 handle
 API (§11): ``init``, ``AmpHandle`` / ``NoOpHandle`` and the ``wrap_optimizer`` wrapper.
 
 The overflow check and the scale update run on the device at every non-delayed exit; the

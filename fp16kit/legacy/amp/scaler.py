@@ -1,7 +1,7 @@
 """apex.amp.scaler: ``LossScaler``, apex amp's dynamic (or static) loss scale.
 
 The scale lives in a :class:`fp16kit.core.scale.LossScale` (``rule="apex_amp"``, float64 as
-apex's Python float), on the device of the first loss scaled. The rule (spec/amp.md §7), once per
+apex's Python float), on the device of the first loss scaled. The rule (docs/apex-amp.md §7), once per
 non-delayed ``scale_loss`` exit::
 
     if dynamic and this backward's grads held inf/NaN:  scale = max(min_loss_scale, scale / 2)

@@ -6,7 +6,7 @@ As Megatron's ``__init__``: fp16util's names, and ``*`` of :mod:`.fp16` (``FP16_
 ``FP16_Optimizer``, ``fp32_to_fp16``, ``fp16_to_fp32``, ``conversion_helper``) and of
 :mod:`.loss_scaler` (``LossScaler``, ``DynamicLossScaler``, ``to_python_float``). The submodules
 ``fp16``, ``fp16util`` and ``loss_scaler`` keep Megatron's module names. See
-spec/apex-others.md §2 and MIGRATION.md for what differs.
+docs/apex-others.md §2 and MIGRATION.md for what differs.
 """
 
 from .fp16util import (

@@ -123,7 +123,7 @@ def _megatron_scaler(
 
 
 class FP16_Optimizer(_FP16_Optimizer):
-    """Megatron-LM v1's FP16_Optimizer. See the module docstring and spec/apex-others.md §2.2.
+    """Megatron-LM v1's FP16_Optimizer. See the module docstring and docs/apex-others.md §2.2.
 
     Args:
         init_optimizer: a torch optimizer over the (fp16/bf16/fp32) model params.

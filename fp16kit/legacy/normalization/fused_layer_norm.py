@@ -1,4 +1,4 @@
-"""apex.normalization.fused_layer_norm on fp16kit.nn's norms (spec apex-others.md §4.5).
+"""apex.normalization.fused_layer_norm on fp16kit.nn's norms (docs/apex-others.md §4.5).
 
 | apex class            | fp16kit base                | output dtype        | math                       |
 |-----------------------|-----------------------------|---------------------|----------------------------|

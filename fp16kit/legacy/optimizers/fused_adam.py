@@ -7,7 +7,7 @@
   apex's current class refuses with TypeError), or driven by the fused-era ``FP16_Optimizer``
   (through ``step_with_grads``, which calls ``step`` with the legacy keywords as apex's
   wrapper did), it follows the legacy rule: per-param ``step``, unscale and
-  per-group clipping inside the update (spec/apex-others.md §1.4).
+  per-group clipping inside the update (docs/apex-others.md §1.4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""apex.parallel on torch.distributed (spec apex-others.md §4.1-4.4).
+"""apex.parallel on torch.distributed (docs/apex-others.md §4.1-4.4).
 
 Change ``from apex.parallel import ...`` / ``import apex.parallel`` to ``fp16kit.legacy.parallel``:
 

@@ -1,7 +1,7 @@
 """apex.parallel.distributed: ``DistributedDataParallel`` and ``Reducer`` on torch.distributed.
 
 ``DistributedDataParallel`` is torch's DDP (``isinstance`` passes; state-dict keys gain the
-``module.`` prefix as under apex) built the way apex behaved (spec apex-others.md §4.1):
+``module.`` prefix as under apex) built the way apex behaved (docs/apex-others.md §4.1):
 
     broadcast_buffers=False          apex broadcast parameters only, once, never buffers
     device_ids=[current device] on CUDA, None on CPU (gloo works)

@@ -1,4 +1,4 @@
-"""fp16kit.legacy.amp.casts: apex O1's casts on torch.autocast (spec/amp.md §10, §12, §13.4,
+"""fp16kit.legacy.amp.casts: apex O1's casts on torch.autocast (docs/apex-amp.md §10, §12, §13.4,
 §13.6), on CPU autocast (float16).
 
 enable_o1 switches autocast on for the calling thread for good; every test that uses it leaves

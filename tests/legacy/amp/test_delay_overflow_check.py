@@ -3,7 +3,7 @@ and ``LossScaler._overflow_buf``: NVIDIA DeepLearningExamples' BERT ``run_pretra
 (``--allreduce_post_accumulation``) accumulates, rescales the master grads with
 ``multi_tensor_applier(amp_C.multi_tensor_scale, overflow_buf, ...)``, swaps ``overflow_buf`` in as
 ``scaler._overflow_buf``, calls ``scaler.update_scale()`` once per optimizer step and only calls
-``optimizer.step()`` when it returned False. apex's rule (spec/amp.md §6.7, §7), written by hand
+``optimizer.step()`` when it returned False. apex's rule (docs/apex-amp.md §6.7, §7), written by hand
 here: no update at a delayed exit; one update per ``update_scale()`` call."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The opt-in floor policy (spec/amp.md §7 FIX): ``amp.initialize(..., on_min_scale=...)``."""
+"""The opt-in floor policy (docs/apex-amp.md §7 FIX): ``amp.initialize(..., on_min_scale=...)``."""
 
 from __future__ import annotations
 

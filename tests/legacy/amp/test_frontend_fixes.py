@@ -1,4 +1,4 @@
-"""amp's FIXes over apex (spec/amp.md §6, §8, §12, §13) and the O1 frontend wiring to casts."""
+"""amp's FIXes over apex (docs/apex-amp.md §6, §8, §12, §13) and the O1 frontend wiring to casts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The 2018 handle API (spec/amp.md §11): ``amp.init`` on CPU autocast, the handle's "old API"
+"""The 2018 handle API (docs/apex-amp.md §11): ``amp.init`` on CPU autocast, the handle's "old API"
 error, and ``handle.wrap_optimizer`` against a hand-written reference (two losses per step,
 one overflowing)."""
 

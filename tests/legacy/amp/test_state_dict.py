@@ -1,4 +1,4 @@
-"""amp.state_dict / load_state_dict (apex's format, FIXes of spec §9) and the exact O2 resume
+"""amp.state_dict / load_state_dict (apex's format, FIXes of docs/apex-amp.md §9) and the exact O2 resume
 (option (b): the fp32 masters travel in optimizer.state_dict())."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """pytorch-pretrained-BERT's 2019 fp16 fine-tuning loop, end to end, against a hand-written
-fp32-master reference of spec/apex-others.md §1.3 (scale rule, skip on overflow, per-group norms
+fp32-master reference of docs/apex-others.md §1.3 (scale rule, skip on overflow, per-group norms
 of the scaled fp16 grads) and §1.4 (legacy FusedAdam: unscale and clip per group inside the
 update, bias_correction=False, decoupled decay times the step size, fp16 copy-out), through
 overflow storms, scale growth, two param groups and an LR written into ``param_groups``."""

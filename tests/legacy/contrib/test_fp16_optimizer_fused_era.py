@@ -1,4 +1,4 @@
-"""The fused-era FP16_Optimizer (apex.optimizers / apex.contrib.optimizers, spec/apex-others.md
+"""The fused-era FP16_Optimizer (apex.optimizers / apex.contrib.optimizers, docs/apex-others.md
 §1): the scale sequence against §1.3's pseudo-code through overflow storms (dynamic and static),
 skipped steps, BERT-style per-group clipping against §1.4's rule, checkpoints in both master
 layouts, the FIXes, and what OpenNMT-py feature-detects."""

@@ -1,4 +1,4 @@
-"""Megatron's FP16_Module (spec/apex-others.md §2.1): keys without the ``module.`` prefix,
+"""Megatron's FP16_Module (docs/apex-others.md §2.1): keys without the ``module.`` prefix,
 state_dict_for_save_checkpoint, pipeline stages; and the package's names (Megatron's __init__)."""
 
 from __future__ import annotations

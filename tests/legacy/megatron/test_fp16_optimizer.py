@@ -1,4 +1,4 @@
-"""Megatron-LM v1's FP16_Optimizer driven by Megatron's training sequence (spec/apex-others.md
+"""Megatron-LM v1's FP16_Optimizer driven by Megatron's training sequence (docs/apex-others.md
 §2.2), bit for bit against a hand-written fp32-master reference of Megatron's code: zero_grad;
 backward(loss, update_master_grads=False); update_master_grads(); clip_master_grads(c); step();
 the LR scheduler skipped when optimizer.overflow."""

@@ -1,4 +1,4 @@
-"""Megatron's fp16util.clip_grad_norm (mpu.clip_grad_norm, spec/apex-others.md §2.4) against its
+"""Megatron's fp16util.clip_grad_norm (mpu.clip_grad_norm, docs/apex-others.md §2.4) against its
 code written out by hand; model-parallel params across two gloo ranks."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Megatron-LM v1's scalers: every scale, counter and Python type against a hand-written copy of
-spec/apex-others.md §2.3's pseudo-code, through random overflow storms; the saved forms."""
+docs/apex-others.md §2.3's pseudo-code, through random overflow storms; the saved forms."""
 
 from __future__ import annotations
 

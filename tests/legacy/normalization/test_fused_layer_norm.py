@@ -1,4 +1,4 @@
-"""apex.normalization -> fp16kit.legacy.normalization (spec apex-others.md §4.5)."""
+"""apex.normalization -> fp16kit.legacy.normalization (docs/apex-others.md §4.5)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ("Apex installation is outdated"), and rewrites ``step()`` to call
 ``multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, [g, p, m, v], lr, beta1,
 beta2, eps, step, adam_w_mode, bias_correction, weight_decay)`` per dtype. With fp16kit's apex
-alias on a GPU machine fairseq picks that class, so it must build and step by spec §3.1's rule
+alias on a GPU machine fairseq picks that class, so it must build and step by docs/apex-others.md §3.1's rule
 (checked here against a hand-written reference)."""
 
 from __future__ import annotations

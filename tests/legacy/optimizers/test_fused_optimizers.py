@@ -1,5 +1,5 @@
 """fp16kit.legacy.optimizers: apex.optimizers' signatures, defaults, error texts, group-step
-semantics and the two FusedAdam rules (spec/apex-others.md §1.4, §1.7, §3; spec/amp.md §14)."""
+semantics and the two FusedAdam rules (docs/apex-others.md §1.4, §1.7, §3; docs/apex-amp.md §14)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """NVIDIA's BERT pretraining recipe (2019-2020): ``FusedLAMB`` with two param groups (decay /
 no decay) under ``amp.initialize(opt_level="O2", loss_scale="dynamic")`` with gradient
 accumulation (``delay_unscale``), against a hand-written reference: fp16 model, fp32 masters made
-from the fp16 weights, grads unscaled into the masters, a skipped step at overflow, and spec
+from the fp16 weights, grads unscaled into the masters, a skipped step at overflow, and docs/apex-others.md
 §3.2's LAMB rule (global clip, per-group step, trust ratio only where weight_decay != 0)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fp16kit.legacy.multi_tensor_apply: apex's applier and the amp_C stand-ins (spec §5 last row)."""
+"""fp16kit.legacy.multi_tensor_apply: apex's applier and the amp_C stand-ins (docs/apex-others.md §5 last row)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""apex.parallel.DistributedDataParallel's arguments on torch's DDP, in one process (spec §4.1);
+"""apex.parallel.DistributedDataParallel's arguments on torch's DDP, in one process (docs/apex-others.md §4.1);
 the arithmetic with two ranks is in test_two_ranks.py."""
 
 from __future__ import annotations

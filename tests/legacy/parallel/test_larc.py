@@ -1,5 +1,5 @@
 """apex.parallel.LARC -> fp16kit.legacy.parallel.LARC (fp16kit.optim.larc), against apex's step
-written out here with apex's host-side branches (spec apex-others.md §4.4)."""
+written out here with apex's host-side branches (docs/apex-others.md §4.4)."""
 
 from __future__ import annotations
 

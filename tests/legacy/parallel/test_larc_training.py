@@ -1,6 +1,6 @@
 """LARC in the training loops apex users built around it: amp O1/O2 (apex's amp.initialize took a
 LARC), an LR scheduler, a checkpoint round trip, and the modern face's MixedPrecisionOptimizer,
-each against LARC's step written out here (spec apex-others.md §4.4) on top of torch's SGD."""
+each against LARC's step written out here (docs/apex-others.md §4.4) on top of torch's SGD."""
 
 from __future__ import annotations
 

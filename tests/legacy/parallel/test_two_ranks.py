@@ -1,4 +1,4 @@
-"""apex.parallel with two gloo ranks on 127.0.0.1 (one spawn checks everything; spec §4.1-4.3):
+"""apex.parallel with two gloo ranks on 127.0.0.1 (one spawn checks everything; docs/apex-others.md §4.1-4.3):
 the DDP shim's grads are apex's arithmetic bit for bit (sum, then x f/world; 1/f before; fp32
 reduction; sum only), parameters but not buffers are broadcast, disable_allreduce is local;
 Reducer averages; SyncBatchNorm with unequal (and empty) per-rank batches equals BatchNorm over

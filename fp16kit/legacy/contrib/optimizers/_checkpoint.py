@@ -1,4 +1,4 @@
-"""Checkpoints of the fused-era FP16_Optimizer (spec/apex-others.md §1.5): checks, and the two
+"""Checkpoints of the fused-era FP16_Optimizer (docs/apex-others.md §1.5): checks, and the two
 master layouts apex wrote.
 
 * per-param (2019-12+): ``fp32_groups`` = one list of fp32 tensors per group; the inner

@@ -49,7 +49,7 @@ from ._checkpoint import check_state_dict, dynamic_settings, masters_from_state,
 __all__ = ["FP16_Optimizer"]
 
 class FP16_Optimizer(WrappingOptimizer):
-    """The fused-era FP16_Optimizer (see the module docstring and spec/apex-others.md §1).
+    """The fused-era FP16_Optimizer (see the module docstring and docs/apex-others.md §1).
 
     Args:
         init_optimizer: ``fp16kit.legacy.optimizers.FusedAdam``, or the contrib ``FusedAdam`` /

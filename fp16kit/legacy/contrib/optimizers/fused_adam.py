@@ -1,4 +1,4 @@
-"""apex.contrib.optimizers.fused_adam: the legacy ``FusedAdam`` (2018 rule, spec §1.4), a
+"""apex.contrib.optimizers.fused_adam: the legacy ``FusedAdam`` (2018 rule, docs/apex-others.md §1.4), a
 facade over :class:`fp16kit.optim.LegacyAdam`."""
 
 from __future__ import annotations
