@@ -3,7 +3,7 @@
 Public = listed in the ``__all__`` of a public package (a directory with ``__init__.py`` under
 fp16kit/ whose dotted path has no component starting with ``_``). For a class, the methods and
 properties it defines itself (not those inherited from torch) are listed under it.
-``python docs/make_api.py`` rewrites the page; tests/test_api_reference.py fails when it is stale.
+``python docs/make_api.py`` rewrites the page; tests/project/test_api_reference.py fails when it is stale.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ with warnings.catch_warnings():
 
 from .core.scale import LossScale
 from .core.thread import OptimizerThread, optimizer_thread
-from .grad_scaler import GradScaler, OptState
-from .optimizer import MixedPrecisionOptimizer
+from .scaler.grad_scaler import GradScaler, OptState
+from .master_weights.optimizer import MixedPrecisionOptimizer
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """``fp16kit convert-checkpoint IN OUT``: an apex-era checkpoint -> a file
-``torch.load(OUT, weights_only=True)`` reads (the work is :func:`fp16kit.legacy.convert.convert_file`).
+``torch.load(OUT, weights_only=True)`` reads (the work is :func:`fp16kit.legacy.checkpoints.convert.convert_file`).
 
 Prints one line per converted (or deliberately kept) item, then where it wrote. An error is one
 line on stderr, this command's own words naming the fix (its options, never Python arguments
@@ -121,8 +121,8 @@ _TORCH_WARNINGS = r"(Detected pickle protocol|'torch.load' received a zip file t
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..legacy.checkpoint_errors import CheckpointRefused, torch_words
-    from ..legacy.convert import ConversionError, OutputRefused, WriteError, convert_file
+    from ..legacy.checkpoints.errors import CheckpointRefused, torch_words
+    from ..legacy.checkpoints.convert import ConversionError, OutputRefused, WriteError, convert_file
 
     src, out = args.input, pathlib.Path(args.output)
     problem = _device_problem(args.map_location)

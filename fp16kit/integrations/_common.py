@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..optimizer import MixedPrecisionOptimizer
+from ..master_weights.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["find_master_optimizer"]
 

@@ -24,8 +24,8 @@ from . import (
     optimizers,
     parallel,
 )
-from .alias import install_apex_alias, uninstall_apex_alias
-from .checkpoint import load_checkpoint
+from .apex_alias import install_apex_alias, uninstall_apex_alias
+from .checkpoints.load import load_checkpoint
 from .fp16_utils import *  # noqa: F403 -- apex.fp16_utils's names, both eras, are this package's too
 
 __all__ = [

@@ -41,10 +41,10 @@ import torch
 from ..core import kernels
 from ..core.interrupts import commit_methods
 from ..core.scale import LossScale
-from ..optimizer import MixedPrecisionOptimizer
-from ..wrapping import WrappingOptimizer
+from ..master_weights.optimizer import MixedPrecisionOptimizer
+from ..master_weights.wrapping import WrappingOptimizer
 from ._messages import apex_logger, float_or_half
-from .checkpoint import scaler_state
+from .checkpoints.load import scaler_state
 from .loss_scaler import check_factor, check_saved_scaler, check_scale, check_window
 # apex's 2018 module (until 2018-07) defined these beside FP16_Optimizer: a whole model pickled
 # then (torch.save(model)) names apex.fp16_utils.fp16_optimizer.FP16_Module
@@ -334,7 +334,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
         super().__init__(init_optimizer)
         # apex's construction-time rule: params frozen now are never trained (refused, not
-        # corrupted, if they get a grad later; see fp16kit.master_groups)
+        # corrupted, if they get a grad later; see fp16kit.master_weights.groups)
         self._mpo = MixedPrecisionOptimizer(
             init_optimizer, async_step=async_step, master_device=master_device, unfrozen="refuse", apex_groups=True
         )

@@ -36,7 +36,7 @@ from ..core.floor import FLOOR_POLICIES
 from ..core.interrupts import hold_interrupts
 from ..core.scale import LossScale
 from ..core.scale_rules import rule_named
-from .checkpoint_records import CLASS_KEY, FP16KIT_SCALER_CLASSES
+from .checkpoints.records import CLASS_KEY, FP16KIT_SCALER_CLASSES
 
 __all__ = ["LossScaler", "DynamicLossScaler", "to_python_float", "SavedScalerRefused"]
 

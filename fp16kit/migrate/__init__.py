@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from .alias import apex_alias_installed, install_apex_alias, uninstall_apex_alias
+from ..legacy.apex_alias import apex_alias_installed, install_apex_alias, uninstall_apex_alias
 from .runner import run_module, run_script
 
 __all__ = ["apex_alias_installed", "install_apex_alias", "uninstall_apex_alias", "run_module", "run_script"]

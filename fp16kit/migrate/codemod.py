@@ -1,7 +1,7 @@
 """``fp16kit migrate``'s rewriter: apex imports -> fp16kit.legacy on a concrete syntax tree (libcst),
 so every byte outside the rewritten names stays as it was (comments, layout, CRLF, encoding, BOM).
 
-Algorithm (one pass over the tree; the table is :mod:`fp16kit.migrate.apex_map`)::
+Algorithm (one pass over the tree; the table is :mod:`fp16kit.legacy.apex_alias.apex_map`)::
 
     roots = names bound by a covered `import apex[.x]` / `import fp16[.x]` (no `as`)
     import A.B [as N]            A.B a mapped module        -> import T [as N]
@@ -37,7 +37,7 @@ from typing import Union
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
-from . import apex_map
+from ..legacy.apex_alias import apex_map
 from .probes import Probes, fallback_handler
 from .probes import dotted_name as _dotted
 from .resume_loads import resume_loads

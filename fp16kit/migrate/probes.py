@@ -42,7 +42,7 @@ from collections.abc import Callable, Collection, Mapping
 import libcst as cst
 from libcst.metadata import BaseAssignment, BuiltinAssignment, MetadataWrapper, PositionProvider, ScopeProvider
 
-from .apex_map import Resolution, is_handled
+from ..legacy.apex_alias.apex_map import Resolution, is_handled
 
 __all__ = ["Probes", "dotted_name", "fallback_handler"]
 

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 
 import libcst as cst
 
-from . import apex_map
+from ..legacy.apex_alias import apex_map
 from .probes import dotted_name
 
 __all__ = ["resume_loads"]

@@ -1,5 +1,5 @@
 """``fp16kit run``: run an unmodified apex-era script (or ``-m`` module) as ``python SCRIPT ARGS``
-would, with :func:`~fp16kit.migrate.alias.install_apex_alias` in effect.
+would, with :func:`~fp16kit.legacy.apex_alias.finder.install_apex_alias` in effect.
 
 Contract (what the script sees, and what the caller gets back)::
 
@@ -23,7 +23,7 @@ Contract (what the script sees, and what the caller gets back)::
 
 Beside a real apex lacking apex.amp / apex.fp16_utils (NVIDIA apex >= 25.x) the alias complements it
 (the script's ``import apex`` is the real one; only the covered modules it lacks are fp16kit's); a
-real apex that has them is in the way unless ``shadow=True`` (see :mod:`fp16kit.migrate.alias`).
+real apex that has them is in the way unless ``shadow=True`` (see :mod:`fp16kit.legacy.apex_alias.finder`).
 
 A script that cannot be started (missing file, no such module, a real apex with apex.amp in the way) raises
 :class:`RunError` before anything runs; the command line prints it.
@@ -45,7 +45,7 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import alias
+from ..legacy.apex_alias import finder as alias
 
 __all__ = ["RunError", "run_script", "run_module", "run_command"]
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._base import FusedStyleOptimizer, buckets, check_hyper
+from .base import FusedStyleOptimizer, buckets, check_hyper
 
 __all__ = ["Adam", "adam_update_"]
 

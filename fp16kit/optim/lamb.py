@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import FusedStyleOptimizer, buckets, check_hyper
+from .base import FusedStyleOptimizer, buckets, check_hyper
 
 __all__ = ["LAMB"]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..wrapping import WrappingOptimizer
+from ..master_weights.wrapping import WrappingOptimizer
 
 __all__ = ["LARC"]
 
@@ -69,7 +69,7 @@ class LARC(WrappingOptimizer):
                 f"LARC wraps an optimizer (an object with param_groups and step()), got "
                 f"{type(optimizer).__name__}; pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
             )
-        from ..optimizer import MixedPrecisionOptimizer
+        from ..master_weights.optimizer import MixedPrecisionOptimizer
 
         if isinstance(optimizer, MixedPrecisionOptimizer):
             # its fp32 master grads are made inside its own step(), after LARC would have run:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..core import kernels
-from ._base import FusedStyleOptimizer, buckets, check_hyper
+from .base import FusedStyleOptimizer, buckets, check_hyper
 
 __all__ = ["LegacyAdam", "StepWithGrads", "legacy_adam_step", "per_group"]
 

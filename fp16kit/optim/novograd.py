@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import FusedStyleOptimizer, buckets, check_hyper, work_dtype
+from .base import FusedStyleOptimizer, buckets, check_hyper, work_dtype
 
 __all__ = ["NovoGrad"]
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..core import kernels
-from ._base import ApexConventions, buckets, work_dtype
+from .base import ApexConventions, buckets, work_dtype
 
 __all__ = ["SGD", "sgd_step"]
 

@@ -6,7 +6,7 @@ nothing -- and runs nothing -- for hostile, truncated or damaged input, and neve
 Checkpoints are written here as apex- and Megatron-era code wrote them: stand-in classes under
 those libraries' module paths (removed before converting), storages recorded as saved on
 ``cuda:0`` (no GPU needed). The converted values expected are worked out from docs/apex-fp16-optimizer.md and
-docs/apex-others.md §6 in tests/legacy/test_checkpoint_convert.py; here the command's behaviour.
+docs/apex-others.md §6 in tests/legacy/checkpoints/test_convert.py; here the command's behaviour.
 """
 
 from __future__ import annotations
@@ -536,7 +536,7 @@ HOSTILE = {  # IN -> what the one line says after "{IN} "
                           "was not converted: it holds apex.amp.scaler.LossScaler itself (the class or function"),
     "a legacy storage never filled": (_unfilled_legacy, "is truncated or corrupt: its pickle claims storages of "
                                       "67,108,864 bytes, more than the rest of the file"),
-    # a 200k-deep tuple: tests/legacy/test_checkpoint_hostile.py, in a child process (it crashed the reader)
+    # a 200k-deep tuple: tests/legacy/checkpoints/test_hostile.py, in a child process (it crashed the reader)
 }
 
 

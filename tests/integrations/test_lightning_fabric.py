@@ -1,4 +1,4 @@
-"""fp16kit.integrations.lightning_fabric: MasterWeightsFabricPrecision against the plain loop.
+"""fp16kit.integrations.lightning.fabric: MasterWeightsFabricPrecision against the plain loop.
 
 The reference is the plain fp16kit loop written out (model.half()/bfloat16(),
 MixedPrecisionOptimizer, fp16kit.GradScaler, torch's clip_grad_norm_ on the masters). Fabric
@@ -15,7 +15,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 import fp16kit  # noqa: E402
-from fp16kit.integrations.lightning_fabric import MasterWeightsFabricPrecision  # noqa: E402
+from fp16kit.integrations.lightning.fabric import MasterWeightsFabricPrecision  # noqa: E402
 
 LR, CLIP, STEPS, INF_STEP = 0.05, 0.5, 5, 2
 DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16}

@@ -471,7 +471,7 @@ def test_fabric_clip_without_a_step(mode):
     # unscaled"; "accumulate" (clip after each backward) -> the step raised
     import lightning as L_
 
-    from fp16kit.integrations.lightning_fabric import MasterWeightsFabricPrecision
+    from fp16kit.integrations.lightning.fabric import MasterWeightsFabricPrecision
 
     def run(fabric_run: bool):
         scaler = fp16kit.GradScaler("cpu")
@@ -518,7 +518,7 @@ def test_fabric_clip_without_a_step(mode):
 def test_fabric_clip_then_backward_without_a_step_async_is_refused():
     import lightning as L_
 
-    from fp16kit.integrations.lightning_fabric import MasterWeightsFabricPrecision
+    from fp16kit.integrations.lightning.fabric import MasterWeightsFabricPrecision
 
     fabric = L_.Fabric(accelerator="cpu", devices=1, plugins=[MasterWeightsFabricPrecision("16-true")])
     with fabric.init_module():

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 import fp16kit  # noqa: E402
 from fp16kit.integrations.lightning import MasterWeightsPrecision  # noqa: E402
-from fp16kit.integrations.lightning_fabric import MasterWeightsFabricPrecision  # noqa: E402
+from fp16kit.integrations.lightning.fabric import MasterWeightsFabricPrecision  # noqa: E402
 
 LR, CLIP, ITERS, K = 0.05, 0.5, 8, 3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fp16kit.legacy import apex_c
-from fp16kit.legacy.alias import install_apex_alias, uninstall_apex_alias
+from fp16kit.legacy.apex_alias import install_apex_alias, uninstall_apex_alias
 from fp16kit.migrate.codemod import migrate_source
 
 

@@ -277,7 +277,7 @@ def test_star_from_apex_reported_with_imports_that_work():
     # apex.fp16_utils is fp16kit.legacy itself (the codemod writes `from fp16kit import legacy as fp16_utils`)
     import importlib
 
-    from fp16kit.migrate import apex_map
+    from fp16kit.legacy.apex_alias import apex_map
 
     for module in ("apex", "apex.contrib"):
         [(line, message)] = _report(f"from {module} import *\n")

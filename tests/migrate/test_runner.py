@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from fp16kit.migrate.alias import apex_alias_installed
+from fp16kit.legacy.apex_alias.finder import apex_alias_installed
 from fp16kit.migrate.runner import RunError, run_module, run_script
 
 
@@ -223,7 +223,7 @@ def test_restore_false_leaves_the_scripts_main_and_the_alias(script, monkeypatch
     # what the command line asks for: its process ends with the script
     from multiprocessing import spawn
 
-    from fp16kit.migrate.alias import uninstall_apex_alias
+    from fp16kit.legacy.apex_alias.finder import uninstall_apex_alias
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))

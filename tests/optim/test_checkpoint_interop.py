@@ -119,7 +119,7 @@ def test_a_checkpoint_converted_for_torch_still_resumes_fused_adam_exactly():
     # param's state; loading that file back into FusedAdam continues the same count
     import copy
 
-    from fp16kit.legacy.convert import convert_checkpoint
+    from fp16kit.legacy.checkpoints.convert import convert_checkpoint
 
     a = _params()
     fa = FusedAdam(a, lr=1e-2, weight_decay=0.01)

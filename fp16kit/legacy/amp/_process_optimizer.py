@@ -1,6 +1,6 @@
 """What ``amp.initialize`` does to optimizers (docs/apex-amp.md §5, §8): the SAME optimizer object
 (its class kept) gets ``_amp_stash`` and apex's instance methods; with master weights (O2) its
-param groups hold fp32 masters after the lazy init, made by :class:`fp16kit.master_groups.
+param groups hold fp32 masters after the lazy init, made by :class:`fp16kit.master_weights.groups.
 MasterGroups` / :class:`fp16kit.core.master.MasterParams` (the code FP16_Optimizer and
 MixedPrecisionOptimizer use). All tensor math runs in :mod:`fp16kit.core.kernels`.
 
@@ -32,7 +32,7 @@ import torch
 from ...core import kernels
 from ...core.interrupts import hold_interrupts
 from ...core.master import MasterParams
-from ...master_groups import MasterGroups
+from ...master_weights.groups import MasterGroups
 from .._messages import apex_logger, float_or_half
 from ._amp_state import _amp_state
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import scaler_state
+from ..checkpoints.load import scaler_state
 from ..loss_scaler import check_saved_scaler
 from . import _model, _process_optimizer
 from ...core.interrupts import hold_interrupts

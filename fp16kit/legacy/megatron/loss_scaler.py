@@ -43,7 +43,7 @@ import torch
 from ...core import kernels
 from ...core.scale import LossScale
 from .. import loss_scaler as _era1
-from ..checkpoint_records import saved_scaler
+from ..checkpoints.records import saved_scaler
 
 __all__ = ["LossScaler", "DynamicLossScaler", "to_python_float", "scaler_from_state"]
 

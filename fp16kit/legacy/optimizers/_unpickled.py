@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ...optim._base import public_settings
-from ..checkpoint_errors import apex_object_refused
+from ...optim.base import public_settings
+from ..checkpoints.errors import apex_object_refused
 
 __all__ = ["decays", "settings_or_refusal"]
 

@@ -29,7 +29,7 @@ from torch import nn
 
 import fp16kit
 from fp16kit.legacy import amp
-from fp16kit.legacy.alias import install_apex_alias, uninstall_apex_alias
+from fp16kit.legacy.apex_alias import install_apex_alias, uninstall_apex_alias
 
 casts = importlib.import_module("fp16kit.legacy.amp.casts")
 o1_lists = importlib.import_module("fp16kit.legacy.amp.o1_lists")

@@ -116,7 +116,7 @@ def test_an_apex_scaler_converted_by_convert_checkpoint_continues_as_the_origina
     # optimizer reading that form must continue with the same scales as from the raw record.
     import random
 
-    from fp16kit.legacy.checkpoint import scaler_state
+    from fp16kit.legacy.checkpoints.load import scaler_state
     from fp16kit.legacy.fp16_optimizer import AmpLossScaler
     from fp16kit.legacy.megatron.loss_scaler import scaler_from_state
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ....core import kernels
-from ...checkpoint_errors import apex_object_refused
+from ...checkpoints.errors import apex_object_refused
 from ...loss_scaler import check_factor, check_scale
 
 __all__ = [

@@ -40,9 +40,9 @@ import torch
 from ....core import kernels
 from ....core.master import MasterParams
 from ....core.scale import LossScale
-from ....wrapping import WrappingOptimizer
+from ....master_weights.wrapping import WrappingOptimizer
 from ..._messages import apex_logger
-from ...checkpoint_errors import apex_object_refused
+from ...checkpoints.errors import apex_object_refused
 from ...loss_scaler import check_scale
 from ._checkpoint import check_state_dict, dynamic_settings, masters_from_state, optimizer_state_from
 

@@ -1,0 +1,544 @@
+"""Asynchronous steps for :class:`fp16kit.MixedPrecisionOptimizer` (docs/async.md).
+
+The optimizer step on the fp32 masters runs on an :class:`~fp16kit.core.thread.OptimizerThread`
+while the main thread computes the next forward/backward. :class:`AsyncSteps` owns one
+optimizer's job in flight, the hand-offs around it and the landing of its masters::
+
+    main thread, step k                          optimizer thread, job k
+    ----------------------------------------     ----------------------------------------
+    raise any pending error (nothing handed
+             off yet: step() can be retried)
+    land():  wait for job k-1 (re-raise its      (job k-1 done)
+             error); masters -> model params     (host masters: this copy runs here, while
+                                                  the main thread checks the grads)
+    check the grads on their device (mode 1)
+    hand_off(): model grads -> the job (on
+             CPU offload a non-blocking copy
+             into pinned buffers + an event);
+             model grads cleared
+    enqueue(job k)                         --->  receive(): wait for the copies; unscale
+                                                 into the master grads; step the masters
+    forward/backward k+1 (weights of job k-1)
+
+So forward k+1 sees the weights of step k-1: a one-step delayed update. Every device hand-off
+is ordered by events (the thread's submit event, the hand-off event); the main thread never
+waits for the device, only for the previous job.
+
+Ownership: the main thread's fields (``inflight``, the landing, the deferred copies) are
+written on the main thread only. A job owns a :class:`StepJob` -- its own
+:class:`~fp16kit.master_weights.step_state.StepState` and the param groups it was submitted with -- published
+as ``running`` for the code it runs (``scaler.step(opt)`` in a ``submit_step`` function), and
+written on the optimizer thread only. A job is forgotten only after it finished: a Ctrl-C
+while waiting leaves it tracked, so ``state_dict()`` and ``synchronize()`` still wait for it.
+
+Mode 1 (``async_step=True``): :meth:`AsyncSteps.step` -- the grads are checked on their device
+on the main thread (the scale updates with no lag), then unscaled and stepped by the job.
+Mode 2 (``submit_step(fn)``): :meth:`AsyncSteps.submit_step` -- the raw grads are handed off
+and ``fn`` (typically ``scaler.step(opt); opt.zero_grad()``) runs on the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..core import kernels
+from ..core.master import SPARSE_GRADS, MasterParams
+from ..core.thread import OptimizerThread, current_optimizer_thread, optimizer_thread
+from .groups import MasterGroups
+from .misuse import watch_clips
+from .snapshot import StepView, snapshot, write_back
+from .step_state import StepState
+
+__all__ = ["AsyncSteps", "Handoff", "StepJob", "SteppedOptimizer", "MISSING_GRADS", "log_skipped_step"]
+
+logger = logging.getLogger("fp16kit")
+
+Flags = dict[torch.device, torch.Tensor]
+Reduce = Callable[[Flags], Flags]
+MISSING_GRADS = ("none", "zero", "keep")
+
+
+class SteppedOptimizer(Protocol):
+    """What :class:`AsyncSteps` needs of the optimizer whose steps it runs (the optimizer is
+    :class:`~fp16kit.MixedPrecisionOptimizer`; naming it here would make the two modules import
+    each other): the wrapped optimizer, the mode, and the step on the masters."""
+
+    optimizer: torch.optim.Optimizer
+    async_step: bool
+    _step_supports_amp_scaling: bool  # torch's GradScaler's flag: the step takes grad_scale
+
+    def inner_step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grad_scale: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> Any: ...
+
+
+@dataclass
+class Handoff:
+    """This step's gradients, owned by the job: per model param a tensor or None."""
+
+    grads: list[torch.Tensor | None]
+    event: Any = None  # CUDA event after the copies into pinned buffers (CPU offload)
+
+
+@dataclass
+class StepJob:
+    """What a running step job owns: its step state and the param groups (hyperparameters) it
+    was submitted with (None: the optimizer steps its live groups, see StepView.applies_to)."""
+
+    state: StepState = field(default_factory=StepState)
+    groups: list[dict[str, Any]] | None = None
+
+
+class AsyncSteps:
+    """One optimizer's asynchronous steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        opt: SteppedOptimizer,
+        masters: MasterParams,
+        groups: MasterGroups,
+        thread: OptimizerThread | None = None,
+        *,
+        refresh: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._opt = opt
+        self._refresh = refresh  # adopts params unfrozen since the last step (master_groups)
+        self._masters = masters
+        self._groups = groups
+        self._thread = thread
+        self._default_thread = thread is None  # follow fp16kit.optimizer_thread() when it is re-made
+        # main thread only
+        self.inflight: Future | None = None
+        self._land_pending = False  # the masters are newer than the model params
+        self._landing: Future | None = None  # land_begin's copy on the optimizer thread
+        self._staging: list[torch.Tensor] | None = None
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # see defer_copies()
+        self.handed_off = False  # the model grads went to a job; no zero_grad() since
+        self._warned_clip = threading.Event()  # set once, from either thread
+        # optimizer thread only
+        self.running: StepJob | None = None
+        self._idle_job = StepJob()  # for this optimizer's calls from other jobs on the thread
+
+    @property
+    def thread(self) -> OptimizerThread:
+        if self._thread is None or (self._default_thread and self._thread.closed and self.inflight is None):
+            self._thread = optimizer_thread()  # the default one, made anew after a shutdown
+        return self._thread
+
+    @staticmethod
+    def on_optimizer_thread() -> bool:
+        return current_optimizer_thread() is not None
+
+    def job(self) -> StepJob:
+        """On the optimizer thread: the running job of this optimizer (or a standing one)."""
+        return self.running if self.running is not None else self._idle_job
+
+    # ------------------------------------------------------------------ waiting and landing
+    def wait(self) -> None:
+        """Wait for the job in flight (re-raising its error); the masters then are newer than
+        the model params until :meth:`land`. Then apply the deferred copies."""
+        self.land_end()
+        fut = self.inflight
+        if fut is not None:
+            self._land_pending = True  # whatever happens now, the masters may have moved
+            try:
+                self.thread.wait(fut)
+            finally:
+                if fut.done():  # not on a KeyboardInterrupt: the job is still running
+                    self.inflight = None
+                    self.thread.wait_stream(fut)
+        self.apply_deferred()
+
+    def masters_changed(self) -> None:
+        """The masters were written on the main thread (a checkpoint load): the next landing
+        copies them into the model."""
+        self._land_pending = True
+
+    def defer_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy ``source -> target`` for each pair just before the masters or the model are
+        next used (the next wait, landing or step), not now: a checkpoint whose values come
+        from the model, or go into it, then does not depend on whether the user loads the
+        model before or after the optimizer."""
+        self._deferred = list(pairs)
+
+    def apply_deferred(self) -> None:
+        pairs, self._deferred = self._deferred, []
+        kernels.copy_pairs_(pairs)
+
+    def land(self) -> None:
+        """Wait for the job in flight and copy the masters into the model params."""
+        self.land_begin(overlap=False)
+
+    def land_begin(self, *, overlap: bool = True) -> None:
+        """Start :meth:`land`; the main thread may do other work (not touching the model
+        params) until :meth:`land_end`.
+
+        Copying host masters into host params is real work for whichever thread does it, so
+        with ``overlap`` and an optimizer thread that has nothing else queued, the copy runs
+        there while the main thread goes on (e.g. checking the next grads). Otherwise -- a
+        device copy, which the main thread merely enqueues, or a busy shared thread whose
+        queue the copy would wait behind -- it runs here, before returning."""
+        self.wait()
+        if not self._land_pending:
+            return
+        if overlap and self._landing_on_host() and self.thread.idle():
+            self._landing = self.thread.enqueue(self._masters.masters_to_model)
+        else:
+            self._masters.masters_to_model(non_blocking=True)
+            self._land_pending = False
+
+    def land_end(self) -> None:
+        """Wait for the copy :meth:`land_begin` started (re-raising its error)."""
+        fut = self._landing
+        if fut is None:
+            return
+        landed = False
+        try:
+            self.thread.wait(fut)
+            landed = True
+        finally:
+            if fut.done():
+                self._landing = None
+                self._land_pending = self._land_pending and not landed
+
+    def _landing_on_host(self) -> bool:
+        return all(p.device.type == "cpu" for p in self._masters.model_params)
+
+    # ------------------------------------------------------------------ hand-off
+    def _hand_off(self) -> Handoff:
+        """Give this step's model grads to the job and clear them on the model. Grads bound
+        for masters on another device are copied (non-blocking) into pinned buffers."""
+        params = self._masters.model_params
+        grads = [p.grad for p in params]
+        masters = self._masters.masters
+        crossing = [i for i, g in enumerate(grads) if g is not None and g.device != masters[i].device]
+        event = None
+        if crossing:
+            staging = self._staging_buffers(params)
+            kernels.copy_to_([grads[i] for i in crossing], [staging[i] for i in crossing], non_blocking=True)
+            for i in crossing:
+                grads[i] = staging[i]
+        if any(m.device != p.device for p, m in zip(params, masters)) and torch.cuda.is_available():
+            # Orders the job after these copies and after land()'s copy out of the masters.
+            event = torch.cuda.Event()
+            event.record()
+        for p in params:
+            p.grad = None  # the next backward starts from zero
+        self.handed_off = True
+        watch_clips(self)
+        return Handoff(grads, event)
+
+    # ------------------------------------------------------------------ clipping the model params
+    # torch.nn.utils.clip_grad_norm_(model.parameters()) finds no grad after a hand-off
+    # (fp16kit.master_weights.misuse watches it).
+    def grads_cleared(self) -> None:
+        """``zero_grad()`` on the main thread: the model params hold no grads by the user's
+        doing now, as in torch, not because they were handed off."""
+        self.handed_off = False
+
+    def clip_finds_none(self, params: Sequence[torch.Tensor]) -> str | None:
+        """The warning for ``torch.nn.utils.clip_grad_norm_(params)`` now, if it misses this
+        optimizer's grads: on the main thread when none of ``params`` has a grad and some are
+        model params whose grads were handed off (it returns 0); in this optimizer's step
+        job when any is a model param (the model grads belong to the main thread)."""
+        if self.on_optimizer_thread():
+            if self.running is None:
+                return None
+            message = _CLIP_IN_JOB
+        elif not self.handed_off or any(p.grad is not None for p in params):
+            return None
+        else:
+            message = _CLIP_AFTER_HANDOFF
+        mastered = {id(p) for p in self._masters.model_params}
+        return message if any(id(p) in mastered for p in params) else None
+
+    def warned_clip(self) -> bool:
+        warned = self._warned_clip.is_set()
+        self._warned_clip.set()
+        return warned
+
+    def _staging_buffers(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # Reused every step: the job of the previous step has finished with them (land()).
+        if self._staging is None or len(self._staging) != len(params):
+            self._staging = [
+                torch.empty(p.shape, dtype=p.dtype, device=m.device, pin_memory=m.device.type == "cpu")
+                for p, m in zip(params, self._masters.masters)
+            ]
+        return self._staging
+
+    def _enqueue(self, job: Callable[..., Any], *args: Any, step: bool = False) -> Future:
+        """Queue ``job(StepJob's state, *args)`` as this optimizer's job. Never raises a pending
+        error: callers raised those before handing anything off."""
+        if self.inflight is not None:
+            raise RuntimeError("internal: a step job is already in flight; call land() first")
+        groups = None
+        if StepView.applies_to(self._opt.optimizer):
+            groups = snapshot(self._opt.optimizer.param_groups, leave_out=self._groups.watched_ids())
+        _note_step_taken(self._opt)
+        self.inflight = self.thread.enqueue(self._run, (StepJob(groups=groups), job, args), step=step)
+        return self.inflight
+
+    def _prepare(self) -> None:
+        """Before a hand-off: raise any pending error -- this optimizer's last job's (by
+        waiting for it) or another job's on the shared thread -- while nothing has changed."""
+        self.wait()
+        self.thread.raise_pending_error()
+        if self._groups.watched_ids() and not StepView.applies_to(self._opt.optimizer):
+            raise RuntimeError(
+                "This optimizer's step() was replaced on the object (or its param_groups is a "
+                "property), so an asynchronous step must step its live param groups -- which hold "
+                "frozen params the worker would step with their scaled grads if they were "
+                "unfrozen while the job runs. Keep frozen params out of the optimizer, wrap step "
+                "in a subclass instead of on the object, or use async_step=False."
+            )
+        if self.thread.closed:
+            raise RuntimeError(
+                f"{self.thread.name}, this optimizer's thread, was shut down: build the "
+                "MixedPrecisionOptimizer with a running OptimizerThread (thread=...)."
+            )
+
+    # ------------------------------------------------------------------ mode 1, main thread
+    def check_grads(self, *, reduce: Reduce | None = None, land: bool = True) -> Flags:
+        """Check this step's model grads for inf/NaN on their device (``reduce`` may all-reduce
+        the flags). With ``land``, land the previous step meanwhile. No host sync."""
+        grads = [p.grad for p in self._masters.model_params if p.grad is not None]
+        if any(g.is_sparse for g in grads):
+            raise TypeError(SPARSE_GRADS)
+        if land:
+            self.land_begin()
+        try:  # the grads, not the params: the landing copy may still be writing those
+            flags = kernels.check_finite_(grads, kernels.new_found_inf(self._groups.grad_device()))
+            return reduce(flags) if reduce is not None else flags
+        finally:
+            self.land_end()
+
+    def step(
+        self,
+        state: StepState,
+        *,
+        scale: torch.Tensor | None,
+        reduce: Reduce | None,
+        flags: Flags | None = None,
+        missing_grads: str = "none",
+    ) -> Flags:
+        """A mode-1 step from the main thread, by ``step()`` or ``scaler.step(opt)`` (``scale``:
+        the scale this iteration's loss was multiplied by; None without a scaler). ``state``
+        is the main thread's step state: when the masters already hold this step's unscaled
+        grads (``scaler.unscale_(opt)``, ``clip_grad_norm_``), only the skip decision and the
+        step are left (``flags``: the scaler's, reduced over its process group; default: the
+        state's; ``missing_grads``: see :meth:`submit`). Returns this step's flags (for the
+        scaler's update); reads none."""
+        if state.in_masters:
+            on_skip = log_skipped_step if scale is None else None
+            flags = state.flags if flags is None else flags
+            self._prepare()
+            self._masters.zero_grad(model=True, masters=False)
+            self._enqueue(self._step_job, None, self._found(flags), "none", on_skip, None)
+            return flags
+        self._prepare()
+        flags = self.check_grads(reduce=reduce)
+        if scale is not None:  # a scale that underflowed to 0 would unscale into NaN
+            flags = kernels.flag_nonfinite_scale_(flags, kernels.inv_scale(scale))
+        found = self._found(flags)
+        if scale is None:  # no scaler: the grads as they are
+            self._submit(kernels.one(self._groups.grad_device()), found, missing_grads, log_skipped_step)
+        else:  # the update after this step changes the scale in place: keep its value
+            self._submit(None, found, missing_grads, scale=scale.clone())
+        return flags
+
+    def submit(
+        self,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        *,
+        missing_grads: str = "none",
+        on_skip: Callable[[], Any] | None = None,
+    ) -> Future:
+        """The second half of a step after :meth:`check_grads` (see
+        ``MixedPrecisionOptimizer.async_submit``)."""
+        if missing_grads not in MISSING_GRADS:
+            raise ValueError(f"missing_grads must be one of {MISSING_GRADS}, got {missing_grads!r}.")
+        self._refresh()
+        self._prepare()
+        return self._submit(inv_scale, found_inf, missing_grads, on_skip)
+
+    def _submit(
+        self,
+        inv: torch.Tensor | None,
+        found: torch.Tensor,
+        missing_grads: str = "none",
+        on_skip: Callable[[], Any] | None = None,
+        *,
+        scale: torch.Tensor | None = None,
+    ) -> Future:
+        # ``scale`` instead of ``inv``: the job takes the reciprocal (off the main thread).
+        self.land()
+        handoff = self._hand_off()
+        return self._enqueue(self._step_job, handoff, found, missing_grads, on_skip, (inv, scale))
+
+    def _found(self, flags: Flags) -> torch.Tensor:
+        return kernels.combine_found_inf(flags.values(), self._groups.grad_device())
+
+    def require_main(self, name: str, *, async_step: bool) -> None:
+        """``name()`` needs the main thread and ``async_step`` as given (else RuntimeError)."""
+        if self.on_optimizer_thread():
+            raise RuntimeError(f"{name}() must be called from the main thread, not from a step job.")
+        if async_step and not self._opt.async_step:
+            raise RuntimeError(f"{name}() is part of an asynchronous step; build the optimizer with async_step=True.")
+        if not async_step and self._opt.async_step:
+            raise RuntimeError(
+                "This optimizer already steps asynchronously (async_step=True): call step() (or "
+                f"scaler.step(opt)), or build it with async_step=False to use {name}()."
+            )
+
+    # ------------------------------------------------------------------ mode 2, main thread
+    def submit_step(self, fn: Callable[[], Any], *, scaler: Any, missing_grads: str = "none") -> Future:
+        """Mode 2 (see ``MixedPrecisionOptimizer.submit_step``). Everything is checked, and
+        pending errors raised, before anything is handed off."""
+        if not callable(fn):
+            raise TypeError(
+                f"submit_step expects a callable, got {type(fn).__name__}: e.g. "
+                "opt.submit_step(lambda: (scaler.step(opt), opt.zero_grad()), scaler=scaler)."
+            )
+        self.require_main("submit_step", async_step=False)
+        if scaler is not None and not callable(getattr(scaler, "bind", None)):
+            raise TypeError(f"scaler must be an fp16kit.GradScaler, got {type(scaler).__name__}.")
+        self._refresh()
+        direct = self._groups.direct_params()
+        if direct:
+            raise RuntimeError(
+                f"submit_step() needs a master for every trainable param ({len(direct)} float32 "
+                "params have none: the thread would update them while the forward pass reads "
+                "them). Build the MixedPrecisionOptimizer with master_device=... (e.g. 'cpu')."
+            )
+        self._prepare()
+        if scaler is not None:
+            scaler.bind(self.thread, step_of=self._opt)
+        self.land()
+        handoff = self._hand_off()
+        return self._enqueue(self._submitted_job, handoff, fn, missing_grads, step=True)
+
+    # ------------------------------------------------------------------ optimizer thread
+    def _run(self, job: StepJob, fn: Callable[..., Any], args: tuple) -> Any:
+        """Run ``fn(job.state, *args)`` as the running job, stepping with the param groups as
+        they were when the step was submitted; write back what the step changed in them."""
+        before = None if job.groups is None else snapshot(job.groups)  # in-place edits show
+        self.running = job
+        try:
+            return fn(job.state, *args)
+        finally:
+            self.running = None
+            if before is not None:
+                assert job.groups is not None
+                write_back(before, job.groups, self._opt.optimizer.param_groups)
+
+    def _step_job(
+        self,
+        state: StepState,
+        handoff: Handoff | None,
+        found: torch.Tensor,
+        missing_grads: str,
+        on_skip: Callable[[], Any] | None,
+        unscale_by: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+    ) -> Any:
+        """Mode 1: receive the grads, skip or step. ``unscale_by``: (1/scale or None, scale or
+        None); None when the masters hold the unscaled grads already."""
+        grads = receive(handoff) if handoff is not None else None
+        if found.item():  # the worker may wait for the device; the main thread never does
+            if on_skip is not None:
+                on_skip()
+            return None
+        if grads is None or unscale_by is None:
+            return self._opt.inner_step()
+        inv, scale = unscale_by
+        if missing_grads == "zero":
+            self._masters.zero_grad(False, model=False)
+        clear = missing_grads == "none"
+        if inv is None and self._fused_unscale(scale):
+            # A fused optimizer unscales in its own pass over the grads: copy them only.
+            assert scale is not None
+            self._masters.grads_to_masters(None, None, grads=grads, clear_missing=clear, unscale=False)
+            return self._opt.inner_step(grad_scale=scale.to(self._groups.flag_device()))
+        if inv is None:
+            assert scale is not None
+            inv = kernels.inv_scale(scale)
+        found_here = kernels.new_found_inf(self._groups.flag_device())
+        self._masters.grads_to_masters(inv, found_here, grads=grads, clear_missing=clear)
+        return self._opt.inner_step()
+
+    def _fused_unscale(self, scale: torch.Tensor | None) -> bool:
+        # Fused kernels take a float32 grad_scale on the params' device (one device here).
+        return (
+            scale is not None
+            and scale.dtype == torch.float32
+            and self._opt._step_supports_amp_scaling
+            and not self._groups.direct_params()
+            and len({m.device for m in self._masters.masters}) == 1
+        )
+
+    def _submitted_job(self, state: StepState, handoff: Handoff, fn: Callable[[], Any], missing_grads: str) -> Any:
+        """Mode 2: the raw grads into the master grads (copied, still scaled), then ``fn``."""
+        grads = receive(handoff)
+        if missing_grads == "zero":
+            self._masters.zero_grad(False, model=False)
+        self._masters.grads_to_masters(None, None, grads=grads, unscale=False, clear_missing=missing_grads == "none")
+        state.handed_off()
+        return fn()
+
+
+_CLIP_FIX = (
+    "Clip with optimizer.clip_grad_norm_(max_norm) before the step -- after "
+    "scaler.unscale_(optimizer), or after the backward without a scaler; with submit_step, in the "
+    "submitted function: it clips the unscaled fp32 master grads the step uses and returns their "
+    "norm (max_norm=float('inf') only measures it). (Warned once per optimizer.)"
+)
+_CLIP_AFTER_HANDOFF = (
+    "torch.nn.utils.clip_grad_norm_ was called on the model's parameters after an asynchronous "
+    "step (async_step=True or submit_step) handed their gradients to the optimizer thread: they "
+    "hold none now, so it clipped nothing and returned 0. " + _CLIP_FIX
+)
+_CLIP_IN_JOB = (
+    "torch.nn.utils.clip_grad_norm_ was called on the model's parameters inside a step job "
+    "(submit_step): the step's gradients were handed to the job, and the model's are the main "
+    "thread's (empty, or the next backward's). In the job, call "
+    "optimizer.clip_grad_norm_(max_norm) after scaler.unscale_(optimizer): it clips the master "
+    "grads the step uses. (Warned once per optimizer.)"
+)
+
+
+def log_skipped_step() -> None:
+    """A step skipped without a scaler (on the optimizer thread, asynchronously)."""
+    logger.warning(
+        "MixedPrecisionOptimizer: non-finite gradients (inf/NaN); step skipped. "
+        "With fp16 use fp16kit.GradScaler; otherwise look for a diverging loss."
+    )
+
+
+def receive(handoff: Handoff) -> list[torch.Tensor | None]:
+    """In the job: wait until the handed grads are readable here; return them."""
+    if handoff.event is not None:
+        handoff.event.synchronize()  # the worker may wait for the device; main never does
+    if torch.cuda.is_available():
+        stream = torch.cuda.current_stream()
+        for g in handoff.grads:
+            if g is not None and g.is_cuda:
+                g.record_stream(stream)  # freed here; keep the memory until this stream is done
+    return handoff.grads
+
+
+def _note_step_taken(opt: SteppedOptimizer) -> None:
+    # As LR schedulers' call-order trackers do (on the wrapper and the wrapped optimizer): the
+    # step is taken now, so scheduler.step() may follow at once without a warning.
+    opt._opt_called = True  # type: ignore[attr-defined]
+    opt.optimizer._opt_called = True  # type: ignore[attr-defined]
