@@ -89,14 +89,20 @@ def main() -> None:
     parser.add_argument("--impl", default="foreach", choices=["foreach", "fused"], help="Adam implementation")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU cores to use")
-    parser.add_argument("--main-threads", type=int, default=None,
-                        help="intra-op threads of the main thread when asynchronous (default: half)")
+    parser.add_argument(
+        "--main-threads",
+        type=int,
+        default=None,
+        help="intra-op threads of the main thread when asynchronous (default: half)",
+    )
     args = parser.parse_args()
 
     params = sum(p.numel() for p in build(args, False)[0].parameters())
-    print(f"bf16 MLP {args.layers}x{args.width}, {params / 1e6:.1f}M params, batch {args.batch}, "
-          f"Adam ({args.impl}) on fp32 masters ({'CPU-offloaded, ' if args.device == 'cuda' else ''}{args.device}), "
-          f"{args.threads} cores, torch {torch.__version__}")
+    print(
+        f"bf16 MLP {args.layers}x{args.width}, {params / 1e6:.1f}M params, batch {args.batch}, "
+        f"Adam ({args.impl}) on fp32 masters ({'CPU-offloaded, ' if args.device == 'cuda' else ''}{args.device}), "
+        f"{args.threads} cores, torch {torch.__version__}"
+    )
 
     # asynchronous: the main thread and the optimizer thread share the cores
     main_threads = args.main_threads or max(1, args.threads // 2)
@@ -110,10 +116,14 @@ def main() -> None:
         thread.wait(thread.submit(torch.set_num_threads, worker_threads))
         async_ips = run(args, async_step=True)
         ratios.append(async_ips / sync_ips)
-        print(f"round {r + 1}: synchronous {sync_ips:7.1f} it/s, asynchronous {async_ips:7.1f} it/s "
-              f"({main_threads}+{worker_threads} threads): {ratios[-1]:.2f}x")
-    print(f"ratio async/sync: {statistics.median(ratios):.2f}x median of {args.rounds} rounds "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+        print(
+            f"round {r + 1}: synchronous {sync_ips:7.1f} it/s, asynchronous {async_ips:7.1f} it/s "
+            f"({main_threads}+{worker_threads} threads): {ratios[-1]:.2f}x"
+        )
+    print(
+        f"ratio async/sync: {statistics.median(ratios):.2f}x median of {args.rounds} rounds "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -131,14 +131,21 @@ def training_state(mode: MemoryMode, width: int, layers: int) -> dict[str, Any]:
         "masters": storage_bytes(masters, seen),
         "master_grads": storage_bytes([m.grad for m in masters if m.grad is not None], seen),
         "opt_state": storage_bytes(
-            [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)], seen),
+            [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)], seen
+        ),
     }
     n = sum(p.numel() for p in model_params)
     # with master_device="cpu" the optimizer's side lives in host memory; the model's side
     # stays on the model's device (the accelerator's memory, for a CUDA model)
     host = parts["masters"] + parts["master_grads"] + parts["opt_state"] if mode.master_device else 0
-    return {"mode": mode.name, "numel": n, "bytes": parts, "total": sum(parts.values()),
-            "device_total": sum(parts.values()) - host, "host_total": host}
+    return {
+        "mode": mode.name,
+        "numel": n,
+        "bytes": parts,
+        "total": sum(parts.values()),
+        "device_total": sum(parts.values()) - host,
+        "host_total": host,
+    }
 
 
 def memory_table(width: int, layers: int) -> list[dict[str, Any]]:
@@ -148,14 +155,17 @@ def memory_table(width: int, layers: int) -> list[dict[str, Any]]:
 def print_memory(rows: list[dict[str, Any]]) -> None:
     n = rows[0]["numel"]
     fp32 = rows[0]["total"]
-    print(f"\na. training-state bytes per parameter after one AdamW step ({n / 1e6:.2f}M params; "
-          "activations not counted)")
+    print(
+        f"\na. training-state bytes per parameter after one AdamW step ({n / 1e6:.2f}M params; activations not counted)"
+    )
     head = "".join(f"{p:>13}" for p in PARTS)
     print(f"{'mode':<44}{head}{'total':>8}{'device':>8}{'host':>7}{'vs fp32':>9}")
     for r in rows:
         cells = "".join(f"{r['bytes'][p] / n:>13.2f}" for p in PARTS)
-        print(f"{r['mode']:<44}{cells}{r['total'] / n:>8.2f}{r['device_total'] / n:>8.2f}"
-              f"{r['host_total'] / n:>7.2f}{r['device_total'] / fp32:>8.2f}x")
+        print(
+            f"{r['mode']:<44}{cells}{r['total'] / n:>8.2f}{r['device_total'] / n:>8.2f}"
+            f"{r['host_total'] / n:>7.2f}{r['device_total'] / fp32:>8.2f}x"
+        )
     print("('device' = what stays on the model's device; 'vs fp32' compares it with fp32's total)")
 
 
@@ -203,10 +213,13 @@ def train_regression(dtype: torch.dtype, masters: bool, steps: int, lr: float) -
         _backward_step(loss, opt, scaler)
         unchanged += int((weights() == before).sum())
     final = weights()
-    return {"weights": final, "model_weights": model.weight.detach().float().clone(),
-            "lost": unchanged / (steps * final.numel()),
-            "loss": float((x @ final.T - y).pow(2).mean()),
-            "model_loss": float((x @ model.weight.detach().float().T - y).pow(2).mean())}
+    return {
+        "weights": final,
+        "model_weights": model.weight.detach().float().clone(),
+        "lost": unchanged / (steps * final.numel()),
+        "loss": float((x @ final.T - y).pow(2).mean()),
+        "model_loss": float((x @ model.weight.detach().float().T - y).pow(2).mean()),
+    }
 
 
 def precision_table(steps: int, lr: float) -> list[dict[str, Any]]:
@@ -214,24 +227,39 @@ def precision_table(steps: int, lr: float) -> list[dict[str, Any]]:
     runs = {name: train_regression(dtype, m, steps, lr) for name, dtype, m in PRECISION_MODES}
     ref = runs["fp32"]
     moved = float((ref["weights"] - start).norm())
-    return [{"mode": name, "distance": float((r["weights"] - ref["weights"]).norm()) / moved,
-             "loss": r["loss"], "loss_vs_fp32": r["loss"] / ref["loss"],
-             "model_loss_vs_fp32": r["model_loss"] / ref["loss"], "updates_lost": r["lost"]}
-            for name, r in runs.items()]
+    return [
+        {
+            "mode": name,
+            "distance": float((r["weights"] - ref["weights"]).norm()) / moved,
+            "loss": r["loss"],
+            "loss_vs_fp32": r["loss"] / ref["loss"],
+            "model_loss_vs_fp32": r["model_loss"] / ref["loss"],
+            "updates_lost": r["lost"],
+        }
+        for name, r in runs.items()
+    ]
 
 
 def print_precision(rows: list[dict[str, Any]], steps: int, lr: float) -> None:
     x, y, start = regression()
     start_loss = float((x @ start.T - y).pow(2).mean())
-    print(f"\nb. master-weight precision: linear regression 64->16, SGD lr={lr:g}, {steps} full-batch "
-          f"steps from loss {start_loss:.5f} (weights evaluated in fp32)")
-    print(f"{'mode':<42}{'distance to fp32':>17}{'final loss':>12}{'loss/fp32':>10}"
-          f"{'16-bit copy loss/fp32':>23}{'updates lost':>14}")
+    print(
+        f"\nb. master-weight precision: linear regression 64->16, SGD lr={lr:g}, {steps} full-batch "
+        f"steps from loss {start_loss:.5f} (weights evaluated in fp32)"
+    )
+    print(
+        f"{'mode':<42}{'distance to fp32':>17}{'final loss':>12}{'loss/fp32':>10}"
+        f"{'16-bit copy loss/fp32':>23}{'updates lost':>14}"
+    )
     for r in rows:
-        print(f"{r['mode']:<42}{r['distance']:>17.4f}{r['loss']:>12.6f}{r['loss_vs_fp32']:>10.3f}"
-              f"{r['model_loss_vs_fp32']:>23.3f}{r['updates_lost']:>13.1%}")
-    print("(distance: |W - W_fp32| / |W_fp32 - W_start|, W the masters where there are some; "
-          "'16-bit copy': the model's own weights)")
+        print(
+            f"{r['mode']:<42}{r['distance']:>17.4f}{r['loss']:>12.6f}{r['loss_vs_fp32']:>10.3f}"
+            f"{r['model_loss_vs_fp32']:>23.3f}{r['updates_lost']:>13.1%}"
+        )
+    print(
+        "(distance: |W - W_fp32| / |W_fp32 - W_start|, W the masters where there are some; "
+        "'16-bit copy': the model's own weights)"
+    )
 
 
 # ---------------------------------------------------------------------------- c. async steps
@@ -240,8 +268,9 @@ def print_precision(rows: list[dict[str, Any]], steps: int, lr: float) -> None:
 def step_times(width: int, layers: int, batch: int, iters: int, async_step: bool) -> float:
     """Seconds per training iteration (forward, backward, scaler.step, update), after warm-up."""
     model = mlp(width, layers).to(torch.bfloat16)
-    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True),
-                                          async_step=async_step)
+    opt = fp16kit.MixedPrecisionOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True), async_step=async_step
+    )
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, width, generator=g).to(torch.bfloat16)
 
@@ -289,8 +318,9 @@ def async_table(width: int, layers: int, batch: int, iters: int, rounds: int) ->
     thread's): torch's default everywhere, the cores split between the two threads (what
     benchmarks/async_overlap.py does), and one core per thread."""
     cores = torch.get_num_threads()
-    configs = sorted({(cores, cores, cores), (cores, max(1, cores // 2), max(1, cores - cores // 2)), (1, 1, 1)},
-                     reverse=True)
+    configs = sorted(
+        {(cores, cores, cores), (cores, max(1, cores // 2), max(1, cores - cores // 2)), (1, 1, 1)}, reverse=True
+    )
     rows = []
     for sync_threads, main_threads, worker_threads in configs:
         _set_threads(sync_threads, sync_threads)
@@ -302,37 +332,55 @@ def async_table(width: int, layers: int, batch: int, iters: int, rounds: int) ->
             _set_threads(main_threads, worker_threads)
             asyn.append(step_times(width, layers, batch, iters, True))
         ratios = [s / a for s, a in zip(sync, asyn)]
-        rows.append({"sync_threads": sync_threads, "async_threads": [main_threads, worker_threads],
-                     "step_share": share, "sync_ms": 1e3 * statistics.median(sync),
-                     "async_ms": 1e3 * statistics.median(asyn), "speedup": statistics.median(ratios),
-                     "sync_best_ms": 1e3 * min(sync), "async_best_ms": 1e3 * min(asyn),
-                     "best_speedup": min(sync) / min(asyn),
-                     "speedup_range": [min(ratios), max(ratios)]})
+        rows.append(
+            {
+                "sync_threads": sync_threads,
+                "async_threads": [main_threads, worker_threads],
+                "step_share": share,
+                "sync_ms": 1e3 * statistics.median(sync),
+                "async_ms": 1e3 * statistics.median(asyn),
+                "speedup": statistics.median(ratios),
+                "sync_best_ms": 1e3 * min(sync),
+                "async_best_ms": 1e3 * min(asyn),
+                "best_speedup": min(sync) / min(asyn),
+                "speedup_range": [min(ratios), max(ratios)],
+            }
+        )
     _set_threads(cores, cores)
     return rows
 
 
 def print_async(rows: list[dict[str, Any]], width: int, layers: int, batch: int, rounds: int) -> None:
     n = sum(p.numel() for p in mlp(width, layers).parameters())
-    print(f"\nc. async steps: bf16 MLP {layers}x{width} ({n / 1e6:.2f}M params), batch {batch}, AdamW "
-          f"(foreach) on fp32 masters, median of {rounds} alternating rounds, {os.cpu_count()} CPUs")
-    print(f"{'threads sync':>12}{'async main+opt':>16}{'step share':>12}{'bound':>7}{'sync ms/step':>14}"
-          f"{'async ms/step':>15}{'sync/async':>12}{'range':>12}{'best/best':>11}")
+    print(
+        f"\nc. async steps: bf16 MLP {layers}x{width} ({n / 1e6:.2f}M params), batch {batch}, AdamW "
+        f"(foreach) on fp32 masters, median of {rounds} alternating rounds, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'threads sync':>12}{'async main+opt':>16}{'step share':>12}{'bound':>7}{'sync ms/step':>14}"
+        f"{'async ms/step':>15}{'sync/async':>12}{'range':>12}{'best/best':>11}"
+    )
     for r in rows:
         lo, hi = r["speedup_range"]
         main_t, worker_t = r["async_threads"]
         bound = 1 / max(r["step_share"], 1 - r["step_share"])
-        print(f"{r['sync_threads']:>12}{f'{main_t}+{worker_t}':>16}{r['step_share']:>11.0%}{bound:>6.2f}x{r['sync_ms']:>13.2f}"
-              f"{r['async_ms']:>15.2f}{r['speedup']:>11.2f}x{lo:>6.2f}-{hi:.2f}{r['best_speedup']:>10.2f}x")
+        print(
+            f"{r['sync_threads']:>12}{f'{main_t}+{worker_t}':>16}{r['step_share']:>11.0%}{bound:>6.2f}x{r['sync_ms']:>13.2f}"
+            f"{r['async_ms']:>15.2f}{r['speedup']:>11.2f}x{lo:>6.2f}-{hi:.2f}{r['best_speedup']:>10.2f}x"
+        )
     best_sync = min(rows, key=lambda r: r["sync_best_ms"])
     best_async = min(rows, key=lambda r: r["async_best_ms"])
-    print(f"fastest synchronous round ({best_sync['sync_threads']} threads, {best_sync['sync_best_ms']:.2f} ms) / "
-          f"fastest asynchronous round ({'+'.join(map(str, best_async['async_threads']))} threads, "
-          f"{best_async['async_best_ms']:.2f} ms): {best_sync['sync_best_ms'] / best_async['async_best_ms']:.2f}x")
-    print("('step share': the optimizer step's part of a synchronous iteration; 'bound': the best "
-          "overlap can do, 1/max(share, 1-share), with a core free for each side; sync/async: median of the "
-          "rounds' ratios, > 1: async is faster; best/best: fastest sync round / fastest async round, "
-          "the figure least disturbed by other load)")
+    print(
+        f"fastest synchronous round ({best_sync['sync_threads']} threads, {best_sync['sync_best_ms']:.2f} ms) / "
+        f"fastest asynchronous round ({'+'.join(map(str, best_async['async_threads']))} threads, "
+        f"{best_async['async_best_ms']:.2f} ms): {best_sync['sync_best_ms'] / best_async['async_best_ms']:.2f}x"
+    )
+    print(
+        "('step share': the optimizer step's part of a synchronous iteration; 'bound': the best "
+        "overlap can do, 1/max(share, 1-share), with a core free for each side; sync/async: median of the "
+        "rounds' ratios, > 1: async is faster; best/best: fastest sync round / fastest async round, "
+        "the figure least disturbed by other load)"
+    )
 
 
 # ---------------------------------------------------------------------------- main
@@ -342,17 +390,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the test")
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--only", choices=["memory", "precision", "async"], action="append",
-                        help="run only this part (repeatable; default: all three)")
+    parser.add_argument(
+        "--only",
+        choices=["memory", "precision", "async"],
+        action="append",
+        help="run only this part (repeatable; default: all three)",
+    )
     args = parser.parse_args(argv)
     q = args.quick
     mem = dict(width=64, layers=2) if q else dict(width=1024, layers=4)
     prec = dict(steps=40, lr=1e-2) if q else dict(steps=300, lr=1e-2)
-    asy = (dict(width=64, layers=2, batch=2, iters=3, rounds=1) if q
-           else dict(width=512, layers=16, batch=4, iters=40, rounds=9))
+    asy = (
+        dict(width=64, layers=2, batch=2, iters=3, rounds=1)
+        if q
+        else dict(width=512, layers=16, batch=4, iters=40, rounds=9)
+    )
     load = os.getloadavg()
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} intra-op threads, "
-          f"load average {load[0]:.2f} at start")
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} intra-op threads, "
+        f"load average {load[0]:.2f} at start"
+    )
 
     only = set(args.only or ["memory", "precision", "async"])
     results: dict[str, Any] = {}

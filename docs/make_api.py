@@ -30,8 +30,10 @@ def public_packages() -> list[str]:
     names = ["fp16kit"]
     for info in pkgutil.walk_packages(fp16kit.__path__, "fp16kit."):
         parts = info.name.split(".")
-        if info.ispkg and not any(p.startswith("_") for p in parts) and not any(
-            info.name == s or info.name.startswith(s + ".") for s in SKIP
+        if (
+            info.ispkg
+            and not any(p.startswith("_") for p in parts)
+            and not any(info.name == s or info.name.startswith(s + ".") for s in SKIP)
         ):
             names.append(info.name)
     return sorted(names)

@@ -46,12 +46,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("input", metavar="IN", help="the checkpoint to read (never modified)")
     p.add_argument("output", metavar="OUT", help="where to write the converted checkpoint")
-    p.add_argument("--map-location", default="cpu", metavar="DEVICE",
-                   help="where tensors go (torch's map_location; default: cpu)")
-    p.add_argument("--torch-optimizer-state", action="store_true",
-                   help="move apex FusedAdam/FusedLAMB's per-group 'step' into each param's state "
-                   "(float32 tensor), as torch.optim.Adam/AdamW expect; give FusedAdagrad's state the step "
-                   "and lr_decay torch.optim.Adagrad needs")
+    p.add_argument(
+        "--map-location", default="cpu", metavar="DEVICE", help="where tensors go (torch's map_location; default: cpu)"
+    )
+    p.add_argument(
+        "--torch-optimizer-state",
+        action="store_true",
+        help="move apex FusedAdam/FusedLAMB's per-group 'step' into each param's state "
+        "(float32 tensor), as torch.optim.Adam/AdamW expect; give FusedAdagrad's state the step "
+        "and lr_decay torch.optim.Adagrad needs",
+    )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (even when it is IN)")
     p.set_defaults(func=_run)
 
@@ -85,25 +89,33 @@ def _refused(e: Any, src: str) -> str:
     what = e.subject
     if e.kind == "whole":
         obj = "model" if e.whole == "module" else "optimizer"
-        return (f"{src} holds a whole pickled {obj} ({what}), not its state_dict(); nothing in it ran. If you "
-                "trust the file, re-save its state_dict() once where its classes import, and convert that file.")
+        return (
+            f"{src} holds a whole pickled {obj} ({what}), not its state_dict(); nothing in it ran. If you "
+            "trust the file, re-save its state_dict() once where its classes import, and convert that file."
+        )
     if e.kind == "global":
-        return (f"{src} pickles {what}, which no checkpoint of state dicts holds; nothing in it ran. If you trust "
-                "the file, re-save its state dicts where that code is installed, and convert that file.")
+        return (
+            f"{src} pickles {what}, which no checkpoint of state dicts holds; nothing in it ran. If you trust "
+            "the file, re-save its state dicts where that code is installed, and convert that file."
+        )
     if e.kind == "not_torch":
         return f"{src} is not a checkpoint written by torch.save: {what}. Check that it is the file you meant."
     if e.kind == "damaged":
         return f"{src} is truncated or corrupt: {what}. Copy it again from the original."
     if e.kind == "protocol":
-        return (f"{src} was saved with pickle protocol {what}, which torch's safe reader does not read. Re-save it "
-                "with torch.save's default protocol where it loads, and convert that file.")
+        return (
+            f"{src} was saved with pickle protocol {what}, which torch's safe reader does not read. Re-save it "
+            "with torch.save's default protocol where it loads, and convert that file."
+        )
     if e.kind == "not_file":
         if what == "a directory":
             return f"{src} is a directory; give the checkpoint file in it."
         return f"{src} is {what}, not a regular file (reading it could wait forever): give the checkpoint file."
     if e.kind == "legacy_tar":
-        return (f"{src} is in torch's legacy tar format (torch < 0.4), which torch's safe reader does not read. If "
-                "you trust it, load it with torch.load(..., weights_only=False), save its state dicts, and convert that.")
+        return (
+            f"{src} is in torch's legacy tar format (torch < 0.4), which torch's safe reader does not read. If "
+            "you trust it, load it with torch.load(..., weights_only=False), save its state dicts, and convert that."
+        )
     if e.kind == "torchscript":
         return f"{src} is a TorchScript archive (torch.jit.save), not a checkpoint: load it with torch.jit.load."
     return f"{src} was not converted: {what}."
@@ -121,8 +133,8 @@ _TORCH_WARNINGS = r"(Detected pickle protocol|'torch.load' received a zip file t
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..legacy.checkpoints.errors import CheckpointRefused, torch_words
     from ..legacy.checkpoints.convert import ConversionError, OutputRefused, WriteError, convert_file
+    from ..legacy.checkpoints.errors import CheckpointRefused, torch_words
 
     src, out = args.input, pathlib.Path(args.output)
     problem = _device_problem(args.map_location)

@@ -66,7 +66,11 @@ def _rows_help() -> str:
         "--dtype sets the 16-bit type of the first six rows (float16 above); the *-no-masters rows "
         "are fp16 and bf16, as named. With --dtype bfloat16 no recipe scales the loss (bf16 needs "
         "no loss scale). Every recipe: the same initial weights, batches and learning rate at "
-        "every step.", width=94, initial_indent="  ", subsequent_indent="  ")
+        "every step.",
+        width=94,
+        initial_indent="  ",
+        subsequent_indent="  ",
+    )
     return "\n".join(lines)
 
 
@@ -83,30 +87,66 @@ def register(sub: argparse._SubParsersAction) -> None:
             "with fp16kit.MixedPrecisionOptimizer (fp32 masters), with synchronous and asynchronous "
             "steps; and fp16 and bf16 models trained without masters. Prints a line per epoch per "
             "recipe, then a table: final loss vs fp32, the updates lost to rounding, skipped steps, "
-            "loss scale, bytes of training state per parameter, time per step vs fp32.", width=94),
+            "loss scale, bytes of training state per parameter, time per step vs fp32.",
+            width=94,
+        ),
         epilog=f"{_rows_help()}\n\n{_COLUMNS_HELP}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float16", metavar="{float16,bfloat16}",
-                      help="the 16-bit dtype of the mixed recipes (default: float16; fp16, bf16 too)")
-    demo.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=d.optimizer,
-                      help="every recipe's: torch.optim.AdamW or SGD with momentum 0.9 (default: adamw)")
-    demo.add_argument("--lr", type=_positive_float,
-                      help="peak learning rate, cosine-decayed to a tenth over the run (default: "
-                      + ", ".join(f"{lr:g} for {name}" for name, lr in OPTIMIZERS.items()) + ")")
+    demo.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float16",
+        metavar="{float16,bfloat16}",
+        help="the 16-bit dtype of the mixed recipes (default: float16; fp16, bf16 too)",
+    )
+    demo.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default=d.optimizer,
+        help="every recipe's: torch.optim.AdamW or SGD with momentum 0.9 (default: adamw)",
+    )
+    demo.add_argument(
+        "--lr",
+        type=_positive_float,
+        help="peak learning rate, cosine-decayed to a tenth over the run (default: "
+        + ", ".join(f"{lr:g} for {name}" for name, lr in OPTIMIZERS.items())
+        + ")",
+    )
     demo.add_argument("--epochs", type=_positive_int, default=d.epochs, help=f"default: {d.epochs}")
-    demo.add_argument("--steps", type=_positive_int, default=d.steps_per_epoch,
-                      help=f"steps per epoch, each on a fresh batch of {d.batch_size} (default: {d.steps_per_epoch})")
+    demo.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=d.steps_per_epoch,
+        help=f"steps per epoch, each on a fresh batch of {d.batch_size} (default: {d.steps_per_epoch})",
+    )
     demo.add_argument("--seed", type=int, default=d.seed, help="data, initial weights, batches (default: 0)")
-    demo.add_argument("--recipes", nargs="+", choices=RECIPE_NAMES, default=list(RECIPE_NAMES), metavar="RECIPE",
-                      help="some of the rows below (default: all)")
-    demo.add_argument("--init-scale", type=_positive_float, default=d.init_scale,
-                      help="initial loss scale of every dynamic scaler (default: 65536)")
-    demo.add_argument("--growth-interval", type=_positive_int, default=d.growth_interval,
-                      help=f"clean steps before a scale doubles (default: {d.growth_interval}; torch and apex: 2000)")
-    demo.add_argument("--plot", metavar="FILE.png", help='draw loss and loss-scale curves (needs matplotlib: '
-                      'pip install "fp16kit[plot]")')
+    demo.add_argument(
+        "--recipes",
+        nargs="+",
+        choices=RECIPE_NAMES,
+        default=list(RECIPE_NAMES),
+        metavar="RECIPE",
+        help="some of the rows below (default: all)",
+    )
+    demo.add_argument(
+        "--init-scale",
+        type=_positive_float,
+        default=d.init_scale,
+        help="initial loss scale of every dynamic scaler (default: 65536)",
+    )
+    demo.add_argument(
+        "--growth-interval",
+        type=_positive_int,
+        default=d.growth_interval,
+        help=f"clean steps before a scale doubles (default: {d.growth_interval}; torch and apex: 2000)",
+    )
+    demo.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help='draw loss and loss-scale curves (needs matplotlib: pip install "fp16kit[plot]")',
+    )
     demo.add_argument("--verbose", action="store_true", help="show apex's overflow messages as they happen")
     demo.set_defaults(func=_run_demo)
 
@@ -173,9 +213,16 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     try:
         cfg = DemoConfig(
-            epochs=args.epochs, steps_per_epoch=args.steps, dtype=DTYPES[args.dtype], device=args.device,
-            optimizer=args.optimizer, lr=args.lr, seed=args.seed, init_scale=args.init_scale,
-            growth_interval=args.growth_interval, recipes=tuple(dict.fromkeys(args.recipes)),
+            epochs=args.epochs,
+            steps_per_epoch=args.steps,
+            dtype=DTYPES[args.dtype],
+            device=args.device,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            seed=args.seed,
+            init_scale=args.init_scale,
+            growth_interval=args.growth_interval,
+            recipes=tuple(dict.fromkeys(args.recipes)),
             trace=args.plot is not None,
         )
         if args.plot is not None:
@@ -222,14 +269,26 @@ class _Columns:
 
 
 _EPOCH = _Columns(
-    ("", "epoch", 5, ">"), ("", "recipe", 15, "<"), ("train", "loss", 7, ">"), ("eval", "loss", 7, ">"),
-    ("", "accuracy", 8, ">"), ("updates", "lost", 7, ">"), ("", "loss scale", 13, ">"),
-    ("skipped", "(epoch)", 7, ">"), ("ms", "/step", 6, ">"),
+    ("", "epoch", 5, ">"),
+    ("", "recipe", 15, "<"),
+    ("train", "loss", 7, ">"),
+    ("eval", "loss", 7, ">"),
+    ("", "accuracy", 8, ">"),
+    ("updates", "lost", 7, ">"),
+    ("", "loss scale", 13, ">"),
+    ("skipped", "(epoch)", 7, ">"),
+    ("ms", "/step", 6, ">"),
 )
 _FINAL = _Columns(
-    ("", "recipe", 15, "<"), ("eval", "loss", 7, ">"), ("loss vs", "fp32", 8, ">"), ("", "accuracy", 8, ">"),
-    ("updates", "lost", 7, ">"), ("skipped", "(total)", 7, ">"), ("final", "loss scale", 13, ">"),
-    ("bytes", "/param", 6, ">"), ("time/step", "(x fp32)", 9, ">"),
+    ("", "recipe", 15, "<"),
+    ("eval", "loss", 7, ">"),
+    ("loss vs", "fp32", 8, ">"),
+    ("", "accuracy", 8, ">"),
+    ("updates", "lost", 7, ">"),
+    ("skipped", "(total)", 7, ">"),
+    ("final", "loss scale", 13, ">"),
+    ("bytes", "/param", 6, ">"),
+    ("time/step", "(x fp32)", 9, ">"),
 )
 _NO_SCALE = "no loss scale"
 
@@ -249,12 +308,15 @@ def _print_header(cfg: Any) -> None:
     n_params = sum(p.numel() for p in make_model(cfg).parameters())
     where = f"{cfg.device} ({torch.get_num_threads()} threads)" if cfg.device == "cpu" else torch.cuda.get_device_name()
     print(f"fp16kit {__version__} demo: torch {torch.__version__}, {where}, {_dtype_name(cfg.dtype)}", flush=True)
-    print(f"model: MLP 32-{cfg.hidden}-{cfg.hidden}-10 ({n_params:,} params) learning a fixed random "
-          "teacher's 10 classes")
+    print(
+        f"model: MLP 32-{cfg.hidden}-{cfg.hidden}-10 ({n_params:,} params) learning a fixed random teacher's 10 classes"
+    )
     optimizer = "AdamW" if cfg.optimizer == "adamw" else "SGD momentum 0.9"
-    _wrapped(f"every recipe: the same initial weights and batches, {optimizer} lr {cfg.peak_lr:g} "
-             f"cosine-decayed to {cfg.peak_lr / 10:g}, {_count(cfg.epochs, 'epoch')} x "
-             f"{_count(cfg.steps_per_epoch, 'step')} of {cfg.batch_size} fresh samples")
+    _wrapped(
+        f"every recipe: the same initial weights and batches, {optimizer} lr {cfg.peak_lr:g} "
+        f"cosine-decayed to {cfg.peak_lr / 10:g}, {_count(cfg.epochs, 'epoch')} x "
+        f"{_count(cfg.steps_per_epoch, 'step')} of {cfg.batch_size} fresh samples"
+    )
     _wrapped(_scales_text(cfg))
     print()
     for name in cfg.recipes:
@@ -267,16 +329,19 @@ def _print_header(cfg: Any) -> None:
 
 def _scales_text(cfg: Any) -> str:
     if not cfg.scaled:
-        return ("loss scales: none -- bf16 has float32's exponent range, so its gradients need no "
-                "loss scale (MIGRATION.md's FAQ): the recipes that scale fp16 losses run without a scaler")
+        return (
+            "loss scales: none -- bf16 has float32's exponent range, so its gradients need no "
+            "loss scale (MIGRATION.md's FAQ): the recipes that scale fp16 losses run without a scaler"
+        )
     cap = ""
     if cfg.init_scale > 2.0**24 and {"fp16-optimizer", "amp-o2"} & set(cfg.recipes):
         cap = " (apex's at most 2**24, their max_loss_scale)"
-    text = (f"loss scales: dynamic, from {_scale_text(cfg.init_scale)}{cap}, doubled after {cfg.growth_interval} "
-            "clean steps, halved (and the step skipped) on overflow")
+    text = (
+        f"loss scales: dynamic, from {_scale_text(cfg.init_scale)}{cap}, doubled after {cfg.growth_interval} "
+        "clean steps, halved (and the step skipped) on overflow"
+    )
     if "fp16-no-masters" in cfg.recipes:
-        text += ("; none for fp16-no-masters (GradScaler refuses fp16 grads: \"Attempting to unscale FP16 "
-                 "gradients\")")
+        text += '; none for fp16-no-masters (GradScaler refuses fp16 grads: "Attempting to unscale FP16 gradients")'
     return text
 
 
@@ -302,11 +367,22 @@ def _lost_text(fraction: float | None, finite: bool) -> str:
 
 
 def _print_row(row: Any) -> None:
-    print(_EPOCH.line([
-        str(row.epoch), row.recipe, f"{row.train_loss:.4f}", f"{row.eval_loss:.4f}", f"{row.accuracy:.3f}",
-        _lost_text(row.updates_lost, row.finite), _scale_text(row.scale),
-        "-" if row.scale is None else str(row.skipped), f"{row.ms_per_step:.1f}",
-    ]), flush=True)
+    print(
+        _EPOCH.line(
+            [
+                str(row.epoch),
+                row.recipe,
+                f"{row.train_loss:.4f}",
+                f"{row.eval_loss:.4f}",
+                f"{row.accuracy:.3f}",
+                _lost_text(row.updates_lost, row.finite),
+                _scale_text(row.scale),
+                "-" if row.scale is None else str(row.skipped),
+                f"{row.ms_per_step:.1f}",
+            ]
+        ),
+        flush=True,
+    )
 
 
 def _percent(ratio: float) -> str:
@@ -323,14 +399,21 @@ def _print_table(result: Any) -> None:
     for line in _FINAL.header:
         print(line)
     for s in result.summaries:
-        print(_FINAL.line([
-            s.recipe, f"{s.eval_loss:.4f}",
-            "-" if s.loss_vs_fp32 is None or s.recipe == "fp32" else _percent(s.loss_vs_fp32),
-            f"{s.accuracy:.3f}", _lost_text(s.updates_lost, s.finite),
-            "-" if s.scale is None else str(s.skipped), _scale_text(s.scale),
-            "-" if s.bytes_per_param is None else f"{s.bytes_per_param:.1f}",
-            "-" if s.time_vs_fp32 is None else f"{s.time_vs_fp32:.2f}x",
-        ]))
+        print(
+            _FINAL.line(
+                [
+                    s.recipe,
+                    f"{s.eval_loss:.4f}",
+                    "-" if s.loss_vs_fp32 is None or s.recipe == "fp32" else _percent(s.loss_vs_fp32),
+                    f"{s.accuracy:.3f}",
+                    _lost_text(s.updates_lost, s.finite),
+                    "-" if s.scale is None else str(s.skipped),
+                    _scale_text(s.scale),
+                    "-" if s.bytes_per_param is None else f"{s.bytes_per_param:.1f}",
+                    "-" if s.time_vs_fp32 is None else f"{s.time_vs_fp32:.2f}x",
+                ]
+            )
+        )
 
 
 def _bytes_text(result: Any) -> str:
@@ -355,25 +438,33 @@ def _print_notes(result: Any, hidden: int, verbose: bool) -> None:
         f"bytes/param = weights + grads + optimizer state + masters: {_bytes_text(result)}.",
     ]
     if "async" in cfg.recipes:
-        notes.append("async: each step runs on the optimizer thread beside the next forward/backward, so "
-                     "each update uses a gradient one step old: its loss follows fp32 less closely than the "
-                     "synchronous recipes'.")
+        notes.append(
+            "async: each step runs on the optimizer thread beside the next forward/backward, so "
+            "each update uses a gradient one step old: its loss follows fp32 less closely than the "
+            "synchronous recipes'."
+        )
     broken = by.get("fp16-no-masters")
     if broken is not None and not broken.finite:
         first = next(r.epoch for r in result.rows if r.recipe == "fp16-no-masters" and not r.finite)
         text = f"fp16-no-masters: its weights are inf/NaN after epoch {first}"
         if cfg.optimizer == "adamw":
-            text += (": AdamW keeps its state in the params' dtype, and in fp16 the squared gradients "
-                     "underflow to 0 and eps (1e-8) to 0 too, so the update divides by zero. With masters "
-                     "the optimizer's state is fp32. --optimizer sgd shows fp16's rounding instead")
+            text += (
+                ": AdamW keeps its state in the params' dtype, and in fp16 the squared gradients "
+                "underflow to 0 and eps (1e-8) to 0 too, so the update divides by zero. With masters "
+                "the optimizer's state is fp32. --optimizer sgd shows fp16's rounding instead"
+            )
         notes.append(text + ".")
     if cfg.device == "cpu" and cfg.dtype == torch.float16 and len(cfg.recipes) > 1:
-        notes.append("float16 on a CPU: most CPUs have no fast fp16 arithmetic, so the mixed recipes are "
-                     "slower here; the losses, scales and skips are the point. For speed: --device cuda, or "
-                     "--dtype bfloat16 on a CPU with bf16 support.")
+        notes.append(
+            "float16 on a CPU: most CPUs have no fast fp16 arithmetic, so the mixed recipes are "
+            "slower here; the losses, scales and skips are the point. For speed: --device cuda, or "
+            "--dtype bfloat16 on a CPU with bf16 support."
+        )
     if hidden and not verbose:
-        notes.append(f"{hidden} of apex's \"Gradient overflow.  Skipping step\" messages hidden: the skipped "
-                     "column counts them; --verbose shows them.")
+        notes.append(
+            f'{hidden} of apex\'s "Gradient overflow.  Skipping step" messages hidden: the skipped '
+            "column counts them; --verbose shows them."
+        )
     print()
     for note in notes:
         _wrapped(note)

@@ -58,21 +58,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     migrate.add_argument("--diff", action="store_true", help="print a unified diff; write nothing")
     migrate.add_argument("--check", action="store_true", help="write nothing; exit 1 if any file would change")
     migrate.add_argument(
-        "--megatron", action="store_true",
+        "--megatron",
+        action="store_true",
         help="also rewrite Megatron-LM v1's `fp16` / `megatron.fp16` package to fp16kit.legacy.megatron",
     )
     migrate.add_argument(
-        "--max-size", type=_size, default=None, metavar="BYTES",
+        "--max-size",
+        type=_size,
+        default=None,
+        metavar="BYTES",
         help=f"skip (and list) files larger than this; default {_DEFAULT_MAX_SIZE} (1 MiB): a generated file of "
-             "a few MB takes minutes and gigabytes to parse",
+        "a few MB takes minutes and gigabytes to parse",
     )
     migrate.add_argument(
-        "--write-hard-links", action="store_true",
+        "--write-hard-links",
+        action="store_true",
         help="rewrite a hard-linked file in place, the same inode, so all its names see the change (not atomic); "
-             "without it such a file is listed and left, since a rewrite would split it from its other names",
+        "without it such a file is listed and left, since a rewrite would split it from its other names",
     )
     migrate.add_argument(
-        "--write-read-only", action="store_true",
+        "--write-read-only",
+        action="store_true",
         help="rewrite read-only files too (the mode stays read-only); without it they are listed and left",
     )
     migrate.set_defaults(func=_migrate)
@@ -114,8 +120,14 @@ def _migrate(args: argparse.Namespace) -> int:
     changed = imports = uses = checks = left = failed = 0
     for path in files:
         outcome = migrate_file(
-            path, megatron=args.megatron, write=write, diff=args.diff, roots=roots, max_size=max_size,
-            write_hard_links=args.write_hard_links, write_read_only=args.write_read_only,
+            path,
+            megatron=args.megatron,
+            write=write,
+            diff=args.diff,
+            roots=roots,
+            max_size=max_size,
+            write_hard_links=args.write_hard_links,
+            write_read_only=args.write_read_only,
         )
         if outcome.error is not None:
             failed += 1

@@ -53,20 +53,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument(
-        "--megatron", action="store_true",
+        "--megatron",
+        action="store_true",
         help="also map Megatron-LM v1's `fp16` and `megatron.fp16` packages to fp16kit.legacy.megatron",
     )
     run.add_argument(
-        "--shadow", action="store_true",
+        "--shadow",
+        action="store_true",
         help="hide a real `apex` (or `fp16`) package entirely: all of apex is fp16kit.legacy's (without it, an apex "
         "lacking apex.amp / apex.fp16_utils is complemented and one that has them is refused)",
     )
     # a flag, not an option with a value: `-m MOD --lr 3` must hand `--lr 3` to MOD, as python does
     run.add_argument("-m", dest="as_module", action="store_true", help="run library module MODULE as a script")
     run.add_argument("-c", dest="as_command", action="store_true", help="run the program passed in as a string")
-    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT | MODULE | COMMAND [ARGS ...]",
-                     help="the script (- reads it from stdin; with -m, the module; with -c, the program) and its "
-                     "arguments")
+    run.add_argument(
+        "target",
+        nargs=argparse.REMAINDER,
+        metavar="SCRIPT | MODULE | COMMAND [ARGS ...]",
+        help="the script (- reads it from stdin; with -m, the module; with -c, the program) and its arguments",
+    )
     run.set_defaults(func=_run, run_parser=run)
 
 

@@ -136,7 +136,7 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
         # Ctrl-C while the first is delivered, or a first one just then -- is raised by the
         # restored handler inside this try, and gets the note here.
         try:
-            if _signal.signal(signal.SIGINT, self.previous) is held and held.count and (held.count == 1 or not held.escalates): _deliver(self.previous, held, exc_type is None)  # noqa: E701, E501
+            if _signal.signal(signal.SIGINT, self.previous) is held and held.count and (held.count == 1 or not held.escalates): _deliver(self.previous, held, exc_type is None)  # noqa: E701  # fmt: skip
         except KeyboardInterrupt as e:
             if exc_type is None and completed(e) is None:
                 e.add_note(COMPLETED.format(what=held.what))
@@ -156,7 +156,9 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
             with hold_interrupts(what, on_abandon=lambda: self.__dict__.__setitem__(_BROKEN, what)):
                 if _BROKEN in self.__dict__:
                     if not recovers:
-                        raise RuntimeError(_BROKEN_MESSAGE.format(what=self.__dict__[_BROKEN], name=type(self).__name__))
+                        raise RuntimeError(
+                            _BROKEN_MESSAGE.format(what=self.__dict__[_BROKEN], name=type(self).__name__)
+                        )
                     broken = self.__dict__.pop(_BROKEN)  # (its own inner commits run unrefused)
                     try:
                         result = fn(self, *args, **kwargs)
@@ -207,6 +209,6 @@ def completed(error: BaseException) -> str | None:
     while isinstance(seen, KeyboardInterrupt):
         for note in getattr(seen, "__notes__", ()):
             if isinstance(note, str) and note.startswith(_PREFIX):
-                return note[len(_PREFIX):].split("; that was completed", 1)[0]
+                return note[len(_PREFIX) :].split("; that was completed", 1)[0]
         seen = seen.__context__
     return None

@@ -139,9 +139,7 @@ def group_by_device_and_dtype(
     tensors: Iterable[torch.Tensor],
 ) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
     """Split tensors into ``{device: {dtype: [tensors]}}``, keeping their order within a group."""
-    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
+    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     for t in tensors:
         groups[t.device][t.dtype].append(t)
     return groups
@@ -162,9 +160,7 @@ def unscale_(
     with torch.no_grad():
         for device, per_dtype in group_by_device_and_dtype(tensors).items():
             for group in per_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    group, per_found.get(device), per_inv.get(device)
-                )
+                torch._amp_foreach_non_finite_check_and_unscale_(group, per_found.get(device), per_inv.get(device))
     return per_found.per_device
 
 
@@ -204,9 +200,7 @@ def unscale_grads_(
     return unscale_(to_unscale, inv_scale, found_inf)
 
 
-def check_finite_(
-    tensors: Iterable[torch.Tensor], found_inf: torch.Tensor
-) -> dict[torch.device, torch.Tensor]:
+def check_finite_(tensors: Iterable[torch.Tensor], found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
     """Flag non-finite values of ``tensors`` in ``found_inf`` without changing their values.
 
     Implemented as an in-place multiply by exactly 1.0 through the same multi-tensor op as
@@ -232,7 +226,9 @@ def one(device: torch.device) -> torch.Tensor:
     return t
 
 
-def flag_nonfinite_scale_(flags: dict[torch.device, torch.Tensor], inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+def flag_nonfinite_scale_(
+    flags: dict[torch.device, torch.Tensor], inv_scale: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
     """Also set every flag in ``flags`` when ``inv_scale`` is inf/NaN; returns ``flags``.
 
     torch's check-and-unscale tests the grads *before* multiplying: once a scale has
@@ -263,8 +259,7 @@ def unscale_to_(
     """
     if len(srcs) != len(dsts):
         raise ValueError(
-            f"unscale_to_ needs one destination per source; got {len(srcs)} sources "
-            f"and {len(dsts)} destinations."
+            f"unscale_to_ needs one destination per source; got {len(srcs)} sources and {len(dsts)} destinations."
         )
     copy_to_(srcs, dsts)
     return unscale_(dsts, inv_scale, found_inf)
@@ -331,8 +326,7 @@ def copy_to_(
     caller then owns the ordering (an event before the host reads or rewrites either side)."""
     if len(srcs) != len(dsts):
         raise ValueError(
-            f"copy_ needs one destination per source; got {len(srcs)} sources "
-            f"and {len(dsts)} destinations."
+            f"copy_ needs one destination per source; got {len(srcs)} sources and {len(dsts)} destinations."
         )
     groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for s, d in zip(srcs, dsts):
@@ -388,9 +382,7 @@ def flatten(
         raise ValueError("flatten needs at least one tensor.")
     dtype = tensors[0].dtype if dtype is None else dtype
     device = tensors[0].device if device is None else device
-    flat = torch.empty(
-        sum(t.numel() for t in tensors), dtype=dtype, device=device, pin_memory=pin_memory
-    )
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device, pin_memory=pin_memory)
     copy_to_([t.detach() for t in tensors], flat_views(flat, tensors))
     return flat
 
@@ -403,9 +395,7 @@ def flat_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
         views.append(flat[offset : offset + n].view(t.shape))
         offset += n
     if offset > flat.numel():
-        raise ValueError(
-            f"flat_views: the shapes need {offset} elements, the flat tensor has {flat.numel()}."
-        )
+        raise ValueError(f"flat_views: the shapes need {offset} elements, the flat tensor has {flat.numel()}.")
     return views
 
 
@@ -469,9 +459,7 @@ def all_reduce_found_inf(
     return {combined.device: combined}
 
 
-def scale_outputs(
-    outputs: TensorOrIterable, get_scale: Callable[[torch.device], torch.Tensor]
-) -> TensorOrIterable:
+def scale_outputs(outputs: TensorOrIterable, get_scale: Callable[[torch.device], torch.Tensor]) -> TensorOrIterable:
     """Multiply a tensor, or a (nested) list/tuple/iterable of tensors, by the loss scale.
 
     ``get_scale(device)`` is called once, with the device of the first tensor met (the place
@@ -569,8 +557,7 @@ def scale_to_(
     in float32 (float64 for float64 data), rounded once into ``dst``."""
     if len(srcs) != len(dsts):
         raise ValueError(
-            f"scale_to_ needs one destination per source; got {len(srcs)} sources "
-            f"and {len(dsts)} destinations."
+            f"scale_to_ needs one destination per source; got {len(srcs)} sources and {len(dsts)} destinations."
         )
     if not srcs:
         return

@@ -99,8 +99,10 @@ class MasterParams:
                     f"{p.type() if isinstance(p, torch.Tensor) else type(p).__name__}."
                 )
             if p.is_sparse:
-                raise TypeError("Masters cannot be made for sparse params; keep them out of the "
-                                "low-precision set (give them dtype float32).")
+                raise TypeError(
+                    "Masters cannot be made for sparse params; keep them out of the "
+                    "low-precision set (give them dtype float32)."
+                )
         if self.flat:
             new = self._add_flat(params)
         else:

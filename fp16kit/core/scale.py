@@ -205,9 +205,7 @@ class LossScale:
     def _rule(self) -> ScaleRule:
         return rule_named(self.rule)
 
-    def update(
-        self, found_inf: torch.Tensor | bool, *, used_scale: torch.Tensor | None = None
-    ) -> None:
+    def update(self, found_inf: torch.Tensor | bool, *, used_scale: torch.Tensor | None = None) -> None:
         """Apply one step of the rule. ``found_inf``: a tensor (any device, nonzero means the
         step overflowed) or a Python bool. Device ops only; see the class docstring.
 
@@ -361,8 +359,18 @@ class LossScale:
 
 # What a LossScale pickled by fp16kit before ScaleState held in its __dict__ (all None or empty).
 _OLD_DEVICE_FIELDS = (
-    "scale", "growth_tracker", "hysteresis_tracker", "_skipped", "_consecutive", "_history",
-    "_slots", "_recorded", "_last_slot", "_count_lock", "_floor_hits", "_floor_reader",
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "_skipped",
+    "_consecutive",
+    "_history",
+    "_slots",
+    "_recorded",
+    "_last_slot",
+    "_count_lock",
+    "_floor_hits",
+    "_floor_reader",
     "_floor_hits_reported",
 )
 
@@ -374,8 +382,7 @@ def _is_number(value: Any) -> bool:
 def _check_state_dict(state_dict: Any, rule: str) -> None:
     if not isinstance(state_dict, dict):
         raise TypeError(
-            f"LossScale.load_state_dict expects a dict from LossScale.state_dict(), "
-            f"got {type(state_dict).__name__}."
+            f"LossScale.load_state_dict expects a dict from LossScale.state_dict(), got {type(state_dict).__name__}."
         )
     missing = [k for k in _STATE_KEYS if k not in state_dict and k not in _STATE_DEFAULTS]
     unknown = [k for k in state_dict if k not in _STATE_KEYS]
@@ -422,9 +429,7 @@ def _validate_settings(
 ) -> None:
     rule.check(growth_interval)
     if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-        raise ValueError(
-            f"hysteresis must be an int >= 1 (1 backs off at every overflow), got {hysteresis!r}."
-        )
+        raise ValueError(f"hysteresis must be an int >= 1 (1 backs off at every overflow), got {hysteresis!r}.")
     if not isinstance(consecutive_hysteresis, bool):
         raise ValueError(
             "consecutive_hysteresis must be True (any clean step re-arms the hysteresis) or "
@@ -432,16 +437,13 @@ def _validate_settings(
         )
     for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
         if value is not None and (
-            not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or value < 0
+            not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
         ):
             raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}.")
     if max_scale is not None and max_scale <= 0:
         raise ValueError(f"max_scale must be > 0, got {max_scale!r}.")
     if min_scale is not None and max_scale is not None and min_scale > max_scale:
-        raise ValueError(
-            f"min_scale ({min_scale}) is above max_scale ({max_scale}); pass min_scale <= max_scale."
-        )
+        raise ValueError(f"min_scale ({min_scale}) is above max_scale ({max_scale}); pass min_scale <= max_scale.")
     if on_min_scale not in FLOOR_POLICIES:
         raise ValueError(f"on_min_scale must be one of {FLOOR_POLICIES}, got {on_min_scale!r}.")
     if on_min_scale != "ignore" and min_scale is None:

@@ -417,11 +417,12 @@ def _drain_at_exit() -> None:
                 job = f"{len(t._pending)} job(s)" if t._pending else "a job"
             logger.warning(
                 "%s still running %s after %.0f s at interpreter exit; exiting without it.",
-                t.name, job, EXIT_TIMEOUT_S,
+                t.name,
+                job,
+                EXIT_TIMEOUT_S,
             )
         for exc in t._undelivered_errors():
             logger.error(
-                "An optimizer job failed and its error was never collected (call "
-                "synchronize()):\n%s",
+                "An optimizer job failed and its error was never collected (call synchronize()):\n%s",
                 "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             )

@@ -10,7 +10,14 @@ import torch
 __all__ = ["DemoConfig", "RECIPE_NAMES", "DTYPES", "OPTIMIZERS", "cuda_missing_message"]
 
 RECIPE_NAMES = (
-    "fp32", "fp16-optimizer", "amp-o2", "autocast", "master-weights", "async", "fp16-no-masters", "bf16-no-masters",
+    "fp32",
+    "fp16-optimizer",
+    "amp-o2",
+    "autocast",
+    "master-weights",
+    "async",
+    "fp16-no-masters",
+    "bf16-no-masters",
 )
 """The recipes, in the order they train and print (see :mod:`fp16kit.demo.recipes`)."""
 

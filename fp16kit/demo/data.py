@@ -72,8 +72,10 @@ def make_model(cfg: DemoConfig) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = nn.Sequential(
-            nn.Linear(IN_FEATURES, cfg.hidden), nn.GELU(),
-            nn.Linear(cfg.hidden, cfg.hidden), nn.GELU(),
+            nn.Linear(IN_FEATURES, cfg.hidden),
+            nn.GELU(),
+            nn.Linear(cfg.hidden, cfg.hidden),
+            nn.GELU(),
             nn.Linear(cfg.hidden, CLASSES),
         )
     return model.to(cfg.device)

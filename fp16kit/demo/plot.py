@@ -67,8 +67,14 @@ def plot(result: DemoResult, path: str | os.PathLike[str]) -> None:
         style = styles[i % len(styles)]
         color = f"C{i}"
         losses = [v for r in rows for v in r.step_losses]
-        ax_loss.plot(range(1, len(losses) + 1), _smooth(losses, max(1, steps // 5)), linestyle=style,
-                     color=color, linewidth=1.2, label=name)  # what each is: the printed header
+        ax_loss.plot(
+            range(1, len(losses) + 1),
+            _smooth(losses, max(1, steps // 5)),
+            linestyle=style,
+            color=color,
+            linewidth=1.2,
+            label=name,
+        )  # what each is: the printed header
         ax_loss.plot([r.epoch * steps for r in rows], [r.eval_loss for r in rows], "o", color=color, markersize=4)
         if rows and rows[0].scale is not None:
             if any(r.step_scales for r in rows):
@@ -79,8 +85,11 @@ def plot(result: DemoResult, path: str | os.PathLike[str]) -> None:
                 xs = [r.epoch * steps for r in rows]
             ax_scale.step(xs, scales, where="post", linestyle=style, color=color, label=name)
     dtype = str(cfg.dtype).replace("torch.", "")
-    ax_loss.set(title=f"loss ({dtype}, {cfg.device}): training (moving average), held-out (dots)",
-                xlabel="step", ylabel="cross-entropy")
+    ax_loss.set(
+        title=f"loss ({dtype}, {cfg.device}): training (moving average), held-out (dots)",
+        xlabel="step",
+        ylabel="cross-entropy",
+    )
     ax_loss.legend(fontsize="small", loc="upper right")  # the curves fall from the upper left
     ax_scale.set(title="dynamic loss scale", xlabel="step", ylabel="scale")
     ax_scale.set_yscale("log", base=2)

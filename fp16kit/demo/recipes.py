@@ -110,23 +110,31 @@ def fp16_optimizer(model: nn.Module, cfg: DemoConfig) -> Recipe:
     else:  # bf16: apex had no bf16; fp16kit's FP16_Optimizer takes bf16 params
         model = convert_network(model, cfg.dtype)
         forward = _casting_inputs(model, cfg.dtype)
-    scaling = {"dynamic_loss_scale": True,
-               "dynamic_loss_args": {"init_scale": cfg.init_scale, "scale_window": cfg.growth_interval}}
-    optimizer = FP16_Optimizer(make_optimizer(model.parameters(), cfg), verbose=False, **(scaling if cfg.scaled else {}))
+    scaling = {
+        "dynamic_loss_scale": True,
+        "dynamic_loss_args": {"init_scale": cfg.init_scale, "scale_window": cfg.growth_interval},
+    }
+    optimizer = FP16_Optimizer(
+        make_optimizer(model.parameters(), cfg), verbose=False, **(scaling if cfg.scaled else {})
+    )
     skipped = 0
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         nonlocal skipped
         optimizer.zero_grad()
         loss = loss_fn(forward(x), y)
-        optimizer.backward(loss)   # (loss * scale).backward(); fp16 grads -> fp32 master grads / scale
-        optimizer.step()           # skipped on overflow; masters -> model
+        optimizer.backward(loss)  # (loss * scale).backward(); fp16 grads -> fp32 master grads / scale
+        optimizer.step()  # skipped on overflow; masters -> model
         skipped += optimizer.overflow  # how apex scripts counted skips
         return loss.detach()
 
     return Recipe(
-        model, step, predict=forward, optimizer=optimizer.optimizer,
-        loss_scale=(lambda: optimizer.loss_scale) if cfg.scaled else None, skipped_steps=lambda: skipped,
+        model,
+        step,
+        predict=forward,
+        optimizer=optimizer.optimizer,
+        loss_scale=(lambda: optimizer.loss_scale) if cfg.scaled else None,
+        skipped_steps=lambda: skipped,
     )
 
 
@@ -160,15 +168,23 @@ def amp_o2(model: nn.Module, cfg: DemoConfig) -> Recipe:
         return loss.detach()
 
     return Recipe(
-        model, step, predict=model, optimizer=optimizer,
-        loss_scale=scaler.loss_scale if cfg.scaled else None, skipped_steps=lambda: skipped,
+        model,
+        step,
+        predict=model,
+        optimizer=optimizer,
+        loss_scale=scaler.loss_scale if cfg.scaled else None,
+        skipped_steps=lambda: skipped,
     )
 
 
 def _grad_scaler(cfg: DemoConfig) -> fp16kit.GradScaler:
     """fp16kit's GradScaler for the run: off for bf16 (torch's ``enabled=`` idiom)."""
-    return fp16kit.GradScaler(torch.device(cfg.device).type, init_scale=cfg.init_scale,
-                              growth_interval=cfg.growth_interval, enabled=cfg.scaled)
+    return fp16kit.GradScaler(
+        torch.device(cfg.device).type,
+        init_scale=cfg.init_scale,
+        growth_interval=cfg.growth_interval,
+        enabled=cfg.scaled,
+    )
 
 
 def autocast(model: nn.Module, cfg: DemoConfig) -> Recipe:
@@ -190,8 +206,14 @@ def autocast(model: nn.Module, cfg: DemoConfig) -> Recipe:
         scaler.update()
         return loss.detach()
 
-    return Recipe(model, step, predict=forward, optimizer=optimizer,
-                  loss_scale=scaler.get_scale if cfg.scaled else None, skipped_steps=scaler.skipped_steps)
+    return Recipe(
+        model,
+        step,
+        predict=forward,
+        optimizer=optimizer,
+        loss_scale=scaler.get_scale if cfg.scaled else None,
+        skipped_steps=scaler.skipped_steps,
+    )
 
 
 def master_weights(model: nn.Module, cfg: DemoConfig, *, async_step: bool = False) -> Recipe:
@@ -212,8 +234,12 @@ def master_weights(model: nn.Module, cfg: DemoConfig, *, async_step: bool = Fals
         return loss.detach()
 
     return Recipe(
-        model, step, predict=forward, optimizer=inner,
-        loss_scale=scaler.get_scale if cfg.scaled else None, skipped_steps=scaler.skipped_steps,
+        model,
+        step,
+        predict=forward,
+        optimizer=inner,
+        loss_scale=scaler.get_scale if cfg.scaled else None,
+        skipped_steps=scaler.skipped_steps,
         synchronize=optimizer.synchronize,  # before evaluating
     )
 
@@ -275,17 +301,21 @@ RECIPES: dict[str, RecipeInfo] = {
     info.name: info
     for info in (
         RecipeInfo("fp32", "torch", "torch.optim.{optimizer}, float32 throughout", fp32),
-        RecipeInfo("fp16-optimizer", "legacy", "fp16kit.legacy.FP16_Optimizer (apex.fp16_utils), fp32 masters",
-                   fp16_optimizer),
+        RecipeInfo(
+            "fp16-optimizer", "legacy", "fp16kit.legacy.FP16_Optimizer (apex.fp16_utils), fp32 masters", fp16_optimizer
+        ),
         RecipeInfo("amp-o2", "legacy", 'fp16kit.legacy.amp, opt_level="O2" (apex.amp), fp32 masters', amp_o2),
         RecipeInfo("autocast", "modern", "torch.autocast{scaler}, fp32 model", autocast),
-        RecipeInfo("master-weights", "modern", "{dtype} model, fp32 masters: MixedPrecisionOptimizer{scaler}",
-                   master_weights),
+        RecipeInfo(
+            "master-weights", "modern", "{dtype} model, fp32 masters: MixedPrecisionOptimizer{scaler}", master_weights
+        ),
         RecipeInfo("async", "modern", "the same, MixedPrecisionOptimizer(async_step=True)", async_steps),
-        RecipeInfo("fp16-no-masters", "torch", "float16 model + {optimizer} on its own weights: no masters",
-                   fp16_no_masters),
-        RecipeInfo("bf16-no-masters", "torch", "bfloat16 model + {optimizer} on its own weights: no masters",
-                   bf16_no_masters),
+        RecipeInfo(
+            "fp16-no-masters", "torch", "float16 model + {optimizer} on its own weights: no masters", fp16_no_masters
+        ),
+        RecipeInfo(
+            "bf16-no-masters", "torch", "bfloat16 model + {optimizer} on its own weights: no masters", bf16_no_masters
+        ),
     )
 }
 

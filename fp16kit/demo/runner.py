@@ -224,4 +224,3 @@ def run_demo(cfg: DemoConfig | None = None, on_epoch: Callable[[EpochRow], None]
         if on_epoch is not None:
             on_epoch(row)
     return DemoResult(cfg, rows, summarize(rows), time.perf_counter() - start)
-

@@ -10,5 +10,10 @@
 from .coalesced import all_reduce_mean_coalesced, broadcast_coalesced, call_coalesced
 from .comm_hooks import ApexAllreduceState, apex_allreduce_hook
 
-__all__ = ["ApexAllreduceState", "all_reduce_mean_coalesced", "apex_allreduce_hook", "broadcast_coalesced",
-           "call_coalesced"]
+__all__ = [
+    "ApexAllreduceState",
+    "all_reduce_mean_coalesced",
+    "apex_allreduce_hook",
+    "broadcast_coalesced",
+    "call_coalesced",
+]

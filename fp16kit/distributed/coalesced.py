@@ -26,8 +26,7 @@ __all__ = ["all_reduce_mean_coalesced", "broadcast_coalesced", "call_coalesced"]
 
 
 def _groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    return [group for per_dtype in kernels.group_by_device_and_dtype(tensors).values()
-            for group in per_dtype.values()]
+    return [group for per_dtype in kernels.group_by_device_and_dtype(tensors).values() for group in per_dtype.values()]
 
 
 def _each_flat(tensors, collective, groups=None) -> None:
@@ -40,8 +39,7 @@ def _each_flat(tensors, collective, groups=None) -> None:
 
 
 @torch.no_grad()
-def broadcast_coalesced(tensors: Iterable[torch.Tensor], src: int = 0,
-                        group: dist.ProcessGroup | None = None) -> None:
+def broadcast_coalesced(tensors: Iterable[torch.Tensor], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """Overwrite ``tensors`` on every rank with rank ``src``'s values (in place)."""
     _each_flat(tensors, lambda flat: dist.broadcast(flat, src, group=group))
 

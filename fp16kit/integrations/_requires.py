@@ -29,9 +29,12 @@ def require(module: str, *, extra: str, tested: tuple[str, str]) -> ModuleType:
     if not low <= version < high:
         log_once(
             ("untested-version", top),
-            "fp16kit.integrations.%s is tested with %s >= %s, < %s; found %s. It may work: "
-            "report what breaks.",
-            extra, top, low, high, version,
+            "fp16kit.integrations.%s is tested with %s >= %s, < %s; found %s. It may work: report what breaks.",
+            extra,
+            top,
+            low,
+            high,
+            version,
             level=logging.WARNING,
         )
     return mod

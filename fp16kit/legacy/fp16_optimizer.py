@@ -45,11 +45,12 @@ from ..master_weights.optimizer import MixedPrecisionOptimizer
 from ..master_weights.wrapping import WrappingOptimizer
 from ._messages import apex_logger, float_or_half
 from .checkpoints.load import scaler_state
-from .loss_scaler import check_factor, check_saved_scaler, check_scale, check_window
+
 # apex's 2018 module (until 2018-07) defined these beside FP16_Optimizer: a whole model pickled
 # then (torch.save(model)) names apex.fp16_utils.fp16_optimizer.FP16_Module
 from .fp16_module import FP16_Module, conversion_helper, fp16_to_fp32, fp32_to_fp16  # noqa: F401
 from .fp16util import clip_grad_norm
+from .loss_scaler import check_factor, check_saved_scaler, check_scale, check_window
 
 __all__ = ["FP16_Optimizer", "AmpLossScaler"]
 
@@ -204,14 +205,22 @@ def check_amp_settings(
         try:
             check_scale("loss_scale", float(loss_scale))
         except (TypeError, ValueError, OverflowError):
-            raise ValueError(f'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got {loss_scale!r:.80}.') from None
+            raise ValueError(
+                f'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got {loss_scale!r:.80}.'
+            ) from None
     cap = math.inf if max_loss_scale is None else max_loss_scale
     if max_loss_scale is not None and not (_real(max_loss_scale) and max_loss_scale > 0):  # NaN > 0 is False
         raise ValueError(f"max_loss_scale must be a number > 0 (inf or None: no cap), got {max_loss_scale!r:.80}.")
-    if min_loss_scale is not None and not (_real(min_loss_scale) and math.isfinite(min_loss_scale) and min_loss_scale >= 0):
-        raise ValueError(f"min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got {min_loss_scale!r:.80}.")
+    if min_loss_scale is not None and not (
+        _real(min_loss_scale) and math.isfinite(min_loss_scale) and min_loss_scale >= 0
+    ):
+        raise ValueError(
+            f"min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got {min_loss_scale!r:.80}."
+        )
     if min_loss_scale and min_loss_scale > cap:
-        raise ValueError(f"min_loss_scale ({min_loss_scale}) is above max_loss_scale ({max_loss_scale}); pass min_loss_scale <= max_loss_scale.")
+        raise ValueError(
+            f"min_loss_scale ({min_loss_scale}) is above max_loss_scale ({max_loss_scale}); pass min_loss_scale <= max_loss_scale."
+        )
     check_scale("init_scale", min(cap, init_scale) if _real(init_scale) and init_scale > 0 else init_scale)
     check_factor("scale_factor", scale_factor)
     check_window("scale_window", scale_window)
@@ -231,9 +240,7 @@ def _check_param_types_of(params: Any) -> None:
         params = [params]
     for param in list(params):
         if param.requires_grad and param.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(
-                f"Wrapped parameters must be either {float_or_half(param)}. Received {param.type()}"
-            )
+            raise TypeError(f"Wrapped parameters must be either {float_or_half(param)}. Received {param.type()}")
 
 
 def check_dynamic_loss_args(dynamic_loss_args: dict[str, Any] | None, accepted: tuple[str, ...]) -> None:
@@ -318,9 +325,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         master_device: torch.device | str | None = None,
     ) -> None:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}."
-            )
+            raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}.")
         _check_param_types(init_optimizer)
         check_dynamic_loss_args(dynamic_loss_args, type(self).DYNAMIC_LOSS_ARGS)
         # built (its settings checked) before anything changes; put on the params' device below
@@ -547,9 +552,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
                         "finite at any scale. Check the loss and the inputs for inf/NaN."
                     )
                 apex_logger.warning(
-                    "OVERFLOW within closure! Skipping step, reducing loss scale to {}".format(
-                        self.loss_scaler.loss_scale()
-                    )
+                    f"OVERFLOW within closure! Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}"
                 )
                 temp_loss = closure()
             return temp_loss
@@ -659,7 +662,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         new_scaler, dynamic = self._loaded_scaler(state_dict)
         # the masters' own load (it checks everything before it changes anything), which also
         # recovers them from a commit a second Ctrl-C broke off
-        self._mpo.load_state_dict({"optimizer": state_dict["optimizer_state_dict"], "masters": state_dict["fp32_from_fp16"]})
+        self._mpo.load_state_dict(
+            {"optimizer": state_dict["optimizer_state_dict"], "masters": state_dict["fp32_from_fp16"]}
+        )
         self.loss_scaler = new_scaler
         self.dynamic_loss_scale = dynamic
         self.overflow = bool(state_dict["overflow"])
@@ -706,4 +711,4 @@ def _log_overflow(scale_after: float | torch.Tensor) -> None:
     """apex's message for a skipped step. A tensor is read here: asynchronously, this runs on
     the optimizer thread, which may read the device (the main thread never does)."""
     value = scale_after.item() if isinstance(scale_after, torch.Tensor) else scale_after
-    apex_logger.warning("Gradient overflow.  Skipping step, reducing loss scale to {}".format(value))
+    apex_logger.warning(f"Gradient overflow.  Skipping step, reducing loss scale to {value}")

@@ -98,15 +98,11 @@ class FP16Model(nn.Module):
         self.network = convert_network(network, dtype=torch.half)
 
     def forward(self, *inputs: Any) -> Any:
-        inputs = tuple(
-            t.half() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs
-        )
+        inputs = tuple(t.half() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs)
         return self.network(*inputs)
 
 
-def prep_param_lists(
-    model: nn.Module, flat_master: bool = False
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Return ``(model_params, master_params)`` for the model's trainable params: fp32 copies
     with ``requires_grad=True``, or with ``flat_master=True`` one flat fp32 ``nn.Parameter``
     holding them all (its grad allocated as zeros)."""

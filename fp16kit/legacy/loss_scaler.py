@@ -57,7 +57,10 @@ PICKLED_KINDS = {
     "scale": ("a finite number > 0", lambda v: _is_scale(v)),
     "factor": ("a finite number > 1", lambda v: _is_factor(v)),
     "cap": ("a number > 0 (inf or None: no cap)", lambda v: v is None or (_real(v) and v > 0)),  # NaN > 0 is False
-    "floor": ("a finite number >= 0 (0 or None: no floor)", lambda v: v is None or (_real(v) and math.isfinite(v) and v >= 0)),
+    "floor": (
+        "a finite number >= 0 (0 or None: no floor)",
+        lambda v: v is None or (_real(v) and math.isfinite(v) and v >= 0),
+    ),
     "window": ("a whole number >= 1", lambda v: _is_window(v)),
     "count": ("an int >= 0", lambda v: _int(v) and v >= 0),
     "iteration": ("an int", _int),
@@ -81,8 +84,10 @@ def pickled_attributes(obj: Any, state: Any, required: Iterable[str]) -> dict[st
         raise ValueError(f"{_not_apex(obj)}: it holds a {type(state).__name__}, not a dict of attributes. {_LOOK}")
     missing = [k for k in required if k not in state]
     if missing:
-        raise ValueError(f"the {pickled_as(obj)} in this file was pickled without {missing} (it holds "
-                         f"{sorted(map(str, state))}): it is not one apex wrote. {_LOOK}")
+        raise ValueError(
+            f"the {pickled_as(obj)} in this file was pickled without {missing} (it holds "
+            f"{sorted(map(str, state))}): it is not one apex wrote. {_LOOK}"
+        )
     return state
 
 
@@ -126,12 +131,19 @@ def _not_apex(obj: Any) -> str:
 _RECORD_FIELDS = {
     "apex.fp16_utils.loss_scaler.LossScaler": {"cur_scale": "scale"},
     "apex.fp16_utils.loss_scaler.DynamicLossScaler": {
-        "cur_scale": "scale", "scale_factor": "factor", "scale_window": "window",
-        "cur_iter": "iteration", "last_overflow_iter": "iteration",
+        "cur_scale": "scale",
+        "scale_factor": "factor",
+        "scale_window": "window",
+        "cur_iter": "iteration",
+        "last_overflow_iter": "iteration",
     },
     "apex.amp.scaler.LossScaler": {
-        "dynamic": "flag", "_loss_scale": "scale", "_scale_seq_len": "window", "_unskipped": "count",
-        "_min_loss_scale": "floor", "_max_loss_scale": "cap",
+        "dynamic": "flag",
+        "_loss_scale": "scale",
+        "_scale_seq_len": "window",
+        "_unskipped": "count",
+        "_min_loss_scale": "floor",
+        "_max_loss_scale": "cap",
     },
 }
 
@@ -177,8 +189,7 @@ def check_window(name: str, value: Any) -> None:
     as 2000.0): the clean steps between two growths of the scale."""
     if not _is_window(value):
         raise ValueError(
-            f"{name} must be a whole number >= 1 (the clean steps between two growths of the scale), "
-            f"got {value!r:.80}."
+            f"{name} must be a whole number >= 1 (the clean steps between two growths of the scale), got {value!r:.80}."
         )
 
 
@@ -202,8 +213,10 @@ def _is_window(value: Any) -> bool:
     return _finite_real(value) and value >= 1 and value == int(value)
 
 
-_LOOK = ("To see what the file holds without running it, read it with fp16kit.legacy.load_checkpoint(path), "
-         "which returns each scaler's attributes as plain data.")
+_LOOK = (
+    "To see what the file holds without running it, read it with fp16kit.legacy.load_checkpoint(path), "
+    "which returns each scaler's attributes as plain data."
+)
 
 
 def to_python_float(t: Any) -> float:
@@ -223,9 +236,7 @@ def _any_non_finite(tensors: Iterable[torch.Tensor]) -> bool:
 
 
 def _scale_grads_in(loss_scale: Any, grad_in: tuple) -> tuple:
-    return tuple(
-        None if g is None else kernels.scale_outputs(g, lambda _d: loss_scale) for g in grad_in
-    )
+    return tuple(None if g is None else kernels.scale_outputs(g, lambda _d: loss_scale) for g in grad_in)
 
 
 class LossScaler:

@@ -25,8 +25,14 @@ import torch
 from ..core import kernels
 from ..optim.adam import adam_update_
 
-__all__ = ["MultiTensorApply", "amp_C", "multi_tensor_adam", "multi_tensor_applier", "multi_tensor_l2norm",
-           "multi_tensor_scale"]
+__all__ = [
+    "MultiTensorApply",
+    "amp_C",
+    "multi_tensor_adam",
+    "multi_tensor_applier",
+    "multi_tensor_l2norm",
+    "multi_tensor_scale",
+]
 
 
 class MultiTensorApply:
@@ -44,13 +50,22 @@ class MultiTensorApply:
     def check_avail() -> None:
         """apex raised when its extension was missing; these ops are always there."""
 
-    def __call__(self, op: Callable[..., Any], noop_flag_buffer: torch.Tensor,
-                 tensor_lists: Sequence[Sequence[torch.Tensor]], *args: Any) -> Any:
+    def __call__(
+        self,
+        op: Callable[..., Any],
+        noop_flag_buffer: torch.Tensor,
+        tensor_lists: Sequence[Sequence[torch.Tensor]],
+        *args: Any,
+    ) -> Any:
         return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
 
 
-def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor,
-                       tensor_lists: Sequence[Sequence[torch.Tensor]], scale: float | torch.Tensor) -> None:
+def multi_tensor_scale(
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: Sequence[Sequence[torch.Tensor]],
+    scale: float | torch.Tensor,
+) -> None:
     """``amp_C.multi_tensor_scale``: ``tensor_lists = [srcs, dsts]``; ``dst = src * scale``."""
     if len(tensor_lists) != 2:
         raise ValueError(f"multi_tensor_scale takes [sources, destinations], got {len(tensor_lists)} lists.")
@@ -65,9 +80,9 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor,
     kernels.scale_to_(list(tensor_lists[0]), list(tensor_lists[1]), scale, noop_flag)
 
 
-def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor,
-                        tensor_lists: Sequence[Sequence[torch.Tensor]],
-                        per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def multi_tensor_l2norm(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]], per_tensor: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``amp_C.multi_tensor_l2norm``: ``tensor_lists = [tensors]``; returns ``(norm,
     per_tensor_norms)``."""
     if len(tensor_lists) != 1:
@@ -75,9 +90,19 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor,
     return kernels.l2_norm_and_flag_(list(tensor_lists[0]), noop_flag, per_tensor=bool(per_tensor))
 
 
-def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor,
-                      tensor_lists: Sequence[Sequence[torch.Tensor]], lr: float, beta1: float, beta2: float,
-                      epsilon: float, step: int, mode: int, bias_correction: int, weight_decay: float) -> None:
+def multi_tensor_adam(
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: Sequence[Sequence[torch.Tensor]],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+) -> None:
     """``amp_C.multi_tensor_adam``: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]``,
     one Adam step in place (``mode`` 1: decoupled decay, 0: L2; fp32 math, fp32 moments), the
     rule of :class:`fp16kit.optim.Adam`. What fairseq's ``FusedAdamV2`` and other copies of
@@ -96,9 +121,20 @@ def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor,
                 f"multi_tensor_adam: tensor {i}: exp_avg and exp_avg_sq must be float32 tensors of the "
                 f"param's shape {tuple(p.shape)} (got {m.dtype} {tuple(m.shape)}, {v.dtype} {tuple(v.shape)})."
             )
-    adam_update_(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon,
-                 step=int(step), adam_w_mode=bool(mode), bias_correction=bool(bias_correction),
-                 weight_decay=weight_decay)
+    adam_update_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        step=int(step),
+        adam_w_mode=bool(mode),
+        bias_correction=bool(bias_correction),
+        weight_decay=weight_decay,
+    )
 
 
 #: apex's ``MultiTensorApply(2048*32)``
@@ -131,5 +167,6 @@ def __getattr__(name: str) -> Any:
 
 
 #: stand-in for the ``amp_C`` extension module (the three ops above)
-amp_C = _AmpC(multi_tensor_scale=multi_tensor_scale, multi_tensor_l2norm=multi_tensor_l2norm,
-              multi_tensor_adam=multi_tensor_adam)
+amp_C = _AmpC(
+    multi_tensor_scale=multi_tensor_scale, multi_tensor_l2norm=multi_tensor_l2norm, multi_tensor_adam=multi_tensor_adam
+)

@@ -25,10 +25,23 @@ STATE_KEYS = ("optimizer", "masters")
 
 # State entries torch's optimizers keep with the shape of their param, or (Adafactor's factored
 # second moments) a shape made from it; others (Adam's step...) are not compared.
-PARAM_SHAPED_STATE = frozenset({
-    "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "grad_avg",
-    "acc_delta", "sum", "ax", "prev", "step_size", "exp_inf", "variance",
-})
+PARAM_SHAPED_STATE = frozenset(
+    {
+        "momentum_buffer",
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "square_avg",
+        "grad_avg",
+        "acc_delta",
+        "sum",
+        "ax",
+        "prev",
+        "step_size",
+        "exp_inf",
+        "variance",
+    }
+)
 
 
 def _state_shape(name: str, shape: torch.Size) -> tuple[int, ...] | None:
@@ -61,8 +74,7 @@ def validate_optimizer_groups(saved: Any, optimizer: torch.optim.Optimizer) -> N
         n = len(s.get("params", ())) if isinstance(s, dict) else -1
         if n != len(g["params"]):
             raise ValueError(
-                f"Param group {gi}: the checkpoint has {n} params, this optimizer has "
-                f"{len(g['params'])} in that group."
+                f"Param group {gi}: the checkpoint has {n} params, this optimizer has {len(g['params'])} in that group."
             )
     state = saved["state"] if isinstance(saved["state"], dict) else {}
     for gi, (s, g) in enumerate(zip(groups, live)):
@@ -88,9 +100,7 @@ class MatchedMasters(NamedTuple):
     deferred: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def match_saved_masters(
-    saved: Any, groups: list[MasterGroup], param_groups: list[dict[str, Any]]
-) -> MatchedMasters:
+def match_saved_masters(saved: Any, groups: list[MasterGroup], param_groups: list[dict[str, Any]]) -> MatchedMasters:
     """Match saved masters (a list per group) to what they restore. Checks counts and shapes
     first; raises ValueError naming the group; changes nothing.
 

@@ -74,10 +74,13 @@ class MasterGrads:
             if zero:
                 self._masters.zero_grad(False, model=False)
             clear_missing = not zero
-        return kernels.flag_nonfinite_scale_(kernels.merge_found_inf(
-            self._masters.grads_to_masters(inv_scale, found_inf, clear_missing=clear_missing),
-            kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),
-        ), inv_scale)
+        return kernels.flag_nonfinite_scale_(
+            kernels.merge_found_inf(
+                self._masters.grads_to_masters(inv_scale, found_inf, clear_missing=clear_missing),
+                kernels.unscale_grads_(self._groups.direct_params(), inv_scale, found_inf, allow_fp16=True),
+            ),
+            inv_scale,
+        )
 
     def present(self) -> list[torch.Tensor]:
         """The master grads that exist."""

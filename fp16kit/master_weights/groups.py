@@ -33,9 +33,16 @@ import torch
 from ..core.master import LOW_PRECISION, MasterParams
 
 __all__ = [
-    "MasterGroup", "MasterGroups", "check_distinct_groups", "check_floating", "check_master_dtypes",
-    "check_not_sharded", "check_params",
-    "check_not_wrapped", "drop_repeats", "mark_wrapped",
+    "MasterGroup",
+    "MasterGroups",
+    "check_distinct_groups",
+    "check_floating",
+    "check_master_dtypes",
+    "check_not_sharded",
+    "check_params",
+    "check_not_wrapped",
+    "drop_repeats",
+    "mark_wrapped",
 ]
 
 # Inner optimizers a MixedPrecisionOptimizer has wrapped: their groups hold masters now.
@@ -75,8 +82,10 @@ def check_not_sharded(params: Any, all_masters: bool, master_dtype: torch.dtype,
     if module is None:
         return
     for i, p in enumerate([params] if isinstance(params, torch.Tensor) else list(params)):
-        if isinstance(p, module.DTensor) and p.requires_grad and (
-            p.dtype in LOW_PRECISION or (all_masters and p.dtype == torch.float32)
+        if (
+            isinstance(p, module.DTensor)
+            and p.requires_grad
+            and (p.dtype in LOW_PRECISION or (all_masters and p.dtype == torch.float32))
         ):
             raise TypeError(
                 f"MixedPrecisionOptimizer got a sharded {p.dtype} param (a DTensor, e.g. from FSDP2's "
@@ -102,8 +111,8 @@ def check_floating(params: Any, *, where: str = "") -> None:
             advice = (
                 "Complex params cannot be loss-scaled (torch.amp.GradScaler cannot unscale them either): "
                 "give them an optimizer of their own, stepped without a scaler."
-                if p.is_complex() else
-                "Integer and bool tensors (buffers, indices) have no gradients: build the optimizer "
+                if p.is_complex()
+                else "Integer and bool tensors (buffers, indices) have no gradients: build the optimizer "
                 "on model.parameters(), not on the state dict's tensors or buffers."
             )
             raise TypeError(
@@ -194,8 +203,12 @@ class MasterGroups:
         stepped already (the masters), not bring new ones: a new fp16/bf16 param would be
         stepped directly with its scaled 16-bit grad. Changes nothing."""
         known = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        new = [p for g in groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])
-               if id(p) not in known]
+        new = [
+            p
+            for g in groups
+            for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])
+            if id(p) not in known
+        ]
         if new:
             raise TypeError(
                 f"optimizer.param_groups was assigned {len(new)} param(s) this MixedPrecisionOptimizer "
@@ -213,9 +226,7 @@ class MasterGroups:
         return self.groups[i]
 
     def _wants_master(self, p: torch.Tensor) -> bool:
-        return p.requires_grad and (
-            p.dtype in LOW_PRECISION or (self.all_masters and p.dtype == torch.float32)
-        )
+        return p.requires_grad and (p.dtype in LOW_PRECISION or (self.all_masters and p.dtype == torch.float32))
 
     def check(self, params: list[torch.Tensor], *, new_group: bool = False) -> None:
         """Validate params before adopting them (nothing changes on error). ``new_group``:
@@ -281,9 +292,7 @@ class MasterGroups:
         reads them). Everything is checked before anything changes."""
         if not self.unfrozen():
             return
-        found = [
-            (gi, p) for gi, g in enumerate(self.groups) for p in g.watched if p.requires_grad
-        ]
+        found = [(gi, p) for gi, g in enumerate(self.groups) for p in g.watched if p.requires_grad]
         if self.late == "refuse":
             with_grad = [(gi, p) for gi, p in found if p.grad is not None]
             if with_grad:
@@ -298,7 +307,9 @@ class MasterGroups:
                 )
             return
         for gi, p in found:
-            check_params(p, self.all_masters, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping")
+            check_params(
+                p, self.all_masters, self.masters.master_dtype, where=f" in param group {gi}, unfrozen after wrapping"
+            )
         before_change()
         for gi in sorted({gi for gi, _ in found}):
             self._adopt_unfrozen(gi, [p for g, p in found if g == gi])

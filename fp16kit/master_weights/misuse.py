@@ -66,7 +66,8 @@ def torch_scaler_error(frame: types.FrameType, call: str, model_params: Sequence
     bf16 = (
         " (This model's 16-bit params are all bfloat16, which needs no loss scaling: you may also "
         "drop the scaler and call loss.backward(); optimizer.step().)"
-        if {p.dtype for p in model_params} & {torch.float16, torch.bfloat16} == {torch.bfloat16} else ""
+        if {p.dtype for p in model_params} & {torch.float16, torch.bfloat16} == {torch.bfloat16}
+        else ""
     )
     return TypeError(
         f"scaler.{call}(optimizer) was called with torch's GradScaler ({name}) on a "

@@ -57,16 +57,22 @@ from typing import Any
 
 import torch
 
-from .async_step import AsyncSteps, log_skipped_step
 from ..core import kernels
 from ..core.interrupts import commit_methods
 from ..core.master import LOW_PRECISION, MasterParams
 from ..core.protocol import Flags, scaled_iterations
 from ..core.thread import OptimizerThread
+from .async_step import AsyncSteps, log_skipped_step
 from .checkpoint import MatchedMasters, check_state_dict
 from .grads import MasterGrads
 from .groups import (
-    LatePolicy, MasterGroup, MasterGroups, check_distinct_groups, check_not_wrapped, check_params, drop_repeats,
+    LatePolicy,
+    MasterGroup,
+    MasterGroups,
+    check_distinct_groups,
+    check_not_wrapped,
+    check_params,
+    drop_repeats,
     mark_wrapped,
 )
 from .misuse import TORCH_STEP_READER, TORCH_UNSCALE_READER, torch_scaler_error
@@ -505,7 +511,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         )
 
 
-
 # Each of these calls is one commit: a Ctrl-C inside it is held to its end (fp16kit.core.interrupts).
 commit_methods(
     MixedPrecisionOptimizer,
@@ -632,10 +637,9 @@ def _as_dtype(value: Any) -> torch.dtype:
     """A dtype, or its name (``"float32"``, ``"torch.float32"``)."""
     found = value
     if isinstance(value, str):
-        found = getattr(torch, value[len("torch."):] if value.startswith("torch.") else value, None)
+        found = getattr(torch, value[len("torch.") :] if value.startswith("torch.") else value, None)
     if isinstance(found, torch.dtype) and found.is_floating_point:
         return found
     raise TypeError(
-        f"master_dtype must be a floating torch.dtype such as torch.float32 (or its name, 'float32'), "
-        f"got {value!r}."
+        f"master_dtype must be a floating torch.dtype such as torch.float32 (or its name, 'float32'), got {value!r}."
     )

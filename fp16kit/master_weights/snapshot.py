@@ -33,10 +33,7 @@ def snapshot(groups: list[dict[str, Any]], *, leave_out: Collection[int] = ()) -
     place) are copied; the params lists stay shared -- or, when ``leave_out`` names params (by
     id), are copied without them (params frozen at submit time: unfrozen while the job runs,
     they belong to the next step)."""
-    return [
-        {k: _params(v, leave_out) if k == "params" else _frozen(v) for k, v in g.items()}
-        for g in groups
-    ]
+    return [{k: _params(v, leave_out) if k == "params" else _frozen(v) for k, v in g.items()} for g in groups]
 
 
 def _params(params: list[torch.Tensor], leave_out: Collection[int]) -> list[torch.Tensor]:

@@ -115,9 +115,7 @@ class StepState:
 
     def skip_decided(self) -> None:
         if self.stage is not Stage.UNSCALED:
-            raise RuntimeError(
-                f"internal: a skip was decided for grads that were not unscaled ({self.stage.name})"
-            )
+            raise RuntimeError(f"internal: a skip was decided for grads that were not unscaled ({self.stage.name})")
         self.stage = Stage.SKIP_DECIDED
 
     @property

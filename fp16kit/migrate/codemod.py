@@ -90,8 +90,9 @@ def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationR
     code: bytes | str = new_module.bytes if isinstance(source, bytes) else new_module.code
     found = rewriter.problems + resume_loads(module, megatron=megatron)
     problems = _located(module, found) if found else []
-    return MigrationResult(code, code != source, rewriter.imports, rewriter.uses, rewriter.probes.rewritten, problems,
-                           module.encoding)
+    return MigrationResult(
+        code, code != source, rewriter.imports, rewriter.uses, rewriter.probes.rewritten, problems, module.encoding
+    )
 
 
 def _located(module: cst.Module, found: list[tuple[cst.CSTNode, str]]) -> list[Unmigratable]:
@@ -102,10 +103,14 @@ def _located(module: cst.Module, found: list[tuple[cst.CSTNode, str]]) -> list[U
     positions, parents = metadata[PositionProvider], metadata[ParentNodeProvider]
     problems = set()
     for node, message in found:
-        handler = fallback_handler(node, parents.get) if isinstance(node, (cst.Import, cst.ImportFrom, cst.Call)) else None
+        handler = (
+            fallback_handler(node, parents.get) if isinstance(node, (cst.Import, cst.ImportFrom, cst.Call)) else None
+        )
         if handler is not None:
-            message += (f" (inside the `try` of the `except` on line {positions[handler].start.line}: after migrate "
-                        "that fallback runs, and what the `try` enables stays off, until this is fixed)")
+            message += (
+                f" (inside the `try` of the `except` on line {positions[handler].start.line}: after migrate "
+                "that fallback runs, and what the `try` enables stays off, until this is fixed)"
+            )
         problems.add(Unmigratable(positions[node].start.line, message))
     return sorted(problems, key=lambda p: (p.line, p.message))
 
@@ -117,23 +122,35 @@ def _parse(source: bytes | str) -> cst.Module:
     try:
         module = cst.parse_module(source)
     except cst.ParserSyntaxError as e:
-        hint = " (Python 2 code? port it to Python 3 first)" if re.search(r"^\s*print\s+[^\s(=]", _text(source), re.M) else ""
+        hint = (
+            " (Python 2 code? port it to Python 3 first)"
+            if re.search(r"^\s*print\s+[^\s(=]", _text(source), re.M)
+            else ""
+        )
         raise MigrationError(e.editor_line, f"cannot parse: invalid syntax at column {e.editor_column}{hint}") from None
     except UnicodeDecodeError as e:  # bytes not in the declared (or default UTF-8) encoding
         line = e.object[: e.start].count(b"\n") + 1
-        raise MigrationError(line, f"cannot decode: byte {e.object[e.start]:#04x} is not {e.encoding} (python would "
-                                   "refuse the file too): declare the file's encoding on its first or second line, "
-                                   "e.g. `# -*- coding: latin-1 -*-`, or re-save it as UTF-8") from None
+        raise MigrationError(
+            line,
+            f"cannot decode: byte {e.object[e.start]:#04x} is not {e.encoding} (python would "
+            "refuse the file too): declare the file's encoding on its first or second line, "
+            "e.g. `# -*- coding: latin-1 -*-`, or re-save it as UTF-8",
+        ) from None
     except SyntaxError as e:  # tokenize's coding-declaration check: unknown, or against a BOM
-        raise MigrationError(e.lineno or 1, f"cannot decode: {e.msg} (python would refuse the file too): fix its "
-                                             "`# -*- coding: ... -*-` line") from None
+        raise MigrationError(
+            e.lineno or 1,
+            f"cannot decode: {e.msg} (python would refuse the file too): fix its `# -*- coding: ... -*-` line",
+        ) from None
     again = module.bytes if isinstance(source, bytes) else module.code
     if again != source:
         at = next((i for i, (a, b) in enumerate(zip(source, again)) if a != b), min(len(source), len(again)))
         line = source[:at].count(b"\n" if isinstance(source, bytes) else "\n") + 1
-        raise MigrationError(line, "libcst cannot reproduce this file byte for byte (a line ending in a lone CR, a form "
-                                "feed before a statement, or a backslash ending a comment on the last line): change "
-                                "that, or rewrite its apex imports by hand")
+        raise MigrationError(
+            line,
+            "libcst cannot reproduce this file byte for byte (a line ending in a lone CR, a form "
+            "feed before a statement, or a backslash ending a comment on the last line): change "
+            "that, or rewrite its apex imports by hand",
+        )
     return module
 
 
@@ -205,8 +222,11 @@ class _ApexRewriter(cst.CSTTransformer):
                 self._modules[module] = None
         target = self._modules[module]
         if target is not None and not hasattr(target, name):
-            self._report(node, f"{apex_path}: {module} has no {name!r}, so fp16kit does not provide it "
-                               "(MIGRATION.md lists what it provides and the replacements)")
+            self._report(
+                node,
+                f"{apex_path}: {module} has no {name!r}, so fp16kit does not provide it "
+                "(MIGRATION.md lists what it provides and the replacements)",
+            )
 
     def _explain(self, res: apex_map.Resolution) -> str:
         return apex_map.hint_for(res.path, megatron=self.megatron)
@@ -298,8 +318,11 @@ class _ApexRewriter(cst.CSTTransformer):
     ) -> tuple[cst.ImportAlias, cst.ImportFrom]:
         """End a split-off group at ``alias`` as the original statement ended (its comment kept)."""
         comma = alias.comma
-        if not isinstance(comma, cst.Comma) or not isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace) \
-                or node.rpar is None:
+        if (
+            not isinstance(comma, cst.Comma)
+            or not isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace)
+            or node.rpar is None
+        ):
             return alias.with_changes(comma=cst.MaybeSentinel.DEFAULT), statement
         # one name per line in (): keep the comma and its comment, indent `)` as the original did
         last = node.names[-1].comma
@@ -309,10 +332,14 @@ class _ApexRewriter(cst.CSTTransformer):
             closing = node.rpar.whitespace_before.last_line
         else:
             closing = cst.SimpleWhitespace("")
-        alias = alias.with_changes(comma=comma.with_changes(whitespace_after=comma.whitespace_after.with_changes(last_line=closing)))
+        alias = alias.with_changes(
+            comma=comma.with_changes(whitespace_after=comma.whitespace_after.with_changes(last_line=closing))
+        )
         return alias, statement.with_changes(rpar=node.rpar.with_changes(whitespace_before=cst.SimpleWhitespace("")))
 
-    def _from_alias(self, node: cst.ImportFrom, module: str, alias: cst.ImportAlias) -> tuple[str | None, cst.ImportAlias]:
+    def _from_alias(
+        self, node: cst.ImportFrom, module: str, alias: cst.ImportAlias
+    ) -> tuple[str | None, cst.ImportAlias]:
         """Where one imported name goes: (fp16kit module to import it from, the new alias), or
         (None, the alias unchanged) when it stays."""
         name = _dotted(alias.name) or ""
@@ -364,14 +391,16 @@ class _ApexRewriter(cst.CSTTransformer):
         if len(original_node.body) != 1 or len(updated_node.body) == 1:
             return updated_node
         last = len(updated_node.body) - 1
-        return cst.FlattenSentinel([
-            updated_node.with_changes(
-                body=[stmt.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)],
-                leading_lines=updated_node.leading_lines if i == 0 else [],
-                trailing_whitespace=updated_node.trailing_whitespace if i == last else cst.TrailingWhitespace(),
-            )
-            for i, stmt in enumerate(updated_node.body)
-        ])
+        return cst.FlattenSentinel(
+            [
+                updated_node.with_changes(
+                    body=[stmt.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)],
+                    leading_lines=updated_node.leading_lines if i == 0 else [],
+                    trailing_whitespace=updated_node.trailing_whitespace if i == last else cst.TrailingWhitespace(),
+                )
+                for i, stmt in enumerate(updated_node.body)
+            ]
+        )
 
     # -- dotted uses: apex.amp.initialize(...) after `import apex` -----------------------------
     def visit_Attribute(self, node: cst.Attribute) -> bool:
@@ -386,8 +415,11 @@ class _ApexRewriter(cst.CSTTransformer):
         if res is None:
             root = dotted.partition(".")[0]
             if root not in self.kept_roots:  # `import megatron.fp16` bound `megatron`; its rewrite does not
-                self._report(node, f"{dotted}: the name {root!r} was bound by an import that now imports fp16kit "
-                                   f"(e.g. `import {root}.fp16`): add `import {dotted.rpartition('.')[0]}` for this use")
+                self._report(
+                    node,
+                    f"{dotted}: the name {root!r} was bound by an import that now imports fp16kit "
+                    f"(e.g. `import {root}.fp16`): add `import {dotted.rpartition('.')[0]}` for this use",
+                )
             return False
         if not res.covered:
             self._report(node, f"{dotted}: {self._explain(res)}")
@@ -445,7 +477,11 @@ class _ApexRewriter(cst.CSTTransformer):
 
     def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
         new = self.probes.names.get(id(original_node))
-        return updated_node if new is None else _name_node(new).with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
+        return (
+            updated_node
+            if new is None
+            else _name_node(new).with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
+        )
 
     def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.SimpleString:
         new = self.probes.strings.get(id(original_node))
@@ -465,5 +501,8 @@ class _ApexRewriter(cst.CSTTransformer):
         if res is None:
             return
         new = f"fp16kit's is {res.new_path!r}" if res.covered else self._explain(res)
-        self._report(node, f"the string {value!r} names an apex path and is not rewritten (a dynamic import or a "
-                           f"pickled class path?): {new}")
+        self._report(
+            node,
+            f"the string {value!r} names an apex path and is not rewritten (a dynamic import or a "
+            f"pickled class path?): {new}",
+        )

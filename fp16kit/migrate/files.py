@@ -42,7 +42,12 @@ from dataclasses import dataclass, field
 from .codemod import MigrationError, MigrationResult, Unmigratable, migrate_source
 
 __all__ = [
-    "DEFAULT_MAX_SIZE", "FileOutcome", "given_roots", "iter_python_files", "migrate_file", "is_python_file",
+    "DEFAULT_MAX_SIZE",
+    "FileOutcome",
+    "given_roots",
+    "iter_python_files",
+    "migrate_file",
+    "is_python_file",
     "is_vendored_apex",
 ]
 
@@ -250,7 +255,10 @@ def _same_file(real: str, before: os.stat_result, digest: bytes, path: str) -> b
     try:
         now = os.stat(real)
         if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != (
-            before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns
+            before.st_dev,
+            before.st_ino,
+            before.st_size,
+            before.st_mtime_ns,
         ):
             return False
         with open(real, "rb") as f:
@@ -284,8 +292,9 @@ def _copy_xattrs(real: str, fd: int) -> None:
                 pass
             lost.append(name)
     if lost:
-        raise _Refused(f"its extended attribute{'s' * (len(lost) != 1)} {', '.join(lost)} cannot be given to the "
-                       "rewritten file")
+        raise _Refused(
+            f"its extended attribute{'s' * (len(lost) != 1)} {', '.join(lost)} cannot be given to the rewritten file"
+        )
 
 
 def _write_in_place(path: str, real: str, data: bytes, before: os.stat_result, digest: bytes) -> None:
@@ -302,8 +311,10 @@ def _write_in_place(path: str, real: str, data: bytes, before: os.stat_result, d
                 try:
                     os.fchown(f.fileno(), before.st_uid, before.st_gid)
                 except PermissionError:
-                    raise _Refused(f"owned by uid {before.st_uid} gid {before.st_gid}, which this user cannot give "
-                                   "the rewritten file: run migrate as its owner, or as root") from None
+                    raise _Refused(
+                        f"owned by uid {before.st_uid} gid {before.st_gid}, which this user cannot give "
+                        "the rewritten file: run migrate as its owner, or as root"
+                    ) from None
             os.fchmod(f.fileno(), stat.S_IMODE(before.st_mode))  # after chown, which clears set-id bits
             _copy_xattrs(real, f.fileno())
         if not _same_file(real, before, digest, path):  # last look: an editor's save is never overwritten
@@ -324,16 +335,18 @@ def _write_through(path: str, real: str, data: bytes, before: os.stat_result, di
         f.truncate()
 
 
-def _refusal(real: str, before: os.stat_result, roots: Sequence[str] | None, write_hard_links: bool,
-             write_read_only: bool) -> str | None:
+def _refusal(
+    real: str, before: os.stat_result, roots: Sequence[str] | None, write_hard_links: bool, write_read_only: bool
+) -> str | None:
     if roots is not None and not _inside(real, roots):
         return f"a symlink to {real}, outside the folders given: name {real} itself to migrate it"
     if before.st_nlink > 1 and not write_hard_links:
-        return (f"a hard-linked file ({before.st_nlink} names; a rewrite would split it from the others): "
-                "--write-hard-links rewrites it in place, for all of them")
+        return (
+            f"a hard-linked file ({before.st_nlink} names; a rewrite would split it from the others): "
+            "--write-hard-links rewrites it in place, for all of them"
+        )
     if not before.st_mode & stat.S_IWUSR and not write_read_only:
-        return (f"read-only (mode {stat.S_IMODE(before.st_mode):04o}): --write-read-only rewrites it, keeping "
-                "the mode")
+        return f"read-only (mode {stat.S_IMODE(before.st_mode):04o}): --write-read-only rewrites it, keeping the mode"
     return None
 
 
@@ -405,8 +418,10 @@ def migrate_file(
                 outcome.error = "not a regular file"
                 return outcome
             if max_size is not None and before.st_size > max_size:
-                outcome.error = (f"{before.st_size} bytes, over the {max_size}-byte limit (a generated file?), "
-                                 "not read: --max-size BYTES raises the limit")
+                outcome.error = (
+                    f"{before.st_size} bytes, over the {max_size}-byte limit (a generated file?), "
+                    "not read: --max-size BYTES raises the limit"
+                )
                 return outcome
             source = f.read() if max_size is None else f.read(max_size + 1)
     except OSError as e:
@@ -421,13 +436,17 @@ def migrate_file(
         outcome.error, outcome.error_line = e.message, e.line
         return outcome
     except RecursionError:  # deeper than _DEEP_RECURSION allows
-        outcome.error = ("cannot parse: nested too deeply for the parser (an expression of thousands of terms or "
-                         "brackets?): split it, or rewrite this file's apex imports by hand")
+        outcome.error = (
+            "cannot parse: nested too deeply for the parser (an expression of thousands of terms or "
+            "brackets?): split it, or rewrite this file's apex imports by hand"
+        )
         return outcome
     except Exception as e:  # noqa: BLE001 -- one file the parser cannot handle must not stop a run
         if b"\0" in source:
             outcome.error_line = source[: source.index(b"\0")].count(b"\n") + 1
-            outcome.error = "cannot parse: a NUL byte (python would refuse the file too): remove it, or write it as \\x00"
+            outcome.error = (
+                "cannot parse: a NUL byte (python would refuse the file too): remove it, or write it as \\x00"
+            )
         else:
             outcome.error = f"cannot migrate: {type(e).__name__}: {_one_line(e)} (rewrite its apex imports by hand)"
         return outcome

@@ -48,15 +48,27 @@ __all__ = ["Probes", "dotted_name", "fallback_handler"]
 
 # dotted spellings of the functions that take a module name first
 _IMPORTS = frozenset({"importlib.import_module", "importlib.__import__", "builtins.__import__"})
-_CHECKS = frozenset({
-    "importlib.util.find_spec", "util.find_spec", "importlib.find_loader", "pkgutil.find_loader",
-    "pkgutil.get_loader", "sys.modules.get",
-})
+_CHECKS = frozenset(
+    {
+        "importlib.util.find_spec",
+        "util.find_spec",
+        "importlib.find_loader",
+        "pkgutil.find_loader",
+        "pkgutil.get_loader",
+        "sys.modules.get",
+    }
+)
 # the same functions called by a bare name, and the modules a `from M import name [as local]` that
 # binds it may import it from (__import__ is also the builtin); any other binding of the name is the
 # user's own function (a data loader's get_loader, a local def find_spec), which takes no module name
-_LIGHTNING_IMPORTS = frozenset({"lightning_utilities", "lightning_utilities.core.imports",
-                                "pytorch_lightning.utilities.imports", "lightning.pytorch.utilities.imports"})
+_LIGHTNING_IMPORTS = frozenset(
+    {
+        "lightning_utilities",
+        "lightning_utilities.core.imports",
+        "pytorch_lightning.utilities.imports",
+        "lightning.pytorch.utilities.imports",
+    }
+)
 _BARE = {
     "find_spec": frozenset({"importlib.util"}),
     "find_loader": frozenset({"importlib", "pkgutil"}),
@@ -64,12 +76,14 @@ _BARE = {
     "import_module": frozenset({"importlib"}),
     "__import__": frozenset({"importlib", "builtins"}),
     # Lightning's helpers: find_spec inside
-    **dict.fromkeys(("_module_available", "module_available", "_package_available", "package_available"),
-                    _LIGHTNING_IMPORTS),
+    **dict.fromkeys(
+        ("_module_available", "module_available", "_package_available", "package_available"), _LIGHTNING_IMPORTS
+    ),
 }
 # functions that read a distribution's metadata, by their last name
-_METADATA = frozenset({"version", "distribution", "metadata", "files", "requires", "get_distribution", "require",
-                       "RequirementCache"})
+_METADATA = frozenset(
+    {"version", "distribution", "metadata", "files", "requires", "get_distribution", "require", "RequirementCache"}
+)
 _APEX_DISTRIBUTION = re.compile(r"\s*apex\s*(\[[^]]*\])?\s*([<>=!~;].*)?", re.I)
 # libraries whose own apex probe user code imported (transformers' is_apex_available, Lightning's APEX_AVAILABLE)
 _PROBING_LIBRARIES = frozenset({"transformers", "pytorch_lightning", "lightning", "lightning_fabric"})
@@ -108,13 +122,20 @@ def _static_prefix(node: cst.BaseExpression) -> str | None:
     if isinstance(node, cst.BinaryOperation):
         left = node.left
         if isinstance(node.operator, cst.Add):
-            return left.evaluated_value if isinstance(left, cst.SimpleString) and isinstance(
-                left.evaluated_value, str) else _static_prefix(left)
+            return (
+                left.evaluated_value
+                if isinstance(left, cst.SimpleString) and isinstance(left.evaluated_value, str)
+                else _static_prefix(left)
+            )
         if isinstance(node.operator, cst.Modulo) and isinstance(left, cst.SimpleString):
             value = left.evaluated_value
             return value.partition("%")[0] if isinstance(value, str) else None
-    if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "format" \
-            and isinstance(node.func.value, cst.SimpleString):
+    if (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and node.func.attr.value == "format"
+        and isinstance(node.func.value, cst.SimpleString)
+    ):
         value = node.func.value.evaluated_value
         return value.partition("{")[0] if isinstance(value, str) else None
     return None
@@ -130,10 +151,13 @@ def _has_fromlist(call: cst.Call) -> bool:
     if fromlist is None:
         return False
     return not (isinstance(fromlist, (cst.List, cst.Tuple)) and not fromlist.elements) and not (
-        isinstance(fromlist, cst.Name) and fromlist.value == "None")
+        isinstance(fromlist, cst.Name) and fromlist.value == "None"
+    )
 
 
-def fallback_handler(node: cst.CSTNode, parents: Callable[[cst.CSTNode], cst.CSTNode | None]) -> cst.ExceptHandler | None:
+def fallback_handler(
+    node: cst.CSTNode, parents: Callable[[cst.CSTNode], cst.CSTNode | None]
+) -> cst.ExceptHandler | None:
     """The ``except ImportError`` (or ModuleNotFoundError, Exception, bare) whose ``try`` body holds
     ``node``, innermost first; None when there is none."""
     child, parent = node, parents(node)
@@ -204,8 +228,11 @@ class Probes:
                     return
                 for alias in node.names:
                     if isinstance(alias.name, cst.Name) and source in _BARE.get(alias.name.value, ()):
-                        aliases.add(alias.asname.name.value if isinstance(alias.asname, cst.AsName) and isinstance(
-                            alias.asname.name, cst.Name) else alias.name.value)
+                        aliases.add(
+                            alias.asname.name.value
+                            if isinstance(alias.asname, cst.AsName) and isinstance(alias.asname.name, cst.Name)
+                            else alias.name.value
+                        )
 
             def visit_Assign(self, node: cst.Assign) -> None:
                 for target in node.targets:
@@ -264,10 +291,13 @@ class Probes:
     def library_flag(self, node: cst.CSTNode, module: str, name: str) -> None:
         """``from transformers... import is_apex_available`` or ``transformers.is_apex_available``."""
         if module.partition(".")[0] in _PROBING_LIBRARIES and _LIBRARY_FLAG.fullmatch(name):
-            self._report(node, f"{module}.{name} is the library's own test for a real apex (an "
-                               "importlib.util.find_spec('apex')), so it is False after migrate: use True where the "
-                               "script only needs apex's API (fp16kit.legacy has it), or run the unmigrated script "
-                               "with `fp16kit run`, under which it is True")
+            self._report(
+                node,
+                f"{module}.{name} is the library's own test for a real apex (an "
+                "importlib.util.find_spec('apex')), so it is False after migrate: use True where the "
+                "script only needs apex's API (fp16kit.legacy has it), or run the unmigrated script "
+                "with `fp16kit run`, under which it is True",
+            )
 
     # -- the rules -----------------------------------------------------------------------------
     def _module_name(self, node: cst.CSTNode, arg: cst.BaseExpression, func: str, bare: cst.Name | None = None) -> None:
@@ -285,10 +315,13 @@ class Probes:
                     if func is None:
                         return
                 what = _what(func)
-                self._report(node, f"{what} of a module name built at run time ({prefix!r} + ...) is not rewritten: "
-                                   "fp16kit's modules have other names (apex.X is fp16kit.legacy.X for the covered "
-                                   "ones, amp_C is fp16kit.legacy.multi_tensor_apply; MIGRATION.md lists them): "
-                                   "build the fp16kit name instead")
+                self._report(
+                    node,
+                    f"{what} of a module name built at run time ({prefix!r} + ...) is not rewritten: "
+                    "fp16kit's modules have other names (apex.X is fp16kit.legacy.X for the covered "
+                    "ones, amp_C is fp16kit.legacy.multi_tensor_apply; MIGRATION.md lists them): "
+                    "build the fp16kit name instead",
+                )
             return
         value = arg.evaluated_value
         res = self._resolve(value) if isinstance(value, str) and value not in self._stubbed else None
@@ -306,15 +339,25 @@ class Probes:
             return
         if others:  # `from importlib.util import find_spec` and a `def find_spec` of its own, say
             assert bare is not None
-            self._report(node, f"{what} of {value!r} is not rewritten: {bare.value!r} here may be the {func} "
-                               f"{'imported on ' + self._lines(probes) if probes else 'a `*` import brings'}, or what "
-                               f"{self._lines(others)} binds to that name: where it is {func}, use {res.new_path!r}")
+            self._report(
+                node,
+                f"{what} of {value!r} is not rewritten: {bare.value!r} here may be the {func} "
+                f"{'imported on ' + self._lines(probes) if probes else 'a `*` import brings'}, or what "
+                f"{self._lines(others)} binds to that name: where it is {func}, use {res.new_path!r}",
+            )
             return
-        if func.endswith("__import__") and isinstance(node, cst.Call) and id(node) not in self._discarded \
-                and not _has_fromlist(node):
-            self._report(node, f"dynamic import of {value!r} is not rewritten: __import__ returns the top-level "
-                               f"package, which would be fp16kit, not {res.new_path}: use "
-                               f"importlib.import_module({res.new_path!r})")
+        if (
+            func.endswith("__import__")
+            and isinstance(node, cst.Call)
+            and id(node) not in self._discarded
+            and not _has_fromlist(node)
+        ):
+            self._report(
+                node,
+                f"dynamic import of {value!r} is not rewritten: __import__ returns the top-level "
+                f"package, which would be fp16kit, not {res.new_path}: use "
+                f"importlib.import_module({res.new_path!r})",
+            )
             return
         self.strings[id(arg)] = res.new_path
         self.rewritten += 1
@@ -339,19 +382,31 @@ class Probes:
             return  # a parameter, loop variable, local or class attribute that shares the name: not apex
         if not res.covered:
             if dotted not in self._uses_on_line(node):  # that use's report names the line already
-                self._report(node, f"{func}({obj.value}, {attr!r}) is not rewritten: {res.hint}; `import "
-                                   f"{obj.value}` now binds fp16kit, so write the check as False (fp16kit has no such "
-                                   "module)")
+                self._report(
+                    node,
+                    f"{func}({obj.value}, {attr!r}) is not rewritten: {res.hint}; `import "
+                    f"{obj.value}` now binds fp16kit, so write the check as False (fp16kit has no such "
+                    "module)",
+                )
             return
         parent, _, last = res.new_path.rpartition(".")
         if others or not imports:  # `except ImportError: apex = None`, a module-level `for apex in ...`
             rewrite = f"{func}({parent}, {last!r}{', ...' if len(node.args) > 2 else ''})"
-            where = (f"{obj.value!r} here may be the module the `import {obj.value}` on {self._lines(imports)} binds, "
-                     f"or what {self._lines(others)} binds to that name") if imports else (
-                     f"no binding of {obj.value!r} reaches this scope (is the `import {obj.value}` in another "
-                     "function?)")
-            self._report(node, f"{func}({obj.value}, {attr!r}) is not rewritten: {where}: where it is the module, "
-                               f"write {rewrite} (`import {obj.value}` now binds fp16kit)")
+            where = (
+                (
+                    f"{obj.value!r} here may be the module the `import {obj.value}` on {self._lines(imports)} binds, "
+                    f"or what {self._lines(others)} binds to that name"
+                )
+                if imports
+                else (
+                    f"no binding of {obj.value!r} reaches this scope (is the `import {obj.value}` in another function?)"
+                )
+            )
+            self._report(
+                node,
+                f"{func}({obj.value}, {attr!r}) is not rewritten: {where}: where it is the module, "
+                f"write {rewrite} (`import {obj.value}` now binds fp16kit)",
+            )
             return
         if func == "getattr" and len(node.args) == 2:  # no default: it raises where the module lacks the name
             self._check_provided(node, parent, last, dotted)
@@ -384,7 +439,7 @@ class Probes:
         return [binding for access in scope.accesses[name] for binding in access.referents]
 
     def _lines(self, bindings: Collection[BaseAssignment]) -> str:
-        """"line 3" / "lines 3, 7": where ``bindings`` are."""
+        """ "line 3" / "lines 3, 7": where ``bindings`` are."""
         positions = self._position_map()
         lines = sorted({positions[b.node].start.line for b in bindings if getattr(b, "node", None) in positions})
         return ("line " if len(lines) == 1 else "lines ") + ", ".join(map(str, lines)) if lines else "the builtins"
@@ -432,16 +487,23 @@ class Probes:
         if isinstance(binding, BuiltinAssignment):
             return binding.name if binding.name == "__import__" else None
         node = getattr(binding, "node", None)
-        if not isinstance(node, cst.ImportFrom) or node.relative or node.module is None or isinstance(
-                node.names, cst.ImportStar):
+        if (
+            not isinstance(node, cst.ImportFrom)
+            or node.relative
+            or node.module is None
+            or isinstance(node.names, cst.ImportStar)
+        ):
             return None
         source = dotted_name(node.module)
         for alias in node.names:
             if not isinstance(alias.name, cst.Name):
                 continue
             local = alias.asname.name if isinstance(alias.asname, cst.AsName) else alias.name
-            if isinstance(local, cst.Name) and local.value == binding.name and source in _BARE.get(
-                    alias.name.value, ()):
+            if (
+                isinstance(local, cst.Name)
+                and local.value == binding.name
+                and source in _BARE.get(alias.name.value, ())
+            ):
                 return alias.name.value
         return None
 
@@ -468,7 +530,8 @@ class Probes:
                     if res is not None and not res.covered:
                         parts = dotted.split(".")
                         uses.setdefault(positions[attribute].start.line, set()).update(
-                            ".".join(parts[:i]) for i in range(2, len(parts) + 1))
+                            ".".join(parts[:i]) for i in range(2, len(parts) + 1)
+                        )
                     return False
 
             assert self._module is not None
@@ -479,5 +542,8 @@ class Probes:
 
 def _what(func: str) -> str:
     """How a report names the call: a dynamic import, or an availability check by its function."""
-    return "dynamic import" if func.rpartition(".")[2] in ("import_module", "__import__") else \
-        f"availability check ({func})"
+    return (
+        "dynamic import"
+        if func.rpartition(".")[2] in ("import_module", "__import__")
+        else f"availability check ({func})"
+    )

@@ -43,8 +43,14 @@ __all__ = ["resume_loads"]
 
 _L = "fp16kit.legacy"
 # fp16kit's names (what apex_map resolves them to) of what pickles an apex scaler object
-_OPTIMIZERS = frozenset({f"{_L}.FP16_Optimizer", f"{_L}.fp16_optimizer.FP16_Optimizer",
-                         f"{_L}.megatron.FP16_Optimizer", f"{_L}.megatron.fp16.FP16_Optimizer"})
+_OPTIMIZERS = frozenset(
+    {
+        f"{_L}.FP16_Optimizer",
+        f"{_L}.fp16_optimizer.FP16_Optimizer",
+        f"{_L}.megatron.FP16_Optimizer",
+        f"{_L}.megatron.fp16.FP16_Optimizer",
+    }
+)
 _SCALER_MODULES = frozenset({f"{_L}.loss_scaler", f"{_L}.amp.scaler", f"{_L}.megatron.loss_scaler"})
 _PACKAGES = frozenset({_L, f"{_L}.megatron"})  # export FP16_Optimizer and the scalers
 _MODULES = _SCALER_MODULES | _PACKAGES | {f"{_L}.fp16_optimizer", f"{_L}.megatron.fp16"}
@@ -202,8 +208,9 @@ def _parts(exprs: Iterator[cst.CSTNode]) -> Iterator[cst.CSTNode]:
         stack.extend([n.value] if isinstance(n, cst.Attribute) else n.children)
 
 
-def _reached(flow: _Flow, exprs: Iterator[cst.CSTNode], chain: tuple[int, ...],
-             carried: dict[tuple[int, str], set[int]]) -> set[int]:
+def _reached(
+    flow: _Flow, exprs: Iterator[cst.CSTNode], chain: tuple[int, ...], carried: dict[tuple[int, str], set[int]]
+) -> set[int]:
     """The torch.load calls whose value ``exprs`` (evaluated in scope ``chain``) may hold."""
     found = set()
     for part in _parts(exprs):
@@ -225,7 +232,9 @@ def resume_loads(module: cst.Module, *, megatron: bool = False) -> list[tuple[cs
         return []
     flow = _Flow(names)
     module.visit(flow)
-    if not (names.pickles or flow.optimizers) or not flow.loads:  # apex.fp16_utils.FP16_Optimizer(...) after `import apex`
+    if (
+        not (names.pickles or flow.optimizers) or not flow.loads
+    ):  # apex.fp16_utils.FP16_Optimizer(...) after `import apex`
         return []
     carried: dict[tuple[int, str], set[int]] = {}
     changed = True

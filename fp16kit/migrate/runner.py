@@ -101,7 +101,9 @@ def _run_source(source: str, filename: str, argv: list[str], megatron: bool, sha
         attrs.update(__file__=filename, __cached__=None)
     with _script_environment(argv, "", megatron=megatron, shadow=shadow, restore=restore):
         # compiled inside _call: a SyntaxError is reported as python reports it
-        return _call(lambda: _exec_as_main(compile(source, filename, "exec", dont_inherit=True), attrs, restore=restore))
+        return _call(
+            lambda: _exec_as_main(compile(source, filename, "exec", dont_inherit=True), attrs, restore=restore)
+        )
 
 
 def _script_main(path: str) -> tuple[types.CodeType, dict[str, Any]]:
@@ -110,8 +112,13 @@ def _script_main(path: str) -> tuple[types.CodeType, dict[str, Any]]:
     with io.open_code(path) as f:
         source = f.read()  # bytes: compile() honours a BOM or a coding declaration
     code = compile(source, path, "exec", dont_inherit=True)
-    return code, dict(__file__=path, __cached__=None, __package__=None, __spec__=None,
-                      __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    return code, dict(
+        __file__=path,
+        __cached__=None,
+        __package__=None,
+        __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+    )
 
 
 def _archive_main(entry: str) -> tuple[types.CodeType, dict[str, Any]]:
@@ -123,7 +130,9 @@ def _archive_main(entry: str) -> tuple[types.CodeType, dict[str, Any]]:
     if spec is None or spec.loader is None:
         raise RunError(f"can't find '__main__' module in {entry!r}", 1)
     code = spec.loader.get_code("__main__")  # type: ignore[attr-defined]
-    return code, dict(__file__=spec.origin, __cached__=spec.cached, __package__="", __spec__=spec, __loader__=spec.loader)
+    return code, dict(
+        __file__=spec.origin, __cached__=spec.cached, __package__="", __spec__=spec, __loader__=spec.loader
+    )
 
 
 def _exec_as_main(code: types.CodeType, attrs: dict[str, Any], *, restore: bool) -> None:
@@ -167,8 +176,9 @@ def _module_main(name: str) -> tuple[types.CodeType, dict[str, Any]]:
             raise RunError(str(e), 1) from None
         raise
     sys.argv[0] = spec.origin
-    return code, dict(__file__=spec.origin, __cached__=spec.cached, __package__=spec.parent, __spec__=spec,
-                      __loader__=spec.loader)
+    return code, dict(
+        __file__=spec.origin, __cached__=spec.cached, __package__=spec.parent, __spec__=spec, __loader__=spec.loader
+    )
 
 
 @contextlib.contextmanager

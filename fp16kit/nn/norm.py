@@ -67,8 +67,13 @@ def _cast(dtype: torch.dtype, *tensors: torch.Tensor | None) -> list[torch.Tenso
 
 def _layer_norm(input, shape, weight, bias, eps, mixed):
     if mixed:
-        out = F.layer_norm(input.float(), shape, None if weight is None else weight.float(),
-                           None if bias is None else bias.float(), eps)
+        out = F.layer_norm(
+            input.float(),
+            shape,
+            None if weight is None else weight.float(),
+            None if bias is None else bias.float(),
+            eps,
+        )
         return out if weight is None else out.to(weight.dtype)
     return F.layer_norm(input, shape, weight, bias, eps)
 
@@ -103,35 +108,44 @@ def _dispatch(fn, input, shape, params, eps, mixed):
         return fn(input, shape, *params, eps, mixed)
 
 
-def layer_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: _Shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
     """``F.layer_norm`` (fp32 statistics, output in the input's dtype), with apex's CUDA
     autocast rule: input and params cast to the autocast dtype first."""
     return _dispatch(_layer_norm, input, normalized_shape, (weight, bias), eps, False)
 
 
-def mixed_layer_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor,
-                     bias: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
+def mixed_layer_norm(
+    input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5
+) -> torch.Tensor:
     """Layer norm computed in fp32 whatever the dtypes; the output takes the weight's dtype
     (apex's MixedFusedLayerNorm: fp16/bf16 activations with fp32 params give fp32)."""
     return _dispatch(_layer_norm, input, normalized_shape, (weight, bias), eps, True)
 
 
-def rms_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None = None,
-             eps: float = 1e-5) -> torch.Tensor:
+def rms_norm(
+    input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
     """apex's RMS norm formula (module docstring); on CUDA the output takes the input's dtype
     as apex's kernel did."""
     return _dispatch(_rms_norm, input, normalized_shape, (weight,), eps, False)
 
 
-def mixed_rms_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor,
-                   eps: float = 1e-5) -> torch.Tensor:
+def mixed_rms_norm(
+    input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor, eps: float = 1e-5
+) -> torch.Tensor:
     """apex's RMS norm formula; the output takes the weight's dtype."""
     return _dispatch(_rms_norm, input, normalized_shape, (weight,), eps, True)
 
 
-def manual_rms_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None,
-                    eps: float) -> torch.Tensor:
+def manual_rms_norm(
+    input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     """apex's ``manual_rms_norm``: the plain formula of the module docstring on every device, with
     no autocast cast and no CUDA output cast (without a weight the result is fp32)."""
     return _rms_formula(input, _shape(normalized_shape), weight, eps)
@@ -142,8 +156,9 @@ class MixedLayerNorm(nn.LayerNorm):
     :func:`mixed_layer_norm`: fp32 math, output in the parameters' dtype. Keep the params in
     fp32 and feed fp16/bf16 activations to get fp32 out."""
 
-    def __init__(self, normalized_shape: _Shape, eps: float = 1e-5, *, bias: bool = True,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self, normalized_shape: _Shape, eps: float = 1e-5, *, bias: bool = True, device=None, dtype=None
+    ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine=True, bias=bias, device=device, dtype=dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -155,8 +170,9 @@ class RMSNorm(nn.RMSNorm):
     (:func:`rms_norm`), with ``eps=1e-5`` by default as apex (torch's default None means
     the dtype's machine epsilon)."""
 
-    def __init__(self, normalized_shape: _Shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 *, device=None, dtype=None) -> None:
+    def __init__(
+        self, normalized_shape: _Shape, eps: float = 1e-5, elementwise_affine: bool = True, *, device=None, dtype=None
+    ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
+
 from ..core.log import log_once
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
-
 
 
 def _stats_dtype(device: torch.device) -> torch.dtype:
@@ -72,9 +72,17 @@ class SyncBatchNorm(_BatchNorm):
     group of one rank, it is batch norm over the local batch. ``forward(input, z=None)``.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group: dist.ProcessGroup | None = None,
-                 channel_last: bool = False, fuse_relu: bool = False) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        channel_last: bool = False,
+        fuse_relu: bool = False,
+    ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup or None, got "
@@ -107,8 +115,11 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(
                 f"SyncBatchNorm({self.num_features}) got {channels} channels in the {where} dimension of an "
                 f"input of size {tuple(input.shape)}; "
-                + ("pass channel_last=False for (N, C, ...) inputs." if self.channel_last
-                   else "pass channel_last=True for (N, ..., C) inputs.")
+                + (
+                    "pass channel_last=False for (N, C, ...) inputs."
+                    if self.channel_last
+                    else "pass channel_last=True for (N, ..., C) inputs."
+                )
             )
 
     def _group(self) -> dist.ProcessGroup | None:
@@ -121,8 +132,11 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         last = self.channel_last or input.dim() == 2
         if not last and (z is not None or self.fuse_relu):
-            log_once(("SyncBatchNorm", "z"), "SyncBatchNorm: z and fuse_relu apply only on the channel-last path "
-                           "(channel_last=True or 2-D input), as in apex; ignored for this channel-first input")
+            log_once(
+                ("SyncBatchNorm", "z"),
+                "SyncBatchNorm: z and fuse_relu apply only on the channel-last path "
+                "(channel_last=True or 2-D input), as in apex; ignored for this channel-first input",
+            )
         use_batch_stats = self.training or not self.track_running_stats
         if use_batch_stats:
             out = self._train_forward(input, last)
@@ -199,8 +213,9 @@ class SyncBatchNorm(_BatchNorm):
             buf.copy_(old + added)
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None = None,
-                           channel_last: bool = False) -> nn.Module:
+def convert_sync_batchnorm(
+    module: nn.Module, process_group: dist.ProcessGroup | None = None, channel_last: bool = False
+) -> nn.Module:
     """Replace every ``_BatchNorm`` in ``module`` by a :class:`SyncBatchNorm`, torch's way
     (``nn.SyncBatchNorm.convert_sync_batchnorm``): the new module reuses the old one's
     Parameters (an optimizer built before conversion still updates them) and buffers, and
@@ -209,8 +224,15 @@ def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup |
     if isinstance(module, _InstanceNorm) or not isinstance(module, _BatchNorm):
         converted = module
     else:
-        converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                  module.track_running_stats, process_group, channel_last=channel_last)
+        converted = SyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group,
+            channel_last=channel_last,
+        )
         if module.affine:
             converted.weight = module.weight
             converted.bias = module.bias

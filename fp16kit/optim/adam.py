@@ -52,8 +52,7 @@ class Adam(FusedStyleOptimizer):
         set_grad_none: bool = True,
     ) -> None:
         check_hyper(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         self.adam_w_mode = adam_w_mode
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
@@ -75,9 +74,20 @@ class Adam(FusedStyleOptimizer):
         beta1, beta2 = group["betas"]
         ms = [self.work_state(p, "exp_avg") for p in params]
         vs = [self.work_state(p, "exp_avg_sq") for p in params]
-        adam_update_(params, grads, ms, vs, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                     step=t, adam_w_mode=self.adam_w_mode, bias_correction=group["bias_correction"],
-                     weight_decay=group["weight_decay"])
+        adam_update_(
+            params,
+            grads,
+            ms,
+            vs,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            step=t,
+            adam_w_mode=self.adam_w_mode,
+            bias_correction=group["bias_correction"],
+            weight_decay=group["weight_decay"],
+        )
 
 
 def adam_update_(
@@ -117,4 +127,3 @@ def adam_update_(
             torch._foreach_add_(u, b.p32, alpha=wd)
         torch._foreach_add_(b.p32, u, alpha=-lr)
         b.write_back()
-

@@ -25,8 +25,16 @@ import torch
 from ..core import kernels
 
 __all__ = [
-    "ApexConventions", "Bucket", "FusedStyleOptimizer", "buckets", "check_hyper", "check_state_shapes",
-    "keep_state_precision", "public_settings", "with_settings", "work_dtype",
+    "ApexConventions",
+    "Bucket",
+    "FusedStyleOptimizer",
+    "buckets",
+    "check_hyper",
+    "check_state_shapes",
+    "keep_state_precision",
+    "public_settings",
+    "with_settings",
+    "work_dtype",
 ]
 
 _TORCH_STATE = ("defaults", "state", "param_groups")  # what torch's Optimizer.__getstate__ keeps
@@ -290,8 +298,7 @@ def public_settings(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer-wide settings kept as public attributes (``adam_w_mode``, ``set_grad_none``,
     ...): not torch's ``defaults`` / ``state`` / ``param_groups``, nor functions others patch onto
     the instance (an LR scheduler's ``step`` wrapper is bound to *this* optimizer)."""
-    return {k: v for k, v in vars(opt).items()
-            if not k.startswith("_") and k not in _TORCH_STATE and not callable(v)}
+    return {k: v for k, v in vars(opt).items() if not k.startswith("_") and k not in _TORCH_STATE and not callable(v)}
 
 
 def with_settings(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

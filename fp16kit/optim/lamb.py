@@ -54,9 +54,15 @@ class LAMB(FusedStyleOptimizer):
         set_grad_none: bool = True,
     ) -> None:
         check_hyper(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        max_grad_norm=max_grad_norm)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+        )
         self.adam_w_mode = adam_w_mode
         self.use_nvlamb = use_nvlamb
         super().__init__(params, defaults, set_grad_none=set_grad_none)
@@ -85,8 +91,12 @@ class LAMB(FusedStyleOptimizer):
         return torch.clamp(total / max_norm, min=1.0)
 
     def _step_group(
-        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-        t: int, clip: torch.Tensor | None,
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        t: int,
+        clip: torch.Tensor | None,
     ) -> None:
         beta1, beta2 = group["betas"]
         bc1, bc2 = (1 - beta1**t, 1 - beta2**t) if group["bias_correction"] else (1.0, 1.0)

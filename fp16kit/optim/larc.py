@@ -62,8 +62,9 @@ _HOOKS = (
 class LARC(WrappingOptimizer):
     """``LARC(optimizer, trust_coefficient=0.02, clip=True, eps=1e-8)``: see the module docstring."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True,
-                 eps: float = 1e-8) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True, eps: float = 1e-8
+    ) -> None:
         if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
             raise TypeError(
                 f"LARC wraps an optimizer (an object with param_groups and step()), got "

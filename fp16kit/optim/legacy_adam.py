@@ -61,8 +61,14 @@ class LegacyAdam(FusedStyleOptimizer):
         set_grad_none: bool = True,
     ) -> None:
         check_hyper(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+        )
         self.eps_inside_sqrt = eps_inside_sqrt
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
@@ -103,8 +109,13 @@ class StepWithGrads:
     ) -> None:
         self._driven_by_wrapper = True
         try:
-            self.step(None, grads=grads, output_params=output_params, scale=scale,  # type: ignore[attr-defined]
-                      grad_norms=grad_norms)
+            self.step(
+                None,
+                grads=grads,
+                output_params=output_params,
+                scale=scale,  # type: ignore[attr-defined]
+                grad_norms=grad_norms,
+            )
         finally:
             self._driven_by_wrapper = False
 

@@ -53,9 +53,16 @@ class NovoGrad(FusedStyleOptimizer):
         check_hyper(lr, betas, eps, weight_decay)
         if norm_type not in (0, 2):
             raise RuntimeError(f"{self.display_name} only support l2/inf norm now.")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        norm_type=norm_type, init_zero=init_zero)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            norm_type=norm_type,
+            init_zero=init_zero,
+        )
         self.moment_mode = 0 if reg_inside_moment else 1  # apex's attribute
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
@@ -125,7 +132,9 @@ class NovoGrad(FusedStyleOptimizer):
                 torch._foreach_add_(b.p32, u, alpha=-lr)
             b.write_back()
 
-    def _group_norms(self, group: dict[str, Any], params: list[torch.Tensor], norms: list[torch.Tensor]) -> torch.Tensor:
+    def _group_norms(
+        self, group: dict[str, Any], params: list[torch.Tensor], norms: list[torch.Tensor]
+    ) -> torch.Tensor:
         """The blended norms v of ``params`` in param order (one float32 tensor): created at the
         first step (zeros, or the first norms), then read from apex's two-tensor layout."""
         device = norms[0].device
@@ -145,7 +154,9 @@ class NovoGrad(FusedStyleOptimizer):
         low, full = _split(params)
         group["exp_avg_sq"] = [v[idx] for idx in self._index_tensors(low, full, v.device)]
 
-    def _index_tensors(self, low: list[int], full: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index_tensors(
+        self, low: list[int], full: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``low`` and ``full`` as int64 tensors on ``device``, made once per group layout (the
         params with a grad are the same at every step): no host-to-device copy per step. Not
         pickled (a private attribute); a copy makes its own."""
@@ -153,8 +164,10 @@ class NovoGrad(FusedStyleOptimizer):
         key = (tuple(low), tuple(full), device)
         found = cache.get(key)
         if found is None:
-            found = cache[key] = (torch.tensor(low, dtype=torch.long, device=device),
-                                  torch.tensor(full, dtype=torch.long, device=device))
+            found = cache[key] = (
+                torch.tensor(low, dtype=torch.long, device=device),
+                torch.tensor(full, dtype=torch.long, device=device),
+            )
         return found
 
 

@@ -53,8 +53,15 @@ class SGD(ApexConventions, torch.optim.SGD):
         maximize: bool = False,
         set_grad_none: bool = False,
     ) -> None:
-        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
-                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        super().__init__(
+            params,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+        )
         self.wd_after_momentum = wd_after_momentum
         self.set_grad_none = set_grad_none
 
@@ -62,8 +69,10 @@ class SGD(ApexConventions, torch.optim.SGD):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         if not self._needs_own_path():
             # torch's step changes group 0 before it reads group 1's buffers: check them first
-            self.check_state((p for g in self.param_groups if g["momentum"] != 0
-                              for p in g["params"] if p.grad is not None), ("momentum_buffer",))
+            self.check_state(
+                (p for g in self.param_groups if g["momentum"] != 0 for p in g["params"] if p.grad is not None),
+                ("momentum_buffer",),
+            )
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -77,7 +86,8 @@ class SGD(ApexConventions, torch.optim.SGD):
             return True
         return any(
             p.grad is not None and p.is_floating_point() and work_dtype(p.dtype) != p.dtype
-            for g in self.param_groups for p in g["params"]
+            for g in self.param_groups
+            for p in g["params"]
         )
 
     def check_dtype(self, p: torch.Tensor) -> None:
@@ -109,8 +119,10 @@ def sgd_step(
     grads = [None] * len(groups) if grads is None else list(grads)
     outputs = [None] * len(groups) if outputs is None else list(outputs)
     work = [opt.with_grads(group, g, o) for group, g, o in zip(groups, grads, outputs)]
-    opt.check_state((p for group, (params, _, _) in zip(groups, work) if group["momentum"] != 0
-                     for p in params), ("momentum_buffer",))
+    opt.check_state(
+        (p for group, (params, _, _) in zip(groups, work) if group["momentum"] != 0 for p in params),
+        ("momentum_buffer",),
+    )
     inv_scale: float | torch.Tensor = (
         kernels.inv_scale(scale.detach()) if isinstance(scale, torch.Tensor) else 1.0 / scale
     )

@@ -339,7 +339,9 @@ class ScalerThreads:
             return None
         return self.bind(threads[0], loss_scale, mark=None)
 
-    def route(self, loss_scale: LossScale, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any) -> bool:
+    def route(
+        self, loss_scale: LossScale, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any
+    ) -> bool:
         """Main thread of a bound scaler: run ``fn`` on the optimizer thread and wait; False
         when not bound or already there (the caller runs it inline)."""
         binding = self.for_caller(loss_scale) if loss_scale.scale is not None else self.binding
@@ -389,7 +391,7 @@ class ScalerThreads:
             raise ValueError(
                 f"GradScaler state dict: next_scale must be a finite number > 0 (the scale the "
                 f"update queued before the save computed), got {value!r}; load a state dict "
-                "saved by GradScaler.state_dict(), or drop the key to resume from \"scale\"."
+                'saved by GradScaler.state_dict(), or drop the key to resume from "scale".'
             )
         return float(value)
 

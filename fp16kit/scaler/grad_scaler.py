@@ -64,9 +64,7 @@ class _LossScaleField:
             try:
                 return obj.__dict__["_disabled_fields"][self.name]
             except KeyError:
-                raise AttributeError(
-                    f"'{type(obj).__name__}' object has no attribute '{self.name}'"
-                ) from None
+                raise AttributeError(f"'{type(obj).__name__}' object has no attribute '{self.name}'") from None
         return getattr(obj._loss_scale, self.attr)
 
     def __set__(self, obj: Any, value: Any) -> None:
@@ -87,8 +85,6 @@ class _ScaleField(_LossScaleField):
         if threads is not None and threads.binding is not None:
             return threads.binding.scale_for_caller()
         return super().__get__(obj, objtype)
-
-
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -188,14 +184,16 @@ class GradScaler(torch.amp.GradScaler):
     def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
         # Bound to an optimizer thread, a step run there records into its iteration's states.
         threads = self.__dict__.get("_thread_side")
-        if threads is not None and threads.binding is not None and (states := threads.binding.states_for_caller()) is not None:
+        if (
+            threads is not None
+            and threads.binding is not None
+            and (states := threads.binding.states_for_caller()) is not None
+        ):
             return states
         try:
             return self.__dict__["_opt_states"]
         except KeyError:
-            raise AttributeError(
-                f"'{type(self).__name__}' object has no attribute '_per_optimizer_states'"
-            ) from None
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '_per_optimizer_states'") from None
 
     @_per_optimizer_states.setter
     def _per_optimizer_states(self, value: dict[int, dict[str, Any]]) -> None:
@@ -256,9 +254,7 @@ class GradScaler(torch.amp.GradScaler):
     @overload
     def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
-    def scale(
-        self, outputs: torch.Tensor | Iterable[torch.Tensor]
-    ) -> torch.Tensor | Iterable[torch.Tensor]:
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor or (nested) iterable of tensors by the scale factor; returned
         unmodified when disabled. The scale is created on the device of the first tensor."""
         if not self._enabled:
@@ -281,9 +277,7 @@ class GradScaler(torch.amp.GradScaler):
         if speaks_master_protocol(optimizer):
             return optimizer.unscale_grads_(inv_scale, found_inf)
         try:
-            return kernels.unscale_grads_(
-                _optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16
-            )
+            return kernels.unscale_grads_(_optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16)
         except ValueError as e:  # raised before any grad changed: name the fix
             if str(e) != FP16_GRADS:
                 raise
@@ -328,9 +322,7 @@ class GradScaler(torch.amp.GradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
 
         if optimizer_state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
-            )
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
 
@@ -340,13 +332,9 @@ class GradScaler(torch.amp.GradScaler):
 
         # The grads are unscaled from here on: record it before the all-reduce, so that a
         # failing collective cannot leave them to be unscaled a second time.
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, inv_scale, found_inf, False
-        )
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
         optimizer_state["stage"] = OptState.UNSCALED
-        optimizer_state["found_inf_per_device"] = self._reduce_found_inf(
-            optimizer_state["found_inf_per_device"]
-        )
+        optimizer_state["found_inf_per_device"] = self._reduce_found_inf(optimizer_state["found_inf_per_device"])
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
@@ -354,10 +342,8 @@ class GradScaler(torch.amp.GradScaler):
         # Unscaling by exactly 1.0 checks the grads without changing them (torch does the same).
         dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=_scale.device)
         found_inf = kernels.new_found_inf(_scale.device)
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = (
-            self._reduce_found_inf(
-                self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True)
-            )
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = self._reduce_found_inf(
+            self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True)
         )
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
@@ -391,9 +377,7 @@ class GradScaler(torch.amp.GradScaler):
             return optimizer.step(*args, **kwargs)
 
         if "closure" in kwargs:
-            raise RuntimeError(
-                "Closure use is not currently supported if GradScaler is enabled."
-            )
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
 
         if self._threads.route(self._loss_scale, self.step, optimizer, *args, step=True, **kwargs):
             return None  # ran on the optimizer thread (docs/async.md): the value stays there
@@ -526,9 +510,7 @@ class GradScaler(torch.amp.GradScaler):
                 raise AssertionError("No inf checks were recorded prior to update.")
 
             # Summed into the first flag in place, as torch does.
-            found_inf_combined = kernels.combine_found_inf(
-                found_infs, _scale.device, into_first=True
-            )
+            found_inf_combined = kernels.combine_found_inf(found_infs, _scale.device, into_first=True)
 
         # To prepare for next iteration, clear the data collected from optimizers this iteration.
         # (Before the scale update: with on_min_scale="raise" that update may raise.)
@@ -544,11 +526,7 @@ class GradScaler(torch.amp.GradScaler):
     def get_scale(self) -> float:
         """The current scale as a Python float, or 1.0 when disabled (a host sync)."""
         if self._enabled:
-            return (
-                self._init_scale
-                if (scale := self._get_scale_async()) is None
-                else cast(float, scale.item())
-            )
+            return self._init_scale if (scale := self._get_scale_async()) is None else cast(float, scale.item())
         return 1.0
 
     # With steps on the optimizer thread, from the main thread: ``get_*(up_to_date=True)``
@@ -591,11 +569,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def _get_growth_tracker(self) -> int:
         if self._enabled:
-            return (
-                self._init_growth_tracker
-                if self._growth_tracker is None
-                else cast(int, self._growth_tracker.item())
-            )
+            return self._init_growth_tracker if self._growth_tracker is None else cast(int, self._growth_tracker.item())
         return 0
 
     def is_enabled(self) -> bool:
@@ -611,11 +585,7 @@ class GradScaler(torch.amp.GradScaler):
         ``update()``, it answers for the iteration update() consumed. ``False`` before the
         first check, and always when disabled."""
         if self._enabled and self._scale is not None:
-            found = [
-                f
-                for state in self._per_optimizer_states.values()
-                for f in state["found_inf_per_device"].values()
-            ]
+            found = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
             if found:
                 return kernels.combine_found_inf(found, self._scale.device) != 0
             last = self._loss_scale.last_found_inf()  # a new tensor
@@ -674,8 +644,7 @@ class GradScaler(torch.amp.GradScaler):
 
         if len(state_dict) == 0:
             raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
             )
 
         self._threads.synchronize()
@@ -741,7 +710,6 @@ class GradScaler(torch.amp.GradScaler):
             f"growth_factor={ls.growth_factor}, backoff_factor={ls.backoff_factor}, "
             f"growth_interval={ls.growth_interval})"
         )
-
 
 
 # Each of these calls is one commit: a Ctrl-C inside it is held to its end (fp16kit.core.interrupts).
@@ -826,7 +794,5 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor
     for group in optimizer.param_groups:
         for param in group["params"]:
             if not isinstance(param, torch.Tensor):
-                raise AssertionError(
-                    f"expected param to be torch.Tensor, got {type(param).__name__}"
-                )
+                raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
             yield param

@@ -21,7 +21,13 @@ from torch import nn
 def tiny_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3)
+        nn.Linear(6, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.LayerNorm(16),
+        nn.Tanh(),
+        nn.Linear(16, 3),
     )
 
 
@@ -83,10 +89,14 @@ class ApexScale:
 class ApexO2:
     """apex O2 on a copy of ``model`` (fp32): fp16 model, fp32 masters, ``num_losses`` scalers."""
 
-    def __init__(self, model: nn.Module, make_opt: Callable[[list], torch.optim.Optimizer], *, num_losses=1, **scale_kw):
+    def __init__(
+        self, model: nn.Module, make_opt: Callable[[list], torch.optim.Optimizer], *, num_losses=1, **scale_kw
+    ):
         self.model = to_fp16_keep_bn(copy.deepcopy(model))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.masters = [p.detach().clone().float().requires_grad_(True) if p.dtype == torch.float16 else p for p in self.params]
+        self.masters = [
+            p.detach().clone().float().requires_grad_(True) if p.dtype == torch.float16 else p for p in self.params
+        ]
         self.opt = make_opt(self.masters)
         self.scalers = [ApexScale(**scale_kw) for _ in range(num_losses)]
         self.skip = False
@@ -95,7 +105,9 @@ class ApexO2:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x.half()).float()
 
-    def backward(self, loss: torch.Tensor, loss_id: int = 0, delay_unscale: bool = False, retain_graph: bool = False) -> None:
+    def backward(
+        self, loss: torch.Tensor, loss_id: int = 0, delay_unscale: bool = False, retain_graph: bool = False
+    ) -> None:
         scaler = self.scalers[loss_id]
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if p is not m]
         direct = [p for p, m in zip(self.params, self.masters) if p is m]

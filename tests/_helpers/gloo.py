@@ -25,7 +25,11 @@ def run_two_ranks(worker_source: str, tmp_path: Path, *extra: str) -> list[Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "init"), str(tmp_path / "log"), *extra],
-        timeout=120, env=env, cwd=str(tmp_path), capture_output=True, text=True,
+        timeout=120,
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         # A rank sometimes aborts in teardown, after its results are written ("terminate called

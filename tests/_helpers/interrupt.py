@@ -135,7 +135,13 @@ def run_all(script: Script) -> tuple[Any, dict[tuple[int, str, str], Any]]:
 
 
 def sweep(
-    script: Script, *, at_iteration: int, call: str, limit: int = 20_000, dense: int | None = None, stride: int = 1,
+    script: Script,
+    *,
+    at_iteration: int,
+    call: str,
+    limit: int = 20_000,
+    dense: int | None = None,
+    stride: int = 1,
     resume_every: int = 1,
 ) -> dict[str, int]:
     """Interrupt ``call`` of iteration ``at_iteration`` at every line -- or, for a fast run,
@@ -184,7 +190,7 @@ def _one(
         expected = points[(at, target, "after" if done else "before")]
         _assert_equal(saved, expected, f"{where} ({'completed' if done else 'not completed'}): checkpoint")
         counts["completed" if done else "repeated"] += 1
-        rest = calls[k + 1:] if done else calls[k:]
+        rest = calls[k + 1 :] if done else calls[k:]
         if resume:
             _resume(script, saved, at, target, done, names, final_ref, where, counts)
         _run_calls(world, rest)
@@ -197,7 +203,14 @@ def _one(
 
 
 def _resume(
-    script: Script, saved: Any, at: int, target: str, done: bool, names: list[str], final_ref: Any, where: str,
+    script: Script,
+    saved: Any,
+    at: int,
+    target: str,
+    done: bool,
+    names: list[str],
+    final_ref: Any,
+    where: str,
     counts: dict[str, int],
 ) -> None:
     """From the saved checkpoint in a fresh world, where it sits at an iteration boundary."""
@@ -229,7 +242,9 @@ def _roundtrip(obj: Any) -> Any:
 def _assert_equal(a: Any, b: Any, where: str, path: str = "") -> None:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}{path}: {a!r} vs {b!r}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(_bits(a), _bits(b)), (
             f"{where}{path}: tensors differ ({a.flatten()[:4].tolist()} vs {b.flatten()[:4].tolist()})"
         )

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 
 class MegatronScaler:
-    def __init__(self, init_scale=2**32, scale_factor=2.0, scale_window=1000, min_scale=1, delayed_shift=1,
-                 consecutive_hysteresis=False):
+    def __init__(
+        self,
+        init_scale=2**32,
+        scale_factor=2.0,
+        scale_window=1000,
+        min_scale=1,
+        delayed_shift=1,
+        consecutive_hysteresis=False,
+    ):
         self.cur_scale = init_scale
         self.cur_iter = 0
         self.last_overflow_iter = -1

@@ -28,7 +28,6 @@ import torch
 
 import fp16kit
 
-
 _NEEDS_CUDA = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -64,9 +63,7 @@ def _seed():
 # common_cuda pulls in common_utils, which needs `expecttest` (not a dependency here), so they
 # are reproduced verbatim (same shapes, same construction order, so the same RNG draws).
 # ---------------------------------------------------------------------------------------------
-def _create_scaling_models_optimizers(
-    device="cuda", optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None
-):
+def _create_scaling_models_optimizers(device="cuda", optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
     # Create a module+optimizer that will use scaling, and a control module+optimizer
     # that will not use scaling, against which the scaling-enabled module+optimizer can be compared.
     mod_control = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(device=device)
@@ -84,9 +81,7 @@ def _create_scaling_models_optimizers(
     return mod_control, mod_scaling, opt_control, opt_scaling
 
 
-def _create_scaling_case(
-    device="cuda", dtype=torch.float, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None
-):
+def _create_scaling_case(device="cuda", dtype=torch.float, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
     data = [
         (torch.randn((8, 8), dtype=dtype, device=device), torch.randn((8, 8), dtype=dtype, device=device)),
         (torch.randn((8, 8), dtype=dtype, device=device), torch.randn((8, 8), dtype=dtype, device=device)),
@@ -112,8 +107,14 @@ def _assert_equal(actual, expected, *, rtol=None, atol=None, msg=None):
         assert actual == expected, msg
         return
     torch.testing.assert_close(
-        actual, expected, rtol=rtol, atol=atol, check_dtype=False, check_device=False,
-        equal_nan=True, msg=msg,
+        actual,
+        expected,
+        rtol=rtol,
+        atol=atol,
+        check_dtype=False,
+        check_device=False,
+        equal_nan=True,
+        msg=msg,
     )
 
 

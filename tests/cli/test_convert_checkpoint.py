@@ -31,7 +31,9 @@ def _stand_in(monkeypatch, path: str) -> type:
     parts = module.split(".")
     for i in range(1, len(parts) + 1):
         mod_name = ".".join(parts[:i])
-        if not isinstance(sys.modules.get(mod_name), types.ModuleType) or not getattr(sys.modules[mod_name], "_stand_in", False):
+        if not isinstance(sys.modules.get(mod_name), types.ModuleType) or not getattr(
+            sys.modules[mod_name], "_stand_in", False
+        ):
             mod = types.ModuleType(mod_name)
             mod._stand_in = True
             monkeypatch.setitem(sys.modules, mod_name, mod)
@@ -44,22 +46,45 @@ def _stand_in(monkeypatch, path: str) -> type:
 def apex_era_file(tmp_path, monkeypatch):
     """A Megatron-v1-style checkpoint with an apex era-2 scaler beside it, saved on cuda:0."""
     amp_scaler = _stand_in(monkeypatch, "apex.amp.scaler.LossScaler")()
-    amp_scaler.__dict__.update(dynamic=True, _loss_scale=4096.0, _max_loss_scale=2.0**24, _min_loss_scale=None,
-                               _scale_seq_len=2000, _unskipped=12, _has_overflow=False,
-                               _overflow_buf=torch.IntTensor([0]))
+    amp_scaler.__dict__.update(
+        dynamic=True,
+        _loss_scale=4096.0,
+        _max_loss_scale=2.0**24,
+        _min_loss_scale=None,
+        _scale_seq_len=2000,
+        _unskipped=12,
+        _has_overflow=False,
+        _overflow_buf=torch.IntTensor([0]),
+    )
     meg = _stand_in(monkeypatch, "megatron.fp16.loss_scaler.DynamicLossScaler")()
-    meg.__dict__.update(cur_scale=2.0**31, cur_iter=5, last_overflow_iter=1, scale_factor=2.0, scale_window=1000,
-                        min_scale=1, delayed_shift=2, cur_hysteresis=2, consecutive_hysteresis=False)
+    meg.__dict__.update(
+        cur_scale=2.0**31,
+        cur_iter=5,
+        last_overflow_iter=1,
+        scale_factor=2.0,
+        scale_window=1000,
+        min_scale=1,
+        delayed_shift=2,
+        cur_hysteresis=2,
+        consecutive_hysteresis=False,
+    )
     master = torch.ones(2, 3)
     master.model_parallel = True
     ckpt = {
         "args": argparse.Namespace(params_dtype=torch.float16, lr=1e-4),
         "iteration": 5,
         "model": {"w": torch.ones(2, 3).half()},
-        "optimizer": {"loss_scaler": meg, "dynamic_loss_scale": True, "overflow": False,
-                      "first_closure_call_this_step": True, "fp32_from_fp16": [[master]],
-                      "optimizer_state_dict": {"state": {0: {"exp_avg": torch.zeros(2, 3), "exp_avg_sq": torch.zeros(2, 3)}},
-                                               "param_groups": [{"lr": 1e-4, "step": 5, "params": [0]}]}},
+        "optimizer": {
+            "loss_scaler": meg,
+            "dynamic_loss_scale": True,
+            "overflow": False,
+            "first_closure_call_this_step": True,
+            "fp32_from_fp16": [[master]],
+            "optimizer_state_dict": {
+                "state": {0: {"exp_avg": torch.zeros(2, 3), "exp_avg_sq": torch.zeros(2, 3)}},
+                "param_groups": [{"lr": 1e-4, "step": 5, "params": [0]}],
+            },
+        },
         "apex_fp16_optimizer": {"loss_scaler": amp_scaler},
     }
     path = tmp_path / "old.pt"
@@ -117,8 +142,10 @@ def test_it_converts_prints_one_line_per_item_and_never_touches_in(tmp_path, cap
 def test_torch_optimizer_state_option(tmp_path, capsys, apex_era_file):
     code, out, _ = _run(capsys, apex_era_file, tmp_path / "new.pt", "--torch-optimizer-state")
     assert code == 0
-    assert ("  converted  optimizer.optimizer_state_dict.param_groups[0].step: per-group step 5 (apex Fused*) -> "
-            "state[p]['step'] = tensor(5.0) for the group's 1 params with state") in out.splitlines()
+    assert (
+        "  converted  optimizer.optimizer_state_dict.param_groups[0].step: per-group step 5 (apex Fused*) -> "
+        "state[p]['step'] = tensor(5.0) for the group's 1 params with state"
+    ) in out.splitlines()
     sd = torch.load(tmp_path / "new.pt", weights_only=True)["optimizer"]["optimizer_state_dict"]
     assert sd["state"][0]["step"].dtype == torch.float32 and sd["state"][0]["step"].item() == 5.0
     assert "step" not in sd["param_groups"][0]
@@ -145,13 +172,18 @@ class _Evil:
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
 def test_a_hostile_file_is_refused_runs_nothing_and_writes_nothing(tmp_path, capsys, legacy):
     marker = tmp_path / "pwned"
-    torch.save({"args": argparse.Namespace(hook=[{"x": _Evil(marker)}])}, tmp_path / "evil.pt",
-               _use_new_zipfile_serialization=not legacy)
+    torch.save(
+        {"args": argparse.Namespace(hook=[{"x": _Evil(marker)}])},
+        tmp_path / "evil.pt",
+        _use_new_zipfile_serialization=not legacy,
+    )
     code, out, err = _run(capsys, tmp_path / "evil.pt", tmp_path / "new.pt")
     assert code == 1 and out == ""
-    assert err == (f"fp16kit convert-checkpoint: error: {tmp_path / 'evil.pt'} pickles {os.system.__module__}.system, "
-                   "which no checkpoint of state dicts holds; nothing in it ran. If you trust the file, re-save its "
-                   "state dicts where that code is installed, and convert that file.\n")
+    assert err == (
+        f"fp16kit convert-checkpoint: error: {tmp_path / 'evil.pt'} pickles {os.system.__module__}.system, "
+        "which no checkpoint of state dicts holds; nothing in it ran. If you trust the file, re-save its "
+        "state dicts where that code is installed, and convert that file.\n"
+    )
     assert not marker.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["evil.pt"]
 
@@ -167,7 +199,9 @@ def test_truncated_damaged_and_missing_files_exit_1(tmp_path, capsys):
     damaged = bytearray(data)
     damaged[len(data) // 2] ^= 0x01  # one flipped bit in the middle of the tensor data
     (tmp_path / "bad.pt").write_bytes(bytes(damaged))
-    assert not torch.equal(torch.load(tmp_path / "bad.pt", weights_only=True)["w"], torch.arange(500.0))  # torch: silent
+    assert not torch.equal(
+        torch.load(tmp_path / "bad.pt", weights_only=True)["w"], torch.arange(500.0)
+    )  # torch: silent
     code, _, err = _run(capsys, tmp_path / "bad.pt", tmp_path / "b.pt")
     assert code == 1 and "fails its CRC check" in err
 
@@ -205,12 +239,22 @@ def test_bad_arguments_and_a_missing_out_folder_exit_2(tmp_path, capsys, apex_er
 @pytest.mark.slow
 def test_python_m_fp16kit_convert_checkpoint(tmp_path, apex_era_file):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-m", "fp16kit", "convert-checkpoint", str(apex_era_file),
-                           str(tmp_path / "new.pt")], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "fp16kit", "convert-checkpoint", str(apex_era_file), str(tmp_path / "new.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1].startswith(f"wrote {tmp_path / 'new.pt'}")
-    done = subprocess.run([sys.executable, "-m", "fp16kit", "convert-checkpoint", str(apex_era_file),
-                           str(tmp_path / "new.pt")], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "fp16kit", "convert-checkpoint", str(apex_era_file), str(tmp_path / "new.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--force" in done.stderr
 
 
@@ -284,8 +328,10 @@ def test_a_full_disk_is_said_so_and_leaves_nothing(tmp_path, capsys, apex_era_fi
 def test_map_location_cuda_without_cuda_names_this_commands_option(tmp_path, capsys, apex_era_file):
     code, out, err = _run(capsys, apex_era_file, tmp_path / "new.pt", "--map-location", "cuda:0")
     assert (code, out) == (2, "")
-    assert err == ("fp16kit convert-checkpoint: error: --map-location cuda:0: this machine has no CUDA; leave the "
-                   "option out (the default is cpu)\n")
+    assert err == (
+        "fp16kit convert-checkpoint: error: --map-location cuda:0: this machine has no CUDA; leave the "
+        "option out (the default is cpu)\n"
+    )
     assert not (tmp_path / "new.pt").exists()
 
 
@@ -327,47 +373,69 @@ def _bad_scaler(path, monkeypatch):
 # case -> (write IN at path, exit code, the message after the prefix; {IN} and {OUT} filled in)
 CASES = {
     "whole pickled model": (
-        lambda p, mp: torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2)), p), 1,
+        lambda p, mp: torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2)), p),
+        1,
         "{IN} holds a whole pickled model (torch.nn.modules.container.Sequential), not its state_dict(); nothing in it "
-        "ran. If you trust the file, re-save its state_dict() once where its classes import, and convert that file."),
+        "ran. If you trust the file, re-save its state_dict() once where its classes import, and convert that file.",
+    ),
     "whole pickled optimizer": (
-        lambda p, mp: torch.save(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), p), 1,
+        lambda p, mp: torch.save(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), p),
+        1,
         "{IN} holds a whole pickled optimizer (torch.optim.sgd.SGD), not its state_dict(); nothing in it ran. If you "
-        "trust the file, re-save its state_dict() once where its classes import, and convert that file."),
+        "trust the file, re-save its state_dict() once where its classes import, and convert that file.",
+    ),
     "unknown global": (
-        lambda p, mp: torch.save({"args": argparse.ArgumentParser}, p), 1,
+        lambda p, mp: torch.save({"args": argparse.ArgumentParser}, p),
+        1,
         "{IN} pickles argparse.ArgumentParser, which no checkpoint of state dicts holds; nothing in it ran. If you "
-        "trust the file, re-save its state dicts where that code is installed, and convert that file."),
+        "trust the file, re-save its state dicts where that code is installed, and convert that file.",
+    ),
     "empty file": (
-        lambda p, mp: p.write_bytes(b""), 1,
-        "{IN} is not a checkpoint written by torch.save: it is empty. Check that it is the file you meant."),
+        lambda p, mp: p.write_bytes(b""),
+        1,
+        "{IN} is not a checkpoint written by torch.save: it is empty. Check that it is the file you meant.",
+    ),
     "text file": (
-        lambda p, mp: p.write_text("step,loss\n1,0.5\n"), 1,
+        lambda p, mp: p.write_text("step,loss\n1,0.5\n"),
+        1,
         "{IN} is not a checkpoint written by torch.save: it starts with b'step,loss\\n1,0.5\\n'. Check that it is the "
-        "file you meant."),
+        "file you meant.",
+    ),
     "plain pickle": (
-        lambda p, mp: p.write_bytes(__import__("pickle").dumps({"w": [1.0]}, protocol=4)), 1,
+        lambda p, mp: p.write_bytes(__import__("pickle").dumps({"w": [1.0]}, protocol=4)),
+        1,
         "{IN} is not a checkpoint written by torch.save: it is a plain pickle (protocol 4), not torch.save's format. "
-        "Check that it is the file you meant."),
+        "Check that it is the file you meant.",
+    ),
     "zip without data.pkl": (
-        lambda p, mp: _zip_without_pickle(p), 1,
+        lambda p, mp: _zip_without_pickle(p),
+        1,
         "{IN} is not a checkpoint written by torch.save: it is a zip archive without a data.pkl record (it holds "
-        "['notes.txt']...). Check that it is the file you meant."),
+        "['notes.txt']...). Check that it is the file you meant.",
+    ),
     "newer pickle protocol": (
-        lambda p, mp: torch.save({"w": torch.ones(2)}, p, pickle_protocol=4), 1,
+        lambda p, mp: torch.save({"w": torch.ones(2)}, p, pickle_protocol=4),
+        1,
         "{IN} was saved with pickle protocol 4, which torch's safe reader does not read. Re-save it with "
-        "torch.save's default protocol where it loads, and convert that file."),
+        "torch.save's default protocol where it loads, and convert that file.",
+    ),
     "TorchScript archive": (
-        lambda p, mp: torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), p), 1,
-        "{IN} is a TorchScript archive (torch.jit.save), not a checkpoint: load it with torch.jit.load."),
+        lambda p, mp: torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), p),
+        1,
+        "{IN} is a TorchScript archive (torch.jit.save), not a checkpoint: load it with torch.jit.load.",
+    ),
     "cyclic structure": (
-        lambda p, mp: _cyclic(p), 1,
+        lambda p, mp: _cyclic(p),
+        1,
         "{IN} was not converted: it holds a cyclic structure (a container that contains itself), which a "
-        "checkpoint's state dicts never hold."),
+        "checkpoint's state dicts never hold.",
+    ),
     "scaler without its attributes": (
-        _bad_scaler, 1,
+        _bad_scaler,
+        1,
         "{IN} was not converted: optimizer.loss_scaler: the apex.amp.scaler.LossScaler there lacks that class's "
-        "attributes, or holds ones that are not numbers (apex did not write it)."),
+        "attributes, or holds ones that are not numbers (apex did not write it).",
+    ),
 }
 
 
@@ -401,8 +469,11 @@ def test_a_truncated_and_a_damaged_file(tmp_path, capsys):
     damaged[len(damaged) // 2] ^= 0x01
     (tmp_path / "bad.pt").write_bytes(bytes(damaged))
     assert _run(capsys, tmp_path / "bad.pt", tmp_path / "b.pt") == (
-        1, "", f"{_PREFIX}{tmp_path / 'bad.pt'} is truncated or corrupt: record 'archive/data/0' of its zip archive fails "
-        "its CRC check. Copy it again from the original.\n")
+        1,
+        "",
+        f"{_PREFIX}{tmp_path / 'bad.pt'} is truncated or corrupt: record 'archive/data/0' of its zip archive fails "
+        "its CRC check. Copy it again from the original.\n",
+    )
 
 
 def test_input_and_output_paths(tmp_path, capsys):
@@ -413,16 +484,43 @@ def test_input_and_output_paths(tmp_path, capsys):
     (tmp_path / "taken.pt").write_bytes(b"keep me")
     cases = [  # (IN, OUT, exit code, message)
         (tmp_path / "missing.pt", tmp_path / "o.pt", 1, f"{tmp_path / 'missing.pt'}: no such file."),
-        (tmp_path / "folder", tmp_path / "o.pt", 1, f"{tmp_path / 'folder'} is a directory; give the checkpoint file in it."),
-        (good, tmp_path / "taken.pt", 2, f"{tmp_path / 'taken.pt'} exists; choose another name, or pass --force to replace it."),
-        (good, good, 2, f"{good} is IN; write the converted checkpoint elsewhere, or pass --force to replace IN once "
-                        "converted."),
-        (good, tmp_path / "folder", 2, f"{tmp_path / 'folder'} is a directory; name the file to write in it, e.g. "
-                                       f"{tmp_path / 'folder' / 'good.pt'}."),
-        (good, tmp_path / "no" / "o.pt", 2, f"{tmp_path / 'no'} is not a directory: create it first, or write o.pt "
-                                            "elsewhere."),
-        (good, tmp_path / "a_file" / "o.pt", 2, f"{tmp_path / 'a_file'} is not a directory: create it first, or write "
-                                                "o.pt elsewhere."),
+        (
+            tmp_path / "folder",
+            tmp_path / "o.pt",
+            1,
+            f"{tmp_path / 'folder'} is a directory; give the checkpoint file in it.",
+        ),
+        (
+            good,
+            tmp_path / "taken.pt",
+            2,
+            f"{tmp_path / 'taken.pt'} exists; choose another name, or pass --force to replace it.",
+        ),
+        (
+            good,
+            good,
+            2,
+            f"{good} is IN; write the converted checkpoint elsewhere, or pass --force to replace IN once converted.",
+        ),
+        (
+            good,
+            tmp_path / "folder",
+            2,
+            f"{tmp_path / 'folder'} is a directory; name the file to write in it, e.g. "
+            f"{tmp_path / 'folder' / 'good.pt'}.",
+        ),
+        (
+            good,
+            tmp_path / "no" / "o.pt",
+            2,
+            f"{tmp_path / 'no'} is not a directory: create it first, or write o.pt elsewhere.",
+        ),
+        (
+            good,
+            tmp_path / "a_file" / "o.pt",
+            2,
+            f"{tmp_path / 'a_file'} is not a directory: create it first, or write o.pt elsewhere.",
+        ),
     ]
     for src, out, code, message in cases:
         assert _run(capsys, src, out) == (code, "", f"{_PREFIX}{message}\n"), (src, out)
@@ -438,19 +536,29 @@ def test_an_unreadable_input(tmp_path, capsys):
     assert _run(capsys, src, tmp_path / "o.pt") == (1, "", f"{_PREFIX}{src} cannot be read: permission denied.\n")
 
 
-@pytest.mark.parametrize("location,message", [
-    ("gpu", "--map-location gpu is not a device: give cpu (the default), cuda or cuda:N"),
-    ("cuda:x", "--map-location cuda:x is not a device: give cpu (the default), cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "location,message",
+    [
+        ("gpu", "--map-location gpu is not a device: give cpu (the default), cuda or cuda:N"),
+        ("cuda:x", "--map-location cuda:x is not a device: give cpu (the default), cuda or cuda:N"),
+    ],
+)
 def test_a_map_location_that_is_not_a_device(tmp_path, capsys, apex_era_file, location, message):
-    assert _run(capsys, apex_era_file, tmp_path / "o.pt", "--map-location", location) == (2, "", f"{_PREFIX}{message}\n")
+    assert _run(capsys, apex_era_file, tmp_path / "o.pt", "--map-location", location) == (
+        2,
+        "",
+        f"{_PREFIX}{message}\n",
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_device_this_machine_lacks(tmp_path, capsys, apex_era_file):
     n = torch.cuda.device_count()
     assert _run(capsys, apex_era_file, tmp_path / "o.pt", "--map-location", f"cuda:{n}") == (
-        2, "", f"{_PREFIX}--map-location cuda:{n}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}\n")
+        2,
+        "",
+        f"{_PREFIX}--map-location cuda:{n}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}\n",
+    )
 
 
 def test_a_safetensors_file_is_re_saved(tmp_path, capsys):
@@ -466,7 +574,7 @@ def test_a_safetensors_file_is_re_saved(tmp_path, capsys):
 def test_no_message_names_python_arguments_torch_advice_or_escape_codes(tmp_path, capsys, monkeypatch, apex_era_file):
     """Every failing case above, and the usage ones, checked for what used to leak into the messages."""
     messages = []
-    for case, (write, _, _) in CASES.items():
+    for _case, (write, _, _) in CASES.items():
         src = tmp_path / f"{len(messages)}.pt"
         write(src, monkeypatch)
         messages.append(_run(capsys, src, tmp_path / "never.pt")[2])
@@ -505,14 +613,60 @@ def _shared_records(path) -> None:
         infos, start = z.infolist(), z.start_dir
     body, blob, name = bytearray(data[:start]), bytes(2**16), b"archive/data/big"
     offset = len(body)
-    body += struct.pack(zipfile.structFileHeader, zipfile.stringFileHeader, 20, 0, 0, 0, 0, 0, zlib.crc32(blob),
-                        len(blob), len(blob), len(name), 0) + name + blob
+    body += (
+        struct.pack(
+            zipfile.structFileHeader,
+            zipfile.stringFileHeader,
+            20,
+            0,
+            0,
+            0,
+            0,
+            0,
+            zlib.crc32(blob),
+            len(blob),
+            len(blob),
+            len(name),
+            0,
+        )
+        + name
+        + blob
+    )
     rows = [(i.filename.encode(), i.CRC, i.compress_size, i.header_offset) for i in infos]
     rows += [(b"archive/data/big%d" % k, zlib.crc32(blob), len(blob), offset) for k in range(300)]
-    directory = b"".join(struct.pack(zipfile.structCentralDir, zipfile.stringCentralDir, 20, 3, 20, 0, 0, 0, 0, 0,
-                                     crc, size, size, len(n), 0, 0, 0, 0, 0, at) + n for n, crc, size, at in rows)
-    path.write_bytes(bytes(body) + directory + struct.pack(zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0,
-                                                           len(rows), len(rows), len(directory), len(body), 0))
+    directory = b"".join(
+        struct.pack(
+            zipfile.structCentralDir,
+            zipfile.stringCentralDir,
+            20,
+            3,
+            20,
+            0,
+            0,
+            0,
+            0,
+            0,
+            crc,
+            size,
+            size,
+            len(n),
+            0,
+            0,
+            0,
+            0,
+            0,
+            at,
+        )
+        + n
+        for n, crc, size, at in rows
+    )
+    path.write_bytes(
+        bytes(body)
+        + directory
+        + struct.pack(
+            zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0, len(rows), len(rows), len(directory), len(body), 0
+        )
+    )
 
 
 def _unfilled_legacy(path) -> None:
@@ -521,21 +675,31 @@ def _unfilled_legacy(path) -> None:
     torch.save({"w": torch.zeros(4)}, buf, _use_new_zipfile_serialization=False)
     data = buf.getvalue()
     i = data.find(b"K\x04", data.find(b"cpu"))  # the storage's numel
-    data = data[:i] + b"J\x00\x00\x00\x01" + data[i + 2:]
-    path.write_bytes(data[:data.rindex(b"\x80\x02]")] + b"\x80\x02].")
+    data = data[:i] + b"J\x00\x00\x00\x01" + data[i + 2 :]
+    path.write_bytes(data[: data.rindex(b"\x80\x02]")] + b"\x80\x02].")
 
 
 HOSTILE = {  # IN -> what the one line says after "{IN} "
-    "300 zip entries sharing one record": (_shared_records, "is truncated or corrupt: its zip records "
-                                           "'archive/data/big0' and 'archive/data/big1' overlap"),
-    "bytearray(2**26)": (lambda p: _with_pickle(p, b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x04\x85R."),
-                         "was not converted: its pickle builds 67,108,864 bytes by builtins.bytearray"),
-    "torch.FloatTensor(2**24)": (lambda p: _with_pickle(p, b"\x80\x02ctorch\nFloatTensor\nJ\x00\x00\x00\x01\x85R."),
-                                 "was not converted: it calls torch.FloatTensor(...) with arguments"),
-    "a bare apex class": (lambda p: _with_pickle(p, b"\x80\x02}X\x01\x00\x00\x00scapex.amp.scaler\nLossScaler\ns."),
-                          "was not converted: it holds apex.amp.scaler.LossScaler itself (the class or function"),
-    "a legacy storage never filled": (_unfilled_legacy, "is truncated or corrupt: its pickle claims storages of "
-                                      "67,108,864 bytes, more than the rest of the file"),
+    "300 zip entries sharing one record": (
+        _shared_records,
+        "is truncated or corrupt: its zip records 'archive/data/big0' and 'archive/data/big1' overlap",
+    ),
+    "bytearray(2**26)": (
+        lambda p: _with_pickle(p, b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x04\x85R."),
+        "was not converted: its pickle builds 67,108,864 bytes by builtins.bytearray",
+    ),
+    "torch.FloatTensor(2**24)": (
+        lambda p: _with_pickle(p, b"\x80\x02ctorch\nFloatTensor\nJ\x00\x00\x00\x01\x85R."),
+        "was not converted: it calls torch.FloatTensor(...) with arguments",
+    ),
+    "a bare apex class": (
+        lambda p: _with_pickle(p, b"\x80\x02}X\x01\x00\x00\x00scapex.amp.scaler\nLossScaler\ns."),
+        "was not converted: it holds apex.amp.scaler.LossScaler itself (the class or function",
+    ),
+    "a legacy storage never filled": (
+        _unfilled_legacy,
+        "is truncated or corrupt: its pickle claims storages of 67,108,864 bytes, more than the rest of the file",
+    ),
     # a 200k-deep tuple: tests/legacy/checkpoints/test_hostile.py, in a child process (it crashed the reader)
 }
 
@@ -587,12 +751,24 @@ def test_a_fifo_or_a_device_as_in_or_out_is_refused_at_once(tmp_path, capsys, ap
         got_in = _run(capsys, fifo, tmp_path / "o.pt")
     finally:
         opened = stop()
-    assert got_in == (1, "", f"{_PREFIX}{fifo} is a FIFO (named pipe), not a regular file (reading it could wait "
-                      "forever): give the checkpoint file.\n") and opened == 0
+    assert (
+        got_in
+        == (
+            1,
+            "",
+            f"{_PREFIX}{fifo} is a FIFO (named pipe), not a regular file (reading it could wait "
+            "forever): give the checkpoint file.\n",
+        )
+        and opened == 0
+    )
     assert _run(capsys, "/dev/zero", tmp_path / "o.pt")[:2] == (1, "")
     for out in (fifo, pathlib.Path("/dev/null")):
-        assert _run(capsys, apex_era_file, out, "--force") == (2, "", f"{_PREFIX}{out} is not a regular file (a FIFO, "
-                                                               "a device or a socket); name a file to write, --force or not.\n")
+        assert _run(capsys, apex_era_file, out, "--force") == (
+            2,
+            "",
+            f"{_PREFIX}{out} is not a regular file (a FIFO, "
+            "a device or a socket); name a file to write, --force or not.\n",
+        )
     assert fifo.is_fifo() and pathlib.Path("/dev/null").is_char_device()
 
 

@@ -16,8 +16,7 @@ import torch
 
 import fp16kit
 from fp16kit.cli import main
-from fp16kit.demo import RECIPE_NAMES, RECIPES, DemoConfig, EpochRow, run_demo, summarize
-from fp16kit.demo import runner
+from fp16kit.demo import RECIPE_NAMES, RECIPES, DemoConfig, EpochRow, run_demo, runner, summarize
 from fp16kit.demo.data import loss_fn, make_model, make_task
 from fp16kit.demo.measure import STATE_PARTS
 from fp16kit.legacy.amp._amp_state import _amp_state
@@ -192,8 +191,13 @@ def test_skipped_steps_are_reported_when_the_init_scale_is_too_high():
 
 
 def test_trace_records_the_scale_after_every_step():
-    cfg = DemoConfig(**dict(TINY, epochs=1, steps_per_epoch=6), init_scale=2.0**40, growth_interval=1000,
-                     recipes=("fp32", "autocast"), trace=True)
+    cfg = DemoConfig(
+        **dict(TINY, epochs=1, steps_per_epoch=6),
+        init_scale=2.0**40,
+        growth_interval=1000,
+        recipes=("fp32", "autocast"),
+        trace=True,
+    )
     rows = {r.recipe: r for r in run_demo(cfg).rows}
     assert rows["fp32"].step_scales == ()
     scales = rows["autocast"].step_scales
@@ -204,13 +208,30 @@ def test_trace_records_the_scale_after_every_step():
 
 def test_summaries_follow_their_formulas():
     def row(recipe, epoch, loss, ms, skipped=0, scale=None, lost=0, state=(4, 4, 8, 0)):
-        return EpochRow(recipe, epoch, loss, loss, 0.5, scale, skipped, ms, (loss,), lost=lost, stepped=10,
-                        finite=epoch < 3 or recipe == "fp32", state=dict(zip(STATE_PARTS, state)), params=2)
+        return EpochRow(
+            recipe,
+            epoch,
+            loss,
+            loss,
+            0.5,
+            scale,
+            skipped,
+            ms,
+            (loss,),
+            lost=lost,
+            stepped=10,
+            finite=epoch < 3 or recipe == "fp32",
+            state=dict(zip(STATE_PARTS, state)),
+            params=2,
+        )
 
     rows = [
-        row("fp32", 1, 2.0, 10.0), row("x", 1, 2.5, 30.0, 2, 8.0, lost=1, state=(2, 2, 8, 8)),
-        row("fp32", 2, 1.0, 14.0), row("x", 2, 1.5, 20.0, 1, 4.0, lost=4, state=(2, 2, 8, 8)),
-        row("fp32", 3, 0.5, 12.0), row("x", 3, 0.6, 90.0, 0, 4.0, lost=1, state=(2, 0, 8, 8)),
+        row("fp32", 1, 2.0, 10.0),
+        row("x", 1, 2.5, 30.0, 2, 8.0, lost=1, state=(2, 2, 8, 8)),
+        row("fp32", 2, 1.0, 14.0),
+        row("x", 2, 1.5, 20.0, 1, 4.0, lost=4, state=(2, 2, 8, 8)),
+        row("fp32", 3, 0.5, 12.0),
+        row("x", 3, 0.6, 90.0, 0, 4.0, lost=1, state=(2, 0, 8, 8)),
     ]
     fp32, x = summarize(rows)
     assert (fp32.recipe, x.recipe) == ("fp32", "x")
@@ -277,7 +298,8 @@ def test_fp16_adamw_without_masters_divides_by_zero_at_its_first_step():
         v = recipe.optimizer.state[p]["exp_avg_sq"]
         assert torch.equal(~p.isfinite(), v == 0)  # inf exactly where the second moment underflowed
     assert sum(int((~p.isfinite()).sum()) for p in recipe.model.parameters()) > 0.5 * sum(
-        p.numel() for p in recipe.model.parameters())
+        p.numel() for p in recipe.model.parameters()
+    )
     masters = RECIPES["master-weights"].build(make_model(cfg), cfg)
     masters.step(x, y)
     assert all(bool(p.isfinite().all()) for p in masters.model.parameters())
@@ -337,7 +359,8 @@ def test_the_state_bytes_are_the_tensors_bytes(monkeypatch):
             "weights": _tensor_bytes(params),
             "grads": _tensor_bytes(p.grad for p in params if p.grad is not None),
             "optimizer state": _tensor_bytes(
-                v for st in recipe.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)),
+                v for st in recipe.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+            ),
             "masters": _tensor_bytes(masters) + _tensor_bytes(m.grad for m in masters if m.grad is not None),
         }
         assert by[name].state == expected, name
@@ -432,7 +455,7 @@ def _parse(lines: list[str]) -> list[dict[str, str]]:
 
 
 def _final_table(out: str) -> dict[str, dict[str, str]]:
-    lines = out[out.index("\nafter "):].splitlines()[2:]
+    lines = out[out.index("\nafter ") :].splitlines()[2:]
     lines = lines[: lines.index("")]
     return {row["recipe"]: row for row in _parse(lines)}
 
@@ -443,10 +466,28 @@ def _epoch_table(out: str) -> list[dict[str, str]]:
     return _parse(lines[at - 1 : at + 1] + _table_lines(out))
 
 
-FINAL_COLUMNS = ["recipe", "eval loss", "loss vs fp32", "accuracy", "updates lost", "skipped (total)",
-                 "final loss scale", "bytes /param", "time/step (x fp32)"]
-EPOCH_COLUMNS = ["epoch", "recipe", "train loss", "eval loss", "accuracy", "updates lost", "loss scale",
-                 "skipped (epoch)", "ms /step"]
+FINAL_COLUMNS = [
+    "recipe",
+    "eval loss",
+    "loss vs fp32",
+    "accuracy",
+    "updates lost",
+    "skipped (total)",
+    "final loss scale",
+    "bytes /param",
+    "time/step (x fp32)",
+]
+EPOCH_COLUMNS = [
+    "epoch",
+    "recipe",
+    "train loss",
+    "eval loss",
+    "accuracy",
+    "updates lost",
+    "loss scale",
+    "skipped (epoch)",
+    "ms /step",
+]
 
 
 def test_cli_prints_a_header_rows_and_a_table(capsys):
@@ -483,7 +524,7 @@ def test_cli_shows_what_the_no_master_rows_lose(capsys):
     assert re.fullmatch(r"\d+\.\d%", final["bf16-no-masters"]["updates lost"])
     for name in ("fp32", *MASTERS, "autocast"):
         assert final[name]["updates lost"] == "0.0%", name
-    notes = " ".join(out[out.index("\nafter "):].split())
+    notes = " ".join(out[out.index("\nafter ") :].split())
     assert "fp16-no-masters: its weights are inf/NaN after epoch 1: AdamW keeps its state" in notes
     assert "--optimizer sgd shows fp16's rounding instead" in notes
     assert "bytes/param = weights + grads + optimizer state + masters: fp32, autocast 4+4+8+0;" in notes
@@ -515,14 +556,24 @@ def test_cli_help_documents_the_rows_and_the_columns(capsys):
         main(["demo", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    rows = out[out.index("the rows"):out.index("the final table's columns")]
+    rows = out[out.index("the rows") : out.index("the final table's columns")]
     for name in RECIPE_NAMES:
         assert re.search(rf"^  {re.escape(name)} +\S", rows, re.M), name
     assert "no masters" in rows and "no loss scale" in " ".join(rows.split())
-    columns = " ".join(out[out.index("the final table's columns"):].split())
-    for text in ("eval loss, vs fp32", "accuracy", "updates lost", "skipped (total)", "loss scale",
-                 "bytes/param", "weights + grads + optimizer state + masters", "time/step (x fp32)",
-                 "multiple of fp32's", "per-epoch lines: in that epoch", '"no loss scale"'):
+    columns = " ".join(out[out.index("the final table's columns") :].split())
+    for text in (
+        "eval loss, vs fp32",
+        "accuracy",
+        "updates lost",
+        "skipped (total)",
+        "loss scale",
+        "bytes/param",
+        "weights + grads + optimizer state + masters",
+        "time/step (x fp32)",
+        "multiple of fp32's",
+        "per-epoch lines: in that epoch",
+        '"no loss scale"',
+    ):
         assert text in columns, text
 
 
@@ -549,8 +600,18 @@ def test_cli_prints_each_row_as_soon_as_it_is_measured(capsys, monkeypatch):
         elif line in _table_lines(line):
             events.append("row " + " ".join(line.split()[:2]))
     assert events == [
-        "<step fp32>", "<step fp32>", "row 1 fp32", "<step autocast>", "<step autocast>", "row 1 autocast",
-        "<step fp32>", "<step fp32>", "row 2 fp32", "<step autocast>", "<step autocast>", "row 2 autocast",
+        "<step fp32>",
+        "<step fp32>",
+        "row 1 fp32",
+        "<step autocast>",
+        "<step autocast>",
+        "row 1 autocast",
+        "<step fp32>",
+        "<step fp32>",
+        "row 2 fp32",
+        "<step autocast>",
+        "<step autocast>",
+        "row 2 autocast",
     ]
 
 
@@ -619,7 +680,7 @@ def test_cli_counts_and_hides_overflow_warnings_unless_verbose(capsys, caplog):
     args = ["demo", "--epochs", "1", "--steps", "3", "--recipes", "fp16-optimizer", "--init-scale", str(2.0**40)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "3 of apex's \"Gradient overflow. Skipping step\" messages hidden" in " ".join(out.split())  # 3 overflows
+    assert '3 of apex\'s "Gradient overflow. Skipping step" messages hidden' in " ".join(out.split())  # 3 overflows
     assert _overflow_lines(out) == []
     assert not [r for r in caplog.records if r.name.startswith("fp16kit")]  # nor in the script's logging
     assert main([*args, "--verbose"]) == 0
@@ -662,7 +723,8 @@ def _logging_steps(monkeypatch, *records):
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_overflow_lines_on_the_apex_logger_are_counted_and_kept_out_of_the_table(
-        capsys, monkeypatch, apex_logger, verbose):
+    capsys, monkeypatch, apex_logger, verbose
+):
     logger, handler, stream = apex_logger
     overflow = "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0"
     other = "Warning:  something the demo does not expect"
@@ -699,11 +761,14 @@ def test_the_apex_logger_is_put_back_after_an_interrupt(capsys, monkeypatch, ape
     assert logger.handlers == before and logging.getLogger("fp16kit").filters == []
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--epochs", "0"], "must be >= 1"),
-    (["--init-scale", "inf"], "must be a finite number > 0"),
-    (["--init-scale", "nan"], "must be a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--epochs", "0"], "must be >= 1"),
+        (["--init-scale", "inf"], "must be a finite number > 0"),
+        (["--init-scale", "nan"], "must be a finite number > 0"),
+    ],
+)
 def test_cli_rejects_bad_arguments(capsys, args, message):
     with pytest.raises(SystemExit) as e:
         main(["demo", *args])
@@ -733,9 +798,22 @@ def test_cli_version(capsys):
 def test_python_dash_m_fp16kit_demo_writes_no_warning():
     # `python -m fp16kit` runs the command line; an init scale that overflows: apex's overflow
     # messages would go to stderr
-    done = _python("-m", "fp16kit", "demo", "--epochs", "1", "--steps", "3", "--init-scale", str(2.0**40),
-                   "--recipes", "fp32", "fp16-optimizer", "amp-o2")
+    done = _python(
+        "-m",
+        "fp16kit",
+        "demo",
+        "--epochs",
+        "1",
+        "--steps",
+        "3",
+        "--init-scale",
+        str(2.0**40),
+        "--recipes",
+        "fp32",
+        "fp16-optimizer",
+        "amp-o2",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert done.stdout.startswith(f"fp16kit {fp16kit.__version__} demo:")
-    assert "overflow. Skipping step\" messages hidden" in " ".join(done.stdout.split())
+    assert 'overflow. Skipping step" messages hidden' in " ".join(done.stdout.split())

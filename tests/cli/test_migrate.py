@@ -104,7 +104,9 @@ def test_help_documents_the_exit_codes(capsys):
 
 
 def test_says_how_to_get_libcst(monkeypatch, tmp_path, capsys):
-    for name in [m for m in sys.modules if m.startswith(("libcst", "fp16kit.migrate.codemod", "fp16kit.migrate.files"))]:
+    for name in [
+        m for m in sys.modules if m.startswith(("libcst", "fp16kit.migrate.codemod", "fp16kit.migrate.files"))
+    ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "libcst", None)  # what an install without the extra looks like
     assert main(["migrate", str(tmp_path)]) == 2
@@ -199,7 +201,9 @@ def test_files_it_cannot_or_must_not_rewrite_are_listed_and_the_run_goes_on(tmp_
     (tree / "deep.py").write_text("import apex\nx = " + " + ".join(["a"] * 400) + "\n")
     (tree / "escape.py").write_text("import apex\npattern = '\\d+'\n")
     (tree / "big_pb2.py").write_text("from apex import amp\n" + "# generated\n" * 200)
-    before = {p: p.read_bytes() for p in (outside / "shared.py", tree / "linked.py", tree / "locked.py", tree / "nul.py")}
+    before = {
+        p: p.read_bytes() for p in (outside / "shared.py", tree / "linked.py", tree / "locked.py", tree / "nul.py")
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         code = main(["migrate", str(tree), "--max-size", "2000"])
@@ -217,7 +221,10 @@ def test_files_it_cannot_or_must_not_rewrite_are_listed_and_the_run_goes_on(tmp_
         f"{tree / 'shared.py'}: a symlink to {outside / 'shared.py'}, outside the folders given: name "
         f"{outside / 'shared.py'} itself to migrate it; file skipped",
     ]
-    assert "2 of 7 Python files rewritten" in captured.out and "; 5 files could not be processed (listed above)" in captured.out
+    assert (
+        "2 of 7 Python files rewritten" in captured.out
+        and "; 5 files could not be processed (listed above)" in captured.out
+    )
     assert {p: p.read_bytes() for p in before} == before
     assert (tree / "deep.py").read_text().startswith("import fp16kit.legacy\n")
     assert (tree / "escape.py").read_text() == "import fp16kit.legacy\npattern = '\\d+'\n"
@@ -238,8 +245,13 @@ def test_help_documents_the_safety_flags(capsys):
     with pytest.raises(SystemExit):
         main(["migrate", "--help"])
     out = capsys.readouterr().out
-    for text in ("--max-size BYTES", "--write-hard-links", "--write-read-only", "changed while migrating",
-                 "3  some file could not be processed"):
+    for text in (
+        "--max-size BYTES",
+        "--write-hard-links",
+        "--write-read-only",
+        "changed while migrating",
+        "3  some file could not be processed",
+    ):
         assert text in out
     with pytest.raises(SystemExit) as e:
         main(["migrate", ".", "--max-size", "0"])

@@ -20,15 +20,18 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 def _python(*args, cwd=None):
     r = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=120)
     # torch without numpy warns at import (two lines); the script itself does not import torch
-    err = "".join(line for line in r.stderr.splitlines(keepends=True) if "NumPy" not in line and "_conversion_method" not in line)
+    err = "".join(
+        line for line in r.stderr.splitlines(keepends=True) if "NumPy" not in line and "_conversion_method" not in line
+    )
     return r.returncode, r.stdout, err
 
 
 @pytest.mark.slow
 def test_same_argv_output_traceback_and_exit_code_as_python(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import sys
         print(__name__, sys.argv[1:])
         def fail():
@@ -37,7 +40,8 @@ def test_same_argv_output_traceback_and_exit_code_as_python(tmp_path):
             fail()
         sys.exit(int(sys.argv[-1]))
         """
-    ))
+        )
+    )
     for last in ("5", "raise"):
         args = [str(script), "--lr", "3", "-m", "--megatron", last]
         assert _python("-m", "fp16kit", "run", *args) == _python(*args)
@@ -48,8 +52,9 @@ def test_same_argv_output_traceback_and_exit_code_as_python(tmp_path):
 
 @pytest.mark.slow
 def test_apex_script_and_module_and_spawned_child(tmp_path):
-    (tmp_path / "job.py").write_text(textwrap.dedent(
-        """
+    (tmp_path / "job.py").write_text(
+        textwrap.dedent(
+            """
         import multiprocessing as mp
         import sys
         from apex import amp  # the spawned child runs this again, as __mp_main__
@@ -67,7 +72,8 @@ def test_apex_script_and_module_and_spawned_child(tmp_path):
             child.join()
             sys.exit(child.exitcode)
         """
-    ))
+        )
+    )
     code, out, err = _python("-m", "fp16kit", "run", "-m", "job", "--x", cwd=tmp_path)
     assert (code, out) == (0, "fp16kit.legacy.amp fp16kit.legacy.optimizers ['--x']\n"), err
     code, out, err = _python("-m", "fp16kit", "run", str(tmp_path / "job.py"), cwd=tmp_path)
@@ -112,14 +118,16 @@ def test_the_scripts_logging_setup_works_as_under_python(tmp_path):
     # HF-style scripts call logging.basicConfig(level=INFO, format=...): with the command line's own
     # root handler still there it did nothing (the INFO lines vanished, the format was fp16kit's)
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import logging
         logging.basicConfig(format="%(levelname)s|%(name)s|%(message)s", level=logging.INFO)
         logging.getLogger(__name__).info("***** Running training *****")
         logging.getLogger("fp16kit").warning("Gradient overflow.")
         """
-    ))
+        )
+    )
     expected = (0, "", "INFO|__main__|***** Running training *****\nWARNING|fp16kit|Gradient overflow.\n")
     assert _python(str(script)) == expected
     assert _python("-m", "fp16kit", "run", str(script)) == expected
@@ -133,8 +141,9 @@ def test_threads_and_atexit_handlers_still_see_the_script_after_its_last_line(tm
     # the script's __main__ and the alias were put back when its body ended: a non-daemon thread or
     # an atexit handler then failed to pickle the script's classes (and to import apex)
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import atexit, pickle, threading, time
         class Checkpoint:
             pass
@@ -145,7 +154,8 @@ def test_threads_and_atexit_handlers_still_see_the_script_after_its_last_line(tm
         atexit.register(lambda: print("atexit", len(pickle.dumps(Checkpoint())) > 0))
         threading.Thread(target=save).start()
         """
-    ))
+        )
+    )
     code, out, err = _python("-m", "fp16kit", "run", str(script))
     assert (code, out) == (0, "thread True fp16kit.legacy.amp\natexit True\n"), err
 
@@ -180,8 +190,9 @@ def test_beside_a_new_apex_only_what_it_lacks_is_fp16kit(tmp_path):
     (site / "apex" / "contrib" / "__init__.py").write_text("")
     (site / "apex" / "contrib" / "xentropy" / "__init__.py").write_text("class SoftmaxCrossEntropyLoss:\n    pass\n")
     (site / "apex" / "optimizers" / "__init__.py").write_text("class FusedAdam:\n    MARKER = 'real'\n")
-    (tmp_path / "train.py").write_text(textwrap.dedent(
-        """
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent(
+            """
         import multiprocessing as mp
         import apex
         from apex import amp
@@ -201,7 +212,8 @@ def test_beside_a_new_apex_only_what_it_lacks_is_fp16kit(tmp_path):
                   SoftmaxCrossEntropyLoss.__module__, queue.get(timeout=60))
             child.join()
         """
-    ))
+        )
+    )
     env = dict(ENV, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
     run = [sys.executable, "-m", "fp16kit", "run"]
     r = subprocess.run([*run, "train.py"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
@@ -211,6 +223,17 @@ def test_beside_a_new_apex_only_what_it_lacks_is_fp16kit(tmp_path):
         "(True, 'fp16kit.legacy.fp16_utils', 'real')\n"
     )
     # --shadow keeps its meaning: all of apex is fp16kit's, the real one is hidden
-    r = subprocess.run([*run, "--shadow", "-c", "import apex, apex.optimizers; print(hasattr(apex, 'REAL'), "
-                        "apex.optimizers.__name__)"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    r = subprocess.run(
+        [
+            *run,
+            "--shadow",
+            "-c",
+            "import apex, apex.optimizers; print(hasattr(apex, 'REAL'), apex.optimizers.__name__)",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert (r.returncode, r.stdout) == (0, "False fp16kit.legacy.optimizers\n"), r.stderr

@@ -186,6 +186,7 @@ def mpo_script(
     def iteration(w: Any, i: int) -> list:
         calls: list = [("zero_grad", lambda w: w.opt.zero_grad()), ("backward", lambda w: backward(w, i))]
         if submit:
+
             def step_job(w: Any) -> None:
                 w.scaler.step(w.opt)
                 w.opt.zero_grad()

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import fp16kit
-from fp16kit.core.interrupts import completed
 
 
 # ---------------------------------------------------------------------- tools
@@ -123,8 +122,6 @@ class _BlockingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-
-
 # ---------------------------------------------------------------------- a second Ctrl-C
 def test_a_second_ctrl_c_inside_the_inner_step_makes_the_optimizer_refuse() -> None:
     """A double Ctrl-C inside ``scaler.step(opt)`` breaks off the wrapped AdamW half way
@@ -135,7 +132,10 @@ def test_a_second_ctrl_c_inside_the_inner_step_makes_the_optimizer_refuse() -> N
     w.opt.zero_grad(), _backward(w, 0)
     before = _masters(w)
     fired, error = sigint_when(
-        [in_function("step", "fp16kit/scaler/grad_scaler.py"), in_function("_single_tensor_adam", "torch/optim/adam.py", 40)],
+        [
+            in_function("step", "fp16kit/scaler/grad_scaler.py"),
+            in_function("_single_tensor_adam", "torch/optim/adam.py", 40),
+        ],
         lambda: w.scaler.step(w.opt),
     )
     assert fired == 2 and isinstance(error, KeyboardInterrupt)
@@ -169,8 +169,6 @@ def test_a_second_ctrl_c_never_leaves_grad_mode_disabled() -> None:
     )
     assert fired == 2 and isinstance(error, KeyboardInterrupt)
     assert torch.is_grad_enabled(), "grad mode left disabled by a Ctrl-C-broken scaler.step()"
-
-
 
 
 # ---------------------------------------------------------------------- the program's own handler
@@ -221,8 +219,6 @@ def _final(w: SimpleNamespace) -> dict[str, Any]:
     return {**_checkpoint(w), "masters": _masters(w)}
 
 
-
-
 # ---------------------------------------------------------------------- recovering from a broken call
 @pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
 def test_load_state_dict_recovers_an_optimizer_broken_by_a_second_ctrl_c(async_step: bool) -> None:
@@ -237,7 +233,10 @@ def test_load_state_dict_recovers_an_optimizer_broken_by_a_second_ctrl_c(async_s
         w.opt.zero_grad(), _backward(w, 1)
         w.scaler.unscale_(w.opt)
         fired, error = sigint_when(
-            [in_function("step", "fp16kit/master_weights/optimizer.py"), in_function("step", "fp16kit/master_weights/optimizer.py", 4)],
+            [
+                in_function("step", "fp16kit/master_weights/optimizer.py"),
+                in_function("step", "fp16kit/master_weights/optimizer.py", 4),
+            ],
             lambda: w.opt.step(),
         )
         assert fired == 2 and isinstance(error, KeyboardInterrupt)

@@ -232,7 +232,9 @@ def test_unscale_add_to_flags_non_finite_sources_only():
     kernels.unscale_add_to_([src], [dst], torch.tensor(0.5), found)
     assert found.item() == 1.0
     clean = kernels.new_found_inf("cpu")
-    kernels.unscale_add_to_([torch.ones(2, dtype=torch.float16)], [torch.full((2,), float("nan"))], torch.tensor(0.5), clean)
+    kernels.unscale_add_to_(
+        [torch.ones(2, dtype=torch.float16)], [torch.full((2,), float("nan"))], torch.tensor(0.5), clean
+    )
     assert clean.item() == 0.0  # the accumulated destination is not checked (apex checked the new grads)
 
 

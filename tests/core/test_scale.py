@@ -116,9 +116,7 @@ def test_apex_rule_floor_is_one():
 
 
 def test_apex_rule_float64_is_python_float_arithmetic():
-    ls = LossScale(
-        2.0**32, rule="apex", growth_factor=3.0, growth_interval=2, dtype=torch.float64, device="cpu"
-    )
+    ls = LossScale(2.0**32, rule="apex", growth_factor=3.0, growth_interval=2, dtype=torch.float64, device="cpu")
     expected = float(2**32)
     cur_iter, last = 0, -1
     for o in [INF, INF, OK, OK, OK, OK, INF, OK]:
@@ -375,7 +373,9 @@ def test_pickling_drops_the_device_record_as_a_unit():
     assert state["_device_state"] == ScaleState()  # every field empty: nothing device-side left
     assert not any(isinstance(v, torch.Tensor) for v in state.values())
     assert (state["init_scale"], state["init_growth_tracker"], state["init_hysteresis_tracker"]) == (
-        ls.get_scale(), ls.get_growth_tracker(), ls.get_hysteresis_tracker()
+        ls.get_scale(),
+        ls.get_growth_tracker(),
+        ls.get_hysteresis_tracker(),
     )
     assert (state["_init_skipped"], state["_init_consecutive"]) == (3, 2)
     assert ls.is_materialized  # pickling did not touch the original
@@ -432,22 +432,22 @@ def test_each_rule_name_picks_its_rule_object_and_stays_a_string():
 # A LossScale pickled by fp16kit before its device state was one record (commit f9d784f):
 # 16.0, hysteresis=2, min_scale=1.0, on_min_scale="warn", after updates INF, OK, INF, INF.
 _OLD_PICKLE = (
-    b'\x80\x04\x95`\x02\x00\x00\x00\x00\x00\x00\x8c\x12fp16kit.core.scale\x94\x8c\tLossSc'
-    b'ale\x94\x93\x94)\x81\x94}\x94(\x8c\x04rule\x94\x8c\x05torch\x94\x8c\rgrowth_fact'
-    b'or\x94G@\x00\x00\x00\x00\x00\x00\x00\x8c\x0ebackoff_factor\x94G?\xe0\x00\x00\x00\x00\x00\x00\x8c\x0f'
-    b'growth_interval\x94M\xd0\x07\x8c\nhysteresis\x94K\x02\x8c\tmin_'
-    b'scale\x94G?\xf0\x00\x00\x00\x00\x00\x00\x8c\tmax_scale\x94N\x8c\x0con_min_sca'
-    b'le\x94\x8c\x04warn\x94\x8c\x05dtype\x94\x8c\x05torch\x94\x8c\x07float32\x94\x93\x94\x8c\n'
-    b'init_scale\x94G@\x10\x00\x00\x00\x00\x00\x00\x8c\x13init_growth_tracke'
-    b'r\x94K\x00\x8c\x17init_hysteresis_tracker\x94K\x00\x8c\r_init_'
-    b'skipped\x94K\x03\x8c\x11_init_consecutive\x94K\x02\x8c\x05scale\x94'
-    b'N\x8c\x0egrowth_tracker\x94N\x8c\x12hysteresis_tracker\x94'
-    b'N\x8c\x08_skipped\x94N\x8c\x0c_consecutive\x94N\x8c\x08_history\x94'
-    b'N\x8c\x06_slots\x94]\x94\x8c\t_recorded\x94K\x00\x8c\n_last_slot\x94N'
-    b'\x8c\x0b_count_lock\x94N\x8c\x0b_floor_hits\x94N\x8c\r_floor_r'
-    b'eader\x94h\x00\x8c\r_LaggedReader\x94\x93\x94)\x81\x94}\x94\x8c\x08_pendin'
-    b'g\x94\x8c\x0bcollections\x94\x8c\x05deque\x94\x93\x94)R\x94sb\x8c\x14_floor_'
-    b'hits_reported\x94K\x00ub.'
+    b"\x80\x04\x95`\x02\x00\x00\x00\x00\x00\x00\x8c\x12fp16kit.core.scale\x94\x8c\tLossSc"
+    b"ale\x94\x93\x94)\x81\x94}\x94(\x8c\x04rule\x94\x8c\x05torch\x94\x8c\rgrowth_fact"
+    b"or\x94G@\x00\x00\x00\x00\x00\x00\x00\x8c\x0ebackoff_factor\x94G?\xe0\x00\x00\x00\x00\x00\x00\x8c\x0f"
+    b"growth_interval\x94M\xd0\x07\x8c\nhysteresis\x94K\x02\x8c\tmin_"
+    b"scale\x94G?\xf0\x00\x00\x00\x00\x00\x00\x8c\tmax_scale\x94N\x8c\x0con_min_sca"
+    b"le\x94\x8c\x04warn\x94\x8c\x05dtype\x94\x8c\x05torch\x94\x8c\x07float32\x94\x93\x94\x8c\n"
+    b"init_scale\x94G@\x10\x00\x00\x00\x00\x00\x00\x8c\x13init_growth_tracke"
+    b"r\x94K\x00\x8c\x17init_hysteresis_tracker\x94K\x00\x8c\r_init_"
+    b"skipped\x94K\x03\x8c\x11_init_consecutive\x94K\x02\x8c\x05scale\x94"
+    b"N\x8c\x0egrowth_tracker\x94N\x8c\x12hysteresis_tracker\x94"
+    b"N\x8c\x08_skipped\x94N\x8c\x0c_consecutive\x94N\x8c\x08_history\x94"
+    b"N\x8c\x06_slots\x94]\x94\x8c\t_recorded\x94K\x00\x8c\n_last_slot\x94N"
+    b"\x8c\x0b_count_lock\x94N\x8c\x0b_floor_hits\x94N\x8c\r_floor_r"
+    b"eader\x94h\x00\x8c\r_LaggedReader\x94\x93\x94)\x81\x94}\x94\x8c\x08_pendin"
+    b"g\x94\x8c\x0bcollections\x94\x8c\x05deque\x94\x93\x94)R\x94sb\x8c\x14_floor_"
+    b"hits_reported\x94K\x00ub."
 )
 
 
@@ -455,7 +455,10 @@ def test_unpickles_a_loss_scale_pickled_before_the_record():
     ls = pickle.loads(_OLD_PICKLE)
     assert not ls.is_materialized and ls.scale is None and ls.last_found_inf() is None
     assert (ls.get_scale(), ls.get_hysteresis_tracker(), ls.skipped_steps(), ls.consecutive_skipped_steps()) == (
-        4.0, 0, 3, 2
+        4.0,
+        0,
+        3,
+        2,
     )
     assert not ({"scale", "_skipped", "_floor_reader", "_count_lock"} & set(vars(ls)))
     ls.materialize("cpu")

@@ -83,8 +83,13 @@ def test_apex_rule_with_hysteresis_follows_the_pseudo_code(consecutive, seed):
     hysteresis, window, min_scale = rng.randint(1, 4), rng.randint(1, 5), rng.choice([1.0, 4.0, 0.5])
     seq = storm(rng, 200)
     ls = LossScale(
-        2.0**20, rule="apex", growth_interval=window, hysteresis=hysteresis,
-        consecutive_hysteresis=consecutive, min_scale=min_scale, dtype=torch.float64,
+        2.0**20,
+        rule="apex",
+        growth_interval=window,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_scale=min_scale,
+        dtype=torch.float64,
     )
     assert run(ls, seq) == apex_reference(2.0**20, window, 2.0, hysteresis, min_scale, consecutive, seq)
 
@@ -96,7 +101,10 @@ def test_torch_rule_with_hysteresis_follows_the_pseudo_code(consecutive, seed):
     hysteresis, window = rng.randint(1, 4), rng.randint(1, 5)
     seq = storm(rng, 150)
     ls = LossScale(
-        2.0**16, growth_interval=window, hysteresis=hysteresis, consecutive_hysteresis=consecutive,
+        2.0**16,
+        growth_interval=window,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
         min_scale=1.0,
     )
     assert run(ls, seq) == torch_reference(2.0**16, window, hysteresis, consecutive, seq)

@@ -101,7 +101,9 @@ def test_floor_watch_on_cuda_never_syncs():
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            watch.count(torch.ones((), dtype=torch.bool, device="cuda"), torch.ones((), dtype=torch.float64, device="cuda"), 1.0)
+            watch.count(
+                torch.ones((), dtype=torch.bool, device="cuda"), torch.ones((), dtype=torch.float64, device="cuda"), 1.0
+            )
             watch.report("ignore", 1.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")

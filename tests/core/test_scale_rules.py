@@ -20,7 +20,9 @@ from fp16kit.core.scale_rules import (
 INF, OK = True, False
 
 
-def walk(rule: ScaleRule, settings: FixedSettings, scale: float, overflows: list[bool]) -> tuple[list[float], list[int]]:
+def walk(
+    rule: ScaleRule, settings: FixedSettings, scale: float, overflows: list[bool]
+) -> tuple[list[float], list[int]]:
     """Drive ``rule.step`` as LossScale does (results rounded to the settings' dtype)."""
     state = ScaleState(
         scale=torch.tensor(scale, dtype=settings.dtype),

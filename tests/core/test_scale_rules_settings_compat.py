@@ -41,19 +41,32 @@ def reference(rule, k, scale, growth, hyst, overflow):
 @pytest.mark.parametrize("rule", ["torch", "apex", "apex_amp"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_settings_without_the_attribute_follow_the_old_rule(rule, seed):
-    k = SimpleNamespace(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=3,
-                        min_scale=1.0, max_scale=None, dtype=torch.float64)
+    k = SimpleNamespace(
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=3,
+        hysteresis=3,
+        min_scale=1.0,
+        max_scale=None,
+        dtype=torch.float64,
+    )
     assert not hasattr(k, "consecutive_hysteresis")
-    state = ScaleState(scale=torch.tensor(2.0**10, dtype=torch.float64),
-                       growth_tracker=torch.tensor(0, dtype=torch.int32),
-                       hysteresis_tracker=torch.tensor(3, dtype=torch.int32))
+    state = ScaleState(
+        scale=torch.tensor(2.0**10, dtype=torch.float64),
+        growth_tracker=torch.tensor(0, dtype=torch.int32),
+        hysteresis_tracker=torch.tensor(3, dtype=torch.int32),
+    )
     expected = (2.0**10, 0, 3)
     rnd = random.Random(seed)
     # overflows separated by single clean steps: where consecutive_hysteresis=True would differ
     flags = [rnd.random() < 0.5 for _ in range(60)]
     for overflow in flags:
         step = rule_named(rule).step(state, torch.tensor(overflow), k)
-        state.scale, state.growth_tracker, state.hysteresis_tracker = step.scale, step.growth_tracker, step.hysteresis_tracker
+        state.scale, state.growth_tracker, state.hysteresis_tracker = (
+            step.scale,
+            step.growth_tracker,
+            step.hysteresis_tracker,
+        )
         expected = reference(rule, k, *expected, overflow)
         assert (step.scale.item(), step.growth_tracker.item(), step.hysteresis_tracker.item()) == expected
 
@@ -67,12 +80,18 @@ def test_fixed_settings_positional_arguments_keep_their_meaning():
 
     k = FixedSettings(2.0, 0.5, 3, 3, 1.0, 2.0**20, torch.float64)
     assert (k.min_scale, k.max_scale, k.dtype, k.consecutive_hysteresis) == (1.0, 2.0**20, torch.float64, False)
-    state = ScaleState(scale=torch.tensor(2.0**10, dtype=torch.float64),
-                       growth_tracker=torch.tensor(0, dtype=torch.int32),
-                       hysteresis_tracker=torch.tensor(3, dtype=torch.int32))
+    state = ScaleState(
+        scale=torch.tensor(2.0**10, dtype=torch.float64),
+        growth_tracker=torch.tensor(0, dtype=torch.int32),
+        hysteresis_tracker=torch.tensor(3, dtype=torch.int32),
+    )
     expected = (2.0**10, 0, 3)
     for overflow in [True, False, True, False, True, True, False]:
         step = rule_named("apex").step(state, torch.tensor(overflow), k)
-        state.scale, state.growth_tracker, state.hysteresis_tracker = step.scale, step.growth_tracker, step.hysteresis_tracker
+        state.scale, state.growth_tracker, state.hysteresis_tracker = (
+            step.scale,
+            step.growth_tracker,
+            step.hysteresis_tracker,
+        )
         expected = reference("apex", k, *expected, overflow)
         assert (step.scale.item(), step.growth_tracker.item(), step.hysteresis_tracker.item()) == expected

@@ -123,8 +123,11 @@ def test_jobs_run_beside_the_caller(thread):
 def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     root = os.path.dirname(os.path.dirname(os.path.abspath(fp16kit.__file__)))
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-        timeout=timeout, env=dict(os.environ, PYTHONPATH=root),
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=root),
     )
 
 
@@ -298,10 +301,18 @@ def _deliver_by_synchronize(thread, fut):
         thread.synchronize()
 
 
-@pytest.mark.parametrize("deliver", [
-    _deliver_by_result, _deliver_by_exception, _deliver_by_wait, _deliver_by_another_submit,
-    _deliver_by_raise_pending_error, _deliver_by_synchronize,
-], ids=lambda f: f.__name__[len("_deliver_by_"):])
+@pytest.mark.parametrize(
+    "deliver",
+    [
+        _deliver_by_result,
+        _deliver_by_exception,
+        _deliver_by_wait,
+        _deliver_by_another_submit,
+        _deliver_by_raise_pending_error,
+        _deliver_by_synchronize,
+    ],
+    ids=lambda f: f.__name__[len("_deliver_by_") :],
+)
 def test_each_channel_delivers_an_error_once(thread, deliver):
     fut = thread.submit(_fails)
     deliver(thread, fut)

@@ -14,8 +14,9 @@ from fp16kit.distributed import (
     all_reduce_mean_coalesced,
     apex_allreduce_hook,
     broadcast_coalesced,
+    coalesced,
+    comm_hooks,
 )
-from fp16kit.distributed import coalesced, comm_hooks
 
 
 @pytest.fixture
@@ -42,8 +43,9 @@ class _Bucket:
         return self.tensor
 
 
-@pytest.mark.parametrize("dtype, fp32", [(torch.float32, False), (torch.float16, True), (torch.float16, False),
-                                         (torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    "dtype, fp32", [(torch.float32, False), (torch.float16, True), (torch.float16, False), (torch.bfloat16, True)]
+)
 @pytest.mark.parametrize("factor, average", [(1.0, True), (3.0, True), (3.0, False), (7.0, True)])
 def test_hook_scales_before_and_after_as_apex(world, monkeypatch, dtype, fp32, factor, average):
     monkeypatch.setattr(comm_hooks.dist, "get_world_size", lambda group=None: 3)

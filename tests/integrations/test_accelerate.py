@@ -115,8 +115,19 @@ def make_accelerator(mp, **kw):
     return MasterWeightsAccelerator(mp, cpu=True, kwargs_handlers=handlers, **kw)
 
 
-def accelerated_loop(mp, *, async_step=False, overflow_at=None, accum=1, steps=STEPS, start=0,
-                     save_at=None, save_dir=None, load_dir=None, seed=0):
+def accelerated_loop(
+    mp,
+    *,
+    async_step=False,
+    overflow_at=None,
+    accum=1,
+    steps=STEPS,
+    start=0,
+    save_at=None,
+    save_dir=None,
+    load_dir=None,
+    seed=0,
+):
     """The same training through MasterWeightsAccelerator, as an Accelerate user writes it."""
     dtype = DTYPES[mp]
     acc = make_accelerator(mp, async_step=async_step, gradient_accumulation_steps=accum)
@@ -151,8 +162,11 @@ def accelerated_loop(mp, *, async_step=False, overflow_at=None, accum=1, steps=S
 
 def same(x, y):
     """Bit for bit, NaN equal to NaN (an overflowing step's loss and norm)."""
-    return x.dtype == y.dtype and torch.equal(torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0)) \
+    return (
+        x.dtype == y.dtype
+        and torch.equal(torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0))
         and torch.equal(x.isnan(), y.isnan())
+    )
 
 
 def assert_same(a, b, *, history=True):
@@ -203,8 +217,10 @@ def test_two_optimizers_one_total_norm():
         model = net()
         if not accelerated:
             model = model.half()
-        sgds = [torch.optim.SGD(model[0].parameters(), lr=LR, momentum=0.9),
-                torch.optim.SGD(model[2].parameters(), lr=LR)]
+        sgds = [
+            torch.optim.SGD(model[0].parameters(), lr=LR, momentum=0.9),
+            torch.optim.SGD(model[2].parameters(), lr=LR),
+        ]
         if accelerated:
             acc = make_accelerator("fp16")
             model, o1, o2 = acc.prepare(model, *sgds)
@@ -353,16 +369,19 @@ def test_prepare_order_does_not_matter():
 
 
 # ---------------------------------------------------------------------------- wrong use
-@pytest.mark.parametrize("kwargs,error,match", [
-    ({"mixed_precision": "fp8"}, ValueError, "'fp16' or 'bf16'"),
-    ({"mixed_precision": "no"}, ValueError, "'fp16' or 'bf16'"),
-    ({"mixed_precision": "bf16", "scaler": fp16kit.GradScaler("cpu")}, ValueError, "bf16 needs no loss scaling"),
-    ({"scaler": torch.amp.GradScaler("cpu")}, TypeError, "fp16kit.GradScaler"),
-    ({"scaler": fp16kit.GradScaler("cpu"), "kwargs_handlers": [GradScalerKwargs()]}, ValueError, "not both"),
-    ({"fsdp_plugin": object()}, ValueError, "fsdp_plugin"),
-    ({"deepspeed_plugin": object()}, ValueError, "deepspeed_plugin"),
-    ({"megatron_lm_plugin": object()}, ValueError, "megatron_lm_plugin"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"mixed_precision": "fp8"}, ValueError, "'fp16' or 'bf16'"),
+        ({"mixed_precision": "no"}, ValueError, "'fp16' or 'bf16'"),
+        ({"mixed_precision": "bf16", "scaler": fp16kit.GradScaler("cpu")}, ValueError, "bf16 needs no loss scaling"),
+        ({"scaler": torch.amp.GradScaler("cpu")}, TypeError, "fp16kit.GradScaler"),
+        ({"scaler": fp16kit.GradScaler("cpu"), "kwargs_handlers": [GradScalerKwargs()]}, ValueError, "not both"),
+        ({"fsdp_plugin": object()}, ValueError, "fsdp_plugin"),
+        ({"deepspeed_plugin": object()}, ValueError, "deepspeed_plugin"),
+        ({"megatron_lm_plugin": object()}, ValueError, "megatron_lm_plugin"),
+    ],
+)
 def test_refused_settings_fail_before_touching_accelerate_state(kwargs, error, match):
     with pytest.raises(error, match=match):
         MasterWeightsAccelerator(cpu=True, **kwargs)
@@ -472,7 +491,10 @@ def test_two_gloo_ranks_stay_identical_through_a_one_rank_overflow(tmp_path):
 def test_example_runs():
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "integrations" / "accelerate_master_weights.py")],
-        capture_output=True, text=True, timeout=120, cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout

@@ -180,8 +180,9 @@ def test_scheduler_built_on_the_prepared_optimizer_follows_its_own_skips():
     # held its LR back. bf16: each optimizer checks its own grads, so one can skip alone.
     acc = accelerator("bf16")
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    model, o1, o2 = acc.prepare(model, torch.optim.SGD(model[0].parameters(), lr=0.1),
-                                torch.optim.SGD(model[2].parameters(), lr=0.1))
+    model, o1, o2 = acc.prepare(
+        model, torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)
+    )
     s1 = acc.prepare(torch.optim.lr_scheduler.StepLR(o1, 1, 0.5))
     s2 = acc.prepare(torch.optim.lr_scheduler.StepLR(o2, 1, 0.5))
     poison = {"on": False}
@@ -384,7 +385,7 @@ def test_short_last_accumulation_window_of_a_prepared_dataloader(mp, async_step)
     scaler, ref_norms = plain_scaler(mp), []
     for _ in range(2):
         for i in range(5):
-            x, y = data[8 * i:8 * i + 8]
+            x, y = data[8 * i : 8 * i + 8]
             loss = torch.nn.functional.mse_loss(ref(x.to(dtype)), y.to(dtype)) / 2
             (scaler.scale(loss) if scaler else loss).backward()
             if i % 2 == 1 or i == 4:
@@ -394,7 +395,7 @@ def test_short_last_accumulation_window_of_a_prepared_dataloader(mp, async_step)
     assert syncs == [False, True, False, True, True] * 2
     assert all(same(a, b) for a, b in zip(norms, ref_norms, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
-    assert sgd.param_groups[0]["lr"] == ref_sgd.param_groups[0]["lr"] == 0.1 * 0.5 ** 6
+    assert sgd.param_groups[0]["lr"] == ref_sgd.param_groups[0]["lr"] == 0.1 * 0.5**6
 
 
 @pytest.mark.parametrize("mp,async_step", [("fp16", False), ("fp16", True), ("bf16", True)])
@@ -474,7 +475,9 @@ def test_ctrl_c_mid_step_then_save_resume_equals_the_uninterrupted_run(where, tm
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole[1].parameters(), strict=True))
     assert acc.scaler.get_scale() == whole[0].scaler.get_scale()
     # no thread left behind (other tests' threads may be alive in a full run)
-    assert {t.name for t in threading.enumerate() if t.name.startswith("fp16kit")} <= threads_before | {"fp16kit-optimizer"}
+    assert {t.name for t in threading.enumerate() if t.name.startswith("fp16kit")} <= threads_before | {
+        "fp16kit-optimizer"
+    }
 
 
 # ---------------------------------------------------------------------------- edits after the clip
@@ -492,10 +495,16 @@ def test_core_bf16_grad_edit_after_accelerator_clip_keeps_the_clip_or_raises():
 
 
 # ---------------------------------------------------------------------------- accelerate launch
-@pytest.mark.parametrize("launched,explicit,expected", [
-    ("bf16", None, "bf16"), ("fp16", None, "fp16"), ("no", None, "fp16"), (None, None, "fp16"),
-    ("bf16", "fp16", "fp16"),  # an explicit argument wins, as in Accelerator
-])
+@pytest.mark.parametrize(
+    "launched,explicit,expected",
+    [
+        ("bf16", None, "bf16"),
+        ("fp16", None, "fp16"),
+        ("no", None, "fp16"),
+        (None, None, "fp16"),
+        ("bf16", "fp16", "fp16"),  # an explicit argument wins, as in Accelerator
+    ],
+)
 def test_accelerate_launch_mixed_precision_is_honoured(monkeypatch, launched, explicit, expected):
     # Before: `accelerate launch --mixed_precision bf16 train.py` with MasterWeightsAccelerator()
     # silently trained in fp16 (the argument's default replaced the launcher's choice).
@@ -621,7 +630,9 @@ def test_two_optimizers_update_the_scale_once_per_iteration(gan, async_step):
     (GAN-style) the update runs between them, as torch.amp's loop with an update per step."""
     data = _two_opt_data()
     acc = MasterWeightsAccelerator(
-        "fp16", cpu=True, async_step=async_step,
+        "fp16",
+        cpu=True,
+        async_step=async_step,
         kwargs_handlers=[GradScalerKwargs(init_scale=SCALE, growth_interval=1)],
     )
     a, b = _two_models()

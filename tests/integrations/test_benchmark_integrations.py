@@ -26,15 +26,25 @@ STEP_BYTES = 4 * TENSORS  # AdamW's fp32 `step` per param tensor
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "results.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "integrations.py"), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "integrations.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout, json.loads(out.read_text())
 
 
 def _expected(params: int, grads: int, state: int, masters: int = 0, master_grads: int = 0) -> dict[str, int]:
-    return {"params": params * N, "grads": grads * N, "opt_state": state * N + STEP_BYTES,
-            "masters": masters * N, "master_grads": master_grads * N}
+    return {
+        "params": params * N,
+        "grads": grads * N,
+        "opt_state": state * N + STEP_BYTES,
+        "masters": masters * N,
+        "master_grads": master_grads * N,
+    }
 
 
 @pytest.mark.slow
@@ -70,8 +80,10 @@ def test_master_weights_keep_the_updates_16_bit_weights_lose(quick):
     _, res = quick
     rows = {r["mode"]: r for r in res["precision"]}
     assert rows["fp32"]["distance"] == 0.0 and rows["fp32"]["loss_vs_fp32"] == 1.0
-    for low, with_masters in (("bf16-true (no masters)", "bf16 + fp32 masters (MPO)"),
-                              ("fp16-true (no masters)", "fp16 + fp32 masters (MPO + GradScaler)")):
+    for low, with_masters in (
+        ("bf16-true (no masters)", "bf16 + fp32 masters (MPO)"),
+        ("fp16-true (no masters)", "fp16 + fp32 masters (MPO + GradScaler)"),
+    ):
         lost, kept = rows[low], rows[with_masters]
         # fp32 masters lose almost none (an fp32 rounding away now and then: measured 0.005%)
         assert lost["updates_lost"] > 0.3 and kept["updates_lost"] < 1e-3
@@ -85,6 +97,10 @@ def test_async_rows_and_the_printed_tables(quick):
     assert res["async"][-1]["sync_threads"] == 1 and res["async"][-1]["async_threads"] == [1, 1]
     for r in res["async"]:
         assert r["sync_ms"] > 0 and r["async_ms"] > 0 and 0 < r["step_share"] < 1
-    for heading in ("a. training-state bytes per parameter", "activations not counted",
-                    "b. master-weight precision", "c. async steps"):
+    for heading in (
+        "a. training-state bytes per parameter",
+        "activations not counted",
+        "b. master-weight precision",
+        "c. async steps",
+    ):
         assert heading in out

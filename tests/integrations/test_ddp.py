@@ -25,9 +25,8 @@ import textwrap
 import pytest
 import torch
 
-from _helpers.gloo import run_two_ranks
-
 import fp16kit
+from _helpers.gloo import run_two_ranks
 
 STEPS, OVERFLOW_STEP, LR, SCALE = 4, 2, 0.05, 1024.0
 
@@ -153,7 +152,11 @@ def _batch(step, rank):
 def test_ddp_mixed_precision_optimizer_ranks_stay_identical(tmp_path):
     ranks = _spawn(tmp_path, "ddp")
     expected_log = [  # (grads finite after backward, params unchanged, scale)
-        (True, False, SCALE), (True, False, SCALE), (False, True, SCALE / 2), (True, False, SCALE / 2)]
+        (True, False, SCALE),
+        (True, False, SCALE),
+        (False, True, SCALE / 2),
+        (True, False, SCALE / 2),
+    ]
     for mode in ("sync", "async"):
         r0, r1 = ranks[0][mode], ranks[1][mode]
         # rank 1's inf loss reached rank 0's grads through DDP's all-reduce: both skip
@@ -192,8 +195,11 @@ def test_fsdp2_plain_optimizer_and_process_group_scaler_skip_together(tmp_path):
         assert res["kind"] == "DTensor" and res["dtype"] == "torch.float32"  # sharded fp32 params
         # fp16 compute, fp32 grads; only rank 1's shard had the inf, both ranks skipped step 2
         assert res["log"] == [
-            (torch.float16, "torch.float32", False, SCALE), (torch.float16, "torch.float32", False, SCALE),
-            (torch.float16, "torch.float32", True, SCALE / 2), (torch.float16, "torch.float32", False, SCALE / 2)]
+            (torch.float16, "torch.float32", False, SCALE),
+            (torch.float16, "torch.float32", False, SCALE),
+            (torch.float16, "torch.float32", True, SCALE / 2),
+            (torch.float16, "torch.float32", False, SCALE / 2),
+        ]
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)
     # torch 2.13: the same without process_group -- DTensor's sharding rule for

@@ -38,8 +38,9 @@ STEP = re.compile(r"step (\d+)  loss ([\d.]+)  grad-norm (\S+)  scale (\S+)  ski
 
 def _run(name: str, *args: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, env=env, timeout=120
+    )
     if done.returncode != 0:
         # as tests/_helpers/gloo.py: a rank sometimes aborts in teardown after its work is done
         # ("terminate called without an active exception"; torch/gloo's, also with torch.amp).
@@ -50,8 +51,10 @@ def _run(name: str, *args: str) -> str:
 
 
 def _steps(out: str) -> list[tuple[int, float, float, float, bool]]:
-    return [(int(s), float(loss), float(norm), float(scale), skipped == "True")
-            for s, loss, norm, scale, skipped in STEP.findall(out)]
+    return [
+        (int(s), float(loss), float(norm), float(scale), skipped == "True")
+        for s, loss, norm, scale, skipped in STEP.findall(out)
+    ]
 
 
 def _example_module(name: str):
@@ -91,8 +94,16 @@ def _plain_loop(async_step: bool, accumulate: int, steps: int, overflow_step: in
 @pytest.mark.slow
 @pytest.mark.parametrize("async_step, accumulate", [(False, 1), (True, 2)], ids=["sync", "async-accumulate"])
 def test_ddp_example_ranks_identical_and_matches_plain_loop(async_step, accumulate):
-    out = _run("ddp_master_weights.py", "--steps", "6", "--overflow-step", "2", "--accumulate", str(accumulate),
-               *(["--async-step"] if async_step else []))
+    out = _run(
+        "ddp_master_weights.py",
+        "--steps",
+        "6",
+        "--overflow-step",
+        "2",
+        "--accumulate",
+        str(accumulate),
+        *(["--async-step"] if async_step else []),
+    )
     assert "ranks' params and masters bit-identical: True" in out, out
     assert "skipped steps per rank: [1, 1]" in out  # rank 1's inf made both ranks skip
     assert "model params ['torch.float16']" in out
@@ -142,12 +153,19 @@ def _fsdp2_reference(steps: int, overflow_step: int) -> list[tuple[float, float,
 @pytest.mark.slow
 def test_fsdp2_example_ranks_skip_together_and_masters_are_refused():
     out = _run("fsdp2_grad_scaler.py", "--steps", "5", "--overflow-step", "1")
-    assert ("MixedPrecisionOptimizer over FSDP2 shards refused: Do not combine them: FSDP2's "
-            "MixedPrecisionPolicy already keeps the sharded params in float32") in out, out
+    assert (
+        "MixedPrecisionOptimizer over FSDP2 shards refused: Do not combine them: FSDP2's "
+        "MixedPrecisionPolicy already keeps the sharded params in float32"
+    ) in out, out
     assert "compute dtype torch.float16; params: DTensor shards of torch.float32" in out
     got = _steps(out)
     assert [(s[0], s[3], s[4]) for s in got] == [
-        (0, 16384.0, False), (1, 8192.0, True), (2, 8192.0, False), (3, 8192.0, False), (4, 8192.0, False)]
+        (0, 16384.0, False),
+        (1, 8192.0, True),
+        (2, 8192.0, False),
+        (3, 8192.0, False),
+        (4, 8192.0, False),
+    ]
     assert "skipped steps per rank: [1, 1]" in out  # only rank 1's shard had the inf
     assert "ranks skipped the same steps: True" in out
     # fp16 forward from the same fp32 weights; the grads' fp32 averaging order may differ

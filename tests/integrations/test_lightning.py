@@ -61,8 +61,15 @@ def loss_of(out: torch.Tensor, y: torch.Tensor, call: int, inf_call: int | None)
 
 
 class Net(L.LightningModule):
-    def __init__(self, kind: str = "sgd", *, inf_call: int | None = None, sched: bool = False,
-                 wrap: bool = False, log_norm: bool = False) -> None:
+    def __init__(
+        self,
+        kind: str = "sgd",
+        *,
+        inf_call: int | None = None,
+        sched: bool = False,
+        wrap: bool = False,
+        log_norm: bool = False,
+    ) -> None:
         super().__init__()
         self.net = make_net()
         self.kind, self.inf_call, self.sched, self.wrap, self.log_norm = kind, inf_call, sched, wrap, log_norm
@@ -71,8 +78,9 @@ class Net(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         # the index of this batch over all epochs (survives a resume, unlike a counter)
-        return loss_of(self.net(x), y, self.current_epoch * self.trainer.num_training_batches + batch_idx,
-                       self.inf_call)
+        return loss_of(
+            self.net(x), y, self.current_epoch * self.trainer.num_training_batches + batch_idx, self.inf_call
+        )
 
     def on_before_optimizer_step(self, optimizer):
         if self.log_norm:
@@ -82,8 +90,10 @@ class Net(L.LightningModule):
         inner = make_inner(self.parameters(), self.kind)
         opt = fp16kit.MixedPrecisionOptimizer(inner) if self.wrap else inner
         if self.sched:  # on what is returned: Lightning checks that (the plugin wraps it later)
-            return {"optimizer": opt, "lr_scheduler": {
-                "scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), "interval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), "interval": "step"},
+            }
         return opt
 
 
@@ -101,25 +111,62 @@ class Recorder(L.Callback):
 
 
 def trainer(plugin, **kw) -> L.Trainer:
-    opts = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    opts = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     opts.update(kw)
     return L.Trainer(plugins=[plugin] if plugin is not None else None, **opts)
 
 
-def fit(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async_step=False, inf_call=None,
-        sched=False, data=None, algo="norm", log_norm=False, **plugin_kw):
+def fit(
+    precision="16-true",
+    *,
+    kind="sgd",
+    clip=None,
+    accumulate=1,
+    async_step=False,
+    inf_call=None,
+    sched=False,
+    data=None,
+    algo="norm",
+    log_norm=False,
+    **plugin_kw,
+):
     model = Net(kind, inf_call=inf_call, sched=sched, log_norm=log_norm)
     plugin = MasterWeightsPrecision(precision, async_step=async_step, **plugin_kw)
     rec = Recorder()
-    t = trainer(plugin, gradient_clip_val=clip, gradient_clip_algorithm=algo if clip else None,
-                accumulate_grad_batches=accumulate, callbacks=[rec])
+    t = trainer(
+        plugin,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=algo if clip else None,
+        accumulate_grad_batches=accumulate,
+        callbacks=[rec],
+    )
     t.fit(model, train_dataloaders=loader(data if data is not None else batches()))
     return model, plugin, rec
 
 
-def reference(precision="16-true", *, kind="sgd", clip=None, accumulate=1, async_step=False, inf_call=None,
-              sched=False, data=None, scaler=None, algo="norm", **mpo_kw):
+def reference(
+    precision="16-true",
+    *,
+    kind="sgd",
+    clip=None,
+    accumulate=1,
+    async_step=False,
+    inf_call=None,
+    sched=False,
+    data=None,
+    scaler=None,
+    algo="norm",
+    **mpo_kw,
+):
     """The plain fp16kit loop, written out (Lightning's call order: forward, zero_grad on the
     first batch of an accumulation window, backward of loss / accumulate, step)."""
     model = make_net().to(DTYPES[precision])
@@ -185,10 +232,12 @@ CASES = [
 @pytest.mark.parametrize("precision,kind,clip,accumulate,async_step", CASES)
 def test_equals_plain_loop_bit_for_bit(precision, kind, clip, accumulate, async_step):
     inf_call = INF_CALL if precision == "16-true" else None
-    model, plugin, rec = fit(precision, kind=kind, clip=clip, accumulate=accumulate, async_step=async_step,
-                             inf_call=inf_call)
-    ref_model, ref_opt, ref_steps = reference(precision, kind=kind, clip=clip, accumulate=accumulate,
-                                              async_step=async_step, inf_call=inf_call)
+    model, plugin, rec = fit(
+        precision, kind=kind, clip=clip, accumulate=accumulate, async_step=async_step, inf_call=inf_call
+    )
+    ref_model, ref_opt, ref_steps = reference(
+        precision, kind=kind, clip=clip, accumulate=accumulate, async_step=async_step, inf_call=inf_call
+    )
     assert_same(model, plugin, ref_model, ref_opt)
     assert len(rec.steps) == len(ref_steps) == N_BATCHES // accumulate
     for (skipped, scale, norm), (r_skipped, r_scale, r_norm) in zip(rec.steps, ref_steps):
@@ -234,7 +283,7 @@ def test_bf16_overflow_is_skipped_and_value_clip():
 @pytest.mark.parametrize("async_step", [False, True])
 def test_grad_norm_reads_the_unscaled_master_grads(async_step):
     model, plugin, _ = fit(log_norm=True, async_step=async_step)
-    ref_model, ref_opt = make_net().half(), None
+    ref_model = make_net().half()
     opt = fp16kit.MixedPrecisionOptimizer(make_inner(ref_model.parameters(), "sgd"), async_step=async_step)
     scaler = fp16kit.GradScaler("cpu")
     expected = []
@@ -418,8 +467,9 @@ def test_resume_continues_bit_for_bit(tmp_path, async_step):
         model = Net("adamw", inf_call=INF_CALL, sched=True)
         scaler = fp16kit.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, hysteresis=2)
         plugin = MasterWeightsPrecision(scaler=scaler, async_step=async_step)
-        ckpt_trainer(plugin, root, 2, gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()),
-                                                                  ckpt_path=ckpt)
+        ckpt_trainer(plugin, root, 2, gradient_clip_val=CLIP).fit(
+            model, train_dataloaders=loader(batches()), ckpt_path=ckpt
+        )
         return model, plugin
 
     a_model, a_plugin = run(tmp_path / "a")
@@ -452,8 +502,14 @@ def test_resume_from_a_save_with_a_step_in_flight(tmp_path):
     def run(root, ckpt=None):
         model, plugin = ByIndex("adamw", inf_call=INF_CALL), MasterWeightsPrecision(async_step=True)
         cb = L.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_train_steps=2, filename="{step}")
-        trainer(plugin, max_epochs=2, enable_checkpointing=True, callbacks=[cb], accumulate_grad_batches=2,
-                gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(data), ckpt_path=ckpt)
+        trainer(
+            plugin,
+            max_epochs=2,
+            enable_checkpointing=True,
+            callbacks=[cb],
+            accumulate_grad_batches=2,
+            gradient_clip_val=CLIP,
+        ).fit(model, train_dataloaders=loader(data), ckpt_path=ckpt)
         return model, plugin
 
     a_model, a_plugin = run(tmp_path / "a")
@@ -465,8 +521,11 @@ def test_resume_from_a_save_with_a_step_in_flight(tmp_path):
 
 @pytest.mark.parametrize("precision", ["16-true", "16-mixed"])
 def test_checkpoint_without_masters_rebuilds_them(tmp_path, precision, caplog):
-    first = L.plugins.MixedPrecision("16-mixed", "cpu", scaler=fp16kit.GradScaler("cpu", init_scale=1024.0)) \
-        if precision == "16-mixed" else L.plugins.HalfPrecision("16-true")
+    first = (
+        L.plugins.MixedPrecision("16-mixed", "cpu", scaler=fp16kit.GradScaler("cpu", init_scale=1024.0))
+        if precision == "16-mixed"
+        else L.plugins.HalfPrecision("16-true")
+    )
     ckpt_trainer(first, tmp_path, 1).fit(Net(), train_dataloaders=loader(batches()))
     saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
 
@@ -480,7 +539,8 @@ def test_checkpoint_without_masters_rebuilds_them(tmp_path, precision, caplog):
     model, plugin = Net(), MasterWeightsPrecision()
     with caplog.at_level(logging.WARNING, logger="fp16kit"):
         trainer(plugin, max_epochs=2, callbacks=[AtStart()]).fit(
-            model, train_dataloaders=loader(batches()), ckpt_path=tmp_path / "epoch=0.ckpt")
+            model, train_dataloaders=loader(batches()), ckpt_path=tmp_path / "epoch=0.ckpt"
+        )
     assert "no fp32 master weights" in caplog.text
     names = [n for n, _ in model.named_parameters()]
     # exact: a 16-mixed run's fp32 weights become the masters as they are
@@ -505,7 +565,10 @@ def test_example_runs():
     root = pathlib.Path(fp16kit.__file__).resolve().parent.parent
     done = subprocess.run(
         [sys.executable, str(root / "examples" / "integrations" / "lightning_master_weights.py"), "--epochs", "3"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1"),
     )
     assert done.returncode == 0, done.stderr
     losses = [float(v) for v in re.findall(r"epoch \d+: loss (\d+\.\d+)", done.stdout)]

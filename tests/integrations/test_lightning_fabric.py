@@ -41,8 +41,9 @@ def fabric_run(precision, *, async_step=False, clip=True, data=None, state=None)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     with fabric.init_module():
         model = net()
-    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-                                          async_step=async_step)
+    opt = fp16kit.MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), async_step=async_step
+    )
     model, opt = fabric.setup(model, opt)
     norms, skipped = [], []
     for k, (x, y) in enumerate(data if data is not None else batches()):
@@ -58,8 +59,9 @@ def fabric_run(precision, *, async_step=False, clip=True, data=None, state=None)
 
 def reference(precision, *, async_step=False, clip=True):
     model = net().to(DTYPES[precision])
-    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-                                          async_step=async_step)
+    opt = fp16kit.MixedPrecisionOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), async_step=async_step
+    )
     scaler = fp16kit.GradScaler("cpu") if precision == "16-true" else None
     norms = []
     for k, (x, y) in enumerate(batches()):

@@ -55,8 +55,16 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def trainer(plugin, **kw) -> L.Trainer:
-    opts = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    opts = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     opts.update(kw)
     return L.Trainer(plugins=[plugin], **opts)
 
@@ -92,8 +100,9 @@ def finetuning_reference(epochs: int, async_step: bool):
     net = make_net().half()
     for p in net[0].parameters():
         p.requires_grad_(False)
-    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=LR,
-                                                           momentum=0.9), async_step=async_step)
+    opt = fp16kit.MixedPrecisionOptimizer(
+        torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=LR, momentum=0.9), async_step=async_step
+    )
     scaler = fp16kit.GradScaler("cpu")
     for epoch in range(epochs):
         if epoch == 1:
@@ -117,7 +126,8 @@ def test_backbone_finetuning_unfreezes_into_the_masters(async_step):
     # through pl_module.named_parameters(); the groups hold the fp32 masters)
     model, plugin = Backbone(), MasterWeightsPrecision(async_step=async_step)
     trainer(plugin, max_epochs=3, callbacks=[finetuning()], gradient_clip_val=CLIP).fit(
-        model, train_dataloaders=loader(batches()))
+        model, train_dataloaders=loader(batches())
+    )
     ref, ref_opt = finetuning_reference(3, async_step)
     assert same(model.net.parameters(), ref.parameters())
     (opt,) = plugin.optimizers
@@ -134,8 +144,9 @@ def test_backbone_finetuning_resumes_bit_for_bit(tmp_path, async_step):
     def run(root, ckpt=None):
         model, plugin = Backbone(), MasterWeightsPrecision(async_step=async_step)
         cb = L.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-        trainer(plugin, max_epochs=3, callbacks=[finetuning(), cb], enable_checkpointing=True,
-                gradient_clip_val=CLIP).fit(model, train_dataloaders=loader(batches()), ckpt_path=ckpt)
+        trainer(
+            plugin, max_epochs=3, callbacks=[finetuning(), cb], enable_checkpointing=True, gradient_clip_val=CLIP
+        ).fit(model, train_dataloaders=loader(batches()), ckpt_path=ckpt)
         return model, plugin
 
     a_model, a_plugin = run(tmp_path / "a")
@@ -439,14 +450,18 @@ def test_grad_norm_with_two_optimizers_manual():
             self.norms.append(grad_norm(self, 2))
 
         def configure_optimizers(self):
-            return (torch.optim.SGD(self.net[0].parameters(), lr=LR),
-                    torch.optim.AdamW(self.net[2].parameters(), lr=LR / 10))
+            return (
+                torch.optim.SGD(self.net[0].parameters(), lr=LR),
+                torch.optim.AdamW(self.net[2].parameters(), lr=LR / 10),
+            )
 
     model = Two()
     trainer(MasterWeightsPrecision()).fit(model, train_dataloaders=loader(batches()))
     net = make_net().half()
-    opts = [fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net[0].parameters(), lr=LR)),
-            fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(net[2].parameters(), lr=LR / 10))]
+    opts = [
+        fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net[0].parameters(), lr=LR)),
+        fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(net[2].parameters(), lr=LR / 10)),
+    ]
     scaler, expected = fp16kit.GradScaler("cpu"), []
     for x, y in batches():
         for opt in opts:
@@ -458,7 +473,8 @@ def test_grad_norm_with_two_optimizers_manual():
             scaler.update()
     assert [sorted(n) for n in model.norms[:2]] == [
         ["grad_2.0_norm/net.0.bias", "grad_2.0_norm/net.0.weight", "grad_2.0_norm_total"],
-        ["grad_2.0_norm/net.2.bias", "grad_2.0_norm/net.2.weight", "grad_2.0_norm_total"]]
+        ["grad_2.0_norm/net.2.bias", "grad_2.0_norm/net.2.weight", "grad_2.0_norm_total"],
+    ]
     assert same([n["grad_2.0_norm_total"] for n in model.norms], expected)
     assert same(model.net.parameters(), net.parameters())
 
@@ -481,8 +497,9 @@ def test_fabric_clip_without_a_step(mode):
             with fabric.init_module():
                 net = make_net()
             net = fabric.setup_module(net)
-            opt = fabric.setup_optimizers(fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR,
-                                                                                           momentum=0.9)))
+            opt = fabric.setup_optimizers(
+                fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
+            )
         else:
             net = make_net().half()
             opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9))
@@ -524,8 +541,9 @@ def test_fabric_clip_then_backward_without_a_step_async_is_refused():
     with fabric.init_module():
         net = make_net()
     net = fabric.setup_module(net)
-    opt = fabric.setup_optimizers(fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR),
-                                                                   async_step=True))
+    opt = fabric.setup_optimizers(
+        fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(net.parameters(), lr=LR), async_step=True)
+    )
     (x, y), (x2, y2) = batches(2)
     fabric.backward(loss_of(net(x), y))
     fabric.clip_gradients(net, opt, max_norm=CLIP)
@@ -559,7 +577,8 @@ def test_ddp_spawn_trains(tmp_path):
     model, plugin = Backbone(), MasterWeightsPrecision()
     before = [p.detach().clone() for p in model.parameters()]
     trainer(plugin, strategy="ddp_spawn", devices=2, default_root_dir=tmp_path).fit(
-        model, train_dataloaders=loader(batches()))
+        model, train_dataloaders=loader(batches())
+    )
     # the main process gets rank 0's weights back (Lightning's spawn): trained, finite
     assert not same(model.parameters(), before)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -569,8 +588,9 @@ def test_ddp_spawn_trains(tmp_path):
 def tiny_gpt2():
     transformers = pytest.importorskip("transformers", reason="the GPT-2 test needs transformers")
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout: no RNG
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )  # no dropout: no RNG
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -598,7 +618,8 @@ def test_gpt2_tied_lm_head_async_and_resume(tmp_path):
         model, plugin = GPT2(), MasterWeightsPrecision(async_step=True)
         cb = L.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
         trainer(plugin, max_epochs=2, callbacks=[cb], enable_checkpointing=True, gradient_clip_val=CLIP).fit(
-            model, train_dataloaders=loader(token_batches()), ckpt_path=ckpt)
+            model, train_dataloaders=loader(token_batches()), ckpt_path=ckpt
+        )
         return model, plugin
 
     model, plugin = run(tmp_path / "a")
@@ -646,8 +667,9 @@ def test_overflow_storm_with_hysteresis_floor_and_scheduler(async_step):
     storm = range(1, 9)
 
     def scaler():
-        return fp16kit.GradScaler("cpu", init_scale=2.0**6, growth_interval=3, hysteresis=2, min_scale=4.0,
-                                  on_min_scale="ignore")
+        return fp16kit.GradScaler(
+            "cpu", init_scale=2.0**6, growth_interval=3, hysteresis=2, min_scale=4.0, on_min_scale="ignore"
+        )
 
     class Storm(Backbone):
         def training_step(self, batch, batch_idx):
@@ -667,7 +689,8 @@ def test_overflow_storm_with_hysteresis_floor_and_scheduler(async_step):
 
     model, plugin = Storm(), MasterWeightsPrecision(scaler=scaler(), async_step=async_step)
     trainer(plugin, max_epochs=4, callbacks=[Record()], gradient_clip_val=CLIP).fit(
-        model, train_dataloaders=loader(batches()))
+        model, train_dataloaders=loader(batches())
+    )
 
     net = make_net().half()
     inner = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
@@ -706,8 +729,9 @@ def async_fit(root=None, *, every=None, save_in_step=None, callbacks=(), ckpt=No
     model, plugin = ByIndex(), MasterWeightsPrecision(async_step=True)
     cbs = list(callbacks)
     if every:
-        cbs.append(L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1,
-                                               filename="{step}"))
+        cbs.append(
+            L.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1, filename="{step}")
+        )
     checkpoints = any(isinstance(c, L.callbacks.Checkpoint) for c in cbs)
     t = trainer(plugin, max_epochs=2, callbacks=cbs, enable_checkpointing=checkpoints, gradient_clip_val=CLIP)
     try:

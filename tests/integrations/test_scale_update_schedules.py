@@ -111,8 +111,10 @@ def batches(n: int = ITERS) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def inners(net: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     """``a`` steps the first layer, ``b`` the last (one backward reaches both)."""
-    return (torch.optim.SGD(net[0].parameters(), lr=LR, momentum=0.9),
-            torch.optim.AdamW(net[2].parameters(), lr=LR / 10))
+    return (
+        torch.optim.SGD(net[0].parameters(), lr=LR, momentum=0.9),
+        torch.optim.AdamW(net[2].parameters(), lr=LR / 10),
+    )
 
 
 def scaler() -> fp16kit.GradScaler:
@@ -160,8 +162,15 @@ def reference(schedule, async_step: bool) -> Run:
         after[it] = sc.get_scale()
     for opt in opts.values():
         opt.synchronize()
-    return Run(list(net.parameters()), [m for o in opts.values() for m in o.master_params], used, norms, after,
-               sc.get_scale(), sc.skipped_steps())
+    return Run(
+        list(net.parameters()),
+        [m for o in opts.values() for m in o.master_params],
+        used,
+        norms,
+        after,
+        sc.get_scale(),
+        sc.skipped_steps(),
+    )
 
 
 def assert_same(run: Run, ref: Run, schedule, *, every_iteration: bool = False) -> None:
@@ -210,8 +219,16 @@ class Manual(L.pytorch.LightningModule):
 
 
 def lightning_trainer(plugin, **kw) -> L.pytorch.Trainer:
-    opts = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    opts = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     return L.pytorch.Trainer(plugins=[plugin], **{**opts, **kw})
 
 
@@ -222,8 +239,15 @@ def loader(data) -> torch.utils.data.DataLoader:
 def lightning_run(schedule, async_step: bool) -> Run:
     module, plugin = Manual(schedule), MasterWeightsPrecision(scaler=scaler(), async_step=async_step)
     lightning_trainer(plugin).fit(module, loader(batches()))
-    return Run(list(module.net.parameters()), [m for o in plugin.optimizers for m in o.master_params], module.used,
-               module.norms, module.after, plugin.scaler.get_scale(), plugin.scaler.skipped_steps())
+    return Run(
+        list(module.net.parameters()),
+        [m for o in plugin.optimizers for m in o.master_params],
+        module.used,
+        module.norms,
+        module.after,
+        plugin.scaler.get_scale(),
+        plugin.scaler.skipped_steps(),
+    )
 
 
 @pytest.mark.parametrize("schedule,async_step", CASES)
@@ -239,8 +263,9 @@ def test_lightning_epoch_end_checkpoint_resumes_bit_for_bit(tmp_path):
     def run(root, ckpt=None):
         module, plugin = Manual(b_every_kth_first), MasterWeightsPrecision(scaler=scaler())
         cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-        lightning_trainer(plugin, max_epochs=2, enable_checkpointing=True, callbacks=[cb],
-                          default_root_dir=root).fit(module, loader(data), ckpt_path=ckpt)
+        lightning_trainer(plugin, max_epochs=2, enable_checkpointing=True, callbacks=[cb], default_root_dir=root).fit(
+            module, loader(data), ckpt_path=ckpt
+        )
         return module, plugin
 
     whole, whole_plugin = run(tmp_path / "a")
@@ -285,8 +310,15 @@ class Loop:
         for opt in self.mixed_optimizers():
             opt.synchronize()
         self.settle_scale()
-        return Run(list(self.net.parameters()), [m for o in self.mixed_optimizers() for m in o.master_params], self.used,
-                   self.norms, self.after, self.scaler.get_scale(), self.scaler.skipped_steps())
+        return Run(
+            list(self.net.parameters()),
+            [m for o in self.mixed_optimizers() for m in o.master_params],
+            self.used,
+            self.norms,
+            self.after,
+            self.scaler.get_scale(),
+            self.scaler.skipped_steps(),
+        )
 
 
 class FabricLoop(Loop):
@@ -351,7 +383,9 @@ def adapter(request):
     if request.param == "fabric":
         yield FabricLoop
         return
-    pytest.importorskip("accelerate", reason="the Accelerate adapter needs accelerate: pip install 'fp16kit[accelerate]'")
+    pytest.importorskip(
+        "accelerate", reason="the Accelerate adapter needs accelerate: pip install 'fp16kit[accelerate]'"
+    )
     reset_accelerate()
     yield AccelerateLoop
     reset_accelerate()

@@ -42,8 +42,16 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # ---------------------------------------------------------------------------- setup
 def tiny_model(seed: int = 0) -> GPT2LMHeadModel:
     config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
@@ -60,10 +68,18 @@ def dataset(n: int = 32) -> list[dict[str, torch.Tensor]]:
 
 def training_args(out: Path, precision: str, **kw) -> TrainingArguments:
     base = dict(
-        output_dir=str(out), use_cpu=True, report_to="none", disable_tqdm=True,
-        per_device_train_batch_size=BATCH, train_sampling_strategy="sequential",
-        dataloader_num_workers=0, logging_steps=1, learning_rate=LR, seed=0,
-        save_strategy="no", max_grad_norm=0.5,
+        output_dir=str(out),
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        per_device_train_batch_size=BATCH,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        logging_steps=1,
+        learning_rate=LR,
+        seed=0,
+        save_strategy="no",
+        max_grad_norm=0.5,
     )
     base.update(kw)
     return TrainingArguments(**base, **{precision: True})
@@ -102,12 +118,26 @@ class InfTrainer(MasterWeightsTrainer):
         return loss
 
 
-def run_trainer(out: Path, precision: str, *, max_steps: int, inf_step=None, resume=None, seed=0,
-                async_step=False, eval_dataset=None, **kw):
+def run_trainer(
+    out: Path,
+    precision: str,
+    *,
+    max_steps: int,
+    inf_step=None,
+    resume=None,
+    seed=0,
+    async_step=False,
+    eval_dataset=None,
+    **kw,
+):
     rec = Recorder()
     trainer = InfTrainer(
-        model=tiny_model(seed), args=training_args(out, precision, max_steps=max_steps, **kw),
-        train_dataset=dataset(), eval_dataset=eval_dataset, callbacks=[rec], async_step=async_step,
+        model=tiny_model(seed),
+        args=training_args(out, precision, max_steps=max_steps, **kw),
+        train_dataset=dataset(),
+        eval_dataset=eval_dataset,
+        callbacks=[rec],
+        async_step=async_step,
     )
     trainer.inf_step, trainer._injected, trainer.losses, rec.trainer = inf_step, {}, [], trainer
     trainer.train(resume_from_checkpoint=resume)
@@ -119,12 +149,21 @@ def linear_lambda(max_steps: int):
     return lambda step: max(0.0, float(max_steps - step) / float(max(1, max_steps)))
 
 
-def reference(precision: str, *, max_steps: int, accum: int = 1, inf_step=None, max_norm=0.5,
-              async_step=False, sync_at=(), eval_batch=None, eval_at=()):
+def reference(
+    precision: str,
+    *,
+    max_steps: int,
+    accum: int = 1,
+    inf_step=None,
+    max_norm=0.5,
+    async_step=False,
+    sync_at=(),
+    eval_batch=None,
+    eval_at=(),
+):
     """The plain fp16kit loop on the Trainer's batches; returns what the tests compare."""
     model = tiny_model(0).to(DTYPES[precision])
-    inner = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
-                              weight_decay=0.0, fused=True)
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
     opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step)
     scaler = fp16kit.GradScaler("cpu") if precision == "fp16" else None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_lambda(max_steps))
@@ -133,7 +172,7 @@ def reference(precision: str, *, max_steps: int, accum: int = 1, inf_step=None, 
     data = dataset()
     out = {"losses": [], "norms": [], "lrs": [], "skipped": [], "scales": []}
     for step in range(max_steps):
-        micro = [data[(step * accum + i) * BATCH:(step * accum + i + 1) * BATCH] for i in range(accum)]
+        micro = [data[(step * accum + i) * BATCH : (step * accum + i + 1) * BATCH] for i in range(accum)]
         batches = [{k: torch.stack([row[k] for row in rows]) for k in rows[0]} for rows in micro]
         n_items = sum(b["labels"][..., 1:].ne(-100).sum() for b in batches)
         for i, b in enumerate(batches):
@@ -213,8 +252,15 @@ MAX_STEPS, INF_STEP, ACCUM = 4, 1, 2
 @pytest.fixture(scope="module")
 def fp16_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16")
-    trainer, rec = run_trainer(out, "fp16", max_steps=MAX_STEPS, inf_step=INF_STEP,
-                               gradient_accumulation_steps=ACCUM, save_strategy="steps", save_steps=2)
+    trainer, rec = run_trainer(
+        out,
+        "fp16",
+        max_steps=MAX_STEPS,
+        inf_step=INF_STEP,
+        gradient_accumulation_steps=ACCUM,
+        save_strategy="steps",
+        save_steps=2,
+    )
     ref = reference("fp16", max_steps=MAX_STEPS, accum=ACCUM, inf_step=INF_STEP)
     return out, trainer, rec, ref
 
@@ -225,8 +271,7 @@ def test_fp16_accumulation_clipping_matches_plain_loop(fp16_run):
     assert isinstance(trainer.optimizer.optimizer, fp16kit.MixedPrecisionOptimizer)
     assert_same_training(trainer, rec, ref)
     assert len(trainer.losses) == MAX_STEPS * ACCUM
-    assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) or a == b
-               for a, b in zip(trainer.losses, ref["losses"]))
+    assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) or a == b for a, b in zip(trainer.losses, ref["losses"]))
     # clipping bit: the unscaled norms are above max_grad_norm (a scaled norm would be ~65536x)
     finite = [n for n in ref["norms"] if math.isfinite(n)]
     assert all(0.5 < n < 100 for n in finite), finite
@@ -258,8 +303,15 @@ def test_fp16_checkpoint_files_are_plain_data(fp16_run):
 
 def test_fp16_resume_continues_bit_for_bit(fp16_run, tmp_path):
     out, trainer, rec, ref = fp16_run
-    resumed, rec2 = run_trainer(out, "fp16", max_steps=MAX_STEPS, inf_step=INF_STEP, seed=123,
-                                gradient_accumulation_steps=ACCUM, resume=str(out / "checkpoint-2"))
+    resumed, rec2 = run_trainer(
+        out,
+        "fp16",
+        max_steps=MAX_STEPS,
+        inf_step=INF_STEP,
+        seed=123,
+        gradient_accumulation_steps=ACCUM,
+        resume=str(out / "checkpoint-2"),
+    )
     assert resumed.state.global_step == MAX_STEPS
     assert_same_training(resumed, rec2, ref, steps=2)
 
@@ -276,8 +328,14 @@ def test_bf16_matches_plain_loop_and_skips_nonfinite(tmp_path):
 
 
 # save at 2, evaluate at 3 (and, the Trainer's rule, at the end)
-ASYNC_RUN = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=3,
-                 eval_dataset=dataset(BATCH), per_device_eval_batch_size=BATCH)
+ASYNC_RUN = dict(
+    save_strategy="steps",
+    save_steps=2,
+    eval_strategy="steps",
+    eval_steps=3,
+    eval_dataset=dataset(BATCH),
+    per_device_eval_batch_size=BATCH,
+)
 
 
 @pytest.fixture(scope="module")
@@ -318,8 +376,9 @@ def test_async_matches_plain_async_loop(async_run):
 def test_async_resume_continues_bit_for_bit(async_run):
     out, trainer, rec, ref = async_run
     # the same save/eval steps: each wait lands a step early, so they are part of the trajectory
-    resumed, rec2 = run_trainer(out, "fp16", max_steps=4, async_step=True, seed=7,
-                                resume=str(out / "checkpoint-2"), **ASYNC_RUN)
+    resumed, rec2 = run_trainer(
+        out, "fp16", max_steps=4, async_step=True, seed=7, resume=str(out / "checkpoint-2"), **ASYNC_RUN
+    )
     assert_same_training(resumed, rec2, ref, steps=2)
 
 
@@ -331,8 +390,7 @@ def test_trainer_builds_master_weights_accelerator(tmp_path):
     import transformers.trainer as trainer_module
 
     assert trainer_module.Accelerator is accelerate.Accelerator
-    trainer = MasterWeightsTrainer(model=tiny_model(), args=training_args(tmp_path, "fp16"),
-                                   train_dataset=dataset(8))
+    trainer = MasterWeightsTrainer(model=tiny_model(), args=training_args(tmp_path, "fp16"), train_dataset=dataset(8))
     assert isinstance(trainer.accelerator, MasterWeightsAccelerator)
     assert trainer.accelerator.mixed_precision == "fp16"
     assert isinstance(trainer.accelerator.scaler, fp16kit.GradScaler)
@@ -384,8 +442,10 @@ def test_clear_errors_before_any_change(tmp_path, case, match):
     elif case == "wrapped":
         model = torch.nn.DataParallel(model)
     elif case == "mpo_and_options":
-        kwargs = dict(optimizers=(fp16kit.MixedPrecisionOptimizer(
-            torch.optim.AdamW(model.half().parameters())), None), async_step=True)
+        kwargs = dict(
+            optimizers=(fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.half().parameters())), None),
+            async_step=True,
+        )
     elif case == "scaler_bf16":
         args = training_args(tmp_path, "bf16")
         kwargs = dict(scaler=fp16kit.GradScaler("cpu"))
@@ -399,8 +459,9 @@ def test_clear_errors_before_any_change(tmp_path, case, match):
 def test_user_built_optimizer_is_used_as_is(tmp_path):
     model = tiny_model().half()
     opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    trainer = MasterWeightsTrainer(model=model, args=training_args(tmp_path, "fp16", max_steps=1),
-                                   train_dataset=dataset(8), optimizers=(opt, None))
+    trainer = MasterWeightsTrainer(
+        model=model, args=training_args(tmp_path, "fp16", max_steps=1), train_dataset=dataset(8), optimizers=(opt, None)
+    )
     trainer.train()
     assert trainer.optimizer.optimizer is opt
     assert trainer.state.global_step == 1
@@ -418,8 +479,13 @@ def test_mixes_into_trainer_subclass_and_lands_last_async_step(tmp_path):
     class Mixed(MasterWeightsTrainer, OtherTrainer):
         pass
 
-    trainer = Mixed(tiny_model(), training_args(tmp_path, "fp16", max_steps=2), train_dataset=dataset(),
-                    extra_option=5, async_step=True)  # no callbacks= given: the wait is still installed
+    trainer = Mixed(
+        tiny_model(),
+        training_args(tmp_path, "fp16", max_steps=2),
+        train_dataset=dataset(),
+        extra_option=5,
+        async_step=True,
+    )  # no callbacks= given: the wait is still installed
     trainer.train()
     assert trainer.extra_option == 5
     opt = trainer.optimizer.optimizer
@@ -432,8 +498,14 @@ def test_mixes_into_trainer_subclass_and_lands_last_async_step(tmp_path):
 def test_example_runs(tmp_path):
     script = ROOT / "examples" / "integrations" / "transformers_trainer_o2.py"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, str(script), "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script), "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped steps: 2" in done.stdout
     assert "resume: bit-identical" in done.stdout

@@ -46,21 +46,39 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def gpt2(seed: int = 0) -> GPT2LMHeadModel:
     """lm_head.weight is tied to transformer.wte.weight."""
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    ))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     model.loss_type = "ForCausalLM"  # see test_transformers.tiny_model
     return model
 
 
 def bert(seed: int = 0) -> BertForSequenceClassification:
     torch.manual_seed(seed)
-    return BertForSequenceClassification(BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=16, num_labels=3,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    ))
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=16,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 class BNNet(torch.nn.Module):
@@ -97,10 +115,18 @@ def cls_data(n: int = 20) -> list[dict[str, torch.Tensor]]:
 
 def targs(out, precision: str | None = "fp16", **kw) -> TrainingArguments:
     base = dict(
-        output_dir=str(out), use_cpu=True, report_to="none", disable_tqdm=True,
-        per_device_train_batch_size=BATCH, train_sampling_strategy="sequential",
-        dataloader_num_workers=0, logging_steps=1, learning_rate=LR, seed=0,
-        save_strategy="no", max_grad_norm=0.5,
+        output_dir=str(out),
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        per_device_train_batch_size=BATCH,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        logging_steps=1,
+        learning_rate=LR,
+        seed=0,
+        save_strategy="no",
+        max_grad_norm=0.5,
     )
     base.update(kw)
     if precision:
@@ -113,14 +139,25 @@ def windows(data, accum: int, epochs: int):
     """The Trainer's sequential micro-batches, grouped into optimizer steps (last window short)."""
     out = []
     for _ in range(epochs):
-        micro = [data[i:i + BATCH] for i in range(0, len(data), BATCH)]
+        micro = [data[i : i + BATCH] for i in range(0, len(data), BATCH)]
         micro = [{k: torch.stack([row[k] for row in rows]) for k in rows[0]} for rows in micro]
-        out += [micro[i:i + accum] for i in range(0, len(micro), accum)]
+        out += [micro[i : i + accum] for i in range(0, len(micro), accum)]
     return out
 
 
-def reference(model, data, precision: str, *, accum: int = 1, epochs: int = 1, loss_kwargs: bool = True,
-              causal: bool = False, max_norm: float = 0.5, inf_steps=(), **options):
+def reference(
+    model,
+    data,
+    precision: str,
+    *,
+    accum: int = 1,
+    epochs: int = 1,
+    loss_kwargs: bool = True,
+    causal: bool = False,
+    max_norm: float = 0.5,
+    inf_steps=(),
+    **options,
+):
     model = model.to(DTYPES[precision])
     params = [p for p in model.parameters() if p.requires_grad]
     inner = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True)
@@ -173,7 +210,8 @@ def test_two_epochs_with_a_short_last_accumulation_window(tmp_path, precision, w
     # 20 samples = 5 micro-batches an epoch: windows of 2, 2, 1; the schedule spans both epochs
     factory, loss_kwargs = (bert, True) if which == "bert" else (BNNet, False)
     trainer = MasterWeightsTrainer(
-        model=factory(), args=targs(tmp_path, precision, gradient_accumulation_steps=2, num_train_epochs=2),
+        model=factory(),
+        args=targs(tmp_path, precision, gradient_accumulation_steps=2, num_train_epochs=2),
         train_dataset=cls_data(),
     )
     trainer.train()
@@ -196,8 +234,9 @@ def test_user_param_groups_and_scheduler(tmp_path):
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
     model = gpt2()
-    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=3), train_dataset=lm_data(),
-                                   optimizers=build(model))
+    trainer = MasterWeightsTrainer(
+        model=model, args=targs(tmp_path, max_steps=3), train_dataset=lm_data(), optimizers=build(model)
+    )
     trainer.train()
 
     ref_model = gpt2().half()
@@ -216,7 +255,9 @@ def test_user_param_groups_and_scheduler(tmp_path):
         ref_model.zero_grad()
     for p, q in zip(trainer.model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
-    assert [g["lr"] for g in trainer.optimizer.param_groups] == [g["lr"] for g in opt.param_groups] == [1.25e-5, 1.25e-4]
+    assert (
+        [g["lr"] for g in trainer.optimizer.param_groups] == [g["lr"] for g in opt.param_groups] == [1.25e-5, 1.25e-4]
+    )
 
 
 # ---------------------------------------------------------------------------- defects found
@@ -236,11 +277,26 @@ def test_load_best_model_at_end_keeps_the_best_weights(tmp_path, async_step):
     # Was: with async_step, training stopped by a callback left the last step in flight; the
     # Trainer loaded the best checkpoint, then the end-of-training wait landed that step's masters
     # over it -- the "best" model was the last step's. Now the step lands before the best loads.
-    args = targs(tmp_path, max_steps=12, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-                 load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
-                 per_device_eval_batch_size=BATCH)
-    trainer = MasterWeightsTrainer(model=gpt2(), args=args, train_dataset=lm_data(64), eval_dataset=lm_data(8),
-                                   callbacks=[StopAt(5)], async_step=async_step)
+    args = targs(
+        tmp_path,
+        max_steps=12,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+        per_device_eval_batch_size=BATCH,
+    )
+    trainer = MasterWeightsTrainer(
+        model=gpt2(),
+        args=args,
+        train_dataset=lm_data(64),
+        eval_dataset=lm_data(8),
+        callbacks=[StopAt(5)],
+        async_step=async_step,
+    )
     trainer.train()
     assert trainer.state.global_step == 5
     best = trainer.state.best_model_checkpoint
@@ -259,8 +315,11 @@ def test_load_best_model_at_end_keeps_the_best_weights(tmp_path, async_step):
 def test_resuming_a_plain_trainer_checkpoint_is_refused_before_anything_changes(tmp_path):
     # Was: the model was loaded from the checkpoint, then MixedPrecisionOptimizer.load_state_dict
     # raised about its own dict keys -- no fix named, and the trainer's model already replaced.
-    Trainer(model=gpt2(), args=targs(tmp_path, None, max_steps=2, save_strategy="steps", save_steps=2),
-            train_dataset=lm_data()).train()
+    Trainer(
+        model=gpt2(),
+        args=targs(tmp_path, None, max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=lm_data(),
+    ).train()
     model = gpt2(5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=4), train_dataset=lm_data())
@@ -279,13 +338,16 @@ class RecordMasters(TrainerCallback):
 def test_bf16_resumes_an_fp16_checkpoint(tmp_path):
     # Was: AttributeError 'NoneType' object has no attribute 'load_state_dict' (the Trainer
     # loads scaler.pt into the accelerator's scaler, which bf16 has not). Now scaler.pt is ignored.
-    MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
-                         train_dataset=lm_data()).train()
+    MasterWeightsTrainer(
+        model=gpt2(), args=targs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2), train_dataset=lm_data()
+    ).train()
     ckpt = tmp_path / "checkpoint-2"
     assert (ckpt / "scaler.pt").exists()
     rec = RecordMasters()
     trainer = MasterWeightsTrainer(
-        model=gpt2(5), train_dataset=lm_data(), callbacks=[rec],
+        model=gpt2(5),
+        train_dataset=lm_data(),
+        callbacks=[rec],
         args=targs(tmp_path / "bf16", "bf16", max_steps=3, save_strategy="steps", save_steps=3),
     )
     trainer.train(resume_from_checkpoint=str(ckpt))
@@ -304,8 +366,9 @@ def test_mixed_precision_optimizer_built_on_the_fp32_model_is_refused_at_constru
     model = gpt2()
     opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters()))
     with pytest.raises(ValueError, match=r"built on the float32 model.*optimizers=\(torch.optim.AdamW"):
-        MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=1), train_dataset=lm_data(),
-                             optimizers=(opt, None))
+        MasterWeightsTrainer(
+            model=model, args=targs(tmp_path, max_steps=1), train_dataset=lm_data(), optimizers=(opt, None)
+        )
     assert model.dtype == torch.float32 and not any(tmp_path.iterdir())
 
 
@@ -329,9 +392,13 @@ def test_callback_edits_master_grads_at_on_pre_optimizer_step(tmp_path, async_st
     model = BNNet()
     head = model.head.weight.detach().half()
     cb = FreezeHeadThisStep()
-    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=3, optim="sgd", max_grad_norm=0.0),
-                                   train_dataset=cls_data(),
-                                   callbacks=[cb], async_step=async_step)
+    trainer = MasterWeightsTrainer(
+        model=model,
+        args=targs(tmp_path, max_steps=3, optim="sgd", max_grad_norm=0.0),
+        train_dataset=cls_data(),
+        callbacks=[cb],
+        async_step=async_step,
+    )
     trainer.train()
     assert torch.equal(trainer.model.head.weight, head)
     assert not torch.equal(trainer.model.fc.weight, BNNet().fc.weight.half())
@@ -351,8 +418,12 @@ def test_callback_editing_model_grads_at_on_pre_optimizer_step_is_an_error(tmp_p
     # Was (bf16): the step read the edited model grads again, unclipped -- the clip silently
     # lost (a 1000x larger update here); (fp16) a generic scaler error. Now both name the masters.
     model = BNNet()
-    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, precision, max_steps=2, max_grad_norm=0.01),
-                                   train_dataset=cls_data(), callbacks=[ZeroHeadModelGrad()])
+    trainer = MasterWeightsTrainer(
+        model=model,
+        args=targs(tmp_path, precision, max_steps=2, max_grad_norm=0.01),
+        train_dataset=cls_data(),
+        callbacks=[ZeroHeadModelGrad()],
+    )
     with pytest.raises(RuntimeError, match=r"changed the model's gradients at on_pre_optimizer_step.*master_params"):
         trainer.train()
     assert trainer.state.global_step == 0  # raised before the first step
@@ -395,14 +466,20 @@ def test_ctrl_c_between_clip_and_step_then_rerun_resumes_bit_for_bit(tmp_path, a
     # cell run again) failed at its first backward -- "the grads of this iteration are unscaled
     # already" -- the trainer unusable. Now the interrupted iteration is dropped as a skipped step.
     kw = dict(max_steps=5, save_strategy="steps", save_steps=2)
-    trainer = MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path / "a", **kw), train_dataset=lm_data(),
-                                   callbacks=[CtrlCBeforeStep(3)], async_step=async_step)
+    trainer = MasterWeightsTrainer(
+        model=gpt2(),
+        args=targs(tmp_path / "a", **kw),
+        train_dataset=lm_data(),
+        callbacks=[CtrlCBeforeStep(3)],
+        async_step=async_step,
+    )
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert trainer.state.global_step == 3
     trainer.train(resume_from_checkpoint=True)
-    whole = MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path / "b", **kw), train_dataset=lm_data(),
-                                 async_step=async_step)
+    whole = MasterWeightsTrainer(
+        model=gpt2(), args=targs(tmp_path / "b", **kw), train_dataset=lm_data(), async_step=async_step
+    )
     whole.train()
     for p, q in zip(trainer.model.parameters(), whole.model.parameters()):
         assert torch.equal(p, q)
@@ -446,8 +523,12 @@ def test_overflow_storm_and_nan_from_the_start(tmp_path, precision, factor, step
 
 
 def test_final_model_for_inference_and_predict(tmp_path):
-    trainer = MasterWeightsTrainer(model=gpt2(), args=targs(tmp_path, max_steps=3, per_device_eval_batch_size=BATCH),
-                                   train_dataset=lm_data(), async_step=True)
+    trainer = MasterWeightsTrainer(
+        model=gpt2(),
+        args=targs(tmp_path, max_steps=3, per_device_eval_batch_size=BATCH),
+        train_dataset=lm_data(),
+        async_step=True,
+    )
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
@@ -470,8 +551,17 @@ def test_fp32_modules_of_a_model_loaded_in_fp16_are_kept(tmp_path):
     # stepped as they are. Compared with the plain loop on the same mixed model.
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, dropout_rate=0.0,
-                      decoder_start_token_id=0, pad_token_id=0)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     T5ForConditionalGeneration(config).save_pretrained(str(tmp_path / "t5"))
 
@@ -571,13 +661,19 @@ class InfAt(MasterWeightsTrainer):
 def test_async_cpu_masters_accumulation_overflow_short_window(tmp_path, precision):
     """async_step + master_device="cpu" + 2-step accumulation with a short last window + an
     overflow at step 1, over 36 GPT2 samples (tied weights): the plain async loop, bit for bit."""
-    trainer = InfAt(model=gpt2(), args=targs(tmp_path, precision, gradient_accumulation_steps=2, num_train_epochs=1),
-                    train_dataset=lm_data(36), async_step=True, master_device="cpu")
+    trainer = InfAt(
+        model=gpt2(),
+        args=targs(tmp_path, precision, gradient_accumulation_steps=2, num_train_epochs=1),
+        train_dataset=lm_data(36),
+        async_step=True,
+        master_device="cpu",
+    )
     trainer.inf_steps, trainer.seen = (1,), set()
     trainer.train()
     assert trainer.state.global_step == 5
-    ref = reference(gpt2(), lm_data(36), precision, accum=2, causal=True, inf_steps=(1,), async_step=True,
-                    master_device="cpu")
+    ref = reference(
+        gpt2(), lm_data(36), precision, accum=2, causal=True, inf_steps=(1,), async_step=True, master_device="cpu"
+    )
     assert_same(trainer, ref)
     logged = [h["learning_rate"] for h in trainer.state.log_history if "grad_norm" in h]
     assert logged[1] == logged[2]  # the schedule did not step after the overflow
@@ -606,13 +702,20 @@ def test_frozen_block_unfrozen_mid_training(tmp_path, async_step):
 
     model = frozen_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
-    trainer = MasterWeightsTrainer(model=model, args=targs(tmp_path, max_steps=4), train_dataset=lm_data(),
-                                   optimizers=(opt, None), callbacks=[UnfreezeAt(2)], async_step=async_step)
+    trainer = MasterWeightsTrainer(
+        model=model,
+        args=targs(tmp_path, max_steps=4),
+        train_dataset=lm_data(),
+        optimizers=(opt, None),
+        callbacks=[UnfreezeAt(2)],
+        async_step=async_step,
+    )
     trainer.train()
 
     ref = frozen_model().half()
-    mpo = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, fused=True),
-                                          async_step=async_step)
+    mpo = fp16kit.MixedPrecisionOptimizer(
+        torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, fused=True), async_step=async_step
+    )
     sched, scaler = torch.optim.lr_scheduler.LambdaLR(mpo, lambda s: max(0.0, (4 - s) / 4)), fp16kit.GradScaler("cpu")
     for k, (batch,) in enumerate(windows(lm_data(), 1, 1)[:4]):
         if k == 2:
@@ -628,7 +731,9 @@ def test_frozen_block_unfrozen_mid_training(tmp_path, async_step):
     mpo.synchronize()
     for (name, p), q in zip(trainer.model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
-    assert not torch.equal(trainer.model.transformer.h[0].mlp.c_fc.weight, frozen_model().half().transformer.h[0].mlp.c_fc.weight)
+    assert not torch.equal(
+        trainer.model.transformer.h[0].mlp.c_fc.weight, frozen_model().half().transformer.h[0].mlp.c_fc.weight
+    )
 
 
 def test_core_bf16_loop_zeroing_the_model_clips_every_iteration():

@@ -84,8 +84,9 @@ class FakeApex:
         o.scale_window = scale_window
         return o
 
-    def era2(self, loss_scale=2.0**16, *, dynamic=True, window=2000, unskipped=0, min_loss_scale=None,
-             max_loss_scale=2.0**24):
+    def era2(
+        self, loss_scale=2.0**16, *, dynamic=True, window=2000, unskipped=0, min_loss_scale=None, max_loss_scale=2.0**24
+    ):
         o = self.AmpLossScaler()
         o.dynamic = dynamic
         o._loss_scale = loss_scale
@@ -164,8 +165,17 @@ def megatron_scaler(stand_ins: StandIns, module: str = "megatron.fp16.loss_scale
     ``None`` to leave one out, as older code pickled)."""
     cls = getattr(stand_ins.modules.get(module), "DynamicLossScaler", None)
     cls = cls or stand_ins.add(f"{module}.DynamicLossScaler")
-    defaults = dict(cur_scale=2**32, cur_iter=0, last_overflow_iter=-1, scale_factor=2.0, scale_window=1000,
-                    min_scale=1, delayed_shift=2, cur_hysteresis=2, consecutive_hysteresis=False)
+    defaults = dict(
+        cur_scale=2**32,
+        cur_iter=0,
+        last_overflow_iter=-1,
+        scale_factor=2.0,
+        scale_window=1000,
+        min_scale=1,
+        delayed_shift=2,
+        cur_hysteresis=2,
+        consecutive_hysteresis=False,
+    )
     o = cls()
     for k, v in {**defaults, **attrs}.items():
         if v is not None:
@@ -182,8 +192,20 @@ def megatron(stand_ins):
 # --------------------------------------------------------------------------------- numpy
 
 # (kind, item size) -> struct format character (numpy's raw data is these, packed)
-_STRUCT = {("b", 1): "?", ("i", 1): "b", ("u", 1): "B", ("i", 2): "h", ("u", 2): "H", ("i", 4): "i",
-           ("u", 4): "I", ("i", 8): "q", ("u", 8): "Q", ("f", 2): "e", ("f", 4): "f", ("f", 8): "d"}
+_STRUCT = {
+    ("b", 1): "?",
+    ("i", 1): "b",
+    ("u", 1): "B",
+    ("i", 2): "h",
+    ("u", 2): "H",
+    ("i", 4): "i",
+    ("u", 4): "I",
+    ("i", 8): "q",
+    ("u", 8): "Q",
+    ("f", 2): "e",
+    ("f", 4): "f",
+    ("f", 8): "d",
+}
 
 
 class FakeNumpy:
@@ -201,8 +223,7 @@ class FakeNumpy:
                 self.typestr = typestr
 
             def __reduce__(self):
-                return (type(self), (self.typestr[1:], False, True),
-                        (3, self.typestr[0], None, None, None, -1, -1, 0))
+                return (type(self), (self.typestr[1:], False, True), (3, self.typestr[0], None, None, None, -1, -1, 0))
 
         class ndarray:
             def __init__(self, shape, typestr, raw, fortran=False) -> None:
@@ -241,8 +262,9 @@ class FakeNumpy:
 
     def array(self, values, typestr: str, shape=None, fortran=False):
         """An array of the flat ``values`` (in memory order: Fortran order when ``fortran``)."""
-        return self.ndarray(shape if shape is not None else (len(values),), typestr,
-                            self.pack(values, typestr), fortran)
+        return self.ndarray(
+            shape if shape is not None else (len(values),), typestr, self.pack(values, typestr), fortran
+        )
 
     def scalar(self, value, typestr: str):
         return self.Scalar(typestr, self.pack([value], typestr))

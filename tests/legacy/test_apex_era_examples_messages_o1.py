@@ -35,9 +35,12 @@ def _python(*args: str) -> subprocess.CompletedProcess:
 
 def _apex_imports(source: str) -> list[int]:
     return [
-        node.lineno for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "apex" for a in node.names)
-        or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "apex"
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Import)
+        and any(a.name.split(".")[0] == "apex" for a in node.names)
+        or isinstance(node, ast.ImportFrom)
+        and (node.module or "").split(".")[0] == "apex"
     ]
 
 
@@ -75,8 +78,10 @@ def test_gnmt_rank_logging(tmp_path, capsys):
     assert lines[start + 19] == "0: Using optimizer: Adam"
     # apex's skip lines, once per skipped step, halving from --init-scale (2**20)
     skips = [line for line in lines if line.startswith("Gradient overflow.")]
-    assert skips == [f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to {2.0 ** (19 - k)}"
-                     for k in range(len(skips))]
+    assert skips == [
+        f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to {2.0 ** (19 - k)}"
+        for k in range(len(skips))
+    ]
     assert 1 <= len(skips) < 10
     assert lines[-2] == "0: Finished training"
     first = float(re.findall(r"^0: TRAIN \[0\]\[0/\d+\]\tLoss/tok (\S+)\t", out, re.M)[0])

@@ -27,7 +27,10 @@ CASES = {
     "bert_fused_adam.py": (["--fp16", "--num_train_steps", "30"], False),
     "megatron_v1.py": (["--fp16", "--train-iters", "30"], True),
     "imagenet_ddp_syncbn.py": (["--steps", "12"], False),
-    "imagenet_main_amp.py": (["--opt-level", "O1", "--sync_bn", "--dist", "--loss-scale", "dynamic", "--lr", "3.2"], False),
+    "imagenet_main_amp.py": (
+        ["--opt-level", "O1", "--sync_bn", "--dist", "--loss-scale", "dynamic", "--lr", "3.2"],
+        False,
+    ),
     "bert_run_pretraining.py": (["--fp16", "--allreduce_post_accumulation", "--local_rank", "0"], False),
     "hf_run_glue_fp16.py": (["--fp16", "--fp16_opt_level", "O1"], False),
     "onmt_optimizers_fp16.py": (["-model_dtype", "fp16", "-optim", "fusedadam"], False),
@@ -41,14 +44,19 @@ EXTRA_RUNS = {  # more flags of the same scripts, run unmodified only
     "dcgan_amp.py": [["--opt_level", "O2", "--niter", "12"]],
     "word_lm_fp16_utils.py": [["--steps", "12", "--static-loss-scale", "128"]],
     "imagenet_ddp_syncbn.py": [["--steps", "6", "--larc"]],
-    "imagenet_main_amp.py": [["--opt-level", "O2", "--keep-batchnorm-fp32", "True", "--loss-scale", "128.0"],
-                             ["--opt-level", "O3", "--keep-batchnorm-fp32", "False", "--epochs", "1"]],
-    "bert_run_pretraining.py": [["--fp16"], ["--fp16", "--loss_scale", "128", "--init_loss_scale", "128",
-                                             "--gradient_accumulation_steps", "1"]],
+    "imagenet_main_amp.py": [
+        ["--opt-level", "O2", "--keep-batchnorm-fp32", "True", "--loss-scale", "128.0"],
+        ["--opt-level", "O3", "--keep-batchnorm-fp32", "False", "--epochs", "1"],
+    ],
+    "bert_run_pretraining.py": [
+        ["--fp16"],
+        ["--fp16", "--loss_scale", "128", "--init_loss_scale", "128", "--gradient_accumulation_steps", "1"],
+    ],
     "hf_run_glue_fp16.py": [["--fp16", "--fp16_opt_level", "O2"]],
-    "onmt_optimizers_fp16.py": [["-model_dtype", "fp16", "-apex_opt_level", "O2"],
-                                ["-model_dtype", "fp16", "-optim", "fusedadam", "-fp16_impl", "optimizers",
-                                 "-loss_scale", "128"]],
+    "onmt_optimizers_fp16.py": [
+        ["-model_dtype", "fp16", "-apex_opt_level", "O2"],
+        ["-model_dtype", "fp16", "-optim", "fusedadam", "-fp16_impl", "optimizers", "-loss_scale", "128"],
+    ],
     "megatron_2020_training.py": [["--fp16", "--loss-scale", "1024"], []],
     "transformer_xl_amp.py": [["--fp16", "--apex_amp_opt_level", "O2"], ["--fp16", "--amp", "pytorch"]],
     "fp16_optimizer_resume.py": [["--epochs", "3", "--static-loss-scale", "128"]],
@@ -61,9 +69,7 @@ def _python(*args, cwd=None, env_port=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     if env_port:
         env["MASTER_PORT"] = str(env_port)
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd
-    )
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
 
 
 def _final_loss(stdout: str) -> float:
@@ -100,9 +106,12 @@ def test_runs_unmodified_and_after_migrate_with_the_same_output(name, tmp_path, 
     assert cli_main(["migrate", *flag, str(copy)]) == 0, capsys.readouterr()
     tree = ast.parse(copy.read_text())
     left = [
-        node.lineno for node in ast.walk(tree)
-        if isinstance(node, ast.Import) and any(a.name.split(".")[0] in ("apex", "fp16") for a in node.names)
-        or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("apex", "fp16")
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        and any(a.name.split(".")[0] in ("apex", "fp16") for a in node.names)
+        or isinstance(node, ast.ImportFrom)
+        and (node.module or "").split(".")[0] in ("apex", "fp16")
     ]
     assert not left, f"apex imports left on lines {left}:\n{copy.read_text()}"
     assert cli_main(["migrate", "--check", *flag, str(copy)]) == 0, capsys.readouterr()  # idempotent

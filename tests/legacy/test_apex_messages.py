@@ -93,6 +93,7 @@ def _script_logs(stream):
 
 # ------------------------------------------------------------------- one overflow per face
 
+
 def _fp16_utils():
     torch.manual_seed(0)
     model = nn.Linear(4, 2).half()
@@ -139,8 +140,13 @@ def _amp_handle_api(monkeypatch):
 def _megatron():
     torch.manual_seed(0)
     model = FP16_Module(nn.Linear(4, 2))
-    opt = MegatronFP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None,
-                                 dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**20}, verbose=True)
+    opt = MegatronFP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        static_loss_scale=None,
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 2.0**20},
+        verbose=True,
+    )
     opt.backward(model(torch.randn(3, 4)).sum() * float("inf"))
     opt.step()
     return [
@@ -159,8 +165,13 @@ def _fused_era():
     return ["", "Grad overflow on iteration 0", "Using dynamic loss scale of 65536.0"]
 
 
-FACES = {"fp16_utils": _fp16_utils, "amp O2": _amp_o2, "amp handle API": _amp_handle_api,
-         "Megatron-LM fp16": _megatron, "fused-era FP16_Optimizer": _fused_era}
+FACES = {
+    "fp16_utils": _fp16_utils,
+    "amp O2": _amp_o2,
+    "amp handle API": _amp_handle_api,
+    "Megatron-LM fp16": _megatron,
+    "fused-era FP16_Optimizer": _fused_era,
+}
 
 
 @pytest.mark.parametrize("face", sorted(FACES))
@@ -195,6 +206,7 @@ def test_fp16kits_own_notes_stay_on_the_fp16kit_logger(caplog, capsys):
 
 # ------------------------------------------------------------------------ apex's switches
 
+
 def test_amp_verbosity_0_silences_what_apex_silenced(capsys):
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
@@ -204,8 +216,9 @@ def test_amp_verbosity_0_silences_what_apex_silenced(capsys):
         scaled.backward()
     opt.step()
     assert capsys.readouterr().out == ""  # no banner, no skip line
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0},
-                         "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
+    amp.load_state_dict(
+        {"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}}
+    )
     assert capsys.readouterr().out.splitlines() == [  # apex printed these whatever the verbosity
         "Warning: state_dict contains 2 entries, while 1 loss_scalers are used",
         "Skipping loss_scaler[1], since num_losses was set to 1",
@@ -222,6 +235,7 @@ def test_fp16_optimizer_verbose_false_keeps_only_the_skip_line(capsys):
 
 # ------------------------------------------------------------------------ logging's switches
 
+
 def test_set_up_as_apex_printed(apex_log):
     assert apex_log.propagate is False and apex_log.level == logging.INFO
     # (pytest adds its capture handler to loggers that do not propagate)
@@ -233,7 +247,9 @@ def test_set_level_warning_hides_the_banner_and_keeps_the_skip_lines(apex_log, c
     apex_log.setLevel(logging.WARNING)
     assert capsys.readouterr().out == ""
     _amp_o2()
-    assert capsys.readouterr().out == "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0\n"
+    assert (
+        capsys.readouterr().out == "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0\n"
+    )
 
 
 def test_disabled_silences_every_line(apex_log, capsys):

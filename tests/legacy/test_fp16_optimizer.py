@@ -24,8 +24,6 @@ import pytest
 import torch
 from torch import nn
 
-from fp16kit.legacy import FP16_Optimizer
-
 from _helpers.fp16_optimizer import (
     INF,
     LOW,
@@ -46,7 +44,7 @@ from _helpers.fp16_optimizer import (
     train_iter,
     two_groups,
 )
-
+from fp16kit.legacy import FP16_Optimizer
 
 # ---------------------------------------------------------------- bit for bit: the main loop
 SCALINGS = {
@@ -237,6 +235,7 @@ def test_scale_factor_is_honoured():
     assert opt.loss_scale == 2.0**10 / 3.0 * 3.0
     assert_matches(model, opt, ref)
 
+
 def test_add_param_group_gets_masters():
     model = make_model(torch.float16)
     opt = FP16_Optimizer(torch.optim.SGD(model.l1.parameters(), lr=0.1), static_loss_scale=128.0, verbose=False)
@@ -252,6 +251,7 @@ def test_add_param_group_gets_masters():
     g = opt.fp32_from_fp16_groups[1][0].grad.clone()  # unscaled: / 128
     opt.step()
     assert torch.equal(model.l2.weight, (w.float() - 0.1 * g).half())
+
 
 # ---------------------------------------------------------------- static scale: no overflow check
 def test_static_scale_applies_non_finite_grads():
@@ -461,9 +461,7 @@ def test_lbfgs_closure_matches_reference(dtype, dynamic):
 
 def test_closure_nan_loss_raises_after_bounded_retries(caplog):
     model = make_model(torch.float16)
-    opt = FP16_Optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False
-    )
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = batch(0, torch.float16)
     calls = [0]
@@ -518,9 +516,7 @@ def test_clip_master_grads(dtype, norm_type):
             assert isinstance(norm, torch.Tensor)
             bitwise(norm, rnorm, f"iter {i} norm")
             assert float(norm) > 0.05  # clipping really happened
-            for p, rp in zip(
-                [p for g in opt.param_groups for p in g["params"]], params
-            ):
+            for p, rp in zip([p for g in opt.param_groups for p in g["params"]], params):
                 if rp.grad is None:
                     assert p.grad is None
                 else:
@@ -618,7 +614,9 @@ def test_loss_scale_setter_static():
 
 
 def test_lr_scheduler():
-    model, opt, ref = build(torch.float16, "adam", dynamic=True, dynamic_args={"init_scale": 2.0**21, "scale_window": 2})
+    model, opt, ref = build(
+        torch.float16, "adam", dynamic=True, dynamic_args={"init_scale": 2.0**21, "scale_window": 2}
+    )
     assert isinstance(opt, torch.optim.Optimizer)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     rsched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=2, gamma=0.5)

@@ -12,8 +12,6 @@ import threading
 import pytest
 import torch
 
-from fp16kit.legacy import FP16_Optimizer
-
 from _helpers.fp16_optimizer import (
     INF,
     NAN,
@@ -24,7 +22,7 @@ from _helpers.fp16_optimizer import (
     make_model,
     two_groups,
 )
-
+from fp16kit.legacy import FP16_Optimizer
 
 # ---------------------------------------------------------------- async_step / master_device
 # The asynchronous FP16_Optimizer (docs/async.md §3, mode 1) equals, bit for bit, a one-step-delayed
@@ -255,7 +253,9 @@ def test_fp32_params_get_masters_with_async_step():
 def _trained(async_step, n=3):
     model = make_model(torch.float16)
     opt = FP16_Optimizer(
-        torch.optim.Adam(two_groups(model, 1e-2, 3e-3), lr=1e-2), dynamic_loss_scale=True, verbose=False,
+        torch.optim.Adam(two_groups(model, 1e-2, 3e-3), lr=1e-2),
+        dynamic_loss_scale=True,
+        verbose=False,
         async_step=async_step,
     )
     for i in range(n):
@@ -377,8 +377,9 @@ def test_async_zero_grad_drops_a_prepared_step():
 
 def test_async_lr_scheduler_changes_the_next_step_not_the_pending_one():
     model = make_model(torch.float16)
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=1.0), dynamic_loss_scale=True,
-                         verbose=False, async_step=True)
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), dynamic_loss_scale=True, verbose=False, async_step=True
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
     before = [m.detach().clone() for m in opt.all_fp32_from_fp16_params]
     thread = opt._mpo._async.thread
@@ -398,7 +399,9 @@ def test_copying_masters_to_the_model_after_a_cross_mode_load_keeps_the_loaded_f
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     model2 = make_model(torch.float16, seed=5)
     opt2 = FP16_Optimizer(
-        torch.optim.Adam(two_groups(model2, 1e-2, 3e-3), lr=1e-2), dynamic_loss_scale=True, verbose=False,
+        torch.optim.Adam(two_groups(model2, 1e-2, 3e-3), lr=1e-2),
+        dynamic_loss_scale=True,
+        verbose=False,
         master_device="cpu",
     )
     opt2.load_state_dict(saved_opt)

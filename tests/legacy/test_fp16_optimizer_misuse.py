@@ -15,7 +15,9 @@ from fp16kit.legacy import FP16_Optimizer
 def _setup():
     torch.manual_seed(0)
     model = nn.Linear(4, 2).half()
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), static_loss_scale=8.0, verbose=False)
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), static_loss_scale=8.0, verbose=False
+    )
     return model, opt
 
 
@@ -72,8 +74,11 @@ NAN, INF = float("nan"), float("inf")
 def _wrapped_state(model, inner):
     """What a refused construction must leave as it was: the inner optimizer's groups (still the
     model's fp16 params, not masters), its state and the model."""
-    return ([[id(p) for p in g["params"]] for g in inner.param_groups], inner.state_dict(),
-            {n: p.detach().clone() for n, p in model.named_parameters()})
+    return (
+        [[id(p) for p in g["params"]] for g in inner.param_groups],
+        inner.state_dict(),
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+    )
 
 
 def _same_state(a, b):
@@ -88,8 +93,11 @@ def test_a_static_loss_scale_that_cannot_train_is_refused_and_nothing_is_wrapped
     model = nn.Linear(4, 2).half()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     before = _wrapped_state(model, inner)
-    with pytest.raises(ValueError, match=r"static_loss_scale must be a finite number > 0, got "
-                                         rf"{re.escape(repr(value)[:20])}.*\(e\.g\. 128\.0\), or dynamic_loss_scale=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"static_loss_scale must be a finite number > 0, got "
+        rf"{re.escape(repr(value)[:20])}.*\(e\.g\. 128\.0\), or dynamic_loss_scale=True",
+    ):
         FP16_Optimizer(inner, static_loss_scale=value, verbose=False)
     _same_state(before, _wrapped_state(model, inner))
 
@@ -138,8 +146,12 @@ def test_dynamic_settings_apex_ran_with_are_accepted():
     # an uncapped init_scale starts at max_loss_scale (apex: min(max, init)); 0 is apex's "no floor";
     # an integral float window counts as apex's == did
     model, _ = _setup()
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False,
-                         dynamic_loss_args={"init_scale": INF, "min_loss_scale": 0, "scale_window": 2.0})
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        dynamic_loss_scale=True,
+        verbose=False,
+        dynamic_loss_args={"init_scale": INF, "min_loss_scale": 0, "scale_window": 2.0},
+    )
     assert opt.loss_scale == 2.0**24
     for _ in range(3):
         opt.zero_grad()

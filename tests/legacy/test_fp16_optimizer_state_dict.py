@@ -13,8 +13,6 @@ import re
 import pytest
 import torch
 
-from fp16kit.legacy import FP16_Optimizer
-
 from _helpers.fp16_optimizer import (
     LOW,
     LOW_IDS,
@@ -29,6 +27,7 @@ from _helpers.fp16_optimizer import (
     make_model,
     same_value,
 )
+from fp16kit.legacy import FP16_Optimizer
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -51,8 +50,7 @@ def _snapshot(model, opt):
         "scale": opt.loss_scale,
         "overflow": opt.overflow,
         "state": [
-            [copy.deepcopy(dict(opt.state[p])) if p in opt.state else {} for p in g["params"]]
-            for g in opt.param_groups
+            [copy.deepcopy(dict(opt.state[p])) if p in opt.state else {} for p in g["params"]] for g in opt.param_groups
         ],
         "lrs": [g["lr"] for g in opt.param_groups],
     }
@@ -167,6 +165,7 @@ def test_mismatched_groups_raise_and_change_nothing(layout):
         assert re.search(r"group 0", msg, re.I), msg
         assert "3" in msg and "4" in msg, msg
 
+
 def test_static_scaler_counts_clean_updates_like_apex():
     model = make_model(torch.float16)
     opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0, verbose=False)
@@ -180,12 +179,18 @@ def test_static_scaler_counts_clean_updates_like_apex():
 
 def test_load_with_bad_scaler_settings_changes_nothing():
     model = make_model(torch.float16)
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dynamic_loss_scale=True, verbose=False)
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dynamic_loss_scale=True, verbose=False
+    )
     x, y = batch(0, torch.float16)
     opt.backward(loss_fn(model, x, y))
     opt.step()
     sd = opt.state_dict()
-    before = (copy.deepcopy(opt.optimizer.state_dict()), [m.detach().clone() for m in flat_masters(opt)], opt.loss_scale)
+    before = (
+        copy.deepcopy(opt.optimizer.state_dict()),
+        [m.detach().clone() for m in flat_masters(opt)],
+        opt.loss_scale,
+    )
     bad = dict(sd, loss_scaler=dict(sd["loss_scaler"], min_loss_scale=-1.0))
     with pytest.raises(ValueError, match="invalid settings"):
         opt.load_state_dict(bad)
@@ -201,14 +206,30 @@ ERA2 = "apex.amp.scaler.LossScaler"
 
 def _era1_record(**changes):
     """An era-1 DynamicLossScaler as load_checkpoint returns it from an apex file."""
-    return {"__apex_class__": ERA1, "cur_scale": 1024.0, "cur_iter": 5, "last_overflow_iter": 2,
-            "scale_factor": 2.0, "scale_window": 1000, **changes}
+    return {
+        "__apex_class__": ERA1,
+        "cur_scale": 1024.0,
+        "cur_iter": 5,
+        "last_overflow_iter": 2,
+        "scale_factor": 2.0,
+        "scale_window": 1000,
+        **changes,
+    }
 
 
 def _era2_record(**changes):
-    return {"__apex_class__": ERA2, "dynamic": True, "_loss_scale": 1024.0, "_max_loss_scale": 2.0**24,
-            "_min_loss_scale": None, "_scale_seq_len": 2000, "_unskipped": 3, "_has_overflow": False,
-            "_overflow_buf": torch.IntTensor([0]), **changes}
+    return {
+        "__apex_class__": ERA2,
+        "dynamic": True,
+        "_loss_scale": 1024.0,
+        "_max_loss_scale": 2.0**24,
+        "_min_loss_scale": None,
+        "_scale_seq_len": 2000,
+        "_unskipped": 3,
+        "_has_overflow": False,
+        "_overflow_buf": torch.IntTensor([0]),
+        **changes,
+    }
 
 
 # (what the saved loss_scaler is, the message naming the field)
@@ -222,16 +243,22 @@ BAD_SAVED_SCALERS = {
     "scale_factor 1": (dict(scale_factor=1.0), "scale_factor must be a finite number > 1.*, got 1.0"),
     "unskipped -1": (dict(unskipped=-1), "unskipped .* must be an int >= 0, got -1"),
     "min above max": (dict(min_loss_scale=2.0**30), r"min_loss_scale \(1073741824.0\) is above max_loss_scale"),
-    "era-1 scale_window 0": (_era1_record(scale_window=0), f"{ERA1} in this file is not one apex pickled: "
-                             "its scale_window is 0, not a whole number >= 1"),
+    "era-1 scale_window 0": (
+        _era1_record(scale_window=0),
+        f"{ERA1} in this file is not one apex pickled: its scale_window is 0, not a whole number >= 1",
+    ),
     "era-1 scale_window inf": (_era1_record(scale_window=INF), "its scale_window is inf, not a whole number >= 1"),
     "era-1 cur_scale nan": (_era1_record(cur_scale=NAN), "its cur_scale is nan, not a finite number > 0"),
     "era-1 cur_scale 0": (_era1_record(cur_scale=0), "its cur_scale is 0, not a finite number > 0"),
     "era-1 scale_factor 0": (_era1_record(scale_factor=0.0), "its scale_factor is 0.0, not a finite number > 1"),
-    "era-1 static cur_scale -1": ({"__apex_class__": "apex.fp16_utils.loss_scaler.LossScaler", "cur_scale": -1.0},
-                                  "its cur_scale is -1.0, not a finite number > 0"),
-    "era-2 _loss_scale nan": (_era2_record(_loss_scale=NAN), f"{ERA2} in this file is not one apex pickled: "
-                              "its _loss_scale is nan, not a finite number > 0"),
+    "era-1 static cur_scale -1": (
+        {"__apex_class__": "apex.fp16_utils.loss_scaler.LossScaler", "cur_scale": -1.0},
+        "its cur_scale is -1.0, not a finite number > 0",
+    ),
+    "era-2 _loss_scale nan": (
+        _era2_record(_loss_scale=NAN),
+        f"{ERA2} in this file is not one apex pickled: its _loss_scale is nan, not a finite number > 0",
+    ),
     "era-2 _loss_scale 0": (_era2_record(_loss_scale=0.0), "its _loss_scale is 0.0, not a finite number > 0"),
     "era-2 _loss_scale -1": (_era2_record(_loss_scale=-1.0), "its _loss_scale is -1.0"),
     "era-2 _scale_seq_len inf": (_era2_record(_scale_seq_len=INF), "its _scale_seq_len is inf"),

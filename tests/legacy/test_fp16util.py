@@ -27,10 +27,22 @@ def _net():
 
 
 def test_exports_and_submodules():
-    names = ["FP16_Optimizer", "LossScaler", "DynamicLossScaler", "prep_param_lists",
-             "model_grads_to_master_grads", "master_params_to_model_params", "FP16Model",
-             "network_to_half", "BN_convert_float", "tofp16", "convert_module", "convert_network",
-             "clip_grad_norm", "to_python_float"]
+    names = [
+        "FP16_Optimizer",
+        "LossScaler",
+        "DynamicLossScaler",
+        "prep_param_lists",
+        "model_grads_to_master_grads",
+        "master_params_to_model_params",
+        "FP16Model",
+        "network_to_half",
+        "BN_convert_float",
+        "tofp16",
+        "convert_module",
+        "convert_network",
+        "clip_grad_norm",
+        "to_python_float",
+    ]
     for n in names:
         assert hasattr(legacy, n), n
     ns = {}
@@ -88,7 +100,11 @@ def test_prep_param_lists_and_grad_round_trip(flat):
     assert len(model_params) == 5
     if flat:
         (m,) = master_params
-        assert isinstance(m, nn.Parameter) and m.dtype == torch.float32 and m.numel() == sum(p.numel() for p in model_params)
+        assert (
+            isinstance(m, nn.Parameter)
+            and m.dtype == torch.float32
+            and m.numel() == sum(p.numel() for p in model_params)
+        )
         assert torch.equal(m.grad, torch.zeros_like(m))
     else:
         assert all(m.dtype == torch.float32 and m.requires_grad for m in master_params)

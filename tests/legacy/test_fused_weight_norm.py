@@ -66,7 +66,10 @@ def test_gradients_and_second_derivatives_match_torch_weight_norm(dim):
     first_order = hvp(lambda a, b: torch._weight_norm(a, b, dim % 3))[:2]
     for a, b in zip(ours[:2], first_order):
         torch.testing.assert_close(a, b)
-    assert torch.autograd.gradgradcheck(lambda a, b: Fused_Weight_Norm.apply(a, b, dim),
-                                        (v[:2, :2, :3].detach().clone().requires_grad_(),
-                                         g[:2].detach().clone().requires_grad_() if dim == 0
-                                         else g[..., :3].detach().clone().requires_grad_()))
+    assert torch.autograd.gradgradcheck(
+        lambda a, b: Fused_Weight_Norm.apply(a, b, dim),
+        (
+            v[:2, :2, :3].detach().clone().requires_grad_(),
+            g[:2].detach().clone().requires_grad_() if dim == 0 else g[..., :3].detach().clone().requires_grad_(),
+        ),
+    )

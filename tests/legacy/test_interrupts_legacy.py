@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 import torch
 
+from _helpers.interrupt import Script, sweep
+from _helpers.interrupt import _assert_equal as assert_equal
 from fp16kit.legacy import FP16_Optimizer, amp
 from fp16kit.legacy.amp._amp_state import _amp_state
-from _helpers.interrupt import Script, _assert_equal as assert_equal, sweep
 
 OPTS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
@@ -72,8 +73,13 @@ def fp16_optimizer_script(
         model = _model().half()
         inner = OPTS[opt](model.parameters())
         if dynamic:
-            o = FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 2},
-                               verbose=False, async_step=async_step)
+            o = FP16_Optimizer(
+                inner,
+                dynamic_loss_scale=True,
+                dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 2},
+                verbose=False,
+                async_step=async_step,
+            )
         else:
             o = FP16_Optimizer(inner, static_loss_scale=128.0, verbose=False, async_step=async_step)
         return SimpleNamespace(model=model, opt=o)

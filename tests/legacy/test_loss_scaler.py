@@ -34,8 +34,17 @@ def test_sequence_by_hand():
         s.update_scale(o)
         seen.append((s.cur_scale, s.cur_iter, s.last_overflow_iter))
     assert seen == [
-        (8, 1, -1), (8, 2, -1), (16, 3, -1), (8, 4, 3), (8, 5, 3), (8, 6, 3), (16, 7, 3),
-        (8, 8, 7), (4, 9, 8), (2, 10, 9), (1, 11, 10),
+        (8, 1, -1),
+        (8, 2, -1),
+        (16, 3, -1),
+        (8, 4, 3),
+        (8, 5, 3),
+        (8, 6, 3),
+        (16, 7, 3),
+        (8, 8, 7),
+        (4, 9, 8),
+        (2, 10, 9),
+        (1, 11, 10),
     ]
     s.update_scale(True)
     assert s.cur_scale == 1  # floor 1
@@ -111,7 +120,12 @@ def test_pickle_round_trip():
         s.update_scale(o)
     t = pickle.loads(pickle.dumps(s))
     assert (t.cur_scale, t.cur_iter, t.last_overflow_iter, t.scale_factor, t.scale_window) == (
-        s.cur_scale, s.cur_iter, s.last_overflow_iter, s.scale_factor, s.scale_window)
+        s.cur_scale,
+        s.cur_iter,
+        s.last_overflow_iter,
+        s.scale_factor,
+        s.scale_window,
+    )
     for o in [False, False, False, True]:
         s.update_scale(o)
         t.update_scale(o)
@@ -133,7 +147,11 @@ def test_cur_iter_writes_keep_last_overflow_iter_as_apex():
     for o in [False, False, True, False, False, False, False]:
         s.update_scale(o)
         spec_update(ref, o)
-        assert (s.cur_scale, s.cur_iter, s.last_overflow_iter) == (ref["cur_scale"], ref["cur_iter"], ref["last_overflow_iter"])
+        assert (s.cur_scale, s.cur_iter, s.last_overflow_iter) == (
+            ref["cur_scale"],
+            ref["cur_iter"],
+            ref["last_overflow_iter"],
+        )
 
 
 def test_cur_scale_keeps_apexs_python_types():
@@ -170,19 +188,37 @@ BAD_ARGS = [
     (DynamicLossScaler, "init_scale", NAN, "init_scale must be a finite number > 0 (e.g. 128.0), got nan."),
     (DynamicLossScaler, "init_scale", INF, "init_scale must be a finite number > 0 (e.g. 128.0), got inf."),
     (DynamicLossScaler, "init_scale", -1.0, "init_scale must be a finite number > 0 (e.g. 128.0), got -1.0."),
-    (DynamicLossScaler, "scale_factor", 0, "scale_factor must be a finite number > 1 (the scale is divided by "
-                                           "it at an overflow), got 0."),
-    (DynamicLossScaler, "scale_factor", 1, "scale_factor must be a finite number > 1 (the scale is divided by "
-                                           "it at an overflow), got 1."),
-    (DynamicLossScaler, "scale_factor", NAN, "scale_factor must be a finite number > 1 (the scale is divided by "
-                                             "it at an overflow), got nan."),
-    (DynamicLossScaler, "scale_window", 0, "The apex rule grows the scale every `scale_window` clean steps (a "
-                                           "modulo), so scale_window must be an int >= 1, got 0."),
+    (
+        DynamicLossScaler,
+        "scale_factor",
+        0,
+        "scale_factor must be a finite number > 1 (the scale is divided by it at an overflow), got 0.",
+    ),
+    (
+        DynamicLossScaler,
+        "scale_factor",
+        1,
+        "scale_factor must be a finite number > 1 (the scale is divided by it at an overflow), got 1.",
+    ),
+    (
+        DynamicLossScaler,
+        "scale_factor",
+        NAN,
+        "scale_factor must be a finite number > 1 (the scale is divided by it at an overflow), got nan.",
+    ),
+    (
+        DynamicLossScaler,
+        "scale_window",
+        0,
+        "The apex rule grows the scale every `scale_window` clean steps (a "
+        "modulo), so scale_window must be an int >= 1, got 0.",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("cls", "key", "value", "text"), BAD_ARGS,
-                         ids=[f"{c.__name__}-{k}={v!r}" for c, k, v, _ in BAD_ARGS])
+@pytest.mark.parametrize(
+    ("cls", "key", "value", "text"), BAD_ARGS, ids=[f"{c.__name__}-{k}={v!r}" for c, k, v, _ in BAD_ARGS]
+)
 def test_settings_that_cannot_train_are_refused_at_the_call(cls, key, value, text):
     with pytest.raises(ValueError) as info:
         cls(**{key: value})
@@ -196,11 +232,15 @@ def test_settings_apex_trained_with_are_accepted():
     assert s.cur_scale == 2**16 * 1.5
 
 
-@pytest.mark.parametrize(("name", "value", "said"), [
-    ("cur_scale", 0, "cur_scale must be a finite number > 0"), ("cur_scale", NAN, "cur_scale must be a finite"),
-    ("scale_factor", 0.5, "scale_factor must be a finite number > 1"),
-    ("scale_window", 0, "scale_window must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        ("cur_scale", 0, "cur_scale must be a finite number > 0"),
+        ("cur_scale", NAN, "cur_scale must be a finite"),
+        ("scale_factor", 0.5, "scale_factor must be a finite number > 1"),
+        ("scale_window", 0, "scale_window must be an int >= 1"),
+    ],
+)
 def test_writing_a_setting_that_cannot_train_is_refused_and_changes_nothing(name, value, said):
     s = DynamicLossScaler(init_scale=16, scale_window=4)
     before = repr(s)

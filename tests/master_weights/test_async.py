@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 import fp16kit
+from _helpers import amp_iteration, batches, mlp, mse
 from fp16kit import GradScaler, MixedPrecisionOptimizer
 from fp16kit.core import kernels
-
-from _helpers import amp_iteration, batches, mlp, mse
 
 
 class DelayedReference:
@@ -305,7 +304,11 @@ class Mode2Reference(DelayedReference):
         return loss
 
 
-@pytest.mark.parametrize("opt_cls, kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 1e-2})], ids=["sgd", "adam"])
+@pytest.mark.parametrize(
+    "opt_cls, kw",
+    [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 1e-2})],
+    ids=["sgd", "adam"],
+)
 def test_mode2_async_updates_equal_a_hand_written_reference_bit_for_bit(opt_cls, kw):
     model = mlp(torch.float16)
     ref = Mode2Reference(copy.deepcopy(model), opt_cls, 1024.0, 3, **kw)
@@ -472,8 +475,10 @@ def test_a_step_uses_the_lr_it_was_submitted_with(mode):
     model = mlp(torch.bfloat16)
     with fp16kit.OptimizerThread() as thread:
         opt = MixedPrecisionOptimizer(
-            torch.optim.SGD(model.parameters(), lr=1.0), async_step=mode == "mode1",
-            master_device="cpu", thread=thread,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            async_step=mode == "mode1",
+            master_device="cpu",
+            thread=thread,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch == 0 else 0.0)
         before = [m.detach().clone() for m in opt.master_params]

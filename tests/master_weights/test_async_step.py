@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
-from _helpers import seeded_loss, small_mlp
 from torch import nn
 
+from _helpers import seeded_loss, small_mlp
 from fp16kit import GradScaler, MixedPrecisionOptimizer, OptimizerThread
 
 
@@ -114,7 +114,9 @@ def _train_b(opt_b, model_b, thread, other=None, iters=4):
 def test_another_jobs_error_is_raised_before_the_hand_off_and_only_once(thread):
     model_b, ref_b = _net(seed=1), _net(seed=1)
     model_a = _net(seed=2)
-    opt_a = MixedPrecisionOptimizer(_FailingSGD(model_a.parameters(), fail_at=2, lr=0.1), async_step=True, thread=thread)
+    opt_a = MixedPrecisionOptimizer(
+        _FailingSGD(model_a.parameters(), fail_at=2, lr=0.1), async_step=True, thread=thread
+    )
     opt_b = MixedPrecisionOptimizer(torch.optim.SGD(model_b.parameters(), lr=0.1), async_step=True, thread=thread)
     caught = _train_b(opt_b, model_b, thread, other=(model_a, opt_a))
     assert caught == [("B", "boom in A's step")]  # once, at the first call that could report it

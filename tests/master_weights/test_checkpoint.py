@@ -25,10 +25,13 @@ def _trained(width, optimizer=torch.optim.Adam):
     return opt
 
 
-@pytest.mark.parametrize("optimizer, key", [
-    (torch.optim.Adam, "exp_avg"),
-    (lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9), "momentum_buffer"),
-])
+@pytest.mark.parametrize(
+    "optimizer, key",
+    [
+        (torch.optim.Adam, "exp_avg"),
+        (lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9), "momentum_buffer"),
+    ],
+)
 def test_direct_param_shapes_are_checked_before_anything_changes(optimizer, key):
     saved = _trained(3, optimizer).state_dict()
     opt = _trained(5, optimizer)

@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
-from _helpers import seeded_loss, small_mlp
 from torch import nn
 
 import fp16kit
+from _helpers import seeded_loss, small_mlp
 from fp16kit import GradScaler, MixedPrecisionOptimizer
 from fp16kit.legacy import FP16_Optimizer
 
@@ -134,9 +134,7 @@ def test_add_param_group_checks_like_the_constructor_before_changing_anything():
 def test_a_float64_param_unfrozen_later_with_async_steps_is_refused_with_its_name():
     model = _net(torch.float16)
     extra = nn.Parameter(torch.zeros(2, dtype=torch.float64), requires_grad=False)
-    opt = MixedPrecisionOptimizer(
-        torch.optim.SGD([*model.parameters(), extra], lr=0.1), async_step=True
-    )
+    opt = MixedPrecisionOptimizer(torch.optim.SGD([*model.parameters(), extra], lr=0.1), async_step=True)
     extra.requires_grad_(True)
     _loss(model, 0).backward()
     with pytest.raises(TypeError, match="unfrozen after wrapping"):
@@ -233,8 +231,11 @@ def test_params_unfrozen_together_are_adopted_together_in_group_order():
 
 
 NOT_FLOATING = [
-    (torch.int64, r"Integer and bool tensors \(buffers, indices\) have no gradients: build the optimizer on "
-                  r"model.parameters\(\)"),
+    (
+        torch.int64,
+        r"Integer and bool tensors \(buffers, indices\) have no gradients: build the optimizer on "
+        r"model.parameters\(\)",
+    ),
     (torch.int32, r"Integer and bool tensors \(buffers, indices\) have no gradients"),
     (torch.bool, r"Integer and bool tensors \(buffers, indices\) have no gradients"),
     (torch.complex64, r"Complex params cannot be loss-scaled \(torch.amp.GradScaler cannot unscale them either\)"),
@@ -243,16 +244,21 @@ NOT_FLOATING = [
 
 @pytest.mark.parametrize(("dtype", "advice"), NOT_FLOATING, ids=[str(d) for d, _ in NOT_FLOATING])
 @pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
-def test_a_param_that_is_not_floating_point_is_refused_in_torchs_words_and_nothing_is_wrapped(dtype, advice, async_step):
+def test_a_param_that_is_not_floating_point_is_refused_in_torchs_words_and_nothing_is_wrapped(
+    dtype, advice, async_step
+):
     # e.g. the optimizer built on model.state_dict().values(): BatchNorm's int64 num_batches_tracked
     # was accepted (and a complex param failed at the first unscale with NotImplementedError)
     model = _net(torch.float16)
     odd = torch.zeros(3, dtype=dtype)
     inner = torch.optim.SGD([*model.parameters(), odd], lr=0.1)  # torch itself takes it
     groups_before = [[id(p) for p in g["params"]] for g in inner.param_groups]
-    with pytest.raises(TypeError, match=rf"^MixedPrecisionOptimizer can only optimize Tensors of floating point dtype, "
-                                        rf"but one of the params in param group 0 \(index 4, shape \(3,\)\) is "
-                                        rf"{dtype}\. {advice}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"^MixedPrecisionOptimizer can only optimize Tensors of floating point dtype, "
+        rf"but one of the params in param group 0 \(index 4, shape \(3,\)\) is "
+        rf"{dtype}\. {advice}",
+    ):
         MixedPrecisionOptimizer(inner, async_step=async_step)
     assert [[id(p) for p in g["params"]] for g in inner.param_groups] == groups_before  # no masters swapped in
     inner.param_groups[0]["params"].pop()
@@ -265,8 +271,11 @@ def test_add_param_group_refuses_a_param_that_is_not_floating_point(dtype, advic
     model = _net(torch.float16)
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     extra = nn.Parameter(torch.ones(2, dtype=torch.float16))
-    with pytest.raises(TypeError, match=rf"can only optimize Tensors of floating point dtype, but one of the params "
-                                        rf"\(index 1, shape \(5,\)\) is {dtype}\. {advice}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"can only optimize Tensors of floating point dtype, but one of the params "
+        rf"\(index 1, shape \(5,\)\) is {dtype}\. {advice}",
+    ):
         opt.add_param_group({"params": [extra, torch.zeros(5, dtype=dtype)]})
     assert len(opt.param_groups) == 1 and len(opt.master_params) == 4
     legacy = FP16_Optimizer(torch.optim.SGD(_net(torch.float16).parameters(), lr=0.1), verbose=False)
@@ -291,9 +300,12 @@ def test_thread_must_be_an_optimizer_thread_and_is_checked_at_construction(threa
     model = _net(torch.float16)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
-        with pytest.raises(TypeError, match=r"^thread must be an fp16kit.OptimizerThread \(or None for the process-wide "
-                                            r"fp16kit.optimizer_thread\(\)\), got .*\. .*pass thread=fp16kit."
-                                            r"OptimizerThread\(\) for a thread of this optimizer's own\.$"):
+        with pytest.raises(
+            TypeError,
+            match=r"^thread must be an fp16kit.OptimizerThread \(or None for the process-wide "
+            r"fp16kit.optimizer_thread\(\)\), got .*\. .*pass thread=fp16kit."
+            r"OptimizerThread\(\) for a thread of this optimizer's own\.$",
+        ):
             MixedPrecisionOptimizer(inner, async_step=True, thread=bad)
     finally:
         if isinstance(bad, concurrent.futures.ThreadPoolExecutor):

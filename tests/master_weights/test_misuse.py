@@ -19,10 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-import fp16kit
-from fp16kit import GradScaler, MixedPrecisionOptimizer
-
 from _helpers import batches, mlp, mse
+from fp16kit import GradScaler, MixedPrecisionOptimizer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -381,7 +379,7 @@ def test_a_third_partys_wrap_of_the_watch_is_not_wrapped_again(caplog, monkeypat
     import functools
     import gc
 
-    from fp16kit import optimizer_misuse
+    from fp16kit.master_weights import misuse as optimizer_misuse
 
     module = torch.nn.utils.clip_grad
     model = mlp(torch.float16)
@@ -420,7 +418,9 @@ def test_a_param_in_two_groups_is_refused_with_torchs_error_and_nothing_changes(
     model = mlp(torch.float16)
     inner = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}], lr=0.1)
     inner.param_groups[1]["params"].append(model[0].weight)  # e.g. a tied weight added by hand
-    with pytest.raises(ValueError, match=r"some parameters appear in more than one parameter group: param groups 0 and 1"):
+    with pytest.raises(
+        ValueError, match=r"some parameters appear in more than one parameter group: param groups 0 and 1"
+    ):
         MixedPrecisionOptimizer(inner)
     assert all(p.dtype == torch.float16 for g in inner.param_groups for p in g["params"])  # no masters
     inner.param_groups[1]["params"].pop()

@@ -39,6 +39,7 @@ def no_host_reads(monkeypatch, *, main_thread_only=False):
                 if allowed():
                     return __original(self, *a, **k)
                 raise HostRead(f"Tensor.{__name} called on the hot path")
+
             m.setattr(torch.Tensor, name, forbidden)
 
         torch_equal = torch.equal
@@ -118,7 +119,7 @@ def test_cuda_sync_debug_mode():
     model = torch.nn.Linear(64, 64).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     scaler = fp16kit.GradScaler("cuda", hysteresis=2, min_scale=1.0)
-    for i in range(3):
+    for _i in range(3):
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = model(torch.randn(8, 64, device="cuda")).float().pow(2).mean()

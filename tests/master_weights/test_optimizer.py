@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 import fp16kit
-from fp16kit import GradScaler, MixedPrecisionOptimizer
-
 from _helpers import amp_iteration, batches, mlp
+from fp16kit import GradScaler, MixedPrecisionOptimizer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -213,7 +212,7 @@ def test_new_backward_after_a_clipped_step_is_read_again():
     ref.load_state_dict(model.state_dict())
     opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = MixedPrecisionOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1))
-    for step, (x, y) in enumerate(batches(2)):
+    for _step, (x, y) in enumerate(batches(2)):
         for m, o in ((model, opt), (ref, ref_opt)):
             (m(x).float() - y).pow(2).mean().backward()
             o.clip_grad_norm_(1e-3)
@@ -406,7 +405,9 @@ def test_cuda_model_with_cpu_masters_matches_on_device_masters(flat):
     runs = []
     for master_device in (None, "cpu"):
         model = mlp().cuda()
-        opt = MixedPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), master_device=master_device, flat=flat)
+        opt = MixedPrecisionOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-2), master_device=master_device, flat=flat
+        )
         scaler = GradScaler("cuda", init_scale=1024.0)
         for i, (x, y) in enumerate(data):
             amp_iteration(model, opt, scaler, x, y, inject=(i == 2))
@@ -459,8 +460,11 @@ def test_clip_after_unscale_with_fp32_params():
     assert torch.equal(model[2].weight, w - 0.1 * g)
 
 
-@pytest.mark.parametrize("options", [{}, {"flat": True}, {"master_device": "cpu"}, {"async_step": True}],
-                         ids=["sync", "flat", "offload", "async"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"flat": True}, {"master_device": "cpu"}, {"async_step": True}],
+    ids=["sync", "flat", "offload", "async"],
+)
 def test_a_scale_underflowed_to_zero_skips_instead_of_writing_nan(options):
     # ~170 overflows in a row take torch's scale rule to 0.0; then inv_scale = inf and the
     # zero grads of a finite step unscale to NaN, which torch's check (before the multiply)

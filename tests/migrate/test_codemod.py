@@ -284,7 +284,7 @@ def test_star_from_apex_reported_with_imports_that_work():
         prefix = f"from {module} import *: import what you use by name, e.g. "
         assert line == 1 and message.startswith(prefix)
         namespace: dict = {}
-        exec(message[len(prefix):], namespace)  # the suggested imports run, and bind what the star did
+        exec(message[len(prefix) :], namespace)  # the suggested imports run, and bind what the star did
         children = {k.rpartition(".")[2]: v for k, v in apex_map.APEX_MODULES.items() if k.rpartition(".")[0] == module}
         assert {k: v for k, v in namespace.items() if k != "__builtins__"} == {
             name: importlib.import_module(target) for name, target in children.items()
@@ -300,7 +300,7 @@ def test_dynamic_imports_strings_and_bare_names_reported():
         "import importlib\n"
         "import apex\n"
         "amp = importlib.import_module('apex.amp')\n"
-        "m = __import__(\"apex\")\n"
+        'm = __import__("apex")\n'
         "path = 'apex.fp16_utils.loss_scaler.DynamicLossScaler'\n"
         "rnn = apex.RNN.LSTM(3, 4)\n"
         "if apex is not None:\n"
@@ -345,27 +345,34 @@ def test_names_the_fp16kit_module_lacks_are_rewritten_and_reported():
         "x = fp16kit.legacy.amp.no_such_function\n"
     )
     assert [(p.line, p.message.split(":")[0]) for p in r.unmigratable] == [
-        (2, "apex.parallel.NotAThing"), (3, "apex.amp.no_such_function")
+        (2, "apex.parallel.NotAThing"),
+        (3, "apex.amp.no_such_function"),
     ]
     assert "fp16kit.legacy.parallel has no 'NotAThing'" in r.unmigratable[0].message
 
 
-@pytest.mark.parametrize("source, line, words", [
-    (b"from apex import amp\nx = '\xff'\n", 2, "byte 0xff is not utf-8"),  # latin-1 bytes, no declaration
-    (b"# coding: foobar\nfrom apex import amp\n", 1, "unknown encoding: foobar"),
-    (b"\xef\xbb\xbf# coding: latin-1\nfrom apex import amp\n", 1, "encoding problem"),  # BOM says UTF-8
-])
+@pytest.mark.parametrize(
+    "source, line, words",
+    [
+        (b"from apex import amp\nx = '\xff'\n", 2, "byte 0xff is not utf-8"),  # latin-1 bytes, no declaration
+        (b"# coding: foobar\nfrom apex import amp\n", 1, "unknown encoding: foobar"),
+        (b"\xef\xbb\xbf# coding: latin-1\nfrom apex import amp\n", 1, "encoding problem"),  # BOM says UTF-8
+    ],
+)
 def test_undecodable_source_is_refused_with_its_line_not_a_crash(source, line, words):
     with pytest.raises(MigrationError) as e:
         migrate_source(source)
     assert e.value.line == line and words in e.value.message and "cannot decode" in e.value.message
 
 
-@pytest.mark.parametrize("source, line", [
-    (b"import apex_C\rx = 1\r", 1),  # classic Mac line ends: libcst dropped the last CR
-    (b"x = 1\n\x0cfrom apex import amp\n", 2),  # a form feed before a statement: dropped
-    (b"from apex import amp\n# C:\\data\\\n", 2),  # a last-line comment ending in '\': its newline dropped
-])
+@pytest.mark.parametrize(
+    "source, line",
+    [
+        (b"import apex_C\rx = 1\r", 1),  # classic Mac line ends: libcst dropped the last CR
+        (b"x = 1\n\x0cfrom apex import amp\n", 2),  # a form feed before a statement: dropped
+        (b"from apex import amp\n# C:\\data\\\n", 2),  # a last-line comment ending in '\': its newline dropped
+    ],
+)
 def test_source_libcst_would_not_reproduce_is_refused(source, line):
     with pytest.raises(MigrationError) as e:
         migrate_source(source)
@@ -406,7 +413,10 @@ def test_megatron_uses_left_unbound_by_a_rewritten_import_are_reported():
     # untouched `megatron.mpu...` below became a NameError at run time, silently
     src = "import megatron.fp16\nx = megatron.fp16.FP16_Module\nrank = megatron.mpu.get_rank()\n"
     r = migrate_source(src, megatron=True)
-    assert r.code == "import fp16kit.legacy.megatron\nx = fp16kit.legacy.megatron.FP16_Module\nrank = megatron.mpu.get_rank()\n"
+    assert (
+        r.code
+        == "import fp16kit.legacy.megatron\nx = fp16kit.legacy.megatron.FP16_Module\nrank = megatron.mpu.get_rank()\n"
+    )
     assert [p.line for p in r.unmigratable] == [3] and "add `import megatron.mpu`" in r.unmigratable[0].message
     # another import still binds `megatron`: nothing to report
     r = migrate_source("import megatron.fp16\nimport megatron.mpu\nrank = megatron.mpu.get_rank()\n", megatron=True)

@@ -86,9 +86,12 @@ def test_diff_and_dry_runs_write_nothing(tmp_path):
     mtime = path.stat().st_mtime_ns
     out = migrate_file(str(path), write=False, diff=True)
     assert out.changed and not out.written
-    assert out.diff == (
-        f"--- {path}\n+++ {path}\n@@ -1,2 +1,2 @@\n x = 1\n-from apex import amp\n+from fp16kit.legacy import amp\n"
-    ).encode()
+    assert (
+        out.diff
+        == (
+            f"--- {path}\n+++ {path}\n@@ -1,2 +1,2 @@\n x = 1\n-from apex import amp\n+from fp16kit.legacy import amp\n"
+        ).encode()
+    )
     assert path.read_text() == "x = 1\nfrom apex import amp\n" and path.stat().st_mtime_ns == mtime
 
 
@@ -192,8 +195,12 @@ def test_a_non_python_file_named_explicitly_is_reported(tmp_path):
     (tmp_path / "notes.txt").write_text("from apex import amp\n")
     (tmp_path / "a.py").write_text("")
     skipped: list = []
-    assert list(iter_python_files([str(tmp_path / "notes.txt"), str(tmp_path / "a.py")], skipped)) == [str(tmp_path / "a.py")]
-    assert skipped == [(str(tmp_path / "notes.txt"), "not a Python file (*.py, *.pyw, *.pyi or a #!...python script); skipped")]
+    assert list(iter_python_files([str(tmp_path / "notes.txt"), str(tmp_path / "a.py")], skipped)) == [
+        str(tmp_path / "a.py")
+    ]
+    assert skipped == [
+        (str(tmp_path / "notes.txt"), "not a Python file (*.py, *.pyw, *.pyi or a #!...python script); skipped")
+    ]
     skipped.clear()  # found by a walk: not named, so not reported
     list(iter_python_files([str(tmp_path)], skipped))
     assert skipped == []
@@ -226,8 +233,12 @@ def test_a_symlink_out_of_the_tree_is_neither_rewritten_nor_followed(tmp_path):
     assert not link.written and link.error == (
         f"a symlink to {outside / 'shared.py'}, outside the folders given: name {outside / 'shared.py'} itself to migrate it"
     )
-    assert skipped == [(str(tree / "ext"), f"a symlink to {outside / 'pkg'}, outside the folders given; not followed "
-                                           "(name it to migrate it)")]
+    assert skipped == [
+        (
+            str(tree / "ext"),
+            f"a symlink to {outside / 'pkg'}, outside the folders given; not followed (name it to migrate it)",
+        )
+    ]
     assert (outside / "shared.py").read_text() == "from apex import amp\n"
     assert (outside / "pkg" / "mod.py").read_text() == "import apex.amp\n"
     assert (tree / "train.py").read_text() == "from fp16kit.legacy import amp\n"
@@ -309,7 +320,10 @@ def test_an_owner_or_xattr_that_cannot_be_kept_leaves_the_file(tmp_path, monkeyp
         pytest.skip("no user xattrs on this file system")
     monkeypatch.setattr(os, "setxattr", lambda *args: refuse())
     out = migrate_file(str(path))
-    assert not out.written and out.error == "its extended attribute user.fp16kit.test cannot be given to the rewritten file"
+    assert (
+        not out.written
+        and out.error == "its extended attribute user.fp16kit.test cannot be given to the rewritten file"
+    )
     assert path.read_text() == "from apex import amp\n"
     assert [p.name for p in tmp_path.iterdir()] == ["train.py"]
 
@@ -358,8 +372,11 @@ def test_an_edit_saved_while_migrating_is_not_overwritten(tmp_path, monkeypatch,
     if links:
         os.link(path, tmp_path / "other.py")
     real = files.migrate_source
-    saved = {"in place": "from apex import amp\nx = 1\n", "replaced": "from apex import amp  # edited\n",
-             "same size": "from apex import AMP\n"}[how]
+    saved = {
+        "in place": "from apex import amp\nx = 1\n",
+        "replaced": "from apex import amp  # edited\n",
+        "same size": "from apex import AMP\n",
+    }[how]
 
     def editor_saves_meanwhile(source, **kwargs):
         result = real(source, **kwargs)
@@ -377,7 +394,7 @@ def test_an_edit_saved_while_migrating_is_not_overwritten(tmp_path, monkeypatch,
     out = migrate_file(str(path), write_hard_links=links)
     assert not out.written and out.error == files.CHANGED_WHILE_MIGRATING
     assert path.read_text() == saved
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.py", "train.py"][not links:]  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.py", "train.py"][not links :]  # no temporary file left
 
 
 def _deep(terms):

@@ -52,19 +52,19 @@ GUARDS = {
         "use_amp = ('fp16kit.legacy' in sys.modules) and amp_options['use_amp']\n",
     ),
     "transformers' old is_apex_available()": (
-        "import importlib.util\n\n\ndef is_apex_available():\n    return importlib.util.find_spec(\"apex\") is not None\n",
+        'import importlib.util\n\n\ndef is_apex_available():\n    return importlib.util.find_spec("apex") is not None\n',
         "import importlib.util\n\n\ndef is_apex_available():\n"
-        "    return importlib.util.find_spec(\"fp16kit.legacy\") is not None\n",
+        '    return importlib.util.find_spec("fp16kit.legacy") is not None\n',
     ),
     "Lightning utilities' APEX_AVAILABLE": (
-        "import importlib.util\nAPEX_AVAILABLE = importlib.util.find_spec(\"apex\") is not None\n",
-        "import importlib.util\nAPEX_AVAILABLE = importlib.util.find_spec(\"fp16kit.legacy\") is not None\n",
+        'import importlib.util\nAPEX_AVAILABLE = importlib.util.find_spec("apex") is not None\n',
+        'import importlib.util\nAPEX_AVAILABLE = importlib.util.find_spec("fp16kit.legacy") is not None\n',
     ),
     "a test suite's apex.amp probe": (
-        "import importlib\napex_spec = importlib.util.find_spec(\"apex\")\nif apex_spec is not None:\n"
-        "    amp_spec = importlib.util.find_spec(\"apex.amp\")\nelse:\n    amp_spec = None\namp_found = amp_spec is not None\n",
-        "import importlib\napex_spec = importlib.util.find_spec(\"fp16kit.legacy\")\nif apex_spec is not None:\n"
-        "    amp_spec = importlib.util.find_spec(\"fp16kit.legacy.amp\")\nelse:\n    amp_spec = None\n"
+        'import importlib\napex_spec = importlib.util.find_spec("apex")\nif apex_spec is not None:\n'
+        '    amp_spec = importlib.util.find_spec("apex.amp")\nelse:\n    amp_spec = None\namp_found = amp_spec is not None\n',
+        'import importlib\napex_spec = importlib.util.find_spec("fp16kit.legacy")\nif apex_spec is not None:\n'
+        '    amp_spec = importlib.util.find_spec("fp16kit.legacy.amp")\nelse:\n    amp_spec = None\n'
         "amp_found = amp_spec is not None\n",
     ),
     "DeepSpeed's required_amp_check()": (
@@ -93,17 +93,17 @@ GUARDS = {
     ),
     "hasattr(apex, ...) after import apex": (
         "try:\n    import apex\n    from apex.multi_tensor_apply import multi_tensor_applier\n"
-        "    APEX_AVAILABLE = hasattr(apex, \"multi_tensor_apply\")\n"
-        "    APEX_FUSED_AVAILABLE = hasattr(apex, \"normalization\")\n"
+        '    APEX_AVAILABLE = hasattr(apex, "multi_tensor_apply")\n'
+        '    APEX_FUSED_AVAILABLE = hasattr(apex, "normalization")\n'
         "    FP16_UTILS = getattr(apex, 'fp16_utils', None)\nexcept ImportError:\n    APEX_AVAILABLE = False\n",
         "try:\n    import fp16kit.legacy\n    from fp16kit.legacy.multi_tensor_apply import multi_tensor_applier\n"
-        "    APEX_AVAILABLE = hasattr(fp16kit.legacy, \"multi_tensor_apply\")\n"
-        "    APEX_FUSED_AVAILABLE = hasattr(fp16kit.legacy, \"normalization\")\n"
+        '    APEX_AVAILABLE = hasattr(fp16kit.legacy, "multi_tensor_apply")\n'
+        '    APEX_FUSED_AVAILABLE = hasattr(fp16kit.legacy, "normalization")\n'
         "    FP16_UTILS = getattr(fp16kit, 'legacy', None)\nexcept ImportError:\n    APEX_AVAILABLE = False\n",
     ),
     "sys.modules.get and sys.modules[...]": (
         "import sys\namp = sys.modules.get(\"apex.amp\")\nroot = sys.modules['apex'] if 'apex' in sys.modules.keys() else None\n",
-        "import sys\namp = sys.modules.get(\"fp16kit.legacy.amp\")\n"
+        'import sys\namp = sys.modules.get("fp16kit.legacy.amp")\n'
         "root = sys.modules['fp16kit.legacy'] if 'fp16kit.legacy' in sys.modules.keys() else None\n",
     ),
     "NeMo's EMA callback: amp_C": (
@@ -151,8 +151,8 @@ def test_transformer_xl_guard_stops_unmigrated_and_passes_migrated(no_apex, monk
 
     r = migrate_source(TRANSFORMER_XL)
     assert r.code == TRANSFORMER_XL.replace("from apex import amp", "from fp16kit.legacy import amp").replace(
-        "'apex' not in sys.modules", "'fp16kit.legacy' not in sys.modules").replace(
-        "if 'apex' in sys.modules", "if 'fp16kit.legacy' in sys.modules")
+        "'apex' not in sys.modules", "'fp16kit.legacy' not in sys.modules"
+    ).replace("if 'apex' in sys.modules", "if 'fp16kit.legacy' in sys.modules")
     assert "args.amp == 'apex'" in r.code and r.unmigratable == []
     assert (r.imports_rewritten, r.checks_rewritten) == (1, 2)
     after = _run(r.code)
@@ -179,11 +179,14 @@ def test_rewritten_guards_find_fp16kit_under_plain_python(no_apex):
         "DeepSpeed's required_amp_check()": lambda ns: ns["required_amp_check"](),
         "find_spec, then import_module": lambda ns: ns["apex"] is importlib.import_module("fp16kit.legacy"),
         "__import__ as a statement": lambda ns: ns["HAS_AMP"],
-        "__import__ with a fromlist returns the module": lambda ns: ns["amp"] is importlib.import_module(
-            "fp16kit.legacy.amp"),
+        "__import__ with a fromlist returns the module": lambda ns: (
+            ns["amp"] is importlib.import_module("fp16kit.legacy.amp")
+        ),
         "hasattr(apex, ...) after import apex": lambda ns: (
-            ns["APEX_AVAILABLE"] and ns["APEX_FUSED_AVAILABLE"] and ns["FP16_UTILS"] is importlib.import_module(
-                "fp16kit.legacy")),
+            ns["APEX_AVAILABLE"]
+            and ns["APEX_FUSED_AVAILABLE"]
+            and ns["FP16_UTILS"] is importlib.import_module("fp16kit.legacy")
+        ),
         "NeMo's EMA callback: amp_C": lambda ns: ns["apex_available"] and ns["fused"],
         "config switch (use_amp = 'apex' in sys.modules and ...)": lambda ns: ns["use_amp"],
         "sys.modules.get and sys.modules[...]": lambda ns: ns["amp"] is not None and ns["root"] is not None,
@@ -210,31 +213,49 @@ def _report(src: str, **kw) -> list[tuple[int, str]]:
     return [(p.line, p.message) for p in migrate_source(src, **kw).unmigratable]
 
 
-@pytest.mark.parametrize("src, words", [
-    # apex's distribution metadata: nothing migrated provides it
-    ("import importlib.metadata\nv = importlib.metadata.version(\"apex\")\n",
-     ["importlib.metadata.version('apex')", "find_spec('fp16kit.legacy')", "0.1"]),
-    ("from importlib.metadata import version\nif version('apex') >= '0.1':\n    pass\n", ["version('apex')"]),
-    ("import pkg_resources\nv = str(pkg_resources.get_distribution(\"apex\").version)\n",
-     ["pkg_resources.get_distribution('apex')", "no migrated install has an 'apex' distribution"]),
-    ("from lightning_utilities.core.imports import RequirementCache\nHAVE_APEX = RequirementCache('apex>=0.1')\n",
-     ["RequirementCache('apex>=0.1')"]),
-    # a library's own probe for a real apex
-    ("import torch\nfrom transformers.file_utils import is_apex_available\n",
-     ["transformers.file_utils.is_apex_available", "False after migrate", "fp16kit run"]),
-    ("import transformers\nok = transformers.utils.is_apex_available()\n", ["transformers.utils.is_apex_available"]),
-    ("import torch\nfrom pytorch_lightning.utilities import APEX_AVAILABLE\n",
-     ["pytorch_lightning.utilities.APEX_AVAILABLE"]),
-    # names built at run time, and names fp16kit does not have
-    ("import importlib\nm = importlib.import_module('apex.' + name)\n", ["built at run time", "'apex.'"]),
-    ("import importlib\nm = importlib.import_module(f\"apex.contrib.{name}\")\n", ["'apex.contrib.'"]),
-    ("import importlib\nm = importlib.import_module('apex.%s' % name)\n", ["built at run time"]),
-    ("from importlib.util import find_spec\nok = find_spec('apex.contrib.xentropy') is not None\n",
-     ["availability check (find_spec) of 'apex.contrib.xentropy'", "cross_entropy"]),
-    ("import sys\nok = 'fused_layer_norm_cuda' in sys.modules\n", ["torch.nn.functional.layer_norm"]),
-    ("import torch\nm = __import__('apex')\n", ["top-level package", "importlib.import_module('fp16kit.legacy')"]),
-    ("import apex\nok = hasattr(apex, 'RNN')\n", ["hasattr(apex, 'RNN')", "torch.nn.LSTM", "as False"]),
-])
+@pytest.mark.parametrize(
+    "src, words",
+    [
+        # apex's distribution metadata: nothing migrated provides it
+        (
+            'import importlib.metadata\nv = importlib.metadata.version("apex")\n',
+            ["importlib.metadata.version('apex')", "find_spec('fp16kit.legacy')", "0.1"],
+        ),
+        ("from importlib.metadata import version\nif version('apex') >= '0.1':\n    pass\n", ["version('apex')"]),
+        (
+            'import pkg_resources\nv = str(pkg_resources.get_distribution("apex").version)\n',
+            ["pkg_resources.get_distribution('apex')", "no migrated install has an 'apex' distribution"],
+        ),
+        (
+            "from lightning_utilities.core.imports import RequirementCache\nHAVE_APEX = RequirementCache('apex>=0.1')\n",
+            ["RequirementCache('apex>=0.1')"],
+        ),
+        # a library's own probe for a real apex
+        (
+            "import torch\nfrom transformers.file_utils import is_apex_available\n",
+            ["transformers.file_utils.is_apex_available", "False after migrate", "fp16kit run"],
+        ),
+        (
+            "import transformers\nok = transformers.utils.is_apex_available()\n",
+            ["transformers.utils.is_apex_available"],
+        ),
+        (
+            "import torch\nfrom pytorch_lightning.utilities import APEX_AVAILABLE\n",
+            ["pytorch_lightning.utilities.APEX_AVAILABLE"],
+        ),
+        # names built at run time, and names fp16kit does not have
+        ("import importlib\nm = importlib.import_module('apex.' + name)\n", ["built at run time", "'apex.'"]),
+        ('import importlib\nm = importlib.import_module(f"apex.contrib.{name}")\n', ["'apex.contrib.'"]),
+        ("import importlib\nm = importlib.import_module('apex.%s' % name)\n", ["built at run time"]),
+        (
+            "from importlib.util import find_spec\nok = find_spec('apex.contrib.xentropy') is not None\n",
+            ["availability check (find_spec) of 'apex.contrib.xentropy'", "cross_entropy"],
+        ),
+        ("import sys\nok = 'fused_layer_norm_cuda' in sys.modules\n", ["torch.nn.functional.layer_norm"]),
+        ("import torch\nm = __import__('apex')\n", ["top-level package", "importlib.import_module('fp16kit.legacy')"]),
+        ("import apex\nok = hasattr(apex, 'RNN')\n", ["hasattr(apex, 'RNN')", "torch.nn.LSTM", "as False"]),
+    ],
+)
 def test_what_cannot_be_rewritten_is_reported_with_the_fix(src, words):
     r = migrate_source(src)
     assert [p.line for p in r.unmigratable] == [2]  # FILE:LINE in the command's report
@@ -243,8 +264,10 @@ def test_what_cannot_be_rewritten_is_reported_with_the_fix(src, words):
 
 
 def test_getattr_without_default_checks_the_name_exists():
-    r = migrate_source("import amp_C\nl2 = getattr(amp_C, 'multi_tensor_l2norm')\nmp = getattr(amp_C, 'multi_tensor_l2norm_mp')\n"
-                       "ok = hasattr(amp_C, 'multi_tensor_l2norm_mp')\n")
+    r = migrate_source(
+        "import amp_C\nl2 = getattr(amp_C, 'multi_tensor_l2norm')\nmp = getattr(amp_C, 'multi_tensor_l2norm_mp')\n"
+        "ok = hasattr(amp_C, 'multi_tensor_l2norm_mp')\n"
+    )
     assert r.code == (
         "import fp16kit.legacy.multi_tensor_apply\n"
         "l2 = getattr(fp16kit.legacy.multi_tensor_apply, 'multi_tensor_l2norm')\n"
@@ -282,14 +305,17 @@ def test_a_failing_import_inside_an_import_error_fallback_says_the_fallback_runs
     assert "inside the `try`" not in found[10]
 
 
-@pytest.mark.parametrize("ext, fix", [
-    ("fused_lamb_cuda", "fp16kit.legacy.optimizers.FusedLAMB"),
-    ("xentropy_cuda", "cross_entropy"),
-    ("fused_weight_gradient_mlp_cuda", "--no-gradient-accumulation-fusion"),
-    ("fast_multihead_attn", "torch.nn.MultiheadAttention"),
-    ("fused_dense_cuda", "torch.nn.functional.linear"),
-    ("mlp_cuda", "torch.nn.Linear"),
-])
+@pytest.mark.parametrize(
+    "ext, fix",
+    [
+        ("fused_lamb_cuda", "fp16kit.legacy.optimizers.FusedLAMB"),
+        ("xentropy_cuda", "cross_entropy"),
+        ("fused_weight_gradient_mlp_cuda", "--no-gradient-accumulation-fusion"),
+        ("fast_multihead_attn", "torch.nn.MultiheadAttention"),
+        ("fused_dense_cuda", "torch.nn.functional.linear"),
+        ("mlp_cuda", "torch.nn.Linear"),
+    ],
+)
 def test_apex_extension_modules_are_reported(ext, fix):
     # imports of apex's compiled extensions: Megatron-LM, fairseq, NeMo and apex's own modules did these
     src = f"import torch\nimport {ext}\nfrom {ext} import forward\nm = importlib.import_module({ext!r})\n"
@@ -331,16 +357,19 @@ def test_megatron_fp16_checks_only_with_the_flag():
 # `apex` in a hasattr/getattr that is not the module `import apex` binds: the shapes a plugin
 # registry, a vendor-object wrapper and a config class give it
 NOT_APEX_HERE = {
-    "a parameter": "import apex\n\n\ndef check(apex):\n    return hasattr(apex, \"amp\")\n\n\nok = check(plugin)\n",
+    "a parameter": 'import apex\n\n\ndef check(apex):\n    return hasattr(apex, "amp")\n\n\nok = check(plugin)\n',
     "a function's loop variable": (
-        "import apex\n\n\ndef scan(plugins):\n    for apex in plugins:\n        if hasattr(apex, \"parallel\"):\n"
-        "            return True\n    return False\n\n\nok = scan([plugin])\n"),
+        'import apex\n\n\ndef scan(plugins):\n    for apex in plugins:\n        if hasattr(apex, "parallel"):\n'
+        "            return True\n    return False\n\n\nok = scan([plugin])\n"
+    ),
     "a method's local": (
         "import apex\n\n\nclass C:\n    def __init__(self, vendor):\n        self.vendor = vendor\n\n"
-        "    def f(self):\n        apex = self.vendor\n        return getattr(apex, \"amp\", None) is not None\n\n\n"
-        "ok = C(plugin).f()\n"),
+        '    def f(self):\n        apex = self.vendor\n        return getattr(apex, "amp", None) is not None\n\n\n'
+        "ok = C(plugin).f()\n"
+    ),
     "a class attribute": (
-        "import apex\n\n\nclass C:\n    apex = plugin\n    ok = hasattr(apex, \"amp\")\n\n\nok = C.ok\n"),
+        'import apex\n\n\nclass C:\n    apex = plugin\n    ok = hasattr(apex, "amp")\n\n\nok = C.ok\n'
+    ),
 }
 
 
@@ -357,8 +386,10 @@ def test_hasattr_of_another_value_named_apex_stays(name):
 
 def test_hasattr_of_apex_in_a_scope_of_its_own_import_is_rewritten():
     # the import in the function (apex's own fused-kernel probes did this): the name is the module
-    src = ("def fused_available():\n    import apex.normalization\n    return hasattr(apex, \"normalization\")\n\n\n"
-           "def has_parallel():\n    import apex\n    return getattr(apex, \"parallel\", None) is not None\n")
+    src = (
+        'def fused_available():\n    import apex.normalization\n    return hasattr(apex, "normalization")\n\n\n'
+        'def has_parallel():\n    import apex\n    return getattr(apex, "parallel", None) is not None\n'
+    )
     r = migrate_source(src)
     assert r.code == src.replace("import apex", "import fp16kit.legacy").replace("(apex,", "(fp16kit.legacy,")
     assert r.unmigratable == [] and r.checks_rewritten == 2
@@ -366,12 +397,15 @@ def test_hasattr_of_apex_in_a_scope_of_its_own_import_is_rewritten():
     assert ns["fused_available"]() and ns["has_parallel"]()
 
 
-@pytest.mark.parametrize("src, line, binds", [
-    # the import-or-None fallback: `apex` is the module or None, which hasattr answers differently
-    ("try:\n    import apex\nexcept ImportError:\n    apex = None\nHAS_AMP = hasattr(apex, \"amp\")\n", 5, "line 4"),
-    # a module-level loop rebinds the global apex (libcst, like python, sees both in one scope)
-    ("import apex\nfor apex in plugins:\n    if hasattr(apex, \"parallel\"):\n        pass\n", 3, "line 2"),
-])
+@pytest.mark.parametrize(
+    "src, line, binds",
+    [
+        # the import-or-None fallback: `apex` is the module or None, which hasattr answers differently
+        ('try:\n    import apex\nexcept ImportError:\n    apex = None\nHAS_AMP = hasattr(apex, "amp")\n', 5, "line 4"),
+        # a module-level loop rebinds the global apex (libcst, like python, sees both in one scope)
+        ('import apex\nfor apex in plugins:\n    if hasattr(apex, "parallel"):\n        pass\n', 3, "line 2"),
+    ],
+)
 def test_hasattr_of_a_name_that_may_be_apex_is_reported_not_rewritten(src, line, binds):
     r = migrate_source(src)
     assert "hasattr(apex," in r.code and r.checks_rewritten == 0
@@ -381,37 +415,53 @@ def test_hasattr_of_a_name_that_may_be_apex_is_reported_not_rewritten(src, line,
     assert "hasattr(fp16kit.legacy, " in found[0].message  # the rewrite to make where it is apex
 
 
-@pytest.mark.parametrize("src", [
-    # a data library's get_loader, a local find_spec, a parameter named import_module
-    "from mydata import get_loader\ntrain = get_loader(\"apex\", batch_size=4)\n",
-    "def find_spec(name):\n    return name\n\n\nprint(find_spec(\"apex\"))\n",
-    "from importlib.util import find_spec\n\n\ndef load(import_module, find_spec):\n"
-    "    return import_module(\"apex\"), find_spec('apex')\n",
-    "from mydata import get_loader\nx = get_loader(\"apex.\" + split)\n",
-])
+@pytest.mark.parametrize(
+    "src",
+    [
+        # a data library's get_loader, a local find_spec, a parameter named import_module
+        'from mydata import get_loader\ntrain = get_loader("apex", batch_size=4)\n',
+        'def find_spec(name):\n    return name\n\n\nprint(find_spec("apex"))\n',
+        "from importlib.util import find_spec\n\n\ndef load(import_module, find_spec):\n"
+        "    return import_module(\"apex\"), find_spec('apex')\n",
+        'from mydata import get_loader\nx = get_loader("apex." + split)\n',
+    ],
+)
 def test_a_users_function_named_like_a_probe_stays(src):
     r = migrate_source(src)
     assert r.code == src and r.unmigratable == [] and r.checks_rewritten == 0
 
 
-@pytest.mark.parametrize("src, after", [
-    ("from importlib.util import find_spec as fs\nok = fs(\"apex.amp\") is not None\n",
-     "from importlib.util import find_spec as fs\nok = fs(\"fp16kit.legacy.amp\") is not None\n"),
-    ("from importlib import import_module as load\nm = load('apex')\n",
-     "from importlib import import_module as load\nm = load('fp16kit.legacy')\n"),
-    ("from lightning_utilities.core.imports import module_available\nHAVE = module_available('apex')\n",
-     "from lightning_utilities.core.imports import module_available\nHAVE = module_available('fp16kit.legacy')\n"),
-    ("from importlib.util import *\nHAVE = find_spec('apex') is not None\n",
-     "from importlib.util import *\nHAVE = find_spec('fp16kit.legacy') is not None\n"),
-])
+@pytest.mark.parametrize(
+    "src, after",
+    [
+        (
+            'from importlib.util import find_spec as fs\nok = fs("apex.amp") is not None\n',
+            'from importlib.util import find_spec as fs\nok = fs("fp16kit.legacy.amp") is not None\n',
+        ),
+        (
+            "from importlib import import_module as load\nm = load('apex')\n",
+            "from importlib import import_module as load\nm = load('fp16kit.legacy')\n",
+        ),
+        (
+            "from lightning_utilities.core.imports import module_available\nHAVE = module_available('apex')\n",
+            "from lightning_utilities.core.imports import module_available\nHAVE = module_available('fp16kit.legacy')\n",
+        ),
+        (
+            "from importlib.util import *\nHAVE = find_spec('apex') is not None\n",
+            "from importlib.util import *\nHAVE = find_spec('fp16kit.legacy') is not None\n",
+        ),
+    ],
+)
 def test_probes_imported_under_an_alias_are_rewritten(src, after):
     r = migrate_source(src)
     assert r.code == after and r.unmigratable == [] and r.checks_rewritten == 1
 
 
 def test_a_probe_name_that_may_be_the_users_function_is_reported():
-    src = "from importlib.util import find_spec\n\nif cond:\n    def find_spec(name):\n        return None\n" \
-          "HAVE = find_spec('apex') is not None\n"
+    src = (
+        "from importlib.util import find_spec\n\nif cond:\n    def find_spec(name):\n        return None\n"
+        "HAVE = find_spec('apex') is not None\n"
+    )
     r = migrate_source(src)
     assert r.code == src
     assert [p.line for p in r.unmigratable] == [6]
@@ -420,10 +470,14 @@ def test_a_probe_name_that_may_be_the_users_function_is_reported():
 
 
 def test_an_uncovered_hasattr_and_its_use_on_one_line_are_one_report():
-    r = migrate_source("import apex\nif hasattr(apex, \"__version__\"): print(apex.__version__)\n")
+    r = migrate_source('import apex\nif hasattr(apex, "__version__"): print(apex.__version__)\n')
     assert [p.line for p in r.unmigratable] == [2], r.unmigratable
     assert "apex.__version__ is not covered" in r.unmigratable[0].message
     # on lines of their own each line is reported; another uncovered name on the line still is
-    assert [p.line for p in migrate_source(
-        "import apex\nif hasattr(apex, \"__version__\"):\n    print(apex.__version__)\n").unmigratable] == [2, 3]
+    assert [
+        p.line
+        for p in migrate_source(
+            'import apex\nif hasattr(apex, "__version__"):\n    print(apex.__version__)\n'
+        ).unmigratable
+    ] == [2, 3]
     assert len(migrate_source("import apex\nif hasattr(apex, 'RNN'): v = apex.__version__\n").unmigratable) == 2

@@ -24,8 +24,11 @@ FIX = "convert old checkpoints once: fp16kit convert-checkpoint OLD NEW"
 def _reported(source: str, megatron: bool = False) -> list[tuple[int, str]]:
     """(line, the source line) of each torch.load report."""
     lines = source.splitlines()
-    return [(p.line, lines[p.line - 1].strip()) for p in migrate_source(source, megatron=megatron).unmigratable
-            if FIX in p.message]
+    return [
+        (p.line, lines[p.line - 1].strip())
+        for p in migrate_source(source, megatron=megatron).unmigratable
+        if FIX in p.message
+    ]
 
 
 def test_the_imagenet_style_resume_is_reported_on_its_lines():
@@ -36,7 +39,7 @@ def test_the_imagenet_style_resume_is_reported_on_its_lines():
     assert message.startswith("torch.load(...) resumes apex-era optimizer state (optimizer.load_state_dict): ")
 
 
-FINE_TUNE = '''\
+FINE_TUNE = """\
 import torch
 from apex.fp16_utils import FP16_Optimizer, network_to_half
 
@@ -57,7 +60,7 @@ def resume(model, optimizer, path):
 model = network_to_half(build())
 optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), 0.1), dynamic_loss_scale=True)
 model.load_state_dict(torch.load("pretrained.pt"))
-'''
+"""
 
 
 def test_only_the_load_that_reaches_the_optimizer_is_reported():
@@ -66,7 +69,7 @@ def test_only_the_load_that_reaches_the_optimizer_is_reported():
 
 # NVIDIA DeepLearningExamples' RN50v1.5 main.py (2019): the optimizer state is taken out of the
 # checkpoint here and handed to training.py's get_optimizer, which calls load_state_dict there
-RN50_MAIN = '''\
+RN50_MAIN = """\
 import torch
 from apex.fp16_utils import *
 from image_classification.training import *
@@ -81,19 +84,20 @@ def main(args):
     optimizer = get_optimizer(list(model.named_parameters()), args.fp16, args.lr, state=optimizer_state)
     pretrained = torch.load(args.pretrained_weights)
     model.load_state_dict(pretrained.get('model'))
-'''
+"""
 
 
 def test_a_load_whose_optimizer_entry_goes_to_another_file_is_reported():
     assert _reported(RN50_MAIN) == [
-        (8, "checkpoint = torch.load(args.resume, map_location=lambda storage, loc: storage.cuda(args.gpu))")]
+        (8, "checkpoint = torch.load(args.resume, map_location=lambda storage, loc: storage.cuda(args.gpu))")
+    ]
     message = next(p.message for p in migrate_source(RN50_MAIN).unmigratable if FIX in p.message)
     assert message.startswith("torch.load(...) resumes apex-era optimizer state (its 'optimizer' entry): ")
     getter = RN50_MAIN.replace("checkpoint['optimizer']", "checkpoint.get('optimizer')")
     assert [line for line, _ in _reported(getter)] == [8]
 
 
-MEGATRON_UTILS = '''\
+MEGATRON_UTILS = """\
 import os
 import torch
 from fp16 import FP16_Optimizer
@@ -109,7 +113,7 @@ def load_checkpoint(model, optimizer, lr_scheduler, args):
     if not args.finetune and not args.no_load_optim:
         if optimizer is not None:
             optimizer.load_state_dict(sd['optimizer'])
-'''
+"""
 
 
 def test_megatron_s_load_checkpoint_is_reported_with_megatron_only():
@@ -117,26 +121,34 @@ def test_megatron_s_load_checkpoint_is_reported_with_megatron_only():
     assert _reported(MEGATRON_UTILS) == []  # without --megatron, `fp16` is not apex's and stays as it is
 
 
-@pytest.mark.parametrize("imports", [
-    "from apex import amp",  # amp.state_dict() is plain data
-    "from apex.parallel import DistributedDataParallel as DDP",
-    "from apex.optimizers import FusedAdam, FP16_Optimizer",  # the fused-era wrapper: numbers and tensors only
-])
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "from apex import amp",  # amp.state_dict() is plain data
+        "from apex.parallel import DistributedDataParallel as DDP",
+        "from apex.optimizers import FusedAdam, FP16_Optimizer",  # the fused-era wrapper: numbers and tensors only
+    ],
+)
 def test_files_whose_optimizer_state_is_plain_data_are_not_reported(imports):
-    source = (f"import torch\n{imports}\n"
-              "ckpt = torch.load(args.resume)\n"
-              "model.load_state_dict(ckpt['model'])\n"
-              "optimizer.load_state_dict(ckpt['optimizer'])\n"
-              "amp.load_state_dict(ckpt['amp'])\n")
+    source = (
+        f"import torch\n{imports}\n"
+        "ckpt = torch.load(args.resume)\n"
+        "model.load_state_dict(ckpt['model'])\n"
+        "optimizer.load_state_dict(ckpt['optimizer'])\n"
+        "amp.load_state_dict(ckpt['amp'])\n"
+    )
     assert _reported(source) == []
 
 
-@pytest.mark.parametrize(("imports", "build"), [
-    ("import torch as th\nimport apex", "apex.fp16_utils.FP16_Optimizer(opt)"),
-    ("import torch as th\nimport apex.fp16_utils as fp16_utils", "fp16_utils.FP16_Optimizer(opt)"),
-    ("import torch as th\nfrom apex.fp16_utils import *", "FP16_Optimizer(opt)"),
-    ("import torch as th\nfrom apex.fp16_utils.fp16_optimizer import FP16_Optimizer as Wrapper", "Wrapper(opt)"),
-])
+@pytest.mark.parametrize(
+    ("imports", "build"),
+    [
+        ("import torch as th\nimport apex", "apex.fp16_utils.FP16_Optimizer(opt)"),
+        ("import torch as th\nimport apex.fp16_utils as fp16_utils", "fp16_utils.FP16_Optimizer(opt)"),
+        ("import torch as th\nfrom apex.fp16_utils import *", "FP16_Optimizer(opt)"),
+        ("import torch as th\nfrom apex.fp16_utils.fp16_optimizer import FP16_Optimizer as Wrapper", "Wrapper(opt)"),
+    ],
+)
 def test_each_spelling_of_the_optimizer_and_of_torch_load(imports, build):
     """The receiver's name says nothing here: it is what the module assigns the optimizer to."""
     source = f"{imports}\n\nself.trainer = {build}\nself.trainer.load_state_dict(th.load(path)['optimizer'])\n"
@@ -146,16 +158,21 @@ def test_each_spelling_of_the_optimizer_and_of_torch_load(imports, build):
 
 
 def test_a_name_from_another_function_does_not_carry_a_load():
-    source = ("import torch\nfrom apex.fp16_utils import FP16_Optimizer\n\n"
-              "def weights(path):\n    state = torch.load(path)\n    return state\n\n"
-              "def resume(optimizer, state):\n    optimizer.load_state_dict(state)\n")
+    source = (
+        "import torch\nfrom apex.fp16_utils import FP16_Optimizer\n\n"
+        "def weights(path):\n    state = torch.load(path)\n    return state\n\n"
+        "def resume(optimizer, state):\n    optimizer.load_state_dict(state)\n"
+    )
     assert _reported(source) == []
 
 
 def test_migrate_prints_one_line_per_call_in_its_file_line_form(tmp_path, capsys):
     script = tmp_path / "train.py"
-    script.write_text(FINE_TUNE.replace("    return checkpoint", "    optimizer.load_state_dict(torch.load(path + '.bak'))\n"
-                                        "    return checkpoint"))
+    script.write_text(
+        FINE_TUNE.replace(
+            "    return checkpoint", "    optimizer.load_state_dict(torch.load(path + '.bak'))\n    return checkpoint"
+        )
+    )
     assert cli_main(["migrate", str(script)]) == 0
     out = capsys.readouterr().out.splitlines()
     reports = [line for line in out if FIX in line]

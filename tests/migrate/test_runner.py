@@ -49,8 +49,15 @@ def test_the_script_sees_what_python_would_give_it(script, capsys):
     assert run_script(path, ["--lr", "3", "-m", "x"]) == 0
     out = capsys.readouterr().out.split()
     assert out == [
-        "__main__", path, "['--lr',", "'3',", "'-m',", "'x']", os.path.dirname(os.path.realpath(path)),
-        "fp16kit.legacy.fp16_optimizer", "fp16kit.legacy.amp",
+        "__main__",
+        path,
+        "['--lr',",
+        "'3',",
+        "'-m',",
+        "'x']",
+        os.path.dirname(os.path.realpath(path)),
+        "fp16kit.legacy.fp16_optimizer",
+        "fp16kit.legacy.amp",
     ]
 
 
@@ -154,7 +161,9 @@ def test_a_vendored_apex_without_amp_is_complemented(script, tmp_path, capsys):
 
 
 def test_run_module(tmp_path, monkeypatch, capsys):
-    (tmp_path / "trainer.py").write_text("import sys\nfrom apex import amp\nprint(__name__, sys.argv[1:])\nsys.exit(4)\n")
+    (tmp_path / "trainer.py").write_text(
+        "import sys\nfrom apex import amp\nprint(__name__, sys.argv[1:])\nsys.exit(4)\n"
+    )
     monkeypatch.chdir(tmp_path)
     assert run_module("trainer", ["--epochs", "2"]) == 4
     assert capsys.readouterr().out == "__main__ ['--epochs', '2']\n"

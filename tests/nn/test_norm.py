@@ -86,7 +86,7 @@ def test_rms_norm_without_weight_returns_fp32_on_cpu_as_apex(dtype):
 def test_rms_norm_value_against_definition():
     x, w, _ = _data(torch.float32, torch.float32)
     x64 = x.double()
-    ref = x64 / torch.sqrt((x64 ** 2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    ref = x64 / torch.sqrt((x64**2).mean(-1, keepdim=True) + 1e-5) * w.double()
     torch.testing.assert_close(fnn.rms_norm(x, 8, w).double(), ref)
 
 

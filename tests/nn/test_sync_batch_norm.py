@@ -42,7 +42,9 @@ def test_training_matches_batchnorm(momentum):
         xm, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
         w = torch.randn(6, 4, 3, 3)
         out = mine(xm)
-        torch.testing.assert_close(out.double(), _batchnorm_ref(x, mine.weight, mine.bias, mine.eps), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out.double(), _batchnorm_ref(x, mine.weight, mine.bias, mine.eps), rtol=1e-5, atol=1e-5
+        )
         (out * w).sum().backward()
         (ref(xr) * w).sum().backward()
         torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-4, atol=1e-5)
@@ -114,8 +116,9 @@ def test_large_mean_does_not_cancel_the_variance():
     bn = SyncBatchNorm(2, affine=False)
     x = torch.randn(64, 2, 4).double() + 3e4
     out = bn(x.float())
-    torch.testing.assert_close(out.double(), _batchnorm_ref(x.float(), torch.ones(2), torch.zeros(2), 1e-5),
-                               rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(
+        out.double(), _batchnorm_ref(x.float(), torch.ones(2), torch.zeros(2), 1e-5), rtol=1e-3, atol=1e-3
+    )
     assert (bn.running_var - 0.1 * x.var((0, 2)).float() - 0.9).abs().max() < 1e-3
 
 
@@ -138,8 +141,12 @@ def test_bad_inputs_raise_clearly():
 
 
 def test_convert_follows_torch_reuses_parameters_and_mode():
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.InstanceNorm2d(4),
-                                torch.nn.Sequential(torch.nn.BatchNorm1d(4, momentum=None)))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 1),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.InstanceNorm2d(4),
+        torch.nn.Sequential(torch.nn.BatchNorm1d(4, momentum=None)),
+    )
     model[1].eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     weight, buffer = model[1].weight, model[1].running_mean

@@ -12,14 +12,21 @@ import fp16kit
 from fp16kit.optim import LAMB, SGD, Adagrad, Adam, LegacyAdam, NovoGrad
 
 ALL = [
-    (Adam, {}), (LAMB, {}), (NovoGrad, {}), (Adagrad, {}), (SGD, dict(lr=0.1, momentum=0.9)),
+    (Adam, {}),
+    (LAMB, {}),
+    (NovoGrad, {}),
+    (Adagrad, {}),
+    (SGD, dict(lr=0.1, momentum=0.9)),
     (LegacyAdam, {}),
 ]
 
 
 def _params(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(3, 2, generator=g).to(dtype).requires_grad_(), torch.randn(4, generator=g).to(dtype).requires_grad_()]
+    return [
+        torch.randn(3, 2, generator=g).to(dtype).requires_grad_(),
+        torch.randn(4, generator=g).to(dtype).requires_grad_(),
+    ]
 
 
 def _grads(params, seed):
@@ -211,7 +218,7 @@ def test_sgd_own_path_equals_torch_path_without_wd_after_momentum():
         o1.step()
         o2.step()
         with torch.no_grad():
-            for a, b in zip(p1, p2):
+            for b in p2:
                 b.copy_(b.half().float())
     for a, b in zip(p1, p2):
         torch.testing.assert_close(a.float(), b, rtol=1e-3, atol=1e-3)
@@ -258,7 +265,7 @@ def test_inside_mixed_precision_optimizer_with_an_fp16_model(cls, kw):
     ref = cls(masters_ref, lr=1e-2, **kw)
     opt = fp16kit.MixedPrecisionOptimizer(cls(model.parameters(), lr=1e-2, **kw))
     scaler = fp16kit.GradScaler("cpu", init_scale=256.0)
-    for k in range(3):
+    for _k in range(3):
         x = torch.randn(5, 4).half()
         opt.zero_grad()
         scaler.scale(model(x).float().pow(2).mean()).backward()

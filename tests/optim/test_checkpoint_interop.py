@@ -54,8 +54,10 @@ def test_resume_from_a_torch_adamw_checkpoint_continues_its_step_count(cls):
     resumed = [p.detach().clone().requires_grad_() for p in src]
     opt = cls(resumed, lr=lr, weight_decay=wd)
     opt.load_state_dict(sd)
-    ref = [(p.detach().double(), sd["state"][i]["exp_avg"].double(), sd["state"][i]["exp_avg_sq"].double())
-           for i, p in enumerate(src)]
+    ref = [
+        (p.detach().double(), sd["state"][i]["exp_avg"].double(), sd["state"][i]["exp_avg_sq"].double())
+        for i, p in enumerate(src)
+    ]
     for k in range(6, 9):
         for i, p in enumerate(resumed):
             p.grad = _grad(p, 10 * k + i)
@@ -156,8 +158,10 @@ def test_the_legacy_rule_continues_the_group_count_of_a_current_fused_adam_check
     resumed = [p.detach().clone().requires_grad_() for p in src]
     legacy = LegacyAdam(resumed, lr=lr)
     legacy.load_state_dict(sd)
-    ref = [(p.detach().double(), sd["state"][i]["exp_avg"].double(), sd["state"][i]["exp_avg_sq"].double())
-           for i, p in enumerate(src)]
+    ref = [
+        (p.detach().double(), sd["state"][i]["exp_avg"].double(), sd["state"][i]["exp_avg_sq"].double())
+        for i, p in enumerate(src)
+    ]
     for k in range(5, 7):
         t = k + 1
         for i, p in enumerate(resumed):

@@ -17,11 +17,17 @@ from fp16kit.legacy.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedN
 from fp16kit.optim import LAMB, SGD, Adagrad, Adam, LegacyAdam, NovoGrad
 
 MAKERS = {
-    "Adam": lambda ps: Adam(ps, lr=0.1), "LAMB": lambda ps: LAMB(ps, lr=0.1), "NovoGrad": lambda ps: NovoGrad(ps, lr=0.1),
-    "Adagrad": lambda ps: Adagrad(ps, lr=0.1), "SGD": lambda ps: SGD(ps, lr=0.1, momentum=0.9),
-    "LegacyAdam": lambda ps: LegacyAdam(ps, lr=0.1), "FusedAdam": lambda ps: FusedAdam(ps, lr=0.1),
-    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=0.1), "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=0.1),
-    "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=0.1), "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1),
+    "Adam": lambda ps: Adam(ps, lr=0.1),
+    "LAMB": lambda ps: LAMB(ps, lr=0.1),
+    "NovoGrad": lambda ps: NovoGrad(ps, lr=0.1),
+    "Adagrad": lambda ps: Adagrad(ps, lr=0.1),
+    "SGD": lambda ps: SGD(ps, lr=0.1, momentum=0.9),
+    "LegacyAdam": lambda ps: LegacyAdam(ps, lr=0.1),
+    "FusedAdam": lambda ps: FusedAdam(ps, lr=0.1),
+    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=0.1),
+    "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=0.1),
+    "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=0.1),
+    "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1),
     "fused-era FP16_Optimizer": lambda ps: FP16_Optimizer(ContribFusedAdam(ps, lr=0.1), static_loss_scale=1.0),
 }
 

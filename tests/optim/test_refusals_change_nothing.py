@@ -12,16 +12,27 @@ from fp16kit.legacy.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedN
 from fp16kit.optim import LAMB, SGD, Adagrad, Adam, LegacyAdam, NovoGrad
 
 CASES = [
-    (Adam, {}), (LAMB, {}), (NovoGrad, {}), (Adagrad, {}), (LegacyAdam, {}),
-    (SGD, dict(lr=0.1, momentum=0.9)), (SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1, wd_after_momentum=True)),
-    (FusedAdam, {}), (FusedLAMB, {}), (FusedNovoGrad, {}), (FusedAdagrad, {}),
+    (Adam, {}),
+    (LAMB, {}),
+    (NovoGrad, {}),
+    (Adagrad, {}),
+    (LegacyAdam, {}),
+    (SGD, dict(lr=0.1, momentum=0.9)),
+    (SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1, wd_after_momentum=True)),
+    (FusedAdam, {}),
+    (FusedLAMB, {}),
+    (FusedNovoGrad, {}),
+    (FusedAdagrad, {}),
     (FusedSGD, dict(lr=0.1, momentum=0.9)),
 ]
 
 
 def _snapshot(opt, params):
-    state = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
-             for p in params if p in opt.state}
+    state = {
+        id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+        for p in params
+        if p in opt.state
+    }
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return [p.detach().clone() for p in params], state, groups
 
@@ -44,7 +55,7 @@ def test_a_sparse_grad_in_a_later_group_is_refused_before_any_change(cls, kw):
     emb = torch.nn.Embedding(6, 2, sparse=True)
     params = [half, dense, emb.weight]
     opt = cls([{"params": [half, dense]}, {"params": [emb.weight]}], **kw)
-    for k in range(2):  # some state first
+    for _k in range(2):  # some state first
         half.grad = torch.randn(3, 2).half()
         dense.grad = torch.randn(4)
         emb.weight.grad = torch.randn(6, 2)
@@ -118,7 +129,10 @@ def test_sgd_steps_complex_params_as_torch_does():
     lost its imaginary part: torch's SGD.step handles it, exactly as torch.optim.SGD."""
     p = torch.tensor([1 + 2j, -0.5 + 0.25j], requires_grad=True)
     ref = p.detach().clone().requires_grad_()
-    opt, ref_opt = SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01), torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01)
+    opt, ref_opt = (
+        SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01),
+        torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01),
+    )
     for k in range(3):
         p.grad = torch.tensor([1 + 1j, 2 - 3j]) * (k + 1)
         ref.grad = p.grad.clone()

@@ -71,8 +71,9 @@ def ref_adam(p0, grads, dtype, *, lr, betas, eps, wd, adam_w_mode, bias_correcti
     return ps
 
 
-def ref_legacy_adam(p0, grads, dtype, *, lr, betas, eps, wd, eps_inside_sqrt, bias_correction,
-                    max_grad_norm=0.0, scale=1.0):
+def ref_legacy_adam(
+    p0, grads, dtype, *, lr, betas, eps, wd, eps_inside_sqrt, bias_correction, max_grad_norm=0.0, scale=1.0
+):
     rd = _ref_dtype(dtype)
     ps = [p.to(rd) for p in p0]
     ms = [torch.zeros_like(p) for p in ps]
@@ -95,8 +96,21 @@ def ref_legacy_adam(p0, grads, dtype, *, lr, betas, eps, wd, eps_inside_sqrt, bi
     return ps
 
 
-def ref_lamb(p0, grads, dtype, *, lr, betas, eps, wd, adam_w_mode, grad_averaging,
-             max_grad_norm, use_nvlamb, bias_correction=True):
+def ref_lamb(
+    p0,
+    grads,
+    dtype,
+    *,
+    lr,
+    betas,
+    eps,
+    wd,
+    adam_w_mode,
+    grad_averaging,
+    max_grad_norm,
+    use_nvlamb,
+    bias_correction=True,
+):
     rd = _ref_dtype(dtype)
     ps = [p.to(rd) for p in p0]
     ms = [torch.zeros_like(p) for p in ps]
@@ -123,8 +137,21 @@ def ref_lamb(p0, grads, dtype, *, lr, betas, eps, wd, adam_w_mode, grad_averagin
     return ps
 
 
-def ref_novograd(p0, grads, dtype, *, lr, betas, eps, wd, reg_inside_moment, grad_averaging,
-                 norm_type, init_zero, bias_correction=True):
+def ref_novograd(
+    p0,
+    grads,
+    dtype,
+    *,
+    lr,
+    betas,
+    eps,
+    wd,
+    reg_inside_moment,
+    grad_averaging,
+    norm_type,
+    init_zero,
+    bias_correction=True,
+):
     rd = _ref_dtype(dtype)
     ps = [p.to(rd) for p in p0]
     ms = [torch.zeros_like(p) for p in ps]
@@ -198,11 +225,21 @@ def _check(params, expected, dtype):
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_adam_matches_reference(dtype, adam_w_mode, bias_correction):
-    kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, adam_w_mode=adam_w_mode,
-              bias_correction=bias_correction)
+    kw = dict(
+        lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, adam_w_mode=adam_w_mode, bias_correction=bias_correction
+    )
     params, ref, grads = _run(Adam, kw, dtype)
-    expected = ref_adam(ref, grads, dtype, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, wd=0.1,
-                        adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+    expected = ref_adam(
+        ref,
+        grads,
+        dtype,
+        lr=1e-2,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        wd=0.1,
+        adam_w_mode=adam_w_mode,
+        bias_correction=bias_correction,
+    )
     _check(params, expected, dtype)
 
 
@@ -210,11 +247,26 @@ def test_adam_matches_reference(dtype, adam_w_mode, bias_correction):
 @pytest.mark.parametrize("eps_inside_sqrt", [True, False])
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_legacy_adam_matches_reference(dtype, eps_inside_sqrt, bias_correction):
-    kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, eps_inside_sqrt=eps_inside_sqrt,
-              bias_correction=bias_correction)
+    kw = dict(
+        lr=1e-2,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        weight_decay=0.1,
+        eps_inside_sqrt=eps_inside_sqrt,
+        bias_correction=bias_correction,
+    )
     params, ref, grads = _run(LegacyAdam, kw, dtype)
-    expected = ref_legacy_adam(ref, grads, dtype, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, wd=0.1,
-                               eps_inside_sqrt=eps_inside_sqrt, bias_correction=bias_correction)
+    expected = ref_legacy_adam(
+        ref,
+        grads,
+        dtype,
+        lr=1e-2,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        wd=0.1,
+        eps_inside_sqrt=eps_inside_sqrt,
+        bias_correction=bias_correction,
+    )
     _check(params, expected, dtype)
 
 
@@ -232,9 +284,19 @@ def test_legacy_adam_scale_and_clip_with_supplied_grads(max_grad_norm):
         norm = torch.sqrt(sum((s.double() ** 2).sum() for s in scaled))
         opt.step(grads=scaled, output_params=outs, scale=scale, grad_norms=[norm])
     exp_grads = [[(g * scale).half().double() for g in gs] for gs in grads]
-    expected = ref_legacy_adam(ref, exp_grads, torch.float32, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
-                               wd=0.0, eps_inside_sqrt=False, bias_correction=False,
-                               max_grad_norm=max_grad_norm, scale=scale)
+    expected = ref_legacy_adam(
+        ref,
+        exp_grads,
+        torch.float32,
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        wd=0.0,
+        eps_inside_sqrt=False,
+        bias_correction=False,
+        max_grad_norm=max_grad_norm,
+        scale=scale,
+    )
     _check(params, expected, torch.float32)
     for o, e in zip(outs, expected):
         assert o.dtype == torch.float16
@@ -242,30 +304,43 @@ def test_legacy_adam_scale_and_clip_with_supplied_grads(max_grad_norm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [
-    dict(wd=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False),
-    dict(wd=0.0, adam_w_mode=True, grad_averaging=False, max_grad_norm=1.0, use_nvlamb=False),
-    dict(wd=0.0, adam_w_mode=True, grad_averaging=True, max_grad_norm=100.0, use_nvlamb=True),
-    dict(wd=0.05, adam_w_mode=False, grad_averaging=True, max_grad_norm=0.0, use_nvlamb=False),
-    dict(wd=0.05, adam_w_mode=True, grad_averaging=True, max_grad_norm=-1.0, use_nvlamb=False),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(wd=0.01, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False),
+        dict(wd=0.0, adam_w_mode=True, grad_averaging=False, max_grad_norm=1.0, use_nvlamb=False),
+        dict(wd=0.0, adam_w_mode=True, grad_averaging=True, max_grad_norm=100.0, use_nvlamb=True),
+        dict(wd=0.05, adam_w_mode=False, grad_averaging=True, max_grad_norm=0.0, use_nvlamb=False),
+        dict(wd=0.05, adam_w_mode=True, grad_averaging=True, max_grad_norm=-1.0, use_nvlamb=False),
+    ],
+)
 def test_lamb_matches_reference(dtype, case):
-    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=case["wd"], adam_w_mode=case["adam_w_mode"],
-              grad_averaging=case["grad_averaging"], max_grad_norm=case["max_grad_norm"],
-              use_nvlamb=case["use_nvlamb"])
+    kw = dict(
+        lr=1e-2,
+        betas=(0.9, 0.99),
+        eps=1e-6,
+        weight_decay=case["wd"],
+        adam_w_mode=case["adam_w_mode"],
+        grad_averaging=case["grad_averaging"],
+        max_grad_norm=case["max_grad_norm"],
+        use_nvlamb=case["use_nvlamb"],
+    )
     params, ref, grads = _run(LAMB, kw, dtype)
     expected = ref_lamb(ref, grads, dtype, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, **case)
     _check(params, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [
-    dict(reg_inside_moment=False, grad_averaging=True, norm_type=2, init_zero=False),
-    dict(reg_inside_moment=True, grad_averaging=False, norm_type=2, init_zero=False),
-    dict(reg_inside_moment=False, grad_averaging=True, norm_type=0, init_zero=True),
-    dict(reg_inside_moment=True, grad_averaging=True, norm_type=0, init_zero=False),
-    dict(reg_inside_moment=False, grad_averaging=False, norm_type=2, init_zero=True),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(reg_inside_moment=False, grad_averaging=True, norm_type=2, init_zero=False),
+        dict(reg_inside_moment=True, grad_averaging=False, norm_type=2, init_zero=False),
+        dict(reg_inside_moment=False, grad_averaging=True, norm_type=0, init_zero=True),
+        dict(reg_inside_moment=True, grad_averaging=True, norm_type=0, init_zero=False),
+        dict(reg_inside_moment=False, grad_averaging=False, norm_type=2, init_zero=True),
+    ],
+)
 def test_novograd_matches_reference(dtype, case):
     kw = dict(lr=1e-2, betas=(0.95, 0.98), eps=1e-8, weight_decay=0.01, **case)
     params, ref, grads = _run(NovoGrad, kw, dtype)
@@ -281,15 +356,24 @@ def test_adagrad_matches_reference(dtype, w_mode):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [
-    dict(momentum=0.0, dampening=0.0, wd=0.0, nesterov=False, wd_after_momentum=False),
-    dict(momentum=0.9, dampening=0.1, wd=0.01, nesterov=False, wd_after_momentum=False),
-    dict(momentum=0.9, dampening=0.0, wd=0.01, nesterov=True, wd_after_momentum=False),
-    dict(momentum=0.9, dampening=0.0, wd=0.01, nesterov=False, wd_after_momentum=True),
-    dict(momentum=0.9, dampening=0.0, wd=0.01, nesterov=True, wd_after_momentum=True),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(momentum=0.0, dampening=0.0, wd=0.0, nesterov=False, wd_after_momentum=False),
+        dict(momentum=0.9, dampening=0.1, wd=0.01, nesterov=False, wd_after_momentum=False),
+        dict(momentum=0.9, dampening=0.0, wd=0.01, nesterov=True, wd_after_momentum=False),
+        dict(momentum=0.9, dampening=0.0, wd=0.01, nesterov=False, wd_after_momentum=True),
+        dict(momentum=0.9, dampening=0.0, wd=0.01, nesterov=True, wd_after_momentum=True),
+    ],
+)
 def test_sgd_matches_reference(dtype, case):
-    kw = dict(lr=0.05, momentum=case["momentum"], dampening=case["dampening"], weight_decay=case["wd"],
-              nesterov=case["nesterov"], wd_after_momentum=case["wd_after_momentum"])
+    kw = dict(
+        lr=0.05,
+        momentum=case["momentum"],
+        dampening=case["dampening"],
+        weight_decay=case["wd"],
+        nesterov=case["nesterov"],
+        wd_after_momentum=case["wd_after_momentum"],
+    )
     params, ref, grads = _run(SGD, kw, dtype)
     _check(params, ref_sgd(ref, grads, dtype, lr=0.05, **case), dtype)

@@ -33,8 +33,11 @@ def no_host_tensors(monkeypatch):
 
 
 def _mixed_params(gen):
-    return [torch.randn(3, generator=gen).half().requires_grad_(), torch.randn(4, generator=gen).requires_grad_(),
-            torch.randn(2, generator=gen).bfloat16().requires_grad_()]
+    return [
+        torch.randn(3, generator=gen).half().requires_grad_(),
+        torch.randn(4, generator=gen).requires_grad_(),
+        torch.randn(2, generator=gen).bfloat16().requires_grad_(),
+    ]
 
 
 @pytest.mark.parametrize("norm_type", [0, 2])

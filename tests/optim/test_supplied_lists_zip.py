@@ -35,11 +35,14 @@ def _two_params():
     return a, b
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: LegacyAdam(ps, lr=LR),
-    lambda ps: ContribFusedAdam(ps, lr=LR),
-    lambda ps: FusedAdam(ps, lr=LR, max_grad_norm=0.0),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: LegacyAdam(ps, lr=LR),
+        lambda ps: ContribFusedAdam(ps, lr=LR),
+        lambda ps: FusedAdam(ps, lr=LR, max_grad_norm=0.0),
+    ],
+)
 def test_legacy_adam_does_not_step_params_past_the_supplied_grads(make):
     a, b = _two_params()
     ga = torch.tensor([0.5, -1.0, 2.0])

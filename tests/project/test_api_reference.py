@@ -17,10 +17,7 @@ def _generator():
 
 
 def test_every_public_package_declares_its_names():
-    missing = [
-        name for name in _generator().public_packages()
-        if not hasattr(importlib.import_module(name), "__all__")
-    ]
+    missing = [name for name in _generator().public_packages() if not hasattr(importlib.import_module(name), "__all__")]
     assert not missing, f"public packages without __all__: {missing}"
 
 

@@ -202,17 +202,25 @@ def _write_apex_checkpoint(path: pathlib.Path) -> dict:
     from fp16kit.legacy import FP16_Optimizer
 
     model = _HalfNet(seed=1)
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                         dynamic_loss_scale=True, verbose=False)
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dynamic_loss_scale=True, verbose=False
+    )
     for x, y in _teacher_batches(3, seed=5):
         opt.zero_grad()
         opt.backward(_loss_fn(model(x), y))
         opt.step()
     with _FakeApex() as apex:
         scaler = apex.LossScaler()
-        scaler.__dict__.update(dynamic=True, _loss_scale=512.0, _max_loss_scale=2.0**24, _min_loss_scale=None,
-                               _scale_seq_len=2000, _unskipped=7, _has_overflow=False,
-                               _overflow_buf=torch.IntTensor([0]))
+        scaler.__dict__.update(
+            dynamic=True,
+            _loss_scale=512.0,
+            _max_loss_scale=2.0**24,
+            _min_loss_scale=None,
+            _scale_seq_len=2000,
+            _unskipped=7,
+            _has_overflow=False,
+            _overflow_buf=torch.IntTensor([0]),
+        )
         optimizer_sd = {
             "loss_scaler": scaler,
             "dynamic_loss_scale": True,
@@ -222,8 +230,7 @@ def _write_apex_checkpoint(path: pathlib.Path) -> dict:
             "fp32_from_fp16": [[m.detach().clone() for m in g] for g in opt.fp32_from_fp16_groups],
         }
         torch.save({"model": model.state_dict(), "optimizer": optimizer_sd}, path)
-    return {"model": copy.deepcopy(model.state_dict()), "loss_scale": 512.0,
-            "masters": optimizer_sd["fp32_from_fp16"]}
+    return {"model": copy.deepcopy(model.state_dict()), "loss_scale": 512.0, "masters": optimizer_sd["fp32_from_fp16"]}
 
 
 def _reader_names(file: str, tmp_path: pathlib.Path) -> tuple[dict, dict]:
@@ -259,9 +266,8 @@ def _reader_names(file: str, tmp_path: pathlib.Path) -> tuple[dict, dict]:
         from fp16kit.legacy import FP16_Optimizer
 
         model = _HalfNet(seed=0)
-        optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=128.0,
-                                   verbose=False)
-        (x, y), = _teacher_batches(1, seed=4)
+        optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=128.0, verbose=False)
+        ((x, y),) = _teacher_batches(1, seed=4)
         names = {
             "model": model,
             "optimizer": optimizer,
@@ -375,8 +381,9 @@ def _two_losses_step_on_their_sum(ns, facts):
     names = [n for n, _ in before.named_parameters()]
     for n, p, r, q in zip(names, ns["model"].parameters(), ref.parameters(), before.parameters()):
         after = stepped.get(id(p), p)  # the master of an fp16 param, or the fp32 param itself
-        torch.testing.assert_close((q.float() - after) / lr, r.grad.float(), rtol=0.02, atol=2e-3,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            (q.float() - after) / lr, r.grad.float(), rtol=0.02, atol=2e-3, msg=lambda m, n=n: f"{n}: {m}"
+        )
 
 
 # ---------------------------------------------------------------------------- tests

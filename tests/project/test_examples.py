@@ -35,7 +35,9 @@ def test_every_integration_example_is_run_by_an_integration_test():
         for p in (pathlib.Path(__file__).parents[1] / "integrations").glob("test_*.py")
     ]
     runners = [src for src in runners if "subprocess" in src or "sys.executable" in src]
-    untested = [p.name for p in (EXAMPLES / "integrations").glob("*.py") if not any(f'"{p.name}"' in r for r in runners)]
+    untested = [
+        p.name for p in (EXAMPLES / "integrations").glob("*.py") if not any(f'"{p.name}"' in r for r in runners)
+    ]
     assert not untested, f"examples/integrations without a test that runs them: {untested}"
 
 

@@ -101,7 +101,7 @@ def test_other_folders_use_only_public_names():
     for module, name, target in _edges():
         if _folder(target) in ("", _folder(module)):
             continue
-        inner = name[len("fp16kit."):].split(".")[1:]
+        inner = name[len("fp16kit.") :].split(".")[1:]
         if any(part.startswith("_") for part in inner):
             bad.append(f"{module} imports {name}")
     assert not bad, "a private name of another folder:\n" + "\n".join(sorted(bad))
@@ -146,9 +146,7 @@ def test_kernels_never_read_tensors_on_the_host():
     src = (PKG / "core" / "kernels.py").read_text()
     code = ast.parse(src)
     calls = {
-        node.func.attr
-        for node in ast.walk(code)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        node.func.attr for node in ast.walk(code) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
     }
     assert not calls & {"item", "tolist", "numpy", "cpu"}
     conversions = [
@@ -165,7 +163,8 @@ def test_library_never_prints():
             continue
         tree = ast.parse(path.read_text())
         prints = [
-            n.lineno for n in ast.walk(tree)
+            n.lineno
+            for n in ast.walk(tree)
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"
         ]
         assert not prints, f"print() in {path.relative_to(PKG)} at lines {prints}"

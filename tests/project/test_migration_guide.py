@@ -23,8 +23,7 @@ def _legacy_modules() -> list[str]:
         if info.ispkg and not any(part.startswith("_") for part in info.name.split(".")):
             names.add(info.name)
     names.update(
-        target for target in apex_map.module_map(megatron=True).values()
-        if not target.startswith("fp16kit.legacy.amp.")
+        target for target in apex_map.module_map(megatron=True).values() if not target.startswith("fp16kit.legacy.amp.")
     )
     return sorted(names)
 
@@ -45,6 +44,10 @@ def test_every_exported_legacy_name_is_in_the_guide():
 
 def test_every_covered_apex_module_is_in_the_guide():
     # the top-level packages of every apex path the import alias and the codemod map
-    roots = {path.split(".")[1] for path in apex_map.module_map(megatron=False) if path.count(".") >= 1 and path.startswith("apex.")}
+    roots = {
+        path.split(".")[1]
+        for path in apex_map.module_map(megatron=False)
+        if path.count(".") >= 1 and path.startswith("apex.")
+    }
     missing = [r for r in sorted(roots) if not _mentioned(f"apex.{r}")]
     assert not missing, f"MIGRATION.md does not mention apex modules: {missing}"

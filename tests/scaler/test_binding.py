@@ -9,11 +9,11 @@ import logging
 
 import pytest
 import torch
-from _helpers import seeded_loss, small_mlp
 from torch import nn
 
-import fp16kit.scaler.grad_scaler
 import fp16kit.master_weights.optimizer
+import fp16kit.scaler.grad_scaler
+from _helpers import seeded_loss, small_mlp
 from fp16kit import GradScaler, MixedPrecisionOptimizer, OptimizerThread
 from fp16kit.core import protocol
 from fp16kit.core.protocol import MasterWeightOptimizer
@@ -66,7 +66,9 @@ def test_mode2_with_and_without_scaler_keyword_train_the_same(threads, explicit)
     runs = []
     for how in (explicit, True):
         model = _net()
-        opt = MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", thread=threads())
+        opt = MixedPrecisionOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), master_device="cpu", thread=threads()
+        )
         scaler = GradScaler("cpu", init_scale=2.0**10)
         runs.append((_mode2(model, opt, scaler, 6, explicit=how, inject=(2,)), scaler.get_scale()))
     (a, sa), (b, sb) = runs

@@ -13,9 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from _helpers.gloo import run_two_ranks
-
 import fp16kit
+from _helpers.gloo import run_two_ranks
 from fp16kit import GradScaler
 
 
@@ -54,7 +53,7 @@ def test_signature_extends_torchs_with_keyword_only_extras():
     assert list(ours)[: len(theirs)] == list(theirs)
     for name in theirs:
         assert ours[name].default == theirs[name].default and ours[name].kind == theirs[name].kind
-    extras = list(ours)[len(theirs):]
+    extras = list(ours)[len(theirs) :]
     assert extras == ["hysteresis", "min_scale", "max_scale", "on_min_scale", "process_group"]
     assert all(ours[e].kind is inspect.Parameter.KEYWORD_ONLY for e in extras)
 
@@ -117,8 +116,16 @@ def test_state_dict_is_torchs_by_default_and_carries_extras_when_set(tmp_path):
     _iteration(model, opt, extra, overflow=True)
     sd = extra.state_dict()
     assert list(sd) == [
-        "scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker",
-        "hysteresis", "_hysteresis_tracker", "min_scale", "max_scale", "on_min_scale",
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
+        "hysteresis",
+        "_hysteresis_tracker",
+        "min_scale",
+        "max_scale",
+        "on_min_scale",
     ]
     assert sd["_hysteresis_tracker"] == 2 and sd["scale"] == 32.0
     torch.save(sd, tmp_path / "s.pt")
@@ -132,8 +139,9 @@ def test_state_dict_is_torchs_by_default_and_carries_extras_when_set(tmp_path):
 
 def test_loading_torchs_state_dict_keeps_extras_with_a_full_hysteresis():
     scaler = GradScaler("cpu", hysteresis=4)
-    scaler.load_state_dict({"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                            "growth_interval": 10, "_growth_tracker": 3})
+    scaler.load_state_dict(
+        {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10, "_growth_tracker": 3}
+    )
     sd = scaler.state_dict()
     assert sd["hysteresis"] == 4 and sd["_hysteresis_tracker"] == 4 and sd["_growth_tracker"] == 3
 

@@ -187,7 +187,7 @@ class Side:
             self.model.half()
         m = self.model
         if len(cfg.opts) == 1:
-            (kind, variant), = cfg.opts
+            ((kind, variant),) = cfg.opts
             groups = [
                 {"params": list(m.a.parameters())},
                 {"params": [*m.b.parameters(), m.unused], "lr": 0.02},
@@ -308,8 +308,7 @@ def _side_view(side: Side) -> dict[str, Any]:
         "grads": [(n, p.grad) for n, p in side.params()],
         "optimizers": [o.state_dict() for o in side.opts],
         "optimizer_attrs": [
-            (hasattr(o, "grad_scale"), hasattr(o, "found_inf"), getattr(o, "_n_calls", 0))
-            for o in side.opts
+            (hasattr(o, "grad_scale"), hasattr(o, "found_inf"), getattr(o, "_n_calls", 0)) for o in side.opts
         ],
         "scaler": _scaler_view(side),
         "retired_scalers": [_scaler_view(side, r) for r in side.retired],
@@ -323,7 +322,9 @@ class Harness:
         init_state = _make_init_state(seed)
         self.t = Side(TorchGradScaler, cfg, init_state, scaler_args)
         self.f = Side(KitGradScaler, cfg, init_state, scaler_args)
-        self.log: list[str] = [f"construct GradScaler('cpu', {', '.join(map(repr, scaler_args))}, enabled={cfg.enabled})"]
+        self.log: list[str] = [
+            f"construct GradScaler('cpu', {', '.join(map(repr, scaler_args))}, enabled={cfg.enabled})"
+        ]
         self.check_state()
 
     def fail(self, what: str) -> None:
@@ -454,7 +455,9 @@ def op_update(h: Harness, rng: random.Random) -> None:
 
 
 def op_update_new_scale(h: Harness, rng: random.Random) -> None:
-    kind = rng.choice(["float", "float", "tensor32", "tensor64", "tensor_int", "int", "numel2", "requires_grad", "shape1"])
+    kind = rng.choice(
+        ["float", "float", "tensor32", "tensor64", "tensor_int", "int", "numel2", "requires_grad", "shape1"]
+    )
     v = rng.choice([1.0, 0.5, 3.0, 12345.678, 2.0**20, 1e-3, 0.0])
 
     def fn(side: Side) -> None:
@@ -515,10 +518,12 @@ def op_load_state_dict(h: Harness, rng: random.Random) -> None:
         _load_state_dict(h, side, edited(other.scaler.state_dict()))
 
     desc = f"load_state_dict(other.state_dict(), edit={edit}"
-    desc += {"values": f", scale={new_scale}, tracker={tracker}, gf={gf}, bf={bf}, gi={gi})",
-             "int_scale": f", scale={int(new_scale)})",
-             "float_tracker": f", _growth_tracker={float(tracker)})",
-             "missing_key": f", scale={new_scale}, tracker={tracker}, gf={gf}, bf={bf}, gi={gi}, without {missing!r})"}.get(edit, ")")
+    desc += {
+        "values": f", scale={new_scale}, tracker={tracker}, gf={gf}, bf={bf}, gi={gi})",
+        "int_scale": f", scale={int(new_scale)})",
+        "float_tracker": f", _growth_tracker={float(tracker)})",
+        "missing_key": f", scale={new_scale}, tracker={tracker}, gf={gf}, bf={bf}, gi={gi}, without {missing!r})",
+    }.get(edit, ")")
     h.do(desc, fn)
 
 
@@ -584,6 +589,7 @@ def op_clip(h: Harness, rng: random.Random) -> None:
 def op_repair(h: Harness, rng: random.Random) -> None:
     """Params made non-finite (a NaN injected after unscale_ reaches the step) would make
     every later iteration overflow; reset such params and the optimizer state on both sides."""
+
     def finite(x: Any) -> bool:
         return not isinstance(x, torch.Tensor) or not x.is_floating_point() or bool(torch.isfinite(x).all())
 
@@ -625,8 +631,14 @@ def op_getters(h: Harness, rng: random.Random) -> None:
         "getters",
         lambda side: [
             _call(getattr(side.scaler, name))
-            for name in ("get_scale", "_get_growth_tracker", "get_growth_factor",
-                         "get_backoff_factor", "get_growth_interval", "is_enabled")
+            for name in (
+                "get_scale",
+                "_get_growth_tracker",
+                "get_growth_factor",
+                "get_backoff_factor",
+                "get_growth_interval",
+                "is_enabled",
+            )
         ],
     )
 
@@ -710,9 +722,19 @@ WRONG_ORDERS = {
 def _scripted_op(h: Harness, name: str) -> None:
     k = 0
     if name == "fb":
-        h.do("forward_backward", lambda s: s.scaler.scale(_loss_of(s.model(torch.ones(2, 6, dtype=next(s.model.parameters()).dtype)))).backward())
+        h.do(
+            "forward_backward",
+            lambda s: s.scaler.scale(
+                _loss_of(s.model(torch.ones(2, 6, dtype=next(s.model.parameters()).dtype)))
+            ).backward(),
+        )
     elif name == "fb_partial":
-        h.do("forward_backward(partial)", lambda s: s.scaler.scale(_loss_of(s.model(torch.ones(2, 6, dtype=next(s.model.parameters()).dtype), partial=True))).backward())
+        h.do(
+            "forward_backward(partial)",
+            lambda s: s.scaler.scale(
+                _loss_of(s.model(torch.ones(2, 6, dtype=next(s.model.parameters()).dtype), partial=True))
+            ).backward(),
+        )
     elif name == "zero":
         h.do("zero_grad(model, set_to_none=True)", lambda s: s.model.zero_grad(set_to_none=True))
     elif name == "step0":
@@ -726,41 +748,53 @@ def _scripted_op(h: Harness, name: str) -> None:
     elif name == "new_scale":
         h.do("update(new_scale=8.0)", lambda s: s.scaler.update(new_scale=8.0))
     elif name == "pickle":
+
         def fn(s: Side) -> None:
             s.scaler = pickle.loads(pickle.dumps(s.scaler))
+
         h.do("pickle round trip", fn)
     elif name == "inject_opt1":
+
         def fn(s: Side) -> None:
             s.model.b.weight.grad.view(-1)[0] = float("inf")
+
         h.do("inject b.weight.grad.flat[0] = inf (opt1)", fn)
     elif name == "step1":
         h.do("step(opt1)", lambda s: s.scaler.step(s.opts[1]))
     elif name == "hold":
+
         def fn(s: Side) -> Any:
             s.held = [s.scaler._found_inf_per_device(o) for o in s.opts]
             return s.held
+
         h.do("held = [scaler._found_inf_per_device(opt) for opt in opts]", fn)
     elif name == "read_held":
         h.do("read held (after update)", lambda s: s.held)
     elif name == "copy":
+
         def fn(s: Side) -> None:
             s.retired = [s.scaler]
             s.scaler = copy.copy(s.scaler)
+
         h.do("scaler = copy.copy(scaler) (the original stays observed)", fn)
     elif name == "load_float_tracker":
+
         def fn(s: Side) -> None:
             sd = (h.f if s is h.t else h.t).scaler.state_dict()
             if sd:
                 sd["_growth_tracker"] = 1.0
             s.scaler.load_state_dict(sd)
+
         h.do("load_state_dict(other.state_dict() with _growth_tracker=1.0)", fn)
     elif name == "load_missing":
+
         def fn(s: Side) -> None:
             sd = (h.f if s is h.t else h.t).scaler.state_dict()
             if sd:
                 sd.update(scale=12.0, growth_factor=5.0)
                 del sd["_growth_tracker"]
             _load_state_dict(h, s, sd)
+
         h.do("load_state_dict(other.state_dict() with scale=12.0, growth_factor=5.0, without '_growth_tracker')", fn)
     else:  # pragma: no cover
         raise AssertionError(name)

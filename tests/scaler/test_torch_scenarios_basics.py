@@ -20,10 +20,9 @@ import pytest
 import torch
 
 import fp16kit
-
 from _helpers.torch_scaling import (
-    SCALER_CLASSES,
     _NEEDS_CUDA,
+    SCALER_CLASSES,
     _assert_equal,
     _seed,  # noqa: F401 -- the autouse fixture: torch.manual_seed(0) before each test
     on_devices,
@@ -144,7 +143,10 @@ def test_grad_scaling_update_scale(scaler_cls, device):
 
     # The same through the scaler.
     scaler = scaler_cls(
-        device, init_scale=4.0, growth_factor=growth, backoff_factor=backoff,
+        device,
+        init_scale=4.0,
+        growth_factor=growth,
+        backoff_factor=backoff,
         growth_interval=growth_interval,
     )
     p = torch.zeros(3, device=device, requires_grad=True)
@@ -254,8 +256,11 @@ def test_grad_scaling_state_dict(scaler_cls, device, lazy_init_scale):
     sd = s0.state_dict()
     assert list(sd) == ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"]
     assert sd == {
-        "scale": 3.0, "growth_factor": 4.0, "backoff_factor": 0.5,
-        "growth_interval": 2, "_growth_tracker": 0,
+        "scale": 3.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2,
+        "_growth_tracker": 0,
     }
     s1.load_state_dict(sd)
 
@@ -294,8 +299,12 @@ def test_grad_scaling_scale(scaler_cls, device):
     outputs = (t1.clone(), (t0.clone(), t1.clone()), [t0.clone(), (t1.clone(), t0.clone())])
     outputs = scaler.scale(outputs)
     assert (
-        outputs[0] == 8.0 and outputs[1][0] == 8.0 and outputs[1][1] == 8.0
-        and outputs[2][0] == 8.0 and outputs[2][1][0] == 8.0 and outputs[2][1][1] == 8.0
+        outputs[0] == 8.0
+        and outputs[1][0] == 8.0
+        and outputs[1][1] == 8.0
+        and outputs[2][0] == 8.0
+        and outputs[2][1][0] == 8.0
+        and outputs[2][1][1] == 8.0
     )
     assert scaler._scale.device == t1.device
     # container types are preserved
@@ -426,9 +435,11 @@ def test_grad_scaling_device_as_key(scaler_cls, device):
     assert list(per_device) == [torch.device(dev_str)]
     assert per_device[dev0a].item() == 0.0
 
+
 # ---------------------------------------------------------------------------------------------
 # test_cuda.py: a disabled scaler, and the warning of a CUDA scaler without CUDA
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("device_str", ["cuda", None], ids=["device_cuda", "default_device"])
 def test_grad_scaler_cuda_unavailable_warns_and_disables(scaler_cls, device_str):

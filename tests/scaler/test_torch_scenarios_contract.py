@@ -34,7 +34,9 @@ def _one_param_case(scaler_cls, device, **kw):
 def test_state_machine_errors(scaler_cls, device):
     p, opt, scaler = _one_param_case(scaler_cls, device)
     scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"^unscale_\(\) has already been called on this optimizer since the last update\(\)\.$"):
+    with pytest.raises(
+        RuntimeError, match=r"^unscale_\(\) has already been called on this optimizer since the last update\(\)\.$"
+    ):
         scaler.unscale_(opt)
     scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"^unscale_\(\) is being called after step\(\)\.$"):

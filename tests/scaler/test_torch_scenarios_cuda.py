@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from _helpers.torch_scaling import (
-    SCALER_CLASSES,
     _FUSED_OPTIM_INPUTS,
+    SCALER_CLASSES,
     _assert_equal,
     _seed,  # noqa: F401 -- the autouse fixture: torch.manual_seed(0) before each test
 )
@@ -39,9 +39,7 @@ def test_grad_scaling_scale_cuda(scaler_cls):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
-)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_grad_scaling_scale_multigpu(scaler_cls):
     scaler = scaler_cls("cuda", init_scale=2.0)
     t0 = torch.full((1,), 4.0, dtype=torch.float32, device="cuda:0")
@@ -50,8 +48,12 @@ def test_grad_scaling_scale_multigpu(scaler_cls):
     outputs = (t1.clone(), (t0.clone(), t1.clone()), [t0.clone(), (t1.clone(), t0.clone())])
     outputs = scaler.scale(outputs)
     assert (
-        outputs[0] == 8.0 and outputs[1][0] == 8.0 and outputs[1][1] == 8.0
-        and outputs[2][0] == 8.0 and outputs[2][1][0] == 8.0 and outputs[2][1][1] == 8.0
+        outputs[0] == 8.0
+        and outputs[1][0] == 8.0
+        and outputs[1][1] == 8.0
+        and outputs[2][0] == 8.0
+        and outputs[2][1][0] == 8.0
+        and outputs[2][1][1] == 8.0
     )
     assert scaler._scale.device == t1.device
 
@@ -62,7 +64,8 @@ def test_grad_scaling_scale_multigpu(scaler_cls):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "foreach, fused", [(False, False), (True, False), (False, True)],
+    "foreach, fused",
+    [(False, False), (True, False), (False, True)],
     ids=["forloop", "foreach", "fused"],
 )
 def test_graph_grad_scaling(scaler_cls, foreach, fused):

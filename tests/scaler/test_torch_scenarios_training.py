@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from _helpers.torch_scaling import (
+    _FUSED_OPTIM_INPUTS,
     AUTOCAST_DTYPE,
     SCALER_CLASSES,
-    _FUSED_OPTIM_INPUTS,
     _assert_equal,
     _create_scaling_case,
     _create_scaling_models_optimizers,
@@ -41,13 +41,25 @@ pytestmark = pytest.mark.parametrize("scaler_cls", SCALER_CLASSES)
 # _run_scaling_case and the single-optimizer scenarios built on it
 # ---------------------------------------------------------------------------------------------
 def _run_scaling_case(
-    scaler_cls, device, run, unskipped, skipped, atol=1e-7, optimizer_ctor=torch.optim.SGD,
+    scaler_cls,
+    device,
+    run,
+    unskipped,
+    skipped,
+    atol=1e-7,
+    optimizer_ctor=torch.optim.SGD,
     optimizer_kwargs=None,
 ):
     # Ensure scaling can be disabled without changing user control flow.
     for enabled in True, False:
         (
-            mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn, skip_iter,
+            mod_control,
+            mod_scaling,
+            opt_control,
+            opt_scaling,
+            data,
+            loss_fn,
+            skip_iter,
         ) = _create_scaling_case(device=device, optimizer_ctor=optimizer_ctor, optimizer_kwargs=optimizer_kwargs)
 
         # For functionality, test with a modest initial scale, and an unrealistically-large growth factor
@@ -90,7 +102,8 @@ _AUTOCAST_OPTIMS = [
 # Compares no scaling + no autocasting against scaling + autocasting.
 @on_devices
 @pytest.mark.parametrize(
-    "foreach, fused", [(None, None), (True, None), (None, True)],
+    "foreach, fused",
+    [(None, None), (True, None), (None, True)],
     ids=["default", "foreach", "fused"],
 )
 @pytest.mark.parametrize("optimizer_ctor", _AUTOCAST_OPTIMS)
@@ -128,15 +141,22 @@ def test_grad_scaling_autocast(scaler_cls, device, optimizer_ctor, foreach, fuse
     with context:
         # sets atol=1e-3 because we're comparing pure fp32 arithmetic vs a mixture of fp16 and fp32
         _run_scaling_case(
-            scaler_cls, device, run, unskipped=3, skipped=1, atol=1e-3,
-            optimizer_ctor=optimizer_ctor, optimizer_kwargs={"foreach": foreach, "fused": fused},
+            scaler_cls,
+            device,
+            run,
+            unskipped=3,
+            skipped=1,
+            atol=1e-3,
+            optimizer_ctor=optimizer_ctor,
+            optimizer_kwargs={"foreach": foreach, "fused": fused},
         )
 
     # Drop-in check (not in torch's test): the scaled run is bit-identical to torch's scaler's.
     def scaled_run(cls):
         torch.manual_seed(0)
         _, mod_scaling, _, opt_scaling, data, loss_fn, skip_iter = _create_scaling_case(
-            device=device, optimizer_ctor=optimizer_ctor,
+            device=device,
+            optimizer_ctor=optimizer_ctor,
             optimizer_kwargs={"foreach": foreach, "fused": fused},
         )
         scaler = cls(device, init_scale=128.0, growth_factor=2.0, growth_interval=1)
@@ -312,19 +332,25 @@ def test_grad_scaling_multiple(scaler_cls, device, enabled):
     ):
         _assert_equal(c, s, rtol=1e-5, atol=1e-7)
 
+
 # ---------------------------------------------------------------------------------------------
 # Fused optimizers (the _step_supports_amp_scaling protocol)
 # ---------------------------------------------------------------------------------------------
 
+
 @on_devices
 @pytest.mark.parametrize("separate_unscale", [True, False], ids=["unscale_", "no_unscale_"])
 @pytest.mark.parametrize("optimizer_ctor, optimizer_kwargs", _FUSED_OPTIM_INPUTS)
-def test_grad_scaling_autocast_fused_optimizers(
-    scaler_cls, device, optimizer_ctor, optimizer_kwargs, separate_unscale
-):
+def test_grad_scaling_autocast_fused_optimizers(scaler_cls, device, optimizer_ctor, optimizer_kwargs, separate_unscale):
     optimizer_kwargs = dict(optimizer_kwargs, fused=True)
     (
-        mod_control, mod_scaling, opt_control, opt_scaling, data, loss_fn, _,
+        mod_control,
+        mod_scaling,
+        opt_control,
+        opt_scaling,
+        data,
+        loss_fn,
+        _,
     ) = _create_scaling_case(optimizer_ctor=optimizer_ctor, optimizer_kwargs=optimizer_kwargs, device=device)
     kwargs = copy.deepcopy(optimizer_kwargs)
     kwargs["fused"] = False
@@ -428,9 +454,11 @@ def test_params_invalidated_with_grads_invalidated_between_unscale_and_step(
 
     assert all((p.isnan().any() or p.isinf().any()) for p in model.parameters())
 
+
 # ---------------------------------------------------------------------------------------------
 # test_cuda.py scenarios of the step protocol, device-generic here
 # ---------------------------------------------------------------------------------------------
+
 
 @on_devices
 def test_grad_scaler_pass_itself(scaler_cls, device):

@@ -21,8 +21,14 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 UNSUPPORTED_KWARGS = ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config")
 UNSUPPORTED_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM")
 SUPPORTED_TYPES = (
-    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU,
-    DistributedType.MULTI_NPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
+    DistributedType.NO,
+    DistributedType.MULTI_CPU,
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_XPU,
+    DistributedType.MULTI_NPU,
+    DistributedType.MULTI_MLU,
+    DistributedType.MULTI_MUSA,
+    DistributedType.MULTI_HPU,
 )
 
 

@@ -144,7 +144,9 @@ class MasterWeightsAccelerator(Accelerator):
         self.model_dtype = dtype
         self.cast_model = cast_model
         self.master_options: dict[str, Any] = {
-            "async_step": async_step, "master_device": master_device, "master_dtype": master_dtype,
+            "async_step": async_step,
+            "master_device": master_device,
+            "master_dtype": master_dtype,
         }
         # Accelerate's autocast (and its fp32 outputs) would change an fp16/bf16 model's numbers.
         self.native_amp = False
@@ -178,7 +180,9 @@ class MasterWeightsAccelerator(Accelerator):
             out[i] = result[j]
         return tuple(out) if len(args) > 1 else out[0]
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> Any:
         """Cast the model to ``mixed_precision``'s dtype, then Accelerate's ``prepare_model``."""
         self._cast(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -218,7 +222,9 @@ class MasterWeightsAccelerator(Accelerator):
                 optimizers = opt
                 break
         prepared = AcceleratedScheduler(
-            scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer,
+            scheduler,
+            optimizers,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
         self._schedulers.append(prepared)
@@ -249,7 +255,9 @@ class MasterWeightsAccelerator(Accelerator):
         for opt in self._mixed_optimizers(optimizer):
             self._unscaled.unscale(self.scaler, opt)
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
         """Unscale, then clip the unscaled grads the optimizers will use for ``parameters``
         (each model param standing for its master) by their total norm; returns that norm."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -360,7 +368,8 @@ class MasterWeightsAccelerator(Accelerator):
         ids = {id(p) for p in params}
         mixed = self._mixed_optimizers(None)
         owners = [
-            opt for opt in mixed
+            opt
+            for opt in mixed
             if any(id(p) in ids for p in opt.model_params)
             or any(id(p) in ids for g in opt.param_groups for p in g["params"])
         ]
@@ -394,7 +403,12 @@ class MasterWeightsAccelerator(Accelerator):
                 f"The optimizer holds {sorted(map(str, low))} params but mixed_precision casts to "
                 f"{self.model_dtype}: build MasterWeightsAccelerator(mixed_precision=...) matching the model."
             )
-        if trainable and not low and self.master_options["master_device"] is None and not self.master_options["async_step"]:
+        if (
+            trainable
+            and not low
+            and self.master_options["master_device"] is None
+            and not self.master_options["async_step"]
+        ):
             raise TypeError(
                 "The optimizer's params are not fp16/bf16, so there is nothing to keep fp32 masters of: "
                 "pass the model to the same accelerator.prepare(model, optimizer, ...) call (it casts "

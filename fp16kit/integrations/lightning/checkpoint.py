@@ -54,7 +54,8 @@ def adopt_plain_checkpoint(
     states = checkpoint.get("optimizer_states")
     if isinstance(states, list):
         plain = [
-            i for i, s in enumerate(states[: len(optimizers)])
+            i
+            for i, s in enumerate(states[: len(optimizers)])
             if isinstance(s, dict) and "state" in s and "masters" not in s
         ]
         if plain:
@@ -65,7 +66,8 @@ def adopt_plain_checkpoint(
             logger.warning(
                 "The checkpoint has no fp32 master weights (it was not saved with "
                 "MasterWeightsPrecision): the masters of optimizer(s) %s are rebuilt from its model "
-                "weights; training continues from them.", plain,
+                "weights; training continues from them.",
+                plain,
             )
     if own_key not in checkpoint and scaler is not None:
         saved = checkpoint.get("MixedPrecision")

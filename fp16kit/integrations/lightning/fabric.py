@@ -74,7 +74,10 @@ class MasterWeightsFabricPrecision(HalfPrecision):
     ``GradScaler(device)``); refused with bf16."""
 
     def __init__(
-        self, precision: Literal["16-true", "bf16-true"] = "16-true", *, scaler: GradScaler | None = None,
+        self,
+        precision: Literal["16-true", "bf16-true"] = "16-true",
+        *,
+        scaler: GradScaler | None = None,
         device: str = "cpu",
     ) -> None:
         if precision not in ("16-true", "bf16-true"):

@@ -96,7 +96,7 @@ class _RestoreGroups:
 def _restore_groups(opt: MixedPrecisionOptimizer, saved: list[dict[str, Any]], named: dict[str, Any]) -> None:
     for group, entry in zip(opt.param_groups, saved):
         group.update({k: v for k, v in entry.items() if k != "params"})
-    for entry in saved[len(opt.param_groups):]:
+    for entry in saved[len(opt.param_groups) :]:
         params = [named[n] for n in entry["params"]]
         for p in params:  # as unfreeze_and_add_param_group left them (see the module docstring)
             p.requires_grad_(True)

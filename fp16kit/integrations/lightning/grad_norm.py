@@ -40,7 +40,9 @@ def trainer_of(model: Any) -> Any:
     return None
 
 
-def grad_norm(module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
+def grad_norm(
+    module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/"
+) -> dict[str, torch.Tensor]:
     """Drop-in for ``lightning.pytorch.utilities.grad_norm`` that reads the unscaled master
     grads: call it in ``on_before_optimizer_step`` (the fp16 model grads are still multiplied by
     the loss scale there). Same keys and arithmetic as Lightning's; a param without a master

@@ -161,7 +161,10 @@ class MasterWeightsPrecision(Precision):
         self.dtype = _DTYPES[precision]
         self.scaler: GradScaler | None = scaler
         self._mpo_options: dict[str, Any] = {
-            "async_step": async_step, "master_device": master_device, "master_dtype": master_dtype, "flat": flat,
+            "async_step": async_step,
+            "master_device": master_device,
+            "master_dtype": master_dtype,
+            "flat": flat,
         }
         self._custom_options = bool(async_step or master_device is not None or flat or master_dtype != torch.float32)
         self.optimizers: list[MixedPrecisionOptimizer] = []
@@ -224,8 +227,10 @@ class MasterWeightsPrecision(Precision):
                     "the model inside its step). Use a first-order optimizer, or train in float32."
                 )
         # validate/test/predict after fit get the optimizers wrapped then: used as they are
-        returned = [o if isinstance(o, MixedPrecisionOptimizer) or is_mock(o) else wrap(o, self._mpo_options)
-                    for o in optimizers]
+        returned = [
+            o if isinstance(o, MixedPrecisionOptimizer) or is_mock(o) else wrap(o, self._mpo_options)
+            for o in optimizers
+        ]
         self.optimizers = [o for o in returned if isinstance(o, MixedPrecisionOptimizer)]
         self._built.update(o for o in self.optimizers if o not in optimizers)
         if self.dtype == torch.float16 and self.scaler is None:

@@ -84,7 +84,8 @@ def state_to_masters(opt: MixedPrecisionOptimizer) -> None:
     inner = opt.optimizer
     moved = any(
         isinstance(v, torch.Tensor) and k != "step" and v.device != p.device
-        for p, s in inner.state.items() if isinstance(p, torch.Tensor) and isinstance(s, dict)
+        for p, s in inner.state.items()
+        if isinstance(p, torch.Tensor) and isinstance(s, dict)
         for k, v in s.items()
     )
     if moved:

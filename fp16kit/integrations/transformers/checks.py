@@ -54,9 +54,7 @@ def casts_model(model: torch.nn.Module | None, dtype: torch.dtype) -> bool:
     return model is None or not any(p.dtype == dtype for p in model.parameters())
 
 
-def check_arguments(
-    bound: dict[str, Any], *, async_step: bool, master_device: Any, master_dtype: torch.dtype
-) -> str:
+def check_arguments(bound: dict[str, Any], *, async_step: bool, master_device: Any, master_dtype: torch.dtype) -> str:
     """Every refusal of the module docstring, before the Trainer is built; returns "fp16"/"bf16"."""
     args = bound.get("args")
     if args is None or bool(args.fp16) == bool(args.bf16):

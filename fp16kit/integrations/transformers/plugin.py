@@ -94,9 +94,9 @@ import torch  # noqa: E402
 import transformers.trainer as _trainer_module  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from ..accelerate.plugin import MasterWeightsAccelerator  # noqa: E402
-from ..accelerate.optimizer import MasterWeightsAcceleratedOptimizer  # noqa: E402
 from .._common import find_master_optimizer  # noqa: E402
+from ..accelerate.optimizer import MasterWeightsAcceleratedOptimizer  # noqa: E402
+from ..accelerate.plugin import MasterWeightsAccelerator  # noqa: E402
 from .checks import DTYPES, casts_model, check_arguments, check_checkpoint  # noqa: E402
 
 __all__ = ["MasterWeightsTrainer"]
@@ -173,9 +173,7 @@ class MasterWeightsTrainer(Trainer):
         ``transformers.trainer.Accelerator``, with no hook to choose the class; the name is
         rebound for that call only (checked after it, and by
         ``test_transformers.py::test_trainer_builds_master_weights_accelerator``)."""
-        factory = functools.partial(
-            _build_accelerator, precision=self._weights_precision, options=self._master_options
-        )
+        factory = functools.partial(_build_accelerator, precision=self._weights_precision, options=self._master_options)
         with _rebind(_trainer_module, "Accelerator", factory):
             super().create_accelerator_and_postprocess()
         if not isinstance(self.accelerator, MasterWeightsAccelerator):
@@ -187,8 +185,11 @@ class MasterWeightsTrainer(Trainer):
 
     # ------------------------------------------------------------------ resume
     def train(
-        self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-        ignore_keys_for_eval: list[str] | None = None, **kwargs: Any,
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
     ) -> Any:
         """``Trainer.train``; a checkpoint to resume is checked first (before any state changes):
         one saved by ``transformers.Trainer`` holds no fp32 master weights and is refused."""

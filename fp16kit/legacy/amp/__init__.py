@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import lists  # apex.amp.lists: scripts edit them before amp.initialize
+from . import lists  # noqa: F401 - apex.amp.lists: scripts edit them before amp.initialize
 from ._amp_state import _amp_state, master_params
 from .frontend import initialize, load_state_dict, state_dict
-from .handle import init, scale_loss
 from .handle import disable_casts as _disable_casts_fallback
+from .handle import init, scale_loss
 
 _FROM_CASTS = (
     "half_function",

@@ -38,10 +38,20 @@ _ORDER = tuple(
 # (``__eq__``, ``__rsub__``, ``__rdiv__``, ``__rpow__``, ``__ipow__``) are handed as themselves,
 # and the in-place ones (``h += f`` as Tensor.add_) are left to torch.
 _HANDED_AS = {
-    "__add__": ("add",), "__radd__": ("add",), "__sub__": ("sub",), "__mul__": ("mul",),
-    "__rmul__": ("mul",), "__div__": ("div",), "__truediv__": ("div",), "__ne__": ("ne",),
-    "__lt__": ("lt",), "__le__": ("le",), "__gt__": ("gt",), "__ge__": ("ge",),
-    "__pow__": ("pow",), "__matmul__": ("matmul", "__rmatmul__"),
+    "__add__": ("add",),
+    "__radd__": ("add",),
+    "__sub__": ("sub",),
+    "__mul__": ("mul",),
+    "__rmul__": ("mul",),
+    "__div__": ("div",),
+    "__truediv__": ("div",),
+    "__ne__": ("ne",),
+    "__lt__": ("lt",),
+    "__le__": ("le",),
+    "__gt__": ("gt",),
+    "__ge__": ("ge",),
+    "__pow__": ("pow",),
+    "__matmul__": ("matmul", "__rmatmul__"),
 }
 
 
@@ -76,8 +86,11 @@ def _check(module: Any, list_name: str, value: Any) -> list[Any]:
             f"list and edit it in place before amp.initialize ({list_name}.append('name'), .remove('name'))."
         )
     for entry in value:
-        ok = (isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
-              if list_name == "BANNED_FUNCS" else isinstance(entry, str))
+        ok = (
+            isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(e, str) for e in entry)
+            if list_name == "BANNED_FUNCS"
+            else isinstance(entry, str)
+        )
         if not ok:
             form = "(name, message) pairs of strings" if list_name == "BANNED_FUNCS" else "function names (strings)"
             raise TypeError(

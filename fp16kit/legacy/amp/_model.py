@@ -67,14 +67,18 @@ def amp_class(base: type, in_dtype: torch.dtype | None, out_dtype: torch.dtype) 
     key = (base, in_dtype, out_dtype)
     cls = _AMP_CLASSES.get(key)
     if cls is None:
-        cls = type(base.__name__, (base,), {
-            "forward": _amp_forward,
-            "__reduce_ex__": _amp_reduce_ex,
-            "_amp_cast_types": (in_dtype, out_dtype),
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-            "__doc__": base.__doc__,
-        })
+        cls = type(
+            base.__name__,
+            (base,),
+            {
+                "forward": _amp_forward,
+                "__reduce_ex__": _amp_reduce_ex,
+                "_amp_cast_types": (in_dtype, out_dtype),
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+            },
+        )
         _AMP_CLASSES[key] = cls
     return cls
 
@@ -148,7 +152,7 @@ def check_models(models: list[Any]) -> None:
             parallel = "apex.parallel.DistributedDataParallel"
         if parallel is not None:
             raise RuntimeError(
-                "Incoming model is an instance of {}. ".format(parallel)
+                f"Incoming model is an instance of {parallel}. "
                 + "Parallel wrappers should only be applied to the model(s) AFTER \n"
                 "the model(s) have been returned from amp.initialize."
             )
@@ -161,9 +165,9 @@ def check_params(models: list[nn.Module]) -> None:
             for name, t in named:
                 if t.is_floating_point() and t.dtype == torch.float16:
                     raise RuntimeError(
-                        "Found {} {} with type {}, expected {}.\n"
+                        f"Found {kind} {name} with type {t.type()}, expected {float_type(t)}.\n"
                         "When using amp.initialize, you do not need to call .half() on your model\n"
-                        "before passing it, no matter what optimization level you choose.".format(kind, name, t.type(), float_type(t))
+                        "before passing it, no matter what optimization level you choose."
                     )
 
 

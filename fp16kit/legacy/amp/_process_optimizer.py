@@ -81,9 +81,7 @@ class AmpOptimizerState:
 def _check_types(params: Any) -> None:
     for p in params:
         if p.dtype not in _ALLOWED:
-            raise TypeError(
-                "Optimizer's parameters must be either {}. Received {}".format(float_or_half(p), p.type())
-            )
+            raise TypeError(f"Optimizer's parameters must be either {float_or_half(p)}. Received {p.type()}")
 
 
 def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -152,7 +150,7 @@ def _prepare(optimizer: torch.optim.Optimizer) -> None:
     stash.grads_at_entry = [(p, p.grad) for p in cleared]
     for p in cleared:
         p.grad = None
-    stash.grad_stash = {id(p): g for p, g in stash.grads_at_entry[len(cleared) - len(stashed):]}
+    stash.grad_stash = {id(p): g for p, g in stash.grads_at_entry[len(cleared) - len(stashed) :]}
 
 
 def unprepare(optimizer: torch.optim.Optimizer) -> None:
@@ -265,9 +263,7 @@ def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: An
             loss_id, scaler = skip
             if _amp_state.verbosity >= 1:
                 apex_logger.warning(
-                    "Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}".format(
-                        loss_id, scaler.loss_scale()
-                    )
+                    f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to {scaler.loss_scale()}"
                 )
             _clear_master_grads(optimizer)
             return None
@@ -401,7 +397,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
     for name in AMP_METHODS:
         if hasattr(optimizer, name):
-            raise RuntimeError("Incoming optimizer already has {} defined.".format(name))
+            raise RuntimeError(f"Incoming optimizer already has {name} defined.")
 
 
 def process_optimizer(optimizer: torch.optim.Optimizer, properties: Any, casts: Any) -> torch.optim.Optimizer:

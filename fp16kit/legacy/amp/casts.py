@@ -107,14 +107,20 @@ def _device_types() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------- O1
 
+
 def read_lists() -> _list_rules.Rules:
     """apex's op lists (``amp.lists``) as they stand now, ready for :func:`enable_o1`; TypeError,
     naming the list and the fix, for an entry that is not a function name."""
     return _list_rules.read()
 
 
-def enable_o1(device_type: str = "cuda", *, allow_banned: bool = False, verbose: bool = False,
-              rules: _list_rules.Rules | None = None) -> None:
+def enable_o1(
+    device_type: str = "cuda",
+    *,
+    allow_banned: bool = False,
+    verbose: bool = False,
+    rules: _list_rules.Rules | None = None,
+) -> None:
     """Switch O1 on for ``device_type`` on the calling thread, for good: autocast (float16) and
     apex's op lists (:class:`.o1_lists.ApexLists`) for that device type.
 
@@ -209,8 +215,8 @@ def disable_casts() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------- decorators
 
-def _cast_call(fn: Callable, args: tuple, kwargs: dict,
-               dtype_for: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
+
+def _cast_call(fn: Callable, args: tuple, kwargs: dict, dtype_for: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
     def convert(t: torch.Tensor) -> torch.Tensor:
         dtype = dtype_for(t)
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
@@ -285,7 +291,9 @@ def _register(module: Any, name: str, decorator: Callable[[Callable], Callable])
             "amp.%s(%s, %r) was called after amp.initialize: it takes effect only at the next "
             "amp.initialize with opt_level O1 (apex ignored it silently). Register functions "
             "before calling amp.initialize.",
-            f"register_{decorator.__name__}", getattr(module, "__name__", module), name,
+            f"register_{decorator.__name__}",
+            getattr(module, "__name__", module),
+            name,
         )
 
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from ..checkpoints.load import scaler_state
-from ..loss_scaler import check_saved_scaler
-from . import _model, _process_optimizer
 from ...core.interrupts import hold_interrupts
 from ...core.log import logger
 from .._messages import apex_logger
+from ..checkpoints.load import scaler_state
+from ..loss_scaler import check_saved_scaler
+from . import _model, _process_optimizer
 from ._amp_state import _amp_state, maybe_print, warn_or_err
 from .handle import AmpHandle
 from .scaler import LossScaler
@@ -51,7 +51,7 @@ class Properties:
         options = self.__dict__.get("options")
         if options is not None and name in options:
             return options[name]
-        raise AttributeError("'{}' object has no attribute '{}'".format(type(self).__name__, name))
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __setattr__(self, name: str, value: Any) -> None:
         options = self.__dict__.get("options")
@@ -63,8 +63,7 @@ class Properties:
                 warn_or_err(
                     "O1 inserts casts around Torch functions rather than model weights, so with O1, "
                     "the model weights themselves should remain FP32. If you wish to cast the model "
-                    "to a different type, use opt_level='O2' or 'O3'. "
-                    + "cast_model_type was {}".format(value)
+                    "to a different type, use opt_level='O2' or 'O3'. " + f"cast_model_type was {value}"
                 )
         elif name == "patch_torch_functions":
             if self.opt_level != "O1" and value:
@@ -73,7 +72,7 @@ class Properties:
             if self.opt_level == "O1" and value is not None:
                 warn_or_err(
                     "With opt_level O1, batchnorm functions are automatically patched to run in FP32, "
-                    "so keep_batchnorm_fp32 should be None." + " keep_batchnorm_fp32 was {}".format(value)
+                    "so keep_batchnorm_fp32 should be None." + f" keep_batchnorm_fp32 was {value}"
                 )
             if value == "False":
                 value = False
@@ -82,7 +81,7 @@ class Properties:
             else:
                 assert value is True or value is False or value is None, (
                     "keep_batchnorm_fp32 must be a boolean, the string 'True' or 'False', "
-                    "or None, found keep_batchnorm_fp32={}".format(value)
+                    f"or None, found keep_batchnorm_fp32={value}"
                 )
         elif name == "master_weights":
             if self.opt_level == "O1" and value is not None:
@@ -98,8 +97,22 @@ class Properties:
 
 _LEVELS = {
     "O0": ("O0:  Pure FP32 training.\n", torch.float32, False, None, False, 1.0),
-    "O1": ("O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n", None, True, None, None, "dynamic"),
-    "O2": ("O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n", torch.float16, False, True, True, "dynamic"),
+    "O1": (
+        "O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n",
+        None,
+        True,
+        None,
+        None,
+        "dynamic",
+    ),
+    "O2": (
+        "O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n",
+        torch.float16,
+        False,
+        True,
+        True,
+        "dynamic",
+    ),
     "O3": ("O3:  Pure FP16 training.", torch.float16, False, False, False, 1.0),
 }
 opt_levels = {k: v[0] for k, v in _LEVELS.items()}
@@ -121,7 +134,7 @@ def _level_defaults(opt_level: str) -> Properties:
 
 def _print_options(p: Properties) -> None:
     for k, v in p.options.items():
-        maybe_print("{:22} : {}".format(k, v), True)
+        maybe_print(f"{k:22} : {v}", True)
 
 
 def _as_list(obj: Any, kind: str) -> tuple[list[Any], bool]:
@@ -199,20 +212,22 @@ def initialize(
         return models if optimizers is None else (models, optimizers)
     if opt_level not in _LEVELS:
         raise RuntimeError(
-            "Unexpected optimization level {}. ".format(opt_level)
+            f"Unexpected optimization level {opt_level}. "
             + "Options are 'O0', 'O1', 'O2', 'O3'.  Note that in `O0`, `O1`, etc., "
             + "the prefix O is the letter O, not the number zero."
         )
     prior_verbosity, _amp_state.verbosity = getattr(_amp_state, "verbosity", 1), verbosity
     try:
         properties = _level_defaults(opt_level)
-        maybe_print("Selected optimization level {}".format(opt_levels[opt_level]), True)
+        maybe_print(f"Selected optimization level {opt_levels[opt_level]}", True)
         maybe_print("Defaults for this optimization level are:", True)
         _print_options(properties)
         maybe_print("Processing user overrides (additional kwargs that are not None)...", True)
         for name, value in (
-            ("cast_model_type", cast_model_type), ("patch_torch_functions", patch_torch_functions),
-            ("keep_batchnorm_fp32", keep_batchnorm_fp32), ("master_weights", master_weights),
+            ("cast_model_type", cast_model_type),
+            ("patch_torch_functions", patch_torch_functions),
+            ("keep_batchnorm_fp32", keep_batchnorm_fp32),
+            ("master_weights", master_weights),
             ("loss_scale", loss_scale),
         ):
             if value is not None:
@@ -229,8 +244,12 @@ def initialize(
             _process_optimizer.check_optimizer(opt)
         _check_num_losses(num_losses)
         scalers = [
-            LossScaler(properties.loss_scale, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
-                       on_min_scale=on_min_scale)
+            LossScaler(
+                properties.loss_scale,
+                min_loss_scale=min_loss_scale,
+                max_loss_scale=max_loss_scale,
+                on_min_scale=on_min_scale,
+            )
             for _ in range(num_losses)
         ]
         casts = _casts_module() if properties.patch_torch_functions else None
@@ -243,8 +262,10 @@ def initialize(
     _amp_state.min_loss_scale = min_loss_scale
     _amp_state.max_loss_scale = max_loss_scale
     if properties.cast_model_type is torch.bfloat16 and properties.loss_scale == "dynamic" and verbosity > 0:
-        logger.info("bfloat16 models need no loss scaling (bf16 has fp32's range); the dynamic "
-                    "scale is kept as requested, set loss_scale=1.0 to drop it.")
+        logger.info(
+            "bfloat16 models need no loss scaling (bf16 has fp32's range); the dynamic "
+            "scale is kept as requested, set loss_scale=1.0 to drop it."
+        )
     _model.cast_models(model_list, properties, cast_model_outputs)
     if properties.cast_model_type and not properties.master_weights:
         for opt in opt_list:  # recast existing state to the params' dtype, as apex
@@ -287,7 +308,7 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     if destination is None:
         destination = collections.OrderedDict()
     for idx, scaler in enumerate(getattr(_amp_state, "loss_scalers", [])):
-        destination["loss_scaler%d" % idx] = {"loss_scale": scaler.loss_scale(), "unskipped": scaler._unskipped}
+        destination[f"loss_scaler{idx}"] = {"loss_scale": scaler.loss_scale(), "unskipped": scaler._unskipped}
     return destination
 
 
@@ -328,13 +349,15 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     (FIX: apex applied the first entries, then raised)."""
     scalers = getattr(_amp_state, "loss_scalers", [])
     if len(state_dict) != len(scalers):
-        apex_logger.warning("Warning: state_dict contains {} entries, while {} loss_scalers are used".format(
-            len(state_dict), len(scalers)))  # apex printed both lines whatever the verbosity
+        apex_logger.warning(
+            f"Warning: state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used"
+        )  # apex printed both lines whatever the verbosity
     unexpected = [k for k in state_dict if "loss_scaler" not in str(k)]
     if unexpected:
         raise RuntimeError(
             "Error(s) in loading state_dict. Unexpected key(s) in state_dict: {}. ".format(
-                ", ".join('"{}"'.format(k) for k in unexpected))
+                ", ".join(f'"{k}"' for k in unexpected)
+            )
         )
     updates = []
     for key, value in state_dict.items():
@@ -346,7 +369,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
             )
         i = int(m.group(1))
         if i >= len(scalers):
-            apex_logger.warning("Skipping loss_scaler[{}], since num_losses was set to {}".format(i, len(scalers)))
+            apex_logger.warning(f"Skipping loss_scaler[{i}], since num_losses was set to {len(scalers)}")
             continue
         try:
             entry = _saved_entry(value, scalers[i])

@@ -209,8 +209,9 @@ def init(
     rules = casts.read_lists()  # amp.lists as edited until now; checked before anything changes
     handle = AmpHandle(loss_scale, enable_caching, verbose)
     casts.apply_registrations()  # amp.register_*_function calls queued before init
-    casts.enable_o1("cuda" if torch.cuda.is_available() else "cpu", allow_banned=allow_banned, verbose=verbose,
-                    rules=rules)
+    casts.enable_o1(
+        "cuda" if torch.cuda.is_available() else "cpu", allow_banned=allow_banned, verbose=verbose, rules=rules
+    )
     _amp_state.handle = handle
     return handle
 

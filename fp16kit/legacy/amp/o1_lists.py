@@ -126,8 +126,7 @@ class ApexLists(TorchFunctionMode):
         new_args, new_kwargs = cast_args(args, kwargs, lambda t: self._float(t, on, name), keep=("out",))
         return _without_autocast(on, func, new_args, new_kwargs)
 
-    def _banned(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict,
-                ban: tuple[str, str]) -> Any:
+    def _banned(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict, ban: tuple[str, str]) -> Any:
         message, besides = ban
         if not self.allow_banned and any(_is_fp16(t, on) for t in float_tensors(args, kwargs)):
             raise NotImplementedError(message)
@@ -155,7 +154,7 @@ class ApexLists(TorchFunctionMode):
         if t.device.type not in on or t.dtype not in _LOW:
             return t
         if self.verbose:
-            apex_logger.info("Half->Float ({})".format(name))
+            apex_logger.info(f"Half->Float ({name})")
         return t.float()
 
     def _half(self, t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -165,11 +164,15 @@ class ApexLists(TorchFunctionMode):
             if hit is not None:
                 source, version, copy = hit
                 # a copy made under no_grad has no grad_fn: not reused once grads are recorded
-                if (source is t and version == t._version and copy.dtype == dtype
-                        and (copy.requires_grad or not torch.is_grad_enabled())):
+                if (
+                    source is t
+                    and version == t._version
+                    and copy.dtype == dtype
+                    and (copy.requires_grad or not torch.is_grad_enabled())
+                ):
                     return copy
         if self.verbose:
-            apex_logger.info("Float->Half ({})".format(name))
+            apex_logger.info(f"Float->Half ({name})")
         copy = t.to(dtype)
         if cacheable:
             self._cache[id(t)] = (t, t._version, copy)

@@ -67,8 +67,14 @@ class LossScaler(AmpLossScaler):
         _check_floor_policy(on_min_scale, min_loss_scale)
         # device=None: the scale is put on the device of the first loss it scales
         super().__init__(
-            loss_scale, init_scale, 2.0, scale_window, min_loss_scale, max_loss_scale,
-            device=None, on_min_scale=on_min_scale,  # type: ignore[arg-type]
+            loss_scale,
+            init_scale,
+            2.0,
+            scale_window,
+            min_loss_scale,
+            max_loss_scale,
+            device=None,
+            on_min_scale=on_min_scale,  # type: ignore[arg-type]
         )
         self._flags: list[dict[torch.device, torch.Tensor]] = []  # this backward's found-inf flags
         self._static_scale = None if self.dynamic else float(loss_scale)  # host copy (never updated)
@@ -84,7 +90,9 @@ class LossScaler(AmpLossScaler):
     @_overflow_buf.setter
     def _overflow_buf(self, value: torch.Tensor) -> None:
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"LossScaler._overflow_buf must be a tensor (apex's int noop_flag), got {type(value).__name__}.")
+            raise TypeError(
+                f"LossScaler._overflow_buf must be a tensor (apex's int noop_flag), got {type(value).__name__}."
+            )
         self._overflow_buf_tensor = value
 
     # ------------------------------------------------------------------ apex's attributes

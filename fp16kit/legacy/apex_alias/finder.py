@@ -180,8 +180,10 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         the real apex's)."""
         if not self.claims(fullname) or fullname not in self.table or fullname in apex_map.CLOSED:
             return None
-        if self.complement and fullname.partition(".")[0] == "apex" and not any(
-            fullname == m or fullname.startswith(m + ".") for m in self.lacking
+        if (
+            self.complement
+            and fullname.partition(".")[0] == "apex"
+            and not any(fullname == m or fullname.startswith(m + ".") for m in self.lacking)
         ):
             return None
         return self.table[fullname]
@@ -191,7 +193,9 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         (its own metadata stands)."""
         if self.complement:
             return iter(())
-        return find_apex_distribution(context if context is not None else importlib.metadata.DistributionFinder.Context())
+        return find_apex_distribution(
+            context if context is not None else importlib.metadata.DistributionFinder.Context()
+        )
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if not self.claims(fullname):
@@ -219,8 +223,10 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
 
     def _watch(self, spec: importlib.machinery.ModuleSpec) -> importlib.machinery.ModuleSpec:
         """A real apex package some covered submodule may be missing from: complement it once it has run."""
-        if spec.loader is not None and spec.submodule_search_locations is not None and any(
-            k.rpartition(".")[0] == spec.name for k in self.table
+        if (
+            spec.loader is not None
+            and spec.submodule_search_locations is not None
+            and any(k.rpartition(".")[0] == spec.name for k in self.table)
         ):
             spec.loader = _RealPackageLoader(self, spec.loader)
         return spec
@@ -256,14 +262,17 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
             module = importlib.import_module(target_name)
         except ImportError as e:
             raise ImportError(
-                f"{fullname!r} is {target_name!r} under fp16kit's apex alias, which failed to import: {e}", name=fullname
+                f"{fullname!r} is {target_name!r} under fp16kit's apex alias, which failed to import: {e}",
+                name=fullname,
             ) from e
         loader = _AliasLoader(self, fullname, target_name)
         # a spec for a package would give a plain fp16kit module a __path__ (the import system sets it)
         return importlib.machinery.ModuleSpec(fullname, loader, is_package=hasattr(module, "__path__"))
 
     def synthetic_root(self, name: str) -> types.ModuleType:
-        module = types.ModuleType(name, f"fp16kit's stand-in for {name!r}: its covered submodules are fp16kit.legacy's.")
+        module = types.ModuleType(
+            name, f"fp16kit's stand-in for {name!r}: its covered submodules are fp16kit.legacy's."
+        )
         module.__path__ = []  # a package, so `import apex.amp` looks for apex.amp
         children = sorted(k.rpartition(".")[2] for k in self.table if k.rpartition(".")[0] == name)
         module.__all__ = children  # `from apex import *` imports the covered submodules, as apex's did
@@ -272,10 +281,14 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         def __getattr__(attr: str) -> Any:
             full = f"{name}.{attr}"
             if attr == "__version__":  # apex never set one: its version was in its metadata only
-                raise AttributeError(f"module {name!r} has no attribute '__version__' (apex never had one; its "
-                                     f"distribution's version: importlib.metadata.version({name!r}))")
+                raise AttributeError(
+                    f"module {name!r} has no attribute '__version__' (apex never had one; its "
+                    f"distribution's version: importlib.metadata.version({name!r}))"
+                )
             if attr.startswith("__") or full not in self.table:
-                raise AttributeError(f"module {name!r} has no attribute {attr!r} ({apex_map.hint_for(full, megatron=megatron)})")
+                raise AttributeError(
+                    f"module {name!r} has no attribute {attr!r} ({apex_map.hint_for(full, megatron=megatron)})"
+                )
             return importlib.import_module(full)
 
         module.__getattr__ = __getattr__  # type: ignore[attr-defined]
@@ -390,7 +403,8 @@ def _has_amp(imported: types.ModuleType | None, name: str) -> bool:
         folders = list(spec.submodule_search_locations or []) if spec is not None else []
     return any(
         os.path.exists(os.path.join(folder, sub, "__init__.py")) or os.path.exists(os.path.join(folder, f"{sub}.py"))
-        for folder in folders for sub in ("amp", "fp16_utils")
+        for folder in folders
+        for sub in ("amp", "fp16_utils")
     )
 
 
@@ -472,7 +486,9 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
                 where, missing = plan
                 logger.info(
                     "apex alias: complementing the installed apex (%s): %s (missing there) come from fp16kit.legacy, "
-                    "with their submodules; everything else is the installed apex's", where, ", ".join(missing),
+                    "with their submodules; everything else is the installed apex's",
+                    where,
+                    ", ".join(missing),
                 )
                 # a real apex imported already gets its missing submodules now
                 for name in sorted((n for n in sys.modules if n == "apex" or n.startswith("apex.")), key=len):

@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from .load import read_checkpoint, scaler_state
+from ..loss_scaler import SavedScalerRefused, check_saved_scaler
 from .errors import file_name
-from .scan import check_file
+from .load import read_checkpoint, scaler_state
 from .records import (
     APEX_SCALER_CLASSES,
     CLASS_KEY,
@@ -59,7 +59,7 @@ from .records import (
     decode,
     describe,
 )
-from ..loss_scaler import SavedScalerRefused, check_saved_scaler
+from .scan import check_file
 
 __all__ = ["Conversion", "ConversionError", "OutputRefused", "WriteError", "convert_checkpoint", "convert_file"]
 
@@ -140,14 +140,16 @@ class _Converter:
                 raise ConversionError(
                     f"{format_path(path)}: a container that contains itself; a checkpoint never holds "
                     "one. Load the file with fp16kit.legacy.load_checkpoint, which refuses cycles.",
-                    format_path(path), "a container that contains itself",
+                    format_path(path),
+                    "a container that contains itself",
                 )
             if len(path) > MAX_DEPTH:
                 raise ConversionError(
                     f"{format_path(path[:4])}...: containers nested deeper than {MAX_DEPTH} levels "
                     f"(fp16kit.legacy.checkpoints.convert.MAX_DEPTH); a checkpoint's state dicts nest a few. Convert "
                     "the parts you need (convert_checkpoint(loaded['model']), ...) and save those.",
-                    format_path(path[:4]) + "...", f"containers nested deeper than {MAX_DEPTH} levels",
+                    format_path(path[:4]) + "...",
+                    f"containers nested deeper than {MAX_DEPTH} levels",
                 )
             self.active.add(id(obj))
             try:
@@ -163,8 +165,11 @@ class _Converter:
     def _container(self, obj: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(obj, argparse.Namespace):
             attrs = {k: self.convert(v, (*path, k)) for k, v in vars(obj).items()}
-            self.note(path, f"argparse.Namespace ({len(attrs)} attributes)",
-                      "dict (argparse.Namespace(**that_dict) gives code reading args.foo its Namespace back)")
+            self.note(
+                path,
+                f"argparse.Namespace ({len(attrs)} attributes)",
+                "dict (argparse.Namespace(**that_dict) gives code reading args.foo its Namespace back)",
+            )
             return attrs
         if isinstance(obj, dict):
             items = {k: self.convert(v, (*path, k)) for k, v in obj.items()}
@@ -191,22 +196,32 @@ class _Converter:
             try:
                 check_saved_scaler(record)  # a NaN scale or a window of 0 is not written on
             except SavedScalerRefused as e:
-                raise ConversionError(f"{format_path(path)}: {e}", format_path(path),
-                                      f"the {cls} there holds {e.name} = {e.value!r:.40}, not {e.what} "
-                                      "(no apex run writes that)") from None
+                raise ConversionError(
+                    f"{format_path(path)}: {e}",
+                    format_path(path),
+                    f"the {cls} there holds {e.name} = {e.value!r:.40}, not {e.what} (no apex run writes that)",
+                ) from None
             try:
                 state = scaler_state(record, current=self.default_scaler)
             except ValueError as e:
-                raise ConversionError(f"{format_path(path)}: {e}", format_path(path),
-                                      f"the {cls} there lacks that class's attributes, or holds ones that are "
-                                      "not numbers (apex did not write it)") from None
+                raise ConversionError(
+                    f"{format_path(path)}: {e}",
+                    format_path(path),
+                    f"the {cls} there lacks that class's attributes, or holds ones that are "
+                    "not numbers (apex did not write it)",
+                ) from None
             kind = "dynamic" if state["dynamic"] else "static"
-            self.note(path, cls, f"fp16kit's scaler state ({kind}, loss_scale {state['loss_scale']:g}; "
-                      "FP16_Optimizer.load_state_dict reads it)")
+            self.note(
+                path,
+                cls,
+                f"fp16kit's scaler state ({kind}, loss_scale {state['loss_scale']:g}; "
+                "FP16_Optimizer.load_state_dict reads it)",
+            )
             return state
         if cls in MEGATRON_SCALER_CLASSES:
-            self.note(path, cls, "a dict of its attributes (fp16kit.legacy.megatron's FP16_Optimizer "
-                      "reads it)", changed=False)
+            self.note(
+                path, cls, "a dict of its attributes (fp16kit.legacy.megatron's FP16_Optimizer reads it)", changed=False
+            )
         return record
 
     # ----------------------------------------------------------------------------- numpy
@@ -222,13 +237,20 @@ class _Converter:
     def _optimizer_state(self, sd: dict[str, Any], path: tuple[Any, ...]) -> dict[str, Any]:
         groups = sd["param_groups"]
         grouped = [i for i, g in enumerate(groups) if "step" in g]
-        per_param_ints = [k for k, s in sd["state"].items()
-                          if isinstance(s, dict) and "step" in s and not isinstance(s["step"], torch.Tensor)]
+        per_param_ints = [
+            k
+            for k, s in sd["state"].items()
+            if isinstance(s, dict) and "step" in s and not isinstance(s["step"], torch.Tensor)
+        ]
         if not self.torch_optimizer_state:
             for i in grouped:
-                self.note((*path, "param_groups", i, "step"), f"per-group step {_number(groups[i]['step'])} "
-                          "(apex Fused*)", "kept (--torch-optimizer-state / torch_optimizer_state=True moves "
-                          "it into each param's state for torch.optim.Adam/AdamW)", changed=False)
+                self.note(
+                    (*path, "param_groups", i, "step"),
+                    f"per-group step {_number(groups[i]['step'])} (apex Fused*)",
+                    "kept (--torch-optimizer-state / torch_optimizer_state=True moves "
+                    "it into each param's state for torch.optim.Adam/AdamW)",
+                    changed=False,
+                )
             return sd
         state = {k: dict(s) if isinstance(s, dict) else s for k, s in sd["state"].items()}
         new_groups = []
@@ -236,8 +258,12 @@ class _Converter:
             group = dict(group)
             where = (*path, "param_groups", i)
             if i in grouped and ("exp_avg_sq" in group or "norm_type" in group):
-                self.note((*where, "step"), "FusedNovoGrad group state (step, exp_avg_sq per group)",
-                          "kept: torch has no NovoGrad; load it into fp16kit's FusedNovoGrad", changed=False)
+                self.note(
+                    (*where, "step"),
+                    "FusedNovoGrad group state (step, exp_avg_sq per group)",
+                    "kept: torch has no NovoGrad; load it into fp16kit's FusedNovoGrad",
+                    changed=False,
+                )
             elif i in grouped:
                 step = _number(group.pop("step"))
                 moved = 0
@@ -245,8 +271,11 @@ class _Converter:
                     if isinstance(state.get(pid), dict) and "step" not in state[pid]:
                         state[pid]["step"] = torch.tensor(float(step), dtype=torch.float32)
                         moved += 1
-                self.note((*where, "step"), f"per-group step {step} (apex Fused*)",
-                          f"state[p]['step'] = tensor({float(step)}) for the group's {moved} params with state")
+                self.note(
+                    (*where, "step"),
+                    f"per-group step {step} (apex Fused*)",
+                    f"state[p]['step'] = tensor({float(step)}) for the group's {moved} params with state",
+                )
                 if isinstance(group.get("lr"), torch.Tensor):
                     group["lr"] = float(group["lr"].item())
                     self.note((*where, "lr"), "tensor lr (capturable)", f"float {group['lr']}")
@@ -254,8 +283,11 @@ class _Converter:
         for pid in per_param_ints:
             state[pid]["step"] = torch.tensor(float(state[pid]["step"]), dtype=torch.float32)
         if per_param_ints:
-            self.note((*path, "state"), f"per-param int 'step' of {len(per_param_ints)} params (legacy FusedAdam)",
-                      "float32 scalar tensors (torch's form)")
+            self.note(
+                (*path, "state"),
+                f"per-param int 'step' of {len(per_param_ints)} params (legacy FusedAdam)",
+                "float32 scalar tensors (torch's form)",
+            )
         # apex FusedAdagrad keeps 'sum' only; torch's Adagrad refuses a state without 'step'
         # (KeyError in load_state_dict) and uses it only for lr_decay, which apex's lacks
         sums = [k for k, s in state.items() if isinstance(s, dict) and set(s) == {"sum"}]
@@ -264,16 +296,22 @@ class _Converter:
                 state[pid]["step"] = torch.tensor(0.0, dtype=torch.float32)
             for group in new_groups:
                 group.setdefault("lr_decay", 0.0)  # torch's Adagrad reads it at each step
-            self.note((*path, "state"), f"'sum' only, no count, for {len(sums)} params (apex FusedAdagrad)",
-                      "state[p]['step'] = tensor(0.0) and group lr_decay 0: torch.optim.Adagrad needs "
-                      "both; the count matters only with lr_decay, which apex's lacked")
+            self.note(
+                (*path, "state"),
+                f"'sum' only, no count, for {len(sums)} params (apex FusedAdagrad)",
+                "state[p]['step'] = tensor(0.0) and group lr_decay 0: torch.optim.Adagrad needs "
+                "both; the count matters only with lr_decay, which apex's lacked",
+            )
         return {**sd, "state": state, "param_groups": new_groups}
 
 
 def _is_optimizer_state(d: dict[str, Any]) -> bool:
     groups = d.get("param_groups")
-    return (isinstance(d.get("state"), dict) and isinstance(groups, list)
-            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups))
+    return (
+        isinstance(d.get("state"), dict)
+        and isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    )
 
 
 def _number(value: Any) -> Any:
@@ -359,14 +397,19 @@ def convert_file(
     a zip checkpoint is CRC-checked first (a damaged tensor is refused, not copied on)."""
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if dst.is_dir():  # overwrite or not: the rename onto a folder would fail once converted
-        raise OutputRefused(f"{dst} is a directory; name the file to write in it, e.g. {dst / src.name}",
-                            "is_directory")
+        raise OutputRefused(
+            f"{dst} is a directory; name the file to write in it, e.g. {dst / src.name}", "is_directory"
+        )
     if dst.exists() and not dst.is_file():  # a FIFO, a device, a socket: --force or not, never replaced
-        raise OutputRefused(f"{dst} is not a regular file (a FIFO, a device or a socket); name a file to write",
-                            "not_regular")
+        raise OutputRefused(
+            f"{dst} is not a regular file (a FIFO, a device or a socket); name a file to write", "not_regular"
+        )
     if not overwrite and _same_file(src, dst):
-        raise OutputRefused(f"{dst} is the input file; write the converted checkpoint elsewhere "
-                            "(or pass overwrite=True to replace it once converted)", "is_input")
+        raise OutputRefused(
+            f"{dst} is the input file; write the converted checkpoint elsewhere "
+            "(or pass overwrite=True to replace it once converted)",
+            "is_input",
+        )
     if not overwrite and dst.exists():
         raise OutputRefused(f"{dst} exists; choose another name or pass overwrite=True", "exists")
     if not dst.parent.is_dir():
@@ -378,13 +421,17 @@ def convert_file(
     # torch.load hands a .safetensors file to safetensors, which takes a device, not a function
     where = map_location if src.suffix == ".safetensors" else _locations(map_location, seen)
     obj, finished = read_checkpoint(src, where, plain_numpy=True)
-    report = [Conversion(format_path(path), describe(record), _describe_value(value))
-              for path, record, value in finished if isinstance(record, NUMPY_RECORDS)]
+    report = [
+        Conversion(format_path(path), describe(record), _describe_value(value))
+        for path, record, value in finished
+        if isinstance(record, NUMPY_RECORDS)
+    ]
     try:
         converted, more = convert_checkpoint(obj, torch_optimizer_state=torch_optimizer_state)
     except ConversionError as e:
-        raise ConversionError(f"fp16kit.legacy.convert_file: {file_name(src)} was not converted: {e}", e.where,
-                              e.why) from None
+        raise ConversionError(
+            f"fp16kit.legacy.convert_file: {file_name(src)} was not converted: {e}", e.where, e.why
+        ) from None
     report += more
     target = str(map_location)
     for location, count in sorted(seen.items()):
@@ -419,9 +466,10 @@ def _write_error(src: pathlib.Path, dst: pathlib.Path, e: Exception) -> WriteErr
     except OSError:
         free = needed = 0
     if isinstance(e, OSError) and e.errno == errno.ENOSPC or (needed and free < needed):
-        why = (f"the disk holding {dst.parent} is full or nearly ({free:,} bytes free; {src.name} is "
-               f"{needed:,} bytes): free some space or write OUT elsewhere ({why})")
+        why = (
+            f"the disk holding {dst.parent} is full or nearly ({free:,} bytes free; {src.name} is "
+            f"{needed:,} bytes): free some space or write OUT elsewhere ({why})"
+        )
     elif isinstance(e, PermissionError):
         why = f"no permission to write in {dst.parent} ({why})"
     return WriteError(f"could not write {dst}, nothing was written: {why}")
-

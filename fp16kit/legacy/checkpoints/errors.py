@@ -75,7 +75,9 @@ class CheckpointRefused(pickle.UnpicklingError):
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_TORCH_ADVICE = re.compile(r"\s*(Please use `torch\.serialization\.(add_)?safe_globals|Check the documentation of torch\.load)")
+_TORCH_ADVICE = re.compile(
+    r"\s*(Please use `torch\.serialization\.(add_)?safe_globals|Check the documentation of torch\.load)"
+)
 
 
 def torch_words(e: BaseException) -> str:
@@ -104,24 +106,28 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
             "_use_new_zipfile_serialization=False). Check that this is the file you meant; one "
             "written with pickle.dump is read with pickle.load, and only if you trust it."
             f"{asked if found else ''}\n{torch_said}",
-            "not_torch", not_checkpoint,
+            "not_torch",
+            not_checkpoint,
         )
     if "TorchScript archives" in str(e):
         return CheckpointRefused(
             f"{LOADER}: {file_name(f)} is a TorchScript archive (torch.jit.save wrote it), not a checkpoint of "
-            "state dicts: load it with torch.jit.load. It holds no apex objects to read.", "torchscript",
+            "state dicts: load it with torch.jit.load. It holds no apex objects to read.",
+            "torchscript",
         )
     if found and isinstance(e, pickle.UnpicklingError):
         kind, whole = _whole_object(what, f, start)
         if whole:
-            return CheckpointRefused(f"{LOADER} refused to load {what} in {file_name(f)}: {whole}\n{torch_said}",
-                                     "whole", what, kind)
+            return CheckpointRefused(
+                f"{LOADER} refused to load {what} in {file_name(f)}: {whole}\n{torch_said}", "whole", what, kind
+            )
         return CheckpointRefused(
             f"{LOADER} refused to load {what} in {file_name(f)}: only tensors, plain containers, apex's and Megatron's "
             f"loss scalers ({', '.join(SCALER_CLASSES)}), argparse.Namespace and numpy arrays and "
             "numbers are read; nothing was run. If you trust this file and need that object, use "
             f"torch.load(..., weights_only=False) yourself.\n{torch_said}",
-            "global", what,
+            "global",
+            what,
         )
     if "Unsupported operand" in str(e):
         protocol = _look(f, start, _protocol)
@@ -131,7 +137,8 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
                 "opcodes torch's weights-only reader does not read (it reads protocol 2, torch.save's "
                 "default). Re-save it with the default protocol where it loads, if you trust it."
                 f"\n{torch_said}",
-                "protocol", protocol,
+                "protocol",
+                protocol,
             )
     damage = _damage(e, f, start)
     if damage:
@@ -140,19 +147,22 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
             "written by torch.save, but is cut short or damaged (an interrupted save or copy, a "
             "full disk?). Save or copy it again, and compare its size with the original's."
             f"\n{torch_said}",
-            "damaged", damage,
+            "damaged",
+            damage,
         )
     if isinstance(e, pickle.UnpicklingError):
         return CheckpointRefused(
             f"{LOADER} refused to load {what} in {file_name(f)}: only tensors, plain containers, apex's and "
             "Megatron's loss scalers, argparse.Namespace and numpy arrays and numbers are read; nothing was "
             f"run.\n{torch_said}",
-            "structure", torch_words(e),
+            "structure",
+            torch_words(e),
         )
     if isinstance(e, (TypeError, AttributeError, RecursionError, ValueError)):  # e.g. a REDUCE on a record
         return CheckpointRefused(
-            f"{LOADER} could not read {file_name(f)}: {type(e).__name__}: {torch_words(e)}", "structure",
-            f"{type(e).__name__}: {torch_words(e)}"
+            f"{LOADER} could not read {file_name(f)}: {type(e).__name__}: {torch_words(e)}",
+            "structure",
+            f"{type(e).__name__}: {torch_words(e)}",
         )
     if isinstance(e, _MALFORMED) or isinstance(e, RuntimeError) and not _ENVIRONMENT.search(str(e)):
         # what torch's reader raises on bytes it does not expect (a storage reference of the wrong
@@ -162,13 +172,25 @@ def refusal(e: Exception, f: Any, start: int | None) -> CheckpointRefused | None
             f"{LOADER}: {file_name(f)} is truncated or corrupt: {said}. It starts like a checkpoint written by "
             "torch.save, but is cut short or damaged (an interrupted save or copy, a full disk?), or crafted. "
             "Save or copy it again, and compare its size with the original's.",
-            "damaged", said,
+            "damaged",
+            said,
         )
     return None
 
 
-_MALFORMED = (KeyError, IndexError, struct.error, AssertionError, EOFError, UnicodeError, OverflowError,
-              zipfile.BadZipFile, zlib.error, NotImplementedError, pickle.UnpicklingError)
+_MALFORMED = (
+    KeyError,
+    IndexError,
+    struct.error,
+    AssertionError,
+    EOFError,
+    UnicodeError,
+    OverflowError,
+    zipfile.BadZipFile,
+    zlib.error,
+    NotImplementedError,
+    pickle.UnpicklingError,
+)
 # torch's errors about this machine, not the file: they pass through as they are
 _ENVIRONMENT = re.compile(r"CUDA|cuda|device|out of memory|can't allocate memory|DefaultCPUAllocator")
 
@@ -293,9 +315,13 @@ def _damage(e: Exception, f: Any, start: int | None) -> str:
     return ""
 
 
-_WRONG_SIZE = re.compile(r"storage has wrong byte size|record size \((\d+) bytes\) does not match expected size \((\d+) bytes")
-_BAD_VIEW = re.compile(r"Trying to resize storage that is not resizable|Storage size calculation overflowed|"
-                       r"numel: integer multiplication overflow|out of bounds for storage of size")
+_WRONG_SIZE = re.compile(
+    r"storage has wrong byte size|record size \((\d+) bytes\) does not match expected size \((\d+) bytes"
+)
+_BAD_VIEW = re.compile(
+    r"Trying to resize storage that is not resizable|Storage size calculation overflowed|"
+    r"numel: integer multiplication overflow|out of bounds for storage of size"
+)
 _ALLOCATING = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
 
 
@@ -338,7 +364,8 @@ def damaged(f: Any, start: int | None, *, records: str = "pickle", name: Any = N
     return CheckpointRefused(
         f"{LOADER}: {file_name(f if name is None else name)} is truncated or corrupt: {found}. It starts like a "
         "checkpoint written by torch.save, but is damaged (a bad disk or copy?). Copy it again from a good source.",
-        "damaged", found,
+        "damaged",
+        found,
     )
 
 
@@ -417,7 +444,6 @@ def apex_object_refused(path: str, kind: str, why: str) -> pickle.UnpicklingErro
         f"torch.save({kind}.state_dict(), NEW_PATH), then build the {kind} in the script and pass that "
         f"to {kind}.load_state_dict."
     )
-
 
 
 def _whole_object(path: str, f: Any, start: int | None) -> tuple[str, str]:

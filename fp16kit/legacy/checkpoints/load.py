@@ -52,9 +52,7 @@ from typing import Any
 
 import torch
 
-from .safe_globals import replacing
 from .errors import CheckpointRefused, damaged, position, refusal, structure_refused
-from .scan import bounded, check_regular, open_regular, scan
 from .records import (
     APEX_SCALER_CLASSES,
     CLASS_KEY,
@@ -72,6 +70,8 @@ from .records import (
     reading,
     saved_scaler,
 )
+from .safe_globals import replacing
+from .scan import bounded, check_regular, open_regular, scan
 
 __all__ = [
     "APEX_SCALER_CLASSES",
@@ -175,8 +175,15 @@ def read_checkpoint(
         _check_all_finished(made, finished, f)
     except CheckpointRefused:
         raise
-    except (pickle.UnpicklingError, ValueError, TypeError, RuntimeError) as e:  # a record's data is not what its class pickles
-        raise structure_refused(f, f"{type(e).__name__}: {e}", "Re-save the checkpoint where it loads, if you trust it.") from None
+    except (
+        pickle.UnpicklingError,
+        ValueError,
+        TypeError,
+        RuntimeError,
+    ) as e:  # a record's data is not what its class pickles
+        raise structure_refused(
+            f, f"{type(e).__name__}: {e}", "Re-save the checkpoint where it loads, if you trust it."
+        ) from None
     return out, finished
 
 
@@ -192,7 +199,8 @@ def _check_all_finished(made: list[Record], finished: list[tuple[tuple[Any, ...]
     for record in made:
         if id(record) not in done:
             raise structure_refused(
-                f, f"it holds a {describe(record)} where a checkpoint never holds one (a dict key, a set "
+                f,
+                f"it holds a {describe(record)} where a checkpoint never holds one (a dict key, a set "
                 "member, a tensor attribute, or nowhere at all)",
                 "Re-save the checkpoint with that object in a state dict's value, or without it.",
             )
@@ -244,7 +252,8 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
         references += 1
         if references > MAX_CONTAINERS:
             raise structure_refused(
-                f, f"it refers to containers (dicts, lists, tuples) more than "
+                f,
+                f"it refers to containers (dicts, lists, tuples) more than "
                 f"fp16kit.legacy.checkpoints.load.MAX_CONTAINERS = {MAX_CONTAINERS:,} times, far more than a "
                 "checkpoint holds",
                 "If you trust the file, raise that limit.",
@@ -253,7 +262,8 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
             return done[id(obj)]
         if id(obj) in being_rebuilt:
             raise structure_refused(
-                f, "it holds a cyclic structure (a container that contains itself), which a "
+                f,
+                "it holds a cyclic structure (a container that contains itself), which a "
                 "checkpoint's state dicts never hold",
                 "Re-save the checkpoint without the cycle.",
             )

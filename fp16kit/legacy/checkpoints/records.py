@@ -195,10 +195,19 @@ NAMESPACE_RECORD = _stand_in(NamespaceRecord, "argparse.Namespace")
 # numpy kind + item size -> torch dtype (what an array becomes without numpy)
 _TORCH_DTYPES = {
     ("b", 1): torch.bool,
-    ("i", 1): torch.int8, ("i", 2): torch.int16, ("i", 4): torch.int32, ("i", 8): torch.int64,
-    ("u", 1): torch.uint8, ("u", 2): torch.uint16, ("u", 4): torch.uint32, ("u", 8): torch.uint64,
-    ("f", 2): torch.float16, ("f", 4): torch.float32, ("f", 8): torch.float64,
-    ("c", 8): torch.complex64, ("c", 16): torch.complex128,
+    ("i", 1): torch.int8,
+    ("i", 2): torch.int16,
+    ("i", 4): torch.int32,
+    ("i", 8): torch.int64,
+    ("u", 1): torch.uint8,
+    ("u", 2): torch.uint16,
+    ("u", 4): torch.uint32,
+    ("u", 8): torch.uint64,
+    ("f", 2): torch.float16,
+    ("f", 4): torch.float32,
+    ("f", 8): torch.float64,
+    ("c", 8): torch.complex64,
+    ("c", 16): torch.complex128,
 }
 _KINDS = "biufcSU"  # numbers (a tensor without numpy), bytes and text (lists without numpy)
 _ARRAY_SWAP_CODES = {2: "H", 4: "I" if array.array("I").itemsize == 4 else "L", 8: "Q"}
@@ -256,8 +265,11 @@ class NdarrayRecord(Record):
         _version, shape, dtype, fortran, raw = state
         if not (isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)):
             raise self._refuse(f"bad array shape {shape!r:.80}")
-        if isinstance(dtype, DtypeRecord) and "kind" in dtype.__dict__ and (
-                math.prod(n for n in shape if n) * dtype.itemsize >= 2**63):
+        if (
+            isinstance(dtype, DtypeRecord)
+            and "kind" in dtype.__dict__
+            and (math.prod(n for n in shape if n) * dtype.itemsize >= 2**63)
+        ):
             # numpy's limit, zeros left out: an empty array's strides still multiply the others
             raise self._refuse(f"bad array shape {shape!r:.80}: no array has dimensions that large")
         if not (isinstance(dtype, DtypeRecord) and "kind" in dtype.__dict__ and isinstance(fortran, bool)):
@@ -280,8 +292,12 @@ def _reconstruct(cls: Any, shape: Any, typecode: Any) -> NdarrayRecord:
 
 
 def _scalar(dtype: Any, raw: Any) -> ScalarRecord:
-    if not (isinstance(dtype, DtypeRecord) and "kind" in dtype.__dict__ and isinstance(raw, bytes)
-            and len(raw) == dtype.itemsize):
+    if not (
+        isinstance(dtype, DtypeRecord)
+        and "kind" in dtype.__dict__
+        and isinstance(raw, bytes)
+        and len(raw) == dtype.itemsize
+    ):
         raise pickle.UnpicklingError("a numpy scalar is read only with a plain dtype and its raw bytes")
     record = ScalarRecord()
     record.dtype, record.raw = dtype, raw
@@ -320,7 +336,6 @@ SAFE_GLOBALS = [
 ]
 
 
-
 def _numpy() -> Any:
     """numpy if it is installed (imported only then: it is not a dependency)."""
     try:
@@ -353,7 +368,7 @@ def _plain_array(shape: tuple[int, ...], dtype: DtypeRecord, raw: bytes, fortran
         if fortran and len(dims) > 1:
             raise pickle.UnpicklingError("a Fortran-ordered text array is read only with numpy installed")
         n = dtype.itemsize
-        items = [data[i:i + n] for i in range(0, len(data), n)]
+        items = [data[i : i + n] for i in range(0, len(data), n)]
         if dtype.kind == "U":
             items = [it.decode("utf-32-le" if _LITTLE else "utf-32-be").rstrip("\0") for it in items]
         else:
@@ -389,7 +404,7 @@ def _nested(items: list[Any], dims: tuple[int, ...]) -> list[Any]:
     level: list[Any] = items
     for k in range(len(dims) - 1, 0, -1):  # innermost first: prod(dims[:k]) lists of dims[k]
         d = dims[k]
-        level = [level[i * d:(i + 1) * d] for i in range(counts[k])]
+        level = [level[i * d : (i + 1) * d] for i in range(counts[k])]
     return level
 
 

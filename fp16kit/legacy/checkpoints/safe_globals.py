@@ -103,8 +103,11 @@ def allow(fp16kit_module: Callable[[str], str | None]) -> list[Any]:
             if entry in present:
                 continue
             if path in claimed and claimed[path] is not entry[0]:
-                logger.debug("apex alias: %s is already on torch's weights-only list (%r): left to that entry",
-                             path, claimed[path])
+                logger.debug(
+                    "apex alias: %s is already on torch's weights-only list (%r): left to that entry",
+                    path,
+                    claimed[path],
+                )
                 continue
             added.append(entry)
         torch.serialization.add_safe_globals(added)

@@ -57,13 +57,11 @@ from __future__ import annotations
 
 import bisect
 import io
-import math
 import os
 import stat
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,13 +69,28 @@ import torch
 from .errors import CheckpointRefused, file_name, raw_name, torch_folder, torch_record
 from .unpickler import ALLOCATION_RATIO, ALLOCATION_SLACK, MAX_DEPTH, Budget, Scanner, refused
 
-__all__ = ["ALLOCATION_RATIO", "ALLOCATION_SLACK", "MAX_DEPTH", "MAX_INFLATION", "Scanned", "bounded", "open_regular", "scan"]
+__all__ = [
+    "ALLOCATION_RATIO",
+    "ALLOCATION_SLACK",
+    "MAX_DEPTH",
+    "MAX_INFLATION",
+    "Scanned",
+    "bounded",
+    "open_regular",
+    "scan",
+]
 
 #: The most a deflated zip record may expand (deflate's own maximum is about 1032).
 MAX_INFLATION = 32
 
-_SMALL_RECORDS = ("byteorder", ".format_version", ".storage_alignment", "version", ".data/version",
-                  ".data/serialization_id")
+_SMALL_RECORDS = (
+    "byteorder",
+    ".format_version",
+    ".storage_alignment",
+    "version",
+    ".data/version",
+    ".data/serialization_id",
+)
 
 
 # ------------------------------------------------------------------------------ the input
@@ -109,13 +122,24 @@ def open_regular(f: Any) -> tuple[Any, bool]:
 def _check_regular(f: Any, mode: int) -> None:
     if stat.S_ISREG(mode):
         return
-    what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file")
+    what = (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO (named pipe)"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )
     raise CheckpointRefused(
         f"fp16kit.legacy.load_checkpoint: {file_name(f)} is {what}, not a regular file: a checkpoint is read "
         "from a file (reading this could wait forever or never end). Give the checkpoint file itself, or "
-        "read the data into an io.BytesIO and pass that.", "not_file", what)
+        "read the data into an io.BytesIO and pass that.",
+        "not_file",
+        what,
+    )
 
 
 def scan(f: Any, opened: Any) -> Scanned | None:
@@ -141,7 +165,9 @@ def scan(f: Any, opened: Any) -> Scanned | None:
                 f"fp16kit.legacy.load_checkpoint: {file_name(f)} is in torch's legacy tar format (torch < 0.4), "
                 "which torch's weights-only reader does not read; nothing was loaded from it. If you trust "
                 "it, load it once with torch.load(..., weights_only=False) and save its state dicts again.",
-                "legacy_tar", "torch's legacy tar format")
+                "legacy_tar",
+                "torch's legacy tar format",
+            )
         elif head.startswith(b"\x80"):
             _scan_legacy(f, reader, end, budget)
         return Scanned(end, snapshot)
@@ -175,7 +201,7 @@ class _Snapshot:
             a, chunk = self.starts[i], self.chunks[i]
             lo, hi = max(a, pos), min(a + len(chunk), end)
             if lo < hi:
-                view[lo - pos:hi - pos] = chunk[lo - a:hi - a]
+                view[lo - pos : hi - pos] = chunk[lo - a : hi - a]
             i += 1
 
     def add(self, pos: int, data: bytes) -> None:
@@ -193,8 +219,8 @@ class _Snapshot:
             lo, hi = min(self.starts[i], pos), max(self.starts[j - 1] + len(self.chunks[j - 1]), end)
             merged = bytearray(hi - lo)
             for a, chunk in zip(self.starts[i:j], self.chunks[i:j]):
-                merged[a - lo:a - lo + len(chunk)] = chunk
-            merged[pos - lo:end - lo] = data
+                merged[a - lo : a - lo + len(chunk)] = chunk
+            merged[pos - lo : end - lo] = data
             pos, data = lo, bytes(merged)
         self.starts[i:j], self.chunks[i:j] = [pos], [data]
 
@@ -298,20 +324,28 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
             return  # not a checkpoint: torch and the messages say so
         for info in infos:
             if not raw_name(info).startswith(folder):
-                raise refused(f, f"its zip record {info.filename!r} is outside the folder {folder.decode('cp437')!r} "
-                               "of its first record, where torch's reader reads every record", "damaged")
+                raise refused(
+                    f,
+                    f"its zip record {info.filename!r} is outside the folder {folder.decode('cp437')!r} "
+                    "of its first record, where torch's reader reads every record",
+                    "damaged",
+                )
         for small in _SMALL_RECORDS:
             info = records.get((folder + small.encode()).lower())
             if info is not None and info.file_size > 64:
-                raise refused(f, f"its record {info.filename!r} holds {info.file_size:,} bytes; torch.save writes "
-                               "a few", "damaged")
+                raise refused(
+                    f,
+                    f"its record {info.filename!r} holds {info.file_size:,} bytes; torch.save writes a few",
+                    "damaged",
+                )
         try:
             data = archive.read(pickle)  # bounded: at most MAX_INFLATION times its stored size
         except zipfile.BadZipFile as e:
             raise refused(f, f"record data.pkl of its zip archive fails its check ({e})", "damaged") from None
         except (OSError, ValueError, EOFError, NotImplementedError, zlib.error) as e:
-            raise refused(f, f"record data.pkl of its zip archive does not read ({type(e).__name__}: {e})",
-                          "damaged") from None
+            raise refused(
+                f, f"record data.pkl of its zip archive does not read ({type(e).__name__}: {e})", "damaged"
+            ) from None
     stream = io.BytesIO(data)
     scanner = Scanner(f, stream, len(data), budget, legacy=False)
     if not scanner.run():
@@ -323,12 +357,17 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
         if info is None:
             raise refused(f, f"its pickle names storage {key!r}, but the archive holds no record {name!r}", "damaged")
         if info.file_size != nbytes:
-            raise refused(f, f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {info.filename!r} "
-                           f"holds {info.file_size:,}", "damaged")
+            raise refused(
+                f,
+                f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {info.filename!r} "
+                f"holds {info.file_size:,}",
+                "damaged",
+            )
 
 
-def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile,
-                     infos: list[zipfile.ZipInfo]) -> dict[bytes, zipfile.ZipInfo]:
+def _check_directory(
+    f: Any, opened: Any, archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo]
+) -> dict[bytes, zipfile.ZipInfo]:
     """The central directory's claims, before anything is inflated (see the module docstring); the
     records by their names as torch's reader looks them up (bytes, ASCII lower-cased)."""
     names: dict[bytes, zipfile.ZipInfo] = {}
@@ -337,32 +376,52 @@ def _check_directory(f: Any, opened: Any, archive: zipfile.ZipFile,
     for info in infos:
         raw = raw_name(info)
         if b"\0" in raw:
-            raise refused(f, f"its zip record {info.orig_filename!r} has a NUL byte in its name (zip readers "
-                           "disagree on where such a name ends)", "damaged")
+            raise refused(
+                f,
+                f"its zip record {info.orig_filename!r} has a NUL byte in its name (zip readers "
+                "disagree on where such a name ends)",
+                "damaged",
+            )
         if raw.lower() in names:
             twin = names[raw.lower()].filename
-            raise refused(f, f"its zip archive holds the record {info.filename!r} twice (torch reads one copy, a "
-                           "zip tool the other)" if twin == info.filename else
-                           f"its zip archive holds the records {twin!r} and {info.filename!r}, one name to torch's "
-                           "reader (which ignores case): torch reads one, a zip tool the other", "damaged")
+            raise refused(
+                f,
+                f"its zip archive holds the record {info.filename!r} twice (torch reads one copy, a zip tool the other)"
+                if twin == info.filename
+                else f"its zip archive holds the records {twin!r} and {info.filename!r}, one name to torch's "
+                "reader (which ignores case): torch reads one, a zip tool the other",
+                "damaged",
+            )
         names[raw.lower()] = info
         if info.flag_bits & 0x41:  # traditional or strong encryption
             raise refused(f, f"its zip record {info.filename!r} is encrypted", "damaged")
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-            raise refused(f, f"its zip record {info.filename!r} is compressed with method {info.compress_type} "
-                           "(torch.save stores its records)", "damaged")
+            raise refused(
+                f,
+                f"its zip record {info.filename!r} is compressed with method {info.compress_type} "
+                "(torch.save stores its records)",
+                "damaged",
+            )
         stored = info.compress_type == zipfile.ZIP_STORED
         if (stored and info.file_size != info.compress_size) or (
-                not stored and info.file_size > MAX_INFLATION * info.compress_size + 1024):
-            raise refused(f, f"its zip record {info.filename!r} claims {info.file_size:,} bytes from "
-                           f"{info.compress_size:,} stored (more than fp16kit.legacy.checkpoints.scan.MAX_INFLATION = "
-                           f"{MAX_INFLATION} times; torch.save stores its records uncompressed)", "damaged")
+            not stored and info.file_size > MAX_INFLATION * info.compress_size + 1024
+        ):
+            raise refused(
+                f,
+                f"its zip record {info.filename!r} claims {info.file_size:,} bytes from "
+                f"{info.compress_size:,} stored (more than fp16kit.legacy.checkpoints.scan.MAX_INFLATION = "
+                f"{MAX_INFLATION} times; torch.save stores its records uncompressed)",
+                "damaged",
+            )
         spans.append((info.header_offset, _local_end(f, opened, info), info.filename))
     spans.sort()
-    for (a, a_end, a_name), (b, _b_end, b_name) in zip(spans, spans[1:]):
+    for (_a, a_end, a_name), (b, _b_end, b_name) in zip(spans, spans[1:]):
         if b < a_end:
-            raise refused(f, f"its zip records {a_name!r} and {b_name!r} overlap (share their data: a zip bomb's "
-                           "shape)", "damaged")
+            raise refused(
+                f,
+                f"its zip records {a_name!r} and {b_name!r} overlap (share their data: a zip bomb's shape)",
+                "damaged",
+            )
     if spans and directory is not None and spans[-1][1] > directory:
         raise refused(f, f"its zip record {spans[-1][2]!r} reaches into the archive's directory", "damaged")
     return names
@@ -392,31 +451,46 @@ def _scan_legacy(f: Any, opened: Any, end: int, budget: Budget) -> None:
     storages = scanner.storages
     needed = sum(storages.values())
     if needed > end - opened.tell():
-        raise refused(f, f"its pickle claims storages of {needed:,} bytes, more than the rest of the file "
-                       f"({end - opened.tell():,} bytes)", "damaged")
+        raise refused(
+            f,
+            f"its pickle claims storages of {needed:,} bytes, more than the rest of the file "
+            f"({end - opened.tell():,} bytes)",
+            "damaged",
+        )
     keys = scanner.run_keys()
     if keys is None:
         return
     missing = [k for k in storages if k not in keys]
     if missing:
-        raise refused(f, f"its pickle names storage {missing[0]!r}, whose data the file does not hold (its list of "
-                       "stored keys lacks it: torch would hand back uninitialized memory)", "damaged")
+        raise refused(
+            f,
+            f"its pickle names storage {missing[0]!r}, whose data the file does not hold (its list of "
+            "stored keys lacks it: torch would hand back uninitialized memory)",
+            "damaged",
+        )
     for key in keys:
         header = opened.read(8)
         if len(header) != 8 or key not in storages:
-            raise refused(f, f"its storage {key!r} is not in the file" if key in storages else
-                           f"its list of stored keys names {key!r}, which its pickle never uses", "damaged")
+            raise refused(
+                f,
+                f"its storage {key!r} is not in the file"
+                if key in storages
+                else f"its list of stored keys names {key!r}, which its pickle never uses",
+                "damaged",
+            )
         (count,) = struct.unpack("<q", header)
         itemsize = scanner.itemsizes[key]
         if count * itemsize != storages[key] or opened.tell() + count * itemsize > end:
-            raise refused(f, f"its storage {key!r} holds {count:,} items where the pickle claims "
-                           f"{storages[key] // itemsize:,}, or runs past the end of the file", "damaged")
+            raise refused(
+                f,
+                f"its storage {key!r} holds {count:,} items where the pickle claims "
+                f"{storages[key] // itemsize:,}, or runs past the end of the file",
+                "damaged",
+            )
         opened.seek(count * itemsize, os.SEEK_CUR)
 
 
 # ---------------------------------------------------------------------------- pickles
-
-
 
 
 def check_regular(f: Any) -> None:
@@ -435,9 +509,9 @@ def check_file(f: Any, *, crc: bool = False) -> None:
     it); with ``crc``, then every record of a zip checkpoint CRC-checked (``convert_file``), read
     from the same open file as scanned (the path could name another by then, or the file have
     grown a directory the scan never saw)."""
-    from .safe_globals import replacing
     from .errors import damaged
     from .records import SAFE_GLOBALS
+    from .safe_globals import replacing
 
     if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(".safetensors"):
         check_regular(f)

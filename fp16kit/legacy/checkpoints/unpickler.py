@@ -32,7 +32,6 @@ checked. Per call it knows what the callee builds::
 
 from __future__ import annotations
 
-import math
 import struct
 from typing import Any
 
@@ -57,14 +56,39 @@ ALLOCATION_SLACK = 1 << 20
 #: reference each (about 9.5 bytes per byte), as it costs torch's own reader; a list of empty
 #: dicts costs torch 72 bytes per byte, the scan 89.
 SCAN_MEMORY_RATIO = 96
-_TEXT_CODECS = {"latin1": 1, "latin-1": 1, "latin_1": 1, "iso-8859-1": 1, "iso8859-1": 1, "l1": 1,
-                "utf-8": 4, "utf8": 4, "utf_8": 4, "ascii": 1, "us-ascii": 1}
+_TEXT_CODECS = {
+    "latin1": 1,
+    "latin-1": 1,
+    "latin_1": 1,
+    "iso-8859-1": 1,
+    "iso8859-1": 1,
+    "l1": 1,
+    "utf-8": 4,
+    "utf8": 4,
+    "utf_8": 4,
+    "ascii": 1,
+    "us-ascii": 1,
+}
 _COPIERS = {"builtins.set", "collections.OrderedDict", "collections.Counter", "torch.Size"}
-_TENSOR_REBUILDS = {f"torch._utils._rebuild_{n}" for n in (
-    "tensor", "tensor_v2", "tensor_v3", "parameter", "parameter_with_state", "sparse_tensor",
-    "meta_tensor_no_storage", "nested_tensor", "qtensor", "device_tensor_from_cpu_tensor")}
-_NEVER = {"torch._utils._rebuild_wrapper_subclass": "a tensor subclass's wrapper (DTensor and the like)",
-          "torch._utils._rebuild_device_tensor_from_numpy": "a tensor rebuilt from a numpy array"}
+_TENSOR_REBUILDS = {
+    f"torch._utils._rebuild_{n}"
+    for n in (
+        "tensor",
+        "tensor_v2",
+        "tensor_v3",
+        "parameter",
+        "parameter_with_state",
+        "sparse_tensor",
+        "meta_tensor_no_storage",
+        "nested_tensor",
+        "qtensor",
+        "device_tensor_from_cpu_tensor",
+    )
+}
+_NEVER = {
+    "torch._utils._rebuild_wrapper_subclass": "a tensor subclass's wrapper (DTensor and the like)",
+    "torch._utils._rebuild_device_tensor_from_numpy": "a tensor rebuilt from a numpy array",
+}
 
 
 def refused(f: Any, why: str, kind: str = "structure") -> CheckpointRefused:
@@ -73,11 +97,17 @@ def refused(f: Any, why: str, kind: str = "structure") -> CheckpointRefused:
             f"fp16kit.legacy.load_checkpoint: {file_name(f)} is truncated or corrupt: {why}. It starts like a "
             "checkpoint written by torch.save, but is cut short or damaged (an interrupted save or copy, a full "
             "disk?), or crafted; nothing was loaded from it. Save or copy it again, and compare its size with the "
-            "original's.", "damaged", why)
+            "original's.",
+            "damaged",
+            why,
+        )
     return CheckpointRefused(
         f"fp16kit.legacy.load_checkpoint refused {file_name(f)}: {why}; nothing was loaded from it. torch.save "
         "never writes this: if you trust the file, load it with torch.load(..., weights_only=False) and "
-        "save its state dicts again.", kind, why)
+        "save its state dicts again.",
+        kind,
+        why,
+    )
 
 
 class Budget:
@@ -89,12 +119,14 @@ class Budget:
     def charge(self, n: int, what: str) -> None:
         self.left -= n
         if self.left < 0:
-            raise refused(self.f, (
-                f"its pickle builds {what}, and with it more than fp16kit.legacy.checkpoints.scan."
-                f"ALLOCATION_RATIO = {ALLOCATION_RATIO} times the file's {self.size:,} bytes (a few KB "
-                "of pickle asking for much more memory or work than the file holds)"))
-
-
+            raise refused(
+                self.f,
+                (
+                    f"its pickle builds {what}, and with it more than fp16kit.legacy.checkpoints.scan."
+                    f"ALLOCATION_RATIO = {ALLOCATION_RATIO} times the file's {self.size:,} bytes (a few KB "
+                    "of pickle asking for much more memory or work than the file holds)"
+                ),
+            )
 
 
 # ----------------------------------------------------------------------------- values
@@ -175,8 +207,8 @@ def _hash(v: _V) -> int | None:
 
 
 def _stand_in_paths() -> frozenset[str]:
-    from .safe_globals import entry_path
     from .records import SAFE_GLOBALS
+    from .safe_globals import entry_path
 
     return frozenset(entry_path(e) for e in SAFE_GLOBALS)
 
@@ -202,7 +234,6 @@ def _itemsize(path: str) -> int | None:
         return torch._utils._element_size(torch.serialization.StorageType(name).dtype)
     except (KeyError, AttributeError, RuntimeError):
         return None
-
 
 
 def _allowed() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -295,8 +326,11 @@ class Scanner:
     def _value(self, v: _V, where: str) -> _V:
         """``v``, stored ``where``: never one of fp16kit's stand-in classes or functions itself."""
         if v.stand_in:
-            raise refused(self.f, f"it holds {v.value or 'fp16kit stand-in'} itself (the class or function, not an "
-                          f"object made by it) as {where}, which no checkpoint holds")
+            raise refused(
+                self.f,
+                f"it holds {v.value or 'fp16kit stand-in'} itself (the class or function, not an "
+                f"object made by it) as {where}, which no checkpoint holds",
+            )
         return v
 
     def _container(self, kind: str, items: list[_V], where: str, value: Any = None) -> _V:
@@ -306,8 +340,11 @@ class Scanner:
         return _V(kind, len(items), depth, value)
 
     def _too_deep(self) -> None:
-        raise refused(self.f, f"its containers nest deeper than fp16kit.legacy.checkpoints.unpickler.MAX_DEPTH = "
-                      f"{MAX_DEPTH} levels (a checkpoint's state dicts nest a few)")
+        raise refused(
+            self.f,
+            f"its containers nest deeper than fp16kit.legacy.checkpoints.unpickler.MAX_DEPTH = "
+            f"{MAX_DEPTH} levels (a checkpoint's state dicts nest a few)",
+        )
 
     def _grow(self, target: _V, items: list[_V], where: str) -> None:
         """``items`` (a list of the scan's own, taken over) added to the list or dict ``target``."""
@@ -346,8 +383,11 @@ class Scanner:
             # torch's reader runs tensor.set_(*state): a view of that storage, which a legacy-format
             # storage grows to fit (memory of the pickle's choosing) -- so it must fit already
             if len(state.value) not in (1, 4):  # set_(storage) or set_(storage, offset, size, stride)
-                raise refused(self.f, f"it sets a tensor's state (tensor.set_) from {len(state.value)} values; "
-                              "torch.save writes a storage, or a storage, offset, size and stride")
+                raise refused(
+                    self.f,
+                    f"it sets a tensor's state (tensor.set_) from {len(state.value)} values; "
+                    "torch.save writes a storage, or a storage, offset, size and stride",
+                )
             if len(state.value) == 4:
                 _view(self, "a tensor's state (tensor.set_)", state.value)
         if state.kind in ("str", "bytes", "list", "tuple", "dict", "set"):
@@ -408,8 +448,11 @@ class Scanner:
                 counts[h] = seen + 1
                 steps += key.tree * (1 + seen)
         target.steps += steps
-        self.budget.charge(steps, "dict keys or set members whose hashing and comparing take more steps than the "
-                                  "file has bytes (a tuple shared many times over, or keys chosen to collide)")
+        self.budget.charge(
+            steps,
+            "dict keys or set members whose hashing and comparing take more steps than the "
+            "file has bytes (a tuple shared many times over, or keys chosen to collide)",
+        )
 
     def op_mark(self) -> None:
         if len(self.metastack) >= MAX_DEPTH:  # each mark closes into a container holding what follows
@@ -425,8 +468,14 @@ class Scanner:
         depth = 1 + max((v.depth for v in items), default=0)
         if depth > MAX_DEPTH:
             self._too_deep()
-        return _Rich("tuple", len(items), depth, items, any(v.stand_in for v in items),
-                     min(1 + sum(v.tree for v in items), _MAX_TREE))
+        return _Rich(
+            "tuple",
+            len(items),
+            depth,
+            items,
+            any(v.stand_in for v in items),
+            min(1 + sum(v.tree for v in items), _MAX_TREE),
+        )
 
     def _tuple_n(self, n: int) -> None:
         if len(self.stack) < n:
@@ -498,7 +547,11 @@ class Scanner:
         pid = self._value(self.stack.pop(), "a storage reference")
         parts = pid.value if pid.kind == "tuple" else None
         want = 6 if self.legacy else 5
-        if not parts or parts[0].value not in ("storage", "module") or (parts[0].value == "storage" and len(parts) != want):
+        if (
+            not parts
+            or parts[0].value not in ("storage", "module")
+            or (parts[0].value == "storage" and len(parts) != want)
+        ):
             raise self._damaged("refers to a storage in a form torch.save never writes")
         if parts[0].value == "module":
             raise _Stop  # a whole pickled module (legacy format): refused as such
@@ -581,8 +634,11 @@ def _call_torch(s: Scanner, path: str, target: Any, a: list[_V], new: bool) -> _
                 items = [i.value[0] for i in items if i.kind == "tuple" and i.value]
             s._keys(out, items, copied=a[0] if a[0].kind in ("dict", "set") else None)  # type: ignore[arg-type]
         return out
-    if path in ("builtins.complex", "torch.device", "torch.serialization._get_layout") or new and path in (
-            "builtins.bytearray", "builtins.set", "builtins.complex"):
+    if (
+        path in ("builtins.complex", "torch.device", "torch.serialization._get_layout")
+        or new
+        and path in ("builtins.bytearray", "builtins.set", "builtins.complex")
+    ):
         _small(s, path, a, ("int", "float", "str", "bool", "none"))
         return _V("object")
     if path == "torch.nn.parameter.Parameter":
@@ -590,13 +646,19 @@ def _call_torch(s: Scanner, path: str, target: Any, a: list[_V], new: bool) -> _
             raise refused(s.f, "it makes a torch.nn.Parameter of something other than a tensor")
         return _V("tensor", a[0].size)
     if isinstance(target, type) and issubclass(target, (torch.UntypedStorage, torch.storage.TypedStorage)):
-        raise refused(s.f, f"it makes a storage by calling {path}(...): an empty one grows to fit any tensor "
-                      "set on it (memory of a size the pickle chooses, uninitialized); torch.save stores every "
-                      "storage in the file")
+        raise refused(
+            s.f,
+            f"it makes a storage by calling {path}(...): an empty one grows to fit any tensor "
+            "set on it (memory of a size the pickle chooses, uninitialized); torch.save stores every "
+            "storage in the file",
+        )
     if target in torch._tensor_classes or target is torch.Tensor:
         if a:
-            raise refused(s.f, f"it calls {path}(...) with arguments, which allocates memory of a size the pickle "
-                          "chooses (uninitialized); torch.save never does")
+            raise refused(
+                s.f,
+                f"it calls {path}(...) with arguments, which allocates memory of a size the pickle "
+                "chooses (uninitialized); torch.save never does",
+            )
         return _V("tensor")
     if path in _NEVER:
         raise refused(s.f, f"it holds {_NEVER[path]} ({path}), which fp16kit.legacy.load_checkpoint does not read")
@@ -662,7 +724,9 @@ def _rebuild(s: Scanner, path: str, a: list[_V]) -> _V:
 
 def _dtype_size(v: _V) -> int:
     """The item size of the torch dtype global ``v`` (16, the largest, when it is something else)."""
-    dtype = getattr(torch, v.value.rpartition(".")[2], None) if v.kind == "global" and isinstance(v.value, str) else None
+    dtype = (
+        getattr(torch, v.value.rpartition(".")[2], None) if v.kind == "global" and isinstance(v.value, str) else None
+    )
     return dtype.itemsize if isinstance(dtype, torch.dtype) else 16
 
 
@@ -671,20 +735,29 @@ def _view(s: Scanner, what: str, a: list[_V]) -> int:
     it is no view torch.save writes: one reaching past its storage, negative sizes or strides.
     (Only a view's extent is computed: a product of a pickle's many sizes could take minutes.)"""
     storage, offset, size, stride = a
-    if offset.kind != "int" or any(v.kind != "tuple" or not all(i.kind == "int" for i in v.value or []) for v in
-                                   (size, stride)):
+    if offset.kind != "int" or any(
+        v.kind != "tuple" or not all(i.kind == "int" for i in v.value or []) for v in (size, stride)
+    ):
         raise refused(s.f, f"it makes {what} without an int offset and tuples of int sizes and strides")
     sizes, strides = [v.value for v in size.value], [v.value for v in stride.value]
     if len(sizes) != len(strides) or offset.value < 0 or min(sizes + strides, default=0) < 0:
-        raise refused(s.f, f"a tensor's size, strides or offset are negative or do not match: {what} of size "
-                      f"{tuple(sizes)!r:.60}, stride {tuple(strides)!r:.60}, offset {offset.value}", "damaged")
+        raise refused(
+            s.f,
+            f"a tensor's size, strides or offset are negative or do not match: {what} of size "
+            f"{tuple(sizes)!r:.60}, stride {tuple(strides)!r:.60}, offset {offset.value}",
+            "damaged",
+        )
     if 0 in sizes:
         return 0
     extent = offset.value + 1 + sum((n - 1) * k for n, k in zip(sizes, strides))
     held = storage.size // (storage.value or 1)
     if extent > held:
-        raise refused(s.f, f"a tensor's size, strides or offset reach past its storage: {what} needs {extent:,} "
-                      f"items of a storage of {held:,}", "damaged")
+        raise refused(
+            s.f,
+            f"a tensor's size, strides or offset reach past its storage: {what} needs {extent:,} "
+            f"items of a storage of {held:,}",
+            "damaged",
+        )
     numel = 1
     for n in sizes:  # each at least 1: the product stops growing past any bound at once
         numel = min(numel * n, 1 << 64)
@@ -693,13 +766,41 @@ def _view(s: Scanner, what: str, a: list[_V]) -> int:
 
 _END = object()
 _OPCODES: dict[int, Any] = {
-    ord(c): getattr(Scanner, f"op_{name}") for c, name in (
-        ("c", "global"), ("\x81", "newobj"), ("R", "reduce"), ("b", "build"), ("a", "append"), ("e", "appends"),
-        ("s", "setitem"), ("u", "setitems"), ("(", "mark"), ("t", "tuple"), ("\x85", "tuple1"), ("\x86", "tuple2"),
-        ("\x87", "tuple3"), ("N", "none"), ("\x88", "true"), ("\x89", "false"), (")", "empty_tuple"),
-        ("]", "empty_list"), ("}", "empty_dict"), ("\x8f", "empty_set"), ("J", "binint"), ("K", "binint1"),
-        ("M", "binint2"), ("G", "binfloat"), ("X", "binunicode"), ("U", "short_binstring"), ("Q", "binpersid"),
-        ("h", "binget"), ("j", "long_binget"), ("q", "binput"), ("r", "long_binput"), ("\x8a", "long1"),
-        ("\x80", "proto"), (".", "stop"),
+    ord(c): getattr(Scanner, f"op_{name}")
+    for c, name in (
+        ("c", "global"),
+        ("\x81", "newobj"),
+        ("R", "reduce"),
+        ("b", "build"),
+        ("a", "append"),
+        ("e", "appends"),
+        ("s", "setitem"),
+        ("u", "setitems"),
+        ("(", "mark"),
+        ("t", "tuple"),
+        ("\x85", "tuple1"),
+        ("\x86", "tuple2"),
+        ("\x87", "tuple3"),
+        ("N", "none"),
+        ("\x88", "true"),
+        ("\x89", "false"),
+        (")", "empty_tuple"),
+        ("]", "empty_list"),
+        ("}", "empty_dict"),
+        ("\x8f", "empty_set"),
+        ("J", "binint"),
+        ("K", "binint1"),
+        ("M", "binint2"),
+        ("G", "binfloat"),
+        ("X", "binunicode"),
+        ("U", "short_binstring"),
+        ("Q", "binpersid"),
+        ("h", "binget"),
+        ("j", "long_binget"),
+        ("q", "binput"),
+        ("r", "long_binput"),
+        ("\x8a", "long1"),
+        ("\x80", "proto"),
+        (".", "stop"),
     )
 }

@@ -9,6 +9,8 @@ As Megatron's ``__init__``: fp16util's names, and ``*`` of :mod:`.fp16` (``FP16_
 docs/apex-others.md §2 and MIGRATION.md for what differs.
 """
 
+from . import fp16, fp16util, loss_scaler  # noqa: E402,F401
+from .fp16 import *  # noqa: E402,F401,F403
 from .fp16util import (
     BN_convert_float,
     FP16Model,
@@ -22,9 +24,7 @@ from .fp16util import (
     to_python_float,
     tofp16,
 )
-from .fp16 import *  # noqa: E402,F401,F403
 from .loss_scaler import *  # noqa: E402,F401,F403
-from . import fp16, fp16util, loss_scaler  # noqa: E402,F401
 
 __all__ = [
     "BN_convert_float",

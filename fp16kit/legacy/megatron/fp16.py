@@ -59,7 +59,9 @@ class FP16_Module(nn.Module):
     ``pipeline_first_stage`` / ``pipeline_last_stage`` (keyword only; Megatron asked its
     ``mpu``): only the first pipeline stage casts its inputs and only the last its outputs."""
 
-    def __init__(self, module: nn.Module, *, pipeline_first_stage: bool = True, pipeline_last_stage: bool = True) -> None:
+    def __init__(
+        self, module: nn.Module, *, pipeline_first_stage: bool = True, pipeline_last_stage: bool = True
+    ) -> None:
         super().__init__()
         self.add_module("module", module.half())
         self.pipeline_first_stage = pipeline_first_stage
@@ -100,7 +102,7 @@ class FP16_Module(nn.Module):
             prefix + "module." + k in state_dict for k in child_keys
         ):
             for key in [k for k in state_dict if k.startswith(prefix)]:
-                state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+                state_dict[prefix + "module." + key[len(prefix) :]] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
 
@@ -137,7 +139,12 @@ class FP16_Optimizer(_FP16_Optimizer):
     """
 
     DYNAMIC_LOSS_ARGS = (
-        "init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis",
+        "init_scale",
+        "scale_factor",
+        "scale_window",
+        "min_scale",
+        "delayed_shift",
+        "consecutive_hysteresis",
     )
 
     def __init__(
@@ -158,7 +165,11 @@ class FP16_Optimizer(_FP16_Optimizer):
             static_loss_scale, dynamic_loss_scale, dynamic_loss_args, model_parallel_group
         )
         super().__init__(
-            init_optimizer, static_loss_scale, dynamic_loss_scale, dynamic_loss_args, verbose  # type: ignore[arg-type]
+            init_optimizer,
+            static_loss_scale,
+            dynamic_loss_scale,
+            dynamic_loss_args,
+            verbose,  # type: ignore[arg-type]
         )
         self._copy_model_parallel_attributes(self.all_fp16_params, self.all_fp32_from_fp16_params)
 
@@ -252,9 +263,7 @@ class FP16_Optimizer(_FP16_Optimizer):
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self._log_overflow(
-                "OVERFLOW! Skipping step. Attempted loss scale: {}, reducing to {}".format(
-                    attempted, self.loss_scaler.loss_scale
-                )
+                f"OVERFLOW! Skipping step. Attempted loss scale: {attempted}, reducing to {self.loss_scaler.loss_scale}"
             )
             return None
         if closure is not None:
@@ -282,9 +291,7 @@ class FP16_Optimizer(_FP16_Optimizer):
                 attempted = self.loss_scaler.loss_scale
                 self.loss_scaler.update_scale(self.overflow)
                 self._log_overflow(
-                    "OVERFLOW within closure! Skipping step. Attempted loss scale: {}, reducing to {}".format(
-                        attempted, self.loss_scaler.loss_scale
-                    )
+                    f"OVERFLOW within closure! Skipping step. Attempted loss scale: {attempted}, reducing to {self.loss_scaler.loss_scale}"
                 )
                 temp_loss = closure()
             return temp_loss

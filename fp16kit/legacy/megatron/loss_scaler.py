@@ -50,8 +50,15 @@ __all__ = ["LossScaler", "DynamicLossScaler", "to_python_float", "scaler_from_st
 to_python_float = _era1.to_python_float
 
 _DYNAMIC_ATTRS = (
-    "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window",
-    "min_scale", "delayed_shift", "cur_hysteresis", "consecutive_hysteresis",
+    "cur_scale",
+    "cur_iter",
+    "last_overflow_iter",
+    "scale_factor",
+    "scale_window",
+    "min_scale",
+    "delayed_shift",
+    "cur_hysteresis",
+    "consecutive_hysteresis",
 )
 # What objects pickled by older code (Megatron 2019, apex era 1, sentiment-discovery) lack.
 OLD_PICKLE_DEFAULTS = {"min_scale": 1, "delayed_shift": 1, "cur_hysteresis": 1, "consecutive_hysteresis": True}
@@ -239,8 +246,13 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
             if isinstance(a[key], bool) or not isinstance(a[key], int) or not -_MAX_ITER <= a[key] <= _MAX_ITER:
                 raise ValueError(f"{key} must be an int (a step count, at most 2**30 in size), got {a[key]!r:.80}")
         scaler = cls(
-            a["cur_scale"], a["scale_factor"], a["scale_window"], a["min_scale"], a["delayed_shift"],
-            a["consecutive_hysteresis"], model_parallel_group=model_parallel_group,
+            a["cur_scale"],
+            a["scale_factor"],
+            a["scale_window"],
+            a["min_scale"],
+            a["delayed_shift"],
+            a["consecutive_hysteresis"],
+            model_parallel_group=model_parallel_group,
         )
         scaler.cur_hysteresis = a["cur_hysteresis"]
         scaler.cur_iter = a["cur_iter"]
@@ -318,8 +330,11 @@ def _window(value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return min(value, sys.maxsize)  # one no count reaches (10**400 is no float: math.isfinite overflows)
     if (
-        isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)
-        or value < 1 or value != int(value)
+        isinstance(value, bool)
+        or not isinstance(value, float)
+        or not math.isfinite(value)
+        or value < 1
+        or value != int(value)
     ):
         raise ValueError(
             f"scale_window must be a whole number >= 1 (an int, or a float such as 1000.0; "
@@ -332,8 +347,13 @@ def check_number(name: str, value: Any, *, positive: bool) -> None:
     """ValueError unless ``value`` is a finite int or float > 0 (``positive``) or >= 0 (an int too
     large for a float, such as 10**400, is none: no scale Megatron computed)."""
     try:
-        ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-              and value >= 0 and not (positive and value == 0))
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, (int, float))
+            and math.isfinite(value)
+            and value >= 0
+            and not (positive and value == 0)
+        )
     except OverflowError:  # math.isfinite(10**400)
         ok = False
     if not ok:
@@ -346,5 +366,6 @@ _MAX_ITER = 2**30  # cur_iter - last_overflow_iter fits one
 
 def _check_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_COUNT:
-        raise ValueError(f"{name} must be an int >= 1 (1 reduces the scale at every overflow; at most 2**31 - 1), "
-                         f"got {value!r:.80}.")
+        raise ValueError(
+            f"{name} must be an int >= 1 (1 reduces the scale at every overflow; at most 2**31 - 1), got {value!r:.80}."
+        )

@@ -25,8 +25,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from ...nn import norm as _norm
 from ...core.log import log_once
+from ...nn import norm as _norm
 
 __all__ = [
     "FusedLayerNorm",
@@ -47,14 +47,18 @@ _Shape = Union[int, Sequence[int], torch.Size]
 
 def _memory_efficient(cls: str, flag: bool) -> None:
     if flag:
-        log_once((cls, "memory_efficient"), "%s(memory_efficient=True): only changed what apex's CUDA backward saved; ignored", cls)
+        log_once(
+            (cls, "memory_efficient"),
+            "%s(memory_efficient=True): only changed what apex's CUDA backward saved; ignored",
+            cls,
+        )
 
 
 def _mixed_kwargs(cls: str, kwargs: dict[str, Any]) -> None:
     """apex's Mixed* rule: ``elementwise_affine`` warns (False raises); other kwargs are dropped
     silently (Megatron passes extras)."""
     if "elementwise_affine" in kwargs:
-        warnings.warn(f"{cls} does not support `elementwise_affine` argument")
+        warnings.warn(f"{cls} does not support `elementwise_affine` argument", stacklevel=2)
         if not kwargs.pop("elementwise_affine"):
             raise RuntimeError(f"{cls} does not support `elementwise_affine = False`")
 
@@ -63,8 +67,13 @@ class FusedLayerNorm(nn.LayerNorm):
     """``FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
     ``nn.LayerNorm`` (weight=1, bias=0) computing :func:`fp16kit.nn.layer_norm`."""
 
-    def __init__(self, normalized_shape: _Shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False) -> None:
+    def __init__(
+        self,
+        normalized_shape: _Shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
         _memory_efficient(type(self).__name__, memory_efficient)
         super().__init__(normalized_shape, eps, elementwise_affine)
         self.memory_efficient = memory_efficient
@@ -77,8 +86,9 @@ class MixedFusedLayerNorm(FusedLayerNorm):
     """``MixedFusedLayerNorm(normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs)``:
     always affine; fp32 math, output in the weight's dtype (:func:`fp16kit.nn.mixed_layer_norm`)."""
 
-    def __init__(self, normalized_shape: _Shape, eps: float = 1e-5, *, memory_efficient: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, normalized_shape: _Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any
+    ) -> None:
         _mixed_kwargs("MixedFusedLayerNorm", kwargs)
         super().__init__(normalized_shape, eps, True, memory_efficient)
 
@@ -90,8 +100,13 @@ class FusedRMSNorm(nn.RMSNorm):
     """``FusedRMSNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
     ``nn.RMSNorm`` (weight=1) computing apex's formula (:func:`fp16kit.nn.rms_norm`)."""
 
-    def __init__(self, normalized_shape: _Shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False) -> None:
+    def __init__(
+        self,
+        normalized_shape: _Shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
         _memory_efficient(type(self).__name__, memory_efficient)
         super().__init__(normalized_shape, eps, elementwise_affine)
         self.memory_efficient = memory_efficient
@@ -104,8 +119,9 @@ class MixedFusedRMSNorm(FusedRMSNorm):
     """``MixedFusedRMSNorm(normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs)``:
     always affine; output in the weight's dtype (:func:`fp16kit.nn.mixed_rms_norm`)."""
 
-    def __init__(self, normalized_shape: _Shape, eps: float = 1e-5, *, memory_efficient: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, normalized_shape: _Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any
+    ) -> None:
         _mixed_kwargs("MixedFusedRMSNorm", kwargs)
         super().__init__(normalized_shape, eps, True, memory_efficient)
 
@@ -116,45 +132,68 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 # ---------------------------------------------------------------- apex's functional forms
 
 
-def fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                            normalized_shape: _Shape, eps: float = 1e-6,
-                            memory_efficient: bool = False) -> torch.Tensor:
+def fused_layer_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    normalized_shape: _Shape,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
     _memory_efficient("fused_layer_norm_affine", memory_efficient)
     return _norm.layer_norm(input, normalized_shape, weight, bias, eps)
 
 
-def fused_layer_norm(input: torch.Tensor, normalized_shape: _Shape, eps: float = 1e-6,
-                     memory_efficient: bool = False) -> torch.Tensor:
+def fused_layer_norm(
+    input: torch.Tensor, normalized_shape: _Shape, eps: float = 1e-6, memory_efficient: bool = False
+) -> torch.Tensor:
     _memory_efficient("fused_layer_norm", memory_efficient)
     return _norm.layer_norm(input, normalized_shape, None, None, eps)
 
 
-def mixed_dtype_fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                                        normalized_shape: _Shape, eps: float = 1e-6,
-                                        memory_efficient: bool = False) -> torch.Tensor:
+def mixed_dtype_fused_layer_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    normalized_shape: _Shape,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
     _memory_efficient("mixed_dtype_fused_layer_norm_affine", memory_efficient)
     return _norm.mixed_layer_norm(input, normalized_shape, weight, bias, eps)
 
 
-def fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor, normalized_shape: _Shape,
-                          eps: float = 1e-6, memory_efficient: bool = False) -> torch.Tensor:
+def fused_rms_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    normalized_shape: _Shape,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
     _memory_efficient("fused_rms_norm_affine", memory_efficient)
     return _norm.rms_norm(input, normalized_shape, weight, eps)
 
 
-def fused_rms_norm(input: torch.Tensor, normalized_shape: _Shape, eps: float = 1e-6,
-                   memory_efficient: bool = False) -> torch.Tensor:
+def fused_rms_norm(
+    input: torch.Tensor, normalized_shape: _Shape, eps: float = 1e-6, memory_efficient: bool = False
+) -> torch.Tensor:
     _memory_efficient("fused_rms_norm", memory_efficient)
     return _norm.rms_norm(input, normalized_shape, None, eps)
 
 
-def mixed_dtype_fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor, normalized_shape: _Shape,
-                                      eps: float = 1e-6, memory_efficient: bool = False) -> torch.Tensor:
+def mixed_dtype_fused_rms_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    normalized_shape: _Shape,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
     _memory_efficient("mixed_dtype_fused_rms_norm_affine", memory_efficient)
     return _norm.mixed_rms_norm(input, normalized_shape, weight, eps)
 
 
-def manual_rms_norm(input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None,
-                    eps: float) -> torch.Tensor:
+def manual_rms_norm(
+    input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     """apex's plain formula on every device (``weight`` may be None; no autocast or output cast)."""
     return _norm.manual_rms_norm(input, normalized_shape, weight, eps)

@@ -38,8 +38,10 @@ __all__ = ["decays", "settings_or_refusal"]
 
 def decays(state: dict[str, Any], *, with_momentum: bool = False) -> bool:
     """Whether a saved group has ``weight_decay != 0`` (and ``momentum != 0``)."""
-    return any(g.get("weight_decay", 0) != 0 and (not with_momentum or g.get("momentum", 0) != 0)
-               for g in state["param_groups"])
+    return any(
+        g.get("weight_decay", 0) != 0 and (not with_momentum or g.get("momentum", 0) != 0)
+        for g in state["param_groups"]
+    )
 
 
 def settings_or_refusal(cls: type[torch.optim.Optimizer], state: dict[str, Any], lost: list[str]) -> dict[str, Any]:
@@ -48,7 +50,8 @@ def settings_or_refusal(cls: type[torch.optim.Optimizer], state: dict[str, Any],
     changed the updates."""
     if lost:
         raise apex_object_refused(
-            f"apex.optimizers.{cls.__name__}", "optimizer",
+            f"apex.optimizers.{cls.__name__}",
+            "optimizer",
             f"torch's pickling of optimizers keeps their param groups and state only, and apex kept "
             f"{lost} on the object, so the file does not say what the run passed; with these param "
             "groups the value changes the updates",

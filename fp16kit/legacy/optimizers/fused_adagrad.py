@@ -29,8 +29,14 @@ class FusedAdagrad(Adagrad):
         set_grad_none: bool = True,
         adagrad_w_mode: bool = False,
     ) -> None:
-        super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay,
-                         adagrad_w_mode=adagrad_w_mode, set_grad_none=set_grad_none)
+        super().__init__(
+            params,
+            lr=lr,
+            eps=eps,
+            weight_decay=weight_decay,
+            adagrad_w_mode=adagrad_w_mode,
+            set_grad_none=set_grad_none,
+        )
 
     def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
         return settings_or_refusal(FusedAdagrad, state, ["adagrad_w_mode"] if decays(state) else [])

@@ -72,8 +72,16 @@ class FusedAdam(StepWithGrads, Adam):
                 "fp16kit's FusedAdam keeps no master weights of its own: build it on the model's "
                 "params and wrap it, fp16kit.MixedPrecisionOptimizer(FusedAdam(...)), for fp32 masters."
             )
-        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         adam_w_mode=adam_w_mode, weight_decay=weight_decay, set_grad_none=set_grad_none)
+        super().__init__(
+            params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            adam_w_mode=adam_w_mode,
+            weight_decay=weight_decay,
+            set_grad_none=set_grad_none,
+        )
         self.capturable = capturable
         self.master_weights = master_weights
         self.legacy_rule = eps_inside_sqrt is not None or max_grad_norm is not None
@@ -116,6 +124,12 @@ class FusedAdam(StepWithGrads, Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        legacy_adam_step(self, grads, output_params, 1.0 if scale is None else scale, grad_norms,
-                         eps_inside_sqrt=self.eps_inside_sqrt)
+        legacy_adam_step(
+            self,
+            grads,
+            output_params,
+            1.0 if scale is None else scale,
+            grad_norms,
+            eps_inside_sqrt=self.eps_inside_sqrt,
+        )
         return loss

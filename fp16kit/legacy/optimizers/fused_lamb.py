@@ -38,9 +38,19 @@ class FusedLAMB(LAMB):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         weight_decay=weight_decay, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
-                         max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, set_grad_none=set_grad_none)
+        super().__init__(
+            params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+            set_grad_none=set_grad_none,
+        )
 
     def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
         # a decaying group's update depends on adam_w_mode, another's on use_nvlamb (trust ratio)

@@ -37,10 +37,19 @@ class FusedNovoGrad(NovoGrad):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
-        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
-                         grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero,
-                         set_grad_none=set_grad_none)
+        super().__init__(
+            params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            reg_inside_moment=reg_inside_moment,
+            grad_averaging=grad_averaging,
+            norm_type=norm_type,
+            init_zero=init_zero,
+            set_grad_none=set_grad_none,
+        )
 
     def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
         return settings_or_refusal(FusedNovoGrad, state, ["reg_inside_moment"])  # apex's moment_mode

@@ -33,8 +33,16 @@ class FusedSGD(SGD):
     ) -> None:
         if lr is required:
             raise ValueError("parameter group didn't specify a value of required optimization parameter lr")
-        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                         nesterov=nesterov, wd_after_momentum=wd_after_momentum, set_grad_none=set_grad_none)
+        super().__init__(
+            params,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            wd_after_momentum=wd_after_momentum,
+            set_grad_none=set_grad_none,
+        )
         self.materialize_master_grads = materialize_master_grads
 
     def _settings_for_bare_pickle(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from . import LARC
 from ...nn import convert_sync_batchnorm
+from . import LARC
 from .distributed import DistributedDataParallel, Reducer
 from .optimized_sync_batchnorm import SyncBatchNorm
 
@@ -37,8 +37,9 @@ __all__ = [
 ReduceOp = dist.ReduceOp
 
 
-def convert_syncbn_model(module: nn.Module, process_group: dist.ProcessGroup | None = None,
-                         channel_last: bool = False) -> nn.Module:
+def convert_syncbn_model(
+    module: nn.Module, process_group: dist.ProcessGroup | None = None, channel_last: bool = False
+) -> nn.Module:
     """Every ``_BatchNorm`` in ``module`` (never InstanceNorm) becomes a :class:`SyncBatchNorm`
     sharing its Parameters, running statistics, ``num_batches_tracked`` and train/eval mode.
     Returns the converted module; use the return value (a top-level BatchNorm is replaced)."""
@@ -64,4 +65,3 @@ def create_syncbn_process_group(group_size: int) -> dist.ProcessGroup | None:
         if rank // group_size == start // group_size:
             group = new
     return group
-

@@ -38,20 +38,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...distributed import (ApexAllreduceState, all_reduce_mean_coalesced, apex_allreduce_hook, broadcast_coalesced,
-                            call_coalesced)
 from ...core.log import log_once
+from ...distributed import (
+    ApexAllreduceState,
+    all_reduce_mean_coalesced,
+    apex_allreduce_hook,
+    broadcast_coalesced,
+    call_coalesced,
+)
 
-__all__ = ["DistributedDataParallel", "Reducer", "apply_flat_dist_call", "flat_dist_call", "split_by_type",
-           "split_half_float_double"]
+__all__ = [
+    "DistributedDataParallel",
+    "Reducer",
+    "apply_flat_dist_call",
+    "flat_dist_call",
+    "split_by_type",
+    "split_half_float_double",
+]
+
 
 def _log_once(argument: str, message: str) -> None:
-    log_once(("apex.parallel.DistributedDataParallel", argument),
-             "apex.parallel.DistributedDataParallel(%s): %s", argument, message)
+    log_once(
+        ("apex.parallel.DistributedDataParallel", argument),
+        "apex.parallel.DistributedDataParallel(%s): %s",
+        argument,
+        message,
+    )
 
 
-def _check_apex_arguments(delay_allreduce: bool, shared_param: Any, allreduce_trigger_params: Any,
-                          num_allreduce_streams: int) -> None:
+def _check_apex_arguments(
+    delay_allreduce: bool, shared_param: Any, allreduce_trigger_params: Any, num_allreduce_streams: int
+) -> None:
     """apex's own refusals, in apex's order and words."""
     if num_allreduce_streams > 1 and delay_allreduce:
         raise ValueError("self.allreduce_different_streams may only be used if delay_allreduce=False.")
@@ -66,9 +83,14 @@ def _check_apex_arguments(delay_allreduce: bool, shared_param: Any, allreduce_tr
         raise ValueError("Setting allreduce_trigger_params is only valid if delay_allreduce=False.")
 
 
-def _log_mapped_arguments(message_size: int, delay_allreduce: bool, allreduce_trigger_params: Any,
-                          retain_allreduce_buffers: bool, num_allreduce_streams: int,
-                          allreduce_communicators: Any) -> None:
+def _log_mapped_arguments(
+    message_size: int,
+    delay_allreduce: bool,
+    allreduce_trigger_params: Any,
+    retain_allreduce_buffers: bool,
+    num_allreduce_streams: int,
+    allreduce_communicators: Any,
+) -> None:
     overlap_only = "it only tuned apex's communication overlap; torch's DDP buckets on its own (ignored)"
     if message_size != 10000000:
         _log_once("message_size", overlap_only + "; torch's knob is bucket_cap_mb")
@@ -79,11 +101,16 @@ def _log_mapped_arguments(message_size: int, delay_allreduce: bool, allreduce_tr
     if allreduce_trigger_params is not None:
         _log_once("allreduce_trigger_params", overlap_only)
     if delay_allreduce:
-        _log_once("delay_allreduce", "mapped to torch DDP's find_unused_parameters=True (params without "
-                                     "grads are tolerated, as apex's delayed mode did); communication overlaps")
+        _log_once(
+            "delay_allreduce",
+            "mapped to torch DDP's find_unused_parameters=True (params without "
+            "grads are tolerated, as apex's delayed mode did); communication overlaps",
+        )
     if retain_allreduce_buffers:
-        _log_once("retain_allreduce_buffers", "mapped to torch DDP's gradient_as_bucket_view=True "
-                                              "(grads are views into the all-reduce buckets)")
+        _log_once(
+            "retain_allreduce_buffers",
+            "mapped to torch DDP's gradient_as_bucket_view=True (grads are views into the all-reduce buckets)",
+        )
 
 
 def _device_ids(module: nn.Module) -> list[int] | None:
@@ -109,18 +136,31 @@ _EMPTY_APEX_PICKLE = (
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """apex's signature on torch's DDP (module docstring). ``module`` is the wrapped model."""
 
-    def __init__(self, module: nn.Module, message_size: int = 10000000, delay_allreduce: bool = False,
-                 shared_param: Any = None, allreduce_trigger_params: Any = None,
-                 retain_allreduce_buffers: bool = False, allreduce_always_fp32: bool = False,
-                 num_allreduce_streams: int = 1, allreduce_communicators: Any = None,
-                 gradient_average: bool = True, gradient_predivide_factor: float = 1.0,
-                 gradient_average_split_factor: Any = None, prof: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        message_size: int = 10000000,
+        delay_allreduce: bool = False,
+        shared_param: Any = None,
+        allreduce_trigger_params: Any = None,
+        retain_allreduce_buffers: bool = False,
+        allreduce_always_fp32: bool = False,
+        num_allreduce_streams: int = 1,
+        allreduce_communicators: Any = None,
+        gradient_average: bool = True,
+        gradient_predivide_factor: float = 1.0,
+        gradient_average_split_factor: Any = None,
+        prof: bool = False,
+    ) -> None:
         _check_apex_arguments(delay_allreduce, shared_param, allreduce_trigger_params, num_allreduce_streams)
         if gradient_average_split_factor is not None:
-            log_once(("apex.parallel.DistributedDataParallel", "gradient_average_split_factor"),
-                     "Warning:  gradient_average_split_factor has been renamed to gradient_predivide_factor.  "
-                     "For now, gradient_average_split_factor will also work, but please update to "
-                     "gradient_predivide_factor instead.", level=logging.WARNING)
+            log_once(
+                ("apex.parallel.DistributedDataParallel", "gradient_average_split_factor"),
+                "Warning:  gradient_average_split_factor has been renamed to gradient_predivide_factor.  "
+                "For now, gradient_average_split_factor will also work, but please update to "
+                "gradient_predivide_factor instead.",
+                level=logging.WARNING,
+            )
             gradient_predivide_factor = gradient_average_split_factor
         hook_state = ApexAllreduceState(None, gradient_average, gradient_predivide_factor, allreduce_always_fp32)
         if not (dist.is_available() and dist.is_initialized()):
@@ -128,15 +168,25 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "apex.parallel.DistributedDataParallel needs the default process group: call "
                 "torch.distributed.init_process_group(backend, init_method='env://') first (launch with torchrun)."
             )
-        _log_mapped_arguments(message_size, delay_allreduce, allreduce_trigger_params, retain_allreduce_buffers,
-                              num_allreduce_streams, allreduce_communicators)
+        _log_mapped_arguments(
+            message_size,
+            delay_allreduce,
+            allreduce_trigger_params,
+            retain_allreduce_buffers,
+            num_allreduce_streams,
+            allreduce_communicators,
+        )
         with warnings.catch_warnings():
             # torch >= 2.13 deprecates broadcast_buffers, and says to keep broadcast_buffers=False for
             # rank-local buffers until init_sync_buffers exists: exactly apex's behaviour here.
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-            super().__init__(module, device_ids=_device_ids(module), broadcast_buffers=False,
-                             find_unused_parameters=delay_allreduce,
-                             gradient_as_bucket_view=retain_allreduce_buffers)
+            super().__init__(
+                module,
+                device_ids=_device_ids(module),
+                broadcast_buffers=False,
+                find_unused_parameters=delay_allreduce,
+                gradient_as_bucket_view=retain_allreduce_buffers,
+            )
         hook_state.process_group = self.process_group
         self.register_comm_hook(hook_state, apex_allreduce_hook)
         self._apex_hook_state = hook_state

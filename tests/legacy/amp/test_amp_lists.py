@@ -282,8 +282,11 @@ def test_an_entry_that_is_not_a_name_is_refused_before_anything_changes():
     model = Attention()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     properties = getattr(_amp_state, "opt_properties", None)
-    with pytest.raises(TypeError, match=r"amp\.lists\.functional_overrides\.FP16_FUNCS holds <function softmax"
-                                        r".*FP16_FUNCS\.append\('softmax'\).*before amp\.initialize"):
+    with pytest.raises(
+        TypeError,
+        match=r"amp\.lists\.functional_overrides\.FP16_FUNCS holds <function softmax"
+        r".*FP16_FUNCS\.append\('softmax'\).*before amp\.initialize",
+    ):
         amp.initialize(model, opt, opt_level="O1", verbosity=0)
     assert getattr(_amp_state, "opt_properties", None) is properties
     assert not hasattr(opt, "_amp_stash")
@@ -297,8 +300,13 @@ def test_apexs_layout():
     assert all(isinstance(getattr(m, n), list) for m in LISTS for n in NAMES if hasattr(m, n))
     assert [name for name, _ in fo.BANNED_FUNCS] == ["binary_cross_entropy"]
     # apex's tensor_overrides: its own names, then torch_overrides' names that Tensor has
-    assert te.FP32_FUNCS == ["__ipow__", "__pow__", "__rpow__", "cpu",
-                             *(n for n in to.FP32_FUNCS if hasattr(torch.Tensor, n))]
+    assert te.FP32_FUNCS == [
+        "__ipow__",
+        "__pow__",
+        "__rpow__",
+        "cpu",
+        *(n for n in to.FP32_FUNCS if hasattr(torch.Tensor, n)),
+    ]
     assert "conv1d" in to.FP16_FUNCS and "conv1d" not in te.FP16_FUNCS
     assert to.SEQUENCE_CASTS == ["cat", "stack"] and te.SEQUENCE_CASTS == []
 

@@ -28,8 +28,11 @@ def _autocast_state():
     torch.autocast_increment_nesting()
     nesting = torch.autocast_decrement_nesting()
     return (
-        torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
-        torch.is_autocast_enabled("cuda"), torch.is_autocast_cache_enabled(), nesting,
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.is_autocast_cache_enabled(),
+        nesting,
     )
 
 
@@ -62,6 +65,7 @@ def _nesting():
 
 
 # ------------------------------------------------------------------------------- enable_o1
+
 
 def test_enable_o1_casts_as_apex_on_cpu(o1):
     torch.manual_seed(0)
@@ -138,6 +142,7 @@ def test_enable_o1_cuda_without_cuda_names_the_fix():
 
 # ------------------------------------------------------------------------------ the cache
 
+
 def test_fp16_weights_changed_in_place_are_seen(o1):
     torch.manual_seed(0)
     lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
@@ -211,6 +216,7 @@ def test_clear_cache_without_o1():
 
 # --------------------------------------------------------------------------- disable_casts
 
+
 def test_disable_casts_inside_o1(o1):
     lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     with casts.disable_casts():
@@ -251,6 +257,7 @@ def test_disable_casts_restores_a_user_autocast_and_decorates():
 
 # ------------------------------------------------------------------------------ decorators
 
+
 def _dtypes(*args, **kwargs):
     def of(x):
         if isinstance(x, tuple) and hasattr(x, "_fields"):
@@ -289,8 +296,14 @@ def test_decorators_keep_name_and_doc():
 def test_half_function_under_o1(o1):
     f, d, i = torch.randn(2), torch.randn(2).double(), torch.arange(2)
     args, kwargs = casts.half_function(_dtypes)(f, d, i, [f, d], [f, 3], "s", k=f)
-    assert args == [torch.float16, torch.float16, torch.int64, [torch.float16, torch.float16],
-                    [torch.float32, 3], "s"]  # a list with a non-tensor item is not a unit
+    assert args == [
+        torch.float16,
+        torch.float16,
+        torch.int64,
+        [torch.float16, torch.float16],
+        [torch.float32, 3],
+        "s",
+    ]  # a list with a non-tensor item is not a unit
     assert kwargs == {"k": torch.float16}
 
 
@@ -307,8 +320,7 @@ def test_float_function_under_o1(o1):
     h, i = torch.randn(2).half(), torch.arange(2)
     Pair = collections.namedtuple("Pair", "a b")
     args, kwargs = casts.float_function(_dtypes)(h, Pair(h, h), (h, h), i, k=h)
-    assert args == [torch.float32, Pair(torch.float32, torch.float32), (torch.float32, torch.float32),
-                    torch.int64]
+    assert args == [torch.float32, Pair(torch.float32, torch.float32), (torch.float32, torch.float32), torch.int64]
     assert kwargs == {"k": torch.float32}
 
 
@@ -339,6 +351,7 @@ def test_half_function_follows_a_user_bf16_autocast():
 
 # --------------------------------------------------------------------------- registrations
 
+
 def _module():
     mod = types.ModuleType("user_ops")
     mod.op = _dtypes
@@ -347,8 +360,7 @@ def _module():
     return mod
 
 
-@pytest.mark.parametrize("register", ["register_half_function", "register_float_function",
-                                      "register_promote_function"])
+@pytest.mark.parametrize("register", ["register_half_function", "register_float_function", "register_promote_function"])
 def test_register_unknown_name(registry, register):
     mod = _module()
     with pytest.raises(ValueError, match=r"^No function named missing in module <module 'user_ops'>\.$"):

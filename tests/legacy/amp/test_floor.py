@@ -79,4 +79,6 @@ def test_policy_without_floor_is_a_clear_error_and_changes_nothing(min_loss_scal
 
 def test_keyword_only():
     with pytest.raises(TypeError):
-        amp.initialize(nn.Linear(1, 1), None, True, "O0", None, None, None, None, None, None, 1, 0, None, 2.0**24, "warn")
+        amp.initialize(
+            nn.Linear(1, 1), None, True, "O0", None, None, None, None, None, None, 1, 0, None, 2.0**24, "warn"
+        )

@@ -143,8 +143,9 @@ def test_apex_era_checkpoint_with_amp_state(tmp_path):
     amp_sd = collections.OrderedDict(loss_scaler0={"loss_scale": 1024.0, "unskipped": 17})
     torch.save({"model": model.state_dict(), "optimizer": sd, "amp": amp_sd}, tmp_path / "apex.pt")
     ck = load_checkpoint(tmp_path / "apex.pt")
-    model2, opt2 = amp.initialize(tiny_model(), torch.optim.SGD(tiny_model().parameters(), lr=0.1, momentum=0.9),
-                                  opt_level="O2", verbosity=0)
+    model2, opt2 = amp.initialize(
+        tiny_model(), torch.optim.SGD(tiny_model().parameters(), lr=0.1, momentum=0.9), opt_level="O2", verbosity=0
+    )
     model2.load_state_dict(ck["model"])
     opt2.load_state_dict(ck["optimizer"])
     amp.load_state_dict(ck["amp"])
@@ -219,7 +220,9 @@ def test_skip_survives_a_refused_closure(caplog):
     ]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     opt.step()  # the next step is a real one again
-    assert all(p.grad is None for p in amp.master_params(opt) if p.dtype == torch.float32 and p not in set(model.parameters()))
+    assert all(
+        p.grad is None for p in amp.master_params(opt) if p.dtype == torch.float32 and p not in set(model.parameters())
+    )
 
 
 def test_static_scaler_short_circuit_follows_writes():

@@ -99,12 +99,36 @@ def _untouched(model, opt):
 @pytest.mark.parametrize(
     "kw, exc, text",
     [
-        ({"opt_level": "o2"}, RuntimeError, "Unexpected optimization level o2. Options are 'O0', 'O1', 'O2', 'O3'.  Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero."),
-        ({"opt_level": "O1", "cast_model_type": torch.float16}, RuntimeError, "O1 inserts casts around Torch functions rather than model weights, so with O1, the model weights themselves should remain FP32. If you wish to cast the model to a different type, use opt_level='O2' or 'O3'. cast_model_type was torch.float16"),
-        ({"opt_level": "O1", "keep_batchnorm_fp32": False}, RuntimeError, "With opt_level O1, batchnorm functions are automatically patched to run in FP32, so keep_batchnorm_fp32 should be None. keep_batchnorm_fp32 was False"),
-        ({"opt_level": "O1", "master_weights": False}, RuntimeError, "It doesn't make sense to use master_weights with O1. With O1, your model weights themselves should be FP32."),
-        ({"opt_level": "O2", "patch_torch_functions": True}, RuntimeError, "Currently, patch_torch_functions=True should only be set by selecting opt_level='O1'."),
-        ({"opt_level": "O2", "keep_batchnorm_fp32": "yes"}, AssertionError, "keep_batchnorm_fp32 must be a boolean, the string 'True' or 'False', or None, found keep_batchnorm_fp32=yes"),
+        (
+            {"opt_level": "o2"},
+            RuntimeError,
+            "Unexpected optimization level o2. Options are 'O0', 'O1', 'O2', 'O3'.  Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero.",
+        ),
+        (
+            {"opt_level": "O1", "cast_model_type": torch.float16},
+            RuntimeError,
+            "O1 inserts casts around Torch functions rather than model weights, so with O1, the model weights themselves should remain FP32. If you wish to cast the model to a different type, use opt_level='O2' or 'O3'. cast_model_type was torch.float16",
+        ),
+        (
+            {"opt_level": "O1", "keep_batchnorm_fp32": False},
+            RuntimeError,
+            "With opt_level O1, batchnorm functions are automatically patched to run in FP32, so keep_batchnorm_fp32 should be None. keep_batchnorm_fp32 was False",
+        ),
+        (
+            {"opt_level": "O1", "master_weights": False},
+            RuntimeError,
+            "It doesn't make sense to use master_weights with O1. With O1, your model weights themselves should be FP32.",
+        ),
+        (
+            {"opt_level": "O2", "patch_torch_functions": True},
+            RuntimeError,
+            "Currently, patch_torch_functions=True should only be set by selecting opt_level='O1'.",
+        ),
+        (
+            {"opt_level": "O2", "keep_batchnorm_fp32": "yes"},
+            AssertionError,
+            "keep_batchnorm_fp32 must be a boolean, the string 'True' or 'False', or None, found keep_batchnorm_fp32=yes",
+        ),
     ],
 )
 def test_bad_options_change_nothing(kw, exc, text):
@@ -265,18 +289,26 @@ BAD_SCALER_OPTIONS = [
     ({"loss_scale": NAN}, 'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got nan.'),
     ({"loss_scale": INF}, 'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got inf.'),
     ({"loss_scale": -128.0}, 'loss_scale must be "dynamic" or a finite number > 0 (e.g. 128.0), got -128.0.'),
-    ({"num_losses": 0}, "num_losses must be an int >= 1 (one loss scaler per loss, picked by "
-                        "amp.scale_loss(..., loss_id=i)), got 0."),
-    ({"num_losses": -1}, "num_losses must be an int >= 1 (one loss scaler per loss, picked by "
-                         "amp.scale_loss(..., loss_id=i)), got -1."),
-    ({"num_losses": 2.0}, "num_losses must be an int >= 1 (one loss scaler per loss, picked by "
-                          "amp.scale_loss(..., loss_id=i)), got 2.0."),
+    (
+        {"num_losses": 0},
+        "num_losses must be an int >= 1 (one loss scaler per loss, picked by amp.scale_loss(..., loss_id=i)), got 0.",
+    ),
+    (
+        {"num_losses": -1},
+        "num_losses must be an int >= 1 (one loss scaler per loss, picked by amp.scale_loss(..., loss_id=i)), got -1.",
+    ),
+    (
+        {"num_losses": 2.0},
+        "num_losses must be an int >= 1 (one loss scaler per loss, picked by amp.scale_loss(..., loss_id=i)), got 2.0.",
+    ),
     ({"min_loss_scale": NAN}, "min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got nan."),
     ({"min_loss_scale": -1.0}, "min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got -1.0."),
     ({"max_loss_scale": NAN}, "max_loss_scale must be a number > 0 (inf or None: no cap), got nan."),
     ({"max_loss_scale": 0.0}, "max_loss_scale must be a number > 0 (inf or None: no cap), got 0.0."),
-    ({"min_loss_scale": 2.0**10, "max_loss_scale": 2.0**8},
-     "min_loss_scale (1024.0) is above max_loss_scale (256.0); pass min_loss_scale <= max_loss_scale."),
+    (
+        {"min_loss_scale": 2.0**10, "max_loss_scale": 2.0**8},
+        "min_loss_scale (1024.0) is above max_loss_scale (256.0); pass min_loss_scale <= max_loss_scale.",
+    ),
 ]
 
 
@@ -293,8 +325,18 @@ def test_scaler_options_that_cannot_train_are_refused_at_initialize_and_change_n
     assert (_amp_state.opt_properties, _amp_state.loss_scalers) == before
 
 
-@pytest.mark.parametrize("kw", [{"loss_scale": 128}, {"loss_scale": "128.0"}, {"loss_scale": "dynamic"},
-                                {"num_losses": 3}, {"min_loss_scale": 0}, {"max_loss_scale": INF}], ids=repr)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"loss_scale": 128},
+        {"loss_scale": "128.0"},
+        {"loss_scale": "dynamic"},
+        {"num_losses": 3},
+        {"min_loss_scale": 0},
+        {"max_loss_scale": INF},
+    ],
+    ids=repr,
+)
 def test_scaler_options_apex_trained_with_are_accepted(kw):
     model = tiny_model()
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0, **kw)

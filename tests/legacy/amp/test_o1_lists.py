@@ -29,8 +29,9 @@ FP32_NAMES = {name for m in _MODULES for name in m.FP32_FUNCS}
 # a @ b's reflected form goes with __matmul__; the RNN functions are fp16 outside the lists, as in apex
 FP16_NAMES = {name for m in _MODULES for name in m.FP16_FUNCS} | {"__rmatmul__", *_list_rules.RNN_FUNCS}
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                           reason="needs CUDA")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
 
 
 @pytest.fixture(params=["cpu", CUDA])
@@ -107,8 +108,10 @@ def _fp32_cases(d):
         "smooth_l1_loss": ((h(3, 4), h(3, 4, seed=1)), {}),
         "soft_margin_loss": ((h(3), signs), {}),
         "triplet_margin_loss": ((h(3, 4), h(3, 4, seed=1), h(3, 4, seed=2)), {}),
-        "ctc_loss": ((h(6, 1, 4).log_softmax(2), torch.tensor([[1, 2]], device=d), torch.tensor([6]),
-                      torch.tensor([2])), {}),
+        "ctc_loss": (
+            (h(6, 1, 4).log_softmax(2), torch.tensor([[1, 2]], device=d), torch.tensor([6]), torch.tensor([2])),
+            {},
+        ),
         # torch and Tensor
         "acos": ((h(3, 4, positive=True),), {}),
         "asin": ((h(3, 4, positive=True),), {}),
@@ -145,8 +148,11 @@ def _forms(name):
     ``torch.<name>`` and the Tensor method (``x.exp()``)."""
     if callable(getattr(F, name, None)):
         return [("F", getattr(F, name))]
-    return [(form, getattr(ns, name)) for form, ns in (("torch", torch), ("Tensor", torch.Tensor))
-            if callable(getattr(ns, name, None))]
+    return [
+        (form, getattr(ns, name))
+        for form, ns in (("torch", torch), ("Tensor", torch.Tensor))
+        if callable(getattr(ns, name, None))
+    ]
 
 
 def _cases(build, device):
@@ -170,8 +176,14 @@ def test_fp32_list_runs_in_fp32(name, device):
 def test_aliases_of_fp32_names_run_in_fp32(device):
     # apex patched only F.softmax; CUDA autocast runs the aliases in fp32 too, and so does O1
     h = _t(device, 3, 4, dtype=torch.float16) * 30
-    for out in (torch.softmax(h, -1), h.softmax(-1), torch.log_softmax(h, -1), h.log_softmax(-1),
-                torch.layer_norm(h, (4,)), torch.cosine_similarity(h, h)):
+    for out in (
+        torch.softmax(h, -1),
+        h.softmax(-1),
+        torch.log_softmax(h, -1),
+        h.log_softmax(-1),
+        torch.layer_norm(h, (4,)),
+        torch.cosine_similarity(h, h),
+    ):
         assert out.dtype == torch.float32
 
 
@@ -204,10 +216,16 @@ def _fp16_cases(d):
     }
 
 
-_RNNS = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn_tanh": lambda i, h: nn.RNN(i, h),
-         "rnn_relu": lambda i, h: nn.RNN(i, h, nonlinearity="relu"), "lstm_cell": nn.LSTMCell,
-         "gru_cell": nn.GRUCell, "rnn_tanh_cell": nn.RNNCell,
-         "rnn_relu_cell": lambda i, h: nn.RNNCell(i, h, nonlinearity="relu")}
+_RNNS = {
+    "lstm": nn.LSTM,
+    "gru": nn.GRU,
+    "rnn_tanh": lambda i, h: nn.RNN(i, h),
+    "rnn_relu": lambda i, h: nn.RNN(i, h, nonlinearity="relu"),
+    "lstm_cell": nn.LSTMCell,
+    "gru_cell": nn.GRUCell,
+    "rnn_tanh_cell": nn.RNNCell,
+    "rnn_relu_cell": lambda i, h: nn.RNNCell(i, h, nonlinearity="relu"),
+}
 
 
 def test_every_fp16_name_torch_has_is_covered():
@@ -310,7 +328,9 @@ def test_allow_banned_runs_binary_cross_entropy_in_fp32(device):
 
 def test_bce_message_is_apexs():
     assert _BCE.startswith("\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` ")
-    assert "\n    torch.nn.BCEWithLogitsLoss\n" in _BCE and "\n    amp.register_float_function(torch, 'sigmoid')\n" in _BCE
+    assert (
+        "\n    torch.nn.BCEWithLogitsLoss\n" in _BCE and "\n    amp.register_float_function(torch, 'sigmoid')\n" in _BCE
+    )
     assert _BCE.endswith("by passing allow_banned=True to `amp.init()`.")
 
 
@@ -386,6 +406,7 @@ def _info_nce(z1, z2, t=0.05):
 
 def _info_nce_by_apexs_lists(model, x1, x2, t=0.05):
     """The same loss with every op in the dtype apex's O1 lists give it, cast by hand."""
+
     def encoder(x):
         lin1, _, lin2 = model
         h = F.linear(x.half(), lin1.weight.half(), lin1.bias.half())  # FP16: linear

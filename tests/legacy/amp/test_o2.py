@@ -24,8 +24,12 @@ def _same(model: nn.Module, ref: ApexO2) -> None:
 
 def _init(opt_name="sgd", **kw):
     model = tiny_model()
-    ref = ApexO2(model, OPTS[opt_name], num_losses=kw.get("num_losses", 1),
-                 **{k: v for k, v in kw.items() if k in ("min_loss_scale", "max_loss_scale")})
+    ref = ApexO2(
+        model,
+        OPTS[opt_name],
+        num_losses=kw.get("num_losses", 1),
+        **{k: v for k, v in kw.items() if k in ("min_loss_scale", "max_loss_scale")},
+    )
     opt = OPTS[opt_name](model.parameters())
     kw.setdefault("verbosity", 0)
     model, opt = amp.initialize(model, opt, opt_level="O2", **kw)

@@ -56,8 +56,13 @@ def test_state_dict_before_initialize_is_empty(monkeypatch):
 
 def test_load_state_dict_matches_by_index_and_validates_first():
     _setup(num_losses=2)
-    amp.load_state_dict({"loss_scaler1": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler0": {"loss_scale": 4.0, "unskipped": 1}})
-    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 4.0, "unskipped": 1}, "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3}}
+    amp.load_state_dict(
+        {"loss_scaler1": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler0": {"loss_scale": 4.0, "unskipped": 1}}
+    )
+    assert amp.state_dict() == {
+        "loss_scaler0": {"loss_scale": 4.0, "unskipped": 1},
+        "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3},
+    }
     with pytest.raises(RuntimeError) as info:
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "extra": 1})
     assert str(info.value) == 'Error(s) in loading state_dict. Unexpected key(s) in state_dict: "extra". '
@@ -135,8 +140,9 @@ def test_mismatched_masters_refused_before_change():
 def test_load_state_dict_count_mismatch_warns_whatever_the_verbosity(caplog):
     _setup(num_losses=1)  # verbosity=0
     with caplog.at_level("WARNING", logger="fp16kit"):
-        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
-                             "loss_scaler1": {"loss_scale": 4.0, "unskipped": 0}})
+        amp.load_state_dict(
+            {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": {"loss_scale": 4.0, "unskipped": 0}}
+        )
     assert [r.getMessage() for r in caplog.records] == [
         "Warning: state_dict contains 2 entries, while 1 loss_scalers are used",
         "Skipping loss_scaler[1], since num_losses was set to 1",
@@ -156,13 +162,27 @@ BAD_ENTRIES = {
     "unskipped -3": ({"loss_scale": 2.0, "unskipped": -3}, "unskipped .* must be a whole number >= 0, got -3"),
     "unskipped 1.5": ({"loss_scale": 2.0, "unskipped": 1.5}, "unskipped .* must be a whole number >= 0, got 1.5"),
     "apex era-2 _loss_scale nan": (
-        {"__apex_class__": "apex.amp.scaler.LossScaler", "dynamic": True, "_loss_scale": NAN,
-         "_max_loss_scale": 2.0**24, "_scale_seq_len": 2000, "_unskipped": 0},
-        "apex.amp.scaler.LossScaler in this file is not one apex pickled: its _loss_scale is nan"),
+        {
+            "__apex_class__": "apex.amp.scaler.LossScaler",
+            "dynamic": True,
+            "_loss_scale": NAN,
+            "_max_loss_scale": 2.0**24,
+            "_scale_seq_len": 2000,
+            "_unskipped": 0,
+        },
+        "apex.amp.scaler.LossScaler in this file is not one apex pickled: its _loss_scale is nan",
+    ),
     "apex era-1 scale_window 0": (
-        {"__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler", "cur_scale": 2.0**16, "cur_iter": 3,
-         "last_overflow_iter": -1, "scale_factor": 2.0, "scale_window": 0},
-        "its scale_window is 0, not a whole number >= 1"),
+        {
+            "__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+            "cur_scale": 2.0**16,
+            "cur_iter": 3,
+            "last_overflow_iter": -1,
+            "scale_factor": 2.0,
+            "scale_window": 0,
+        },
+        "its scale_window is 0, not a whole number >= 1",
+    ),
 }
 
 

@@ -77,7 +77,9 @@ def test_resolve_longest_prefix(path, new):
 def test_resolve_megatron_only_on_request():
     assert apex_map.resolve("fp16.FP16_Module") is None
     assert apex_map.resolve("fp16.FP16_Module", megatron=True).new_path == "fp16kit.legacy.megatron.FP16_Module"
-    assert apex_map.resolve("megatron.fp16.loss_scaler", megatron=True).new_path == "fp16kit.legacy.megatron.loss_scaler"
+    assert (
+        apex_map.resolve("megatron.fp16.loss_scaler", megatron=True).new_path == "fp16kit.legacy.megatron.loss_scaler"
+    )
     assert apex_map.resolve("megatron.mpu", megatron=True) is None  # the rest of Megatron is not ours
     assert apex_map.resolve("fp16kit.legacy", megatron=True) is None  # migrated code is never touched again
 

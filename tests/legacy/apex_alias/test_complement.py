@@ -71,7 +71,9 @@ def test_a_new_apex_is_complemented_not_hidden(new_apex, caplog):
     from apex.fp16_utils.loss_scaler import DynamicLossScaler
 
     assert amp is fp16kit.legacy.amp and _amp_state is fp16kit.legacy.amp._amp_state
-    assert FP16_Optimizer is fp16kit.legacy.FP16_Optimizer and DynamicLossScaler.__module__ == "fp16kit.legacy.loss_scaler"
+    assert (
+        FP16_Optimizer is fp16kit.legacy.FP16_Optimizer and DynamicLossScaler.__module__ == "fp16kit.legacy.loss_scaler"
+    )
     # what it has stays its own
     from apex.contrib import xentropy
     from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
@@ -158,8 +160,12 @@ def test_torch_s_weights_only_list_gets_the_scaler_paths_the_alias_serves_not_th
     before = set(torch.serialization.get_safe_globals())
     install_apex_alias()
     paths = {e[1] for e in set(torch.serialization.get_safe_globals()) - before}
-    era1 = {"apex.fp16_utils.loss_scaler.LossScaler", "apex.fp16_utils.loss_scaler.DynamicLossScaler",
-            "fp16kit.legacy.loss_scaler.LossScaler", "fp16kit.legacy.loss_scaler.DynamicLossScaler"}
+    era1 = {
+        "apex.fp16_utils.loss_scaler.LossScaler",
+        "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+        "fp16kit.legacy.loss_scaler.LossScaler",
+        "fp16kit.legacy.loss_scaler.DynamicLossScaler",
+    }
     era2 = {"apex.amp.scaler.LossScaler", "fp16kit.legacy.amp.scaler.LossScaler"}
     assert paths == (era1 if has_amp else era1 | era2)
     uninstall_apex_alias()

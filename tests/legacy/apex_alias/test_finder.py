@@ -15,8 +15,7 @@ import pytest
 
 import fp16kit.legacy
 import fp16kit.legacy.amp
-from fp16kit.legacy.apex_alias import apex_alias_installed, install_apex_alias, uninstall_apex_alias
-from fp16kit.legacy.apex_alias import apex_map
+from fp16kit.legacy.apex_alias import apex_alias_installed, apex_map, install_apex_alias, uninstall_apex_alias
 
 
 def _ours(name: str) -> bool:
@@ -196,7 +195,9 @@ def test_refuses_to_hide_a_real_apex_that_has_amp(alias, tmp_path, monkeypatch):
     _old_apex(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     meta_path = list(sys.meta_path)
-    with pytest.raises(RuntimeError, match=r"real module named 'apex' is importable.*do not need the alias.*shadow=True"):
+    with pytest.raises(
+        RuntimeError, match=r"real module named 'apex' is importable.*do not need the alias.*shadow=True"
+    ):
         alias()
     assert sys.meta_path == meta_path and not apex_alias_installed()  # nothing changed
     alias(shadow=True)

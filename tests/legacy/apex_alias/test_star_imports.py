@@ -16,10 +16,23 @@ from fp16kit.migrate.runner import run_script
 
 # what apex/fp16_utils/__init__.py bound (no __all__: its imports and the submodules they loaded)
 APEX_2019 = {
-    "BN_convert_float", "network_to_half", "prep_param_lists", "model_grads_to_master_grads",
-    "master_params_to_model_params", "tofp16", "to_python_float", "clip_grad_norm", "convert_module",
-    "convert_network", "FP16Model", "FP16_Optimizer", "LossScaler", "DynamicLossScaler",
-    "fp16util", "fp16_optimizer", "loss_scaler",
+    "BN_convert_float",
+    "network_to_half",
+    "prep_param_lists",
+    "model_grads_to_master_grads",
+    "master_params_to_model_params",
+    "tofp16",
+    "to_python_float",
+    "clip_grad_norm",
+    "convert_module",
+    "convert_network",
+    "FP16Model",
+    "FP16_Optimizer",
+    "LossScaler",
+    "DynamicLossScaler",
+    "fp16util",
+    "fp16_optimizer",
+    "loss_scaler",
 }
 APEX_2018_EXTRA = {"Fused_Weight_Norm", "fused_weight_norm", "fp32_to_fp16", "fp16_to_fp32", "FP16_Module"}
 

@@ -75,8 +75,9 @@ LOADS = {"full": _full_load, "default": _default_load}
 
 def _optimizer(model) -> FP16_Optimizer:
     """fp16 layers in two groups, an fp32 param optimized in place, a frozen fp16 param."""
-    return FP16_Optimizer(torch.optim.SGD(two_groups(model, 0.1, 0.05), lr=0.1, momentum=0.9),
-                          dynamic_loss_scale=True, verbose=False)
+    return FP16_Optimizer(
+        torch.optim.SGD(two_groups(model, 0.1, 0.05), lr=0.1, momentum=0.9), dynamic_loss_scale=True, verbose=False
+    )
 
 
 def _steps(model, opt, pattern, seed=5):
@@ -104,15 +105,28 @@ def _trained():
 
 def _apex_form(opt, scaler, dynamic=True) -> dict:
     """apex's FP16_Optimizer.state_dict(): the scaler object beside the same five keys."""
-    return {"loss_scaler": scaler, "dynamic_loss_scale": dynamic, "overflow": False,
-            "first_closure_call_this_step": True, "optimizer_state_dict": opt.optimizer.state_dict(),
-            "fp32_from_fp16": [[m.detach().clone() for m in g] for g in opt.fp32_from_fp16_groups]}
+    return {
+        "loss_scaler": scaler,
+        "dynamic_loss_scale": dynamic,
+        "overflow": False,
+        "first_closure_call_this_step": True,
+        "optimizer_state_dict": opt.optimizer.state_dict(),
+        "fp32_from_fp16": [[m.detach().clone() for m in g] for g in opt.fp32_from_fp16_groups],
+    }
 
 
 def _fp16kit_form(opt, **scaler) -> dict:
     sd = _apex_form(opt, None)
-    sd["loss_scaler"] = {"dynamic": True, "loss_scale": 1024.0, "scale_factor": 2.0, "scale_window": 3,
-                         "min_loss_scale": None, "max_loss_scale": 2.0**24, "unskipped": 1, **scaler}
+    sd["loss_scaler"] = {
+        "dynamic": True,
+        "loss_scale": 1024.0,
+        "scale_factor": 2.0,
+        "scale_window": 3,
+        "min_loss_scale": None,
+        "max_loss_scale": 2.0**24,
+        "unskipped": 1,
+        **scaler,
+    }
     return sd
 
 
@@ -149,21 +163,41 @@ ERA1_SEEN = [(2048.0, 0), (1024.0, 0), (1024.0, 1), (1024.0, 2), (2048.0, 0)]
 
 
 def test_each_apex_scaler_becomes_the_fp16kit_class_the_table_names(fake_apex, alias):
-    data = _apex_file(fake_apex, [fake_apex.era1_static(128.0), fake_apex.era1_dynamic(2.0**10, 7, 4, 2.0, 3),
-                                  fake_apex.era2(1024.0, window=3, unskipped=1)])
+    data = _apex_file(
+        fake_apex,
+        [
+            fake_apex.era1_static(128.0),
+            fake_apex.era1_dynamic(2.0**10, 7, 4, 2.0, 3),
+            fake_apex.era2(1024.0, window=3, unskipped=1),
+        ],
+    )
     alias()
     loaded = _full_load(data)
     paths = [f"{type(o).__module__}.{type(o).__qualname__}" for o in loaded]
     assert [FP16KIT_SCALER_CLASSES[p] for p in paths] == [
-        "apex.fp16_utils.loss_scaler.LossScaler", "apex.fp16_utils.loss_scaler.DynamicLossScaler",
-        "apex.amp.scaler.LossScaler"]
+        "apex.fp16_utils.loss_scaler.LossScaler",
+        "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+        "apex.amp.scaler.LossScaler",
+    ]
     static, era1, era2 = loaded
     assert static.cur_scale == 128.0 and static.loss_scale == 128.0
     assert (era1.cur_scale, era1.cur_iter, era1.last_overflow_iter, era1.scale_factor, era1.scale_window) == (
-        1024.0, 7, 4, 2.0, 3)
+        1024.0,
+        7,
+        4,
+        2.0,
+        3,
+    )
     # apex's era-2 attributes read back (this object used to lack everything its methods need)
-    assert (era2.dynamic, era2.loss_scale(), era2._loss_scale, era2._unskipped, era2._scale_seq_len,
-            era2._min_loss_scale, era2._max_loss_scale) == (True, 1024.0, 1024.0, 1, 3, None, 2.0**24)
+    assert (
+        era2.dynamic,
+        era2.loss_scale(),
+        era2._loss_scale,
+        era2._unskipped,
+        era2._scale_seq_len,
+        era2._min_loss_scale,
+        era2._max_loss_scale,
+    ) == (True, 1024.0, 1024.0, 1, 3, None, 2.0**24)
     assert repr(era2) == "LossScaler(dynamic=True, loss_scale=1024.0, unskipped=1)"
 
 
@@ -215,7 +249,9 @@ def test_a_scaler_without_apex_s_attributes_is_refused_by_name(fake_apex, alias)
     del broken._scale_seq_len
     data = _apex_file(fake_apex, broken)
     alias()
-    with pytest.raises(ValueError, match=r"apex.amp.scaler.LossScaler in this file was pickled without \['_scale_seq_len'\]"):
+    with pytest.raises(
+        ValueError, match=r"apex.amp.scaler.LossScaler in this file was pickled without \['_scale_seq_len'\]"
+    ):
         _full_load(data)
 
 
@@ -226,8 +262,15 @@ def test_fp16kit_s_own_scaler_pickles_as_apex_s_and_back():
     scaler._unskipped = 3
     state = scaler.__getstate__()
     assert {k: v for k, v in state.items() if k != "_overflow_buf"} == {
-        "dynamic": True, "_loss_scale": 1024.0, "_max_loss_scale": 2.0**24, "_min_loss_scale": 4.0,
-        "_scale_seq_len": 5, "_unskipped": 3, "_has_overflow": False, "on_min_scale": "warn"}
+        "dynamic": True,
+        "_loss_scale": 1024.0,
+        "_max_loss_scale": 2.0**24,
+        "_min_loss_scale": 4.0,
+        "_scale_seq_len": 5,
+        "_unskipped": 3,
+        "_has_overflow": False,
+        "on_min_scale": "warn",
+    }
     twin = copy.deepcopy(scaler)
     assert twin.state_dict() == scaler.state_dict() and twin._state.on_min_scale == "warn"
     static = pickle.loads(pickle.dumps(LossScaler(128.0)))
@@ -265,16 +308,24 @@ def test_fp16_optimizer_resumes_from_an_apex_file_under_the_alias(fake_apex, ali
 @pytest.mark.parametrize("load", LOADS)
 def test_a_static_era1_scaler_loads_as_a_static_scale(fake_apex, alias, load):
     model, opt = _trained()
-    data = _apex_file(fake_apex, {"model": model.state_dict(),
-                                  "optimizer": _apex_form(opt, fake_apex.era1_static(128.0), dynamic=False)})
+    data = _apex_file(
+        fake_apex,
+        {"model": model.state_dict(), "optimizer": _apex_form(opt, fake_apex.era1_static(128.0), dynamic=False)},
+    )
     alias()
     model2, opt2, seen = _resumed(LOADS[load](data), [False, False])
     assert opt2.dynamic_loss_scale is False and seen == [(128.0, 1), (128.0, 2)]
 
 
 def test_the_default_load_makes_what_the_full_unpickler_makes(fake_apex, alias):
-    data = _apex_file(fake_apex, [fake_apex.era1_static(128), fake_apex.era1_dynamic(2**32, 7, 4, 2, 3),
-                                  fake_apex.era2(1024.0, window=3, unskipped=1, min_loss_scale=4.0)])
+    data = _apex_file(
+        fake_apex,
+        [
+            fake_apex.era1_static(128),
+            fake_apex.era1_dynamic(2**32, 7, 4, 2, 3),
+            fake_apex.era2(1024.0, window=3, unskipped=1, min_loss_scale=4.0),
+        ],
+    )
     alias()
     full, default = _full_load(data), _default_load(data)
     assert [type(o) for o in default] == [type(o) for o in full]
@@ -282,8 +333,9 @@ def test_the_default_load_makes_what_the_full_unpickler_makes(fake_apex, alias):
         state_a, state_b = a.__getstate__(), b.__getstate__()
         assert state_a.keys() == state_b.keys()
         for key, value in state_a.items():  # apex's Python types too (the int 2**32, the int factor 2)
-            assert type(state_b[key]) is type(value) and (torch.equal(value, state_b[key]) if isinstance(
-                value, torch.Tensor) else state_b[key] == value), key
+            assert type(state_b[key]) is type(value) and (
+                torch.equal(value, state_b[key]) if isinstance(value, torch.Tensor) else state_b[key] == value
+            ), key
 
 
 def test_a_file_converted_once_resumes_as_the_original_read_under_the_alias(fake_apex, alias, tmp_path, capsys):
@@ -291,8 +343,12 @@ def test_a_file_converted_once_resumes_as_the_original_read_under_the_alias(fake
     default, resumes exactly as the apex file read under the alias."""
     model, opt = _trained()
     old = tmp_path / "old.pt"
-    old.write_bytes(_apex_file(fake_apex, {"model": model.state_dict(),
-                                           "optimizer": _apex_form(opt, fake_apex.era2(1024.0, window=3, unskipped=1))}))
+    old.write_bytes(
+        _apex_file(
+            fake_apex,
+            {"model": model.state_dict(), "optimizer": _apex_form(opt, fake_apex.era2(1024.0, window=3, unskipped=1))},
+        )
+    )
     assert cli_main(["convert-checkpoint", str(old), str(tmp_path / "new.pt")]) == 0
     capsys.readouterr()
     converted = _resumed(torch.load(tmp_path / "new.pt"), ERA2_PATTERN)
@@ -332,8 +388,11 @@ def test_under_the_alias_the_default_load_refuses_every_other_global(stand_ins, 
     elif payload == "megatron":  # Megatron's scalers are allowed only with megatron=True
         obj, said = stand_ins.add("megatron.fp16.loss_scaler.DynamicLossScaler")(), "GLOBAL megatron.fp16.loss_scaler"
     else:
-        path = ("apex.parallel.distributed.DistributedDataParallel" if payload == "apex DDP"
-                else "apex.optimizers.fused_adam.FusedAdam")
+        path = (
+            "apex.parallel.distributed.DistributedDataParallel"
+            if payload == "apex DDP"
+            else "apex.optimizers.fused_adam.FusedAdam"
+        )
         obj, said = stand_ins.add(path)(), f"GLOBAL {path} was not an allowed global"
     data = _saved({"optimizer": {"loss_scaler": fake_apex.era2(1024.0)}, "extra": obj})
     stand_ins.remove()
@@ -345,22 +404,37 @@ def test_under_the_alias_the_default_load_refuses_every_other_global(stand_ins, 
 
 # (maker, attribute, a value apex never pickled there)
 BAD_FIELDS = [
-    ("era2", "_loss_scale", "65536"), ("era2", "_loss_scale", float("nan")), ("era2", "_loss_scale", -1.0),
-    ("era2", "_loss_scale", torch.tensor(1024.0)), ("era2", "dynamic", "yes"), ("era2", "_scale_seq_len", 2.5),
-    ("era2", "_scale_seq_len", [3]), ("era2", "_unskipped", -1), ("era2", "_max_loss_scale", "inf"),
-    ("era2", "_min_loss_scale", {"x": 1}), ("era2", "_overflow_buf", [0]), ("era2", "on_min_scale", "explode"),
-    ("era1_dynamic", "cur_scale", "1024"), ("era1_dynamic", "cur_iter", 1.5), ("era1_dynamic", "scale_window", 0),
-    ("era1_dynamic", "scale_factor", None), ("era1_dynamic", "last_overflow_iter", True),
-    ("era1_static", "cur_scale", "128"), ("era1_static", "cur_scale", 0),
+    ("era2", "_loss_scale", "65536"),
+    ("era2", "_loss_scale", float("nan")),
+    ("era2", "_loss_scale", -1.0),
+    ("era2", "_loss_scale", torch.tensor(1024.0)),
+    ("era2", "dynamic", "yes"),
+    ("era2", "_scale_seq_len", 2.5),
+    ("era2", "_scale_seq_len", [3]),
+    ("era2", "_unskipped", -1),
+    ("era2", "_max_loss_scale", "inf"),
+    ("era2", "_min_loss_scale", {"x": 1}),
+    ("era2", "_overflow_buf", [0]),
+    ("era2", "on_min_scale", "explode"),
+    ("era1_dynamic", "cur_scale", "1024"),
+    ("era1_dynamic", "cur_iter", 1.5),
+    ("era1_dynamic", "scale_window", 0),
+    ("era1_dynamic", "scale_factor", None),
+    ("era1_dynamic", "last_overflow_iter", True),
+    ("era1_static", "cur_scale", "128"),
+    ("era1_static", "cur_scale", 0),
     # ints too large for a float (math.isfinite raises OverflowError on them)
-    ("era2", "_loss_scale", 10**400), ("era1_dynamic", "scale_window", 10**400), ("era1_static", "cur_scale", 10**400),
+    ("era2", "_loss_scale", 10**400),
+    ("era1_dynamic", "scale_window", 10**400),
+    ("era1_static", "cur_scale", 10**400),
 ]
 
 
 @pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize(("maker", "field", "value"), BAD_FIELDS, ids=[f"{m}-{f}-{v!r}" for m, f, v in BAD_FIELDS])
-def test_a_scaler_whose_attributes_are_not_apex_s_is_refused_naming_the_attribute(fake_apex, alias, load, maker, field,
-                                                                                   value):
+def test_a_scaler_whose_attributes_are_not_apex_s_is_refused_naming_the_attribute(
+    fake_apex, alias, load, maker, field, value
+):
     scaler = getattr(fake_apex, maker)()
     setattr(scaler, field, value)
     data = _apex_file(fake_apex, {"optimizer": {"loss_scaler": scaler}})
@@ -408,8 +482,9 @@ def test_a_scaler_unpickled_without_its_state_is_refused_by_every_load_state_dic
         target.load_state_dict(ckpt)
     after = target.state_dict()
     assert after["loss_scaler"] == before["loss_scaler"]
-    assert all(torch.equal(a, b) for ga, gb in zip(after["fp32_from_fp16"], before["fp32_from_fp16"])
-               for a, b in zip(ga, gb))
+    assert all(
+        torch.equal(a, b) for ga, gb in zip(after["fp32_from_fp16"], before["fp32_from_fp16"]) for a, b in zip(ga, gb)
+    )
     if cls == "AmpLossScaler":
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -438,8 +513,15 @@ def test_an_unpickled_amp_scaler_never_writes_into_the_file_s_other_tensors(fake
 def test_load_checkpoint_under_the_alias_still_reads_records_not_live_scalers(fake_apex, alias):
     """load_checkpoint's stand-ins share the alias's paths on torch's list: for its load they
     alone answer them (plain data, attributes as pickled, no __setstate__ check)."""
-    data = _apex_file(fake_apex, {"a": fake_apex.era1_static(128.0), "b": fake_apex.era1_dynamic(),
-                                  "c": fake_apex.era2(1024.0), "d": fake_apex.era2("bad")})
+    data = _apex_file(
+        fake_apex,
+        {
+            "a": fake_apex.era1_static(128.0),
+            "b": fake_apex.era1_dynamic(),
+            "c": fake_apex.era2(1024.0),
+            "d": fake_apex.era2("bad"),
+        },
+    )
     alias()
     again = _saved(_full_load(_saved({k: v for k, v in load_checkpoint(io.BytesIO(data)).items() if k != "d"})))
     before = torch.serialization.get_safe_globals()
@@ -459,10 +541,17 @@ def test_a_checkpoint_saved_again_under_the_alias_reads_as_apex_s(fake_apex, ali
     read as the apex classes they stand for, in load_checkpoint and convert-checkpoint."""
     model, opt = _trained()
     if era == "era2":
-        scaler, pattern, path = fake_apex.era2(1024.0, window=3, unskipped=1), ERA2_PATTERN, "apex.amp.scaler.LossScaler"
+        scaler, pattern, path = (
+            fake_apex.era2(1024.0, window=3, unskipped=1),
+            ERA2_PATTERN,
+            "apex.amp.scaler.LossScaler",
+        )
     else:
-        scaler, pattern, path = (fake_apex.era1_dynamic(2.0**10, 7, 4, 2.0, 3), ERA1_PATTERN,
-                                 "apex.fp16_utils.loss_scaler.DynamicLossScaler")
+        scaler, pattern, path = (
+            fake_apex.era1_dynamic(2.0**10, 7, 4, 2.0, 3),
+            ERA1_PATTERN,
+            "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+        )
     original = _apex_file(fake_apex, {"model": model.state_dict(), "optimizer": _apex_form(opt, scaler)})
     alias()
     again = tmp_path / "again.pt"
@@ -506,8 +595,11 @@ def _megatron_model():
 
     torch.manual_seed(0)
     model = FP16_Module(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)))
-    opt = MegatronOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
-                            dynamic_loss_args={"scale_window": 3.0, "delayed_shift": 2})
+    opt = MegatronOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"scale_window": 3.0, "delayed_shift": 2},
+    )
     return model, opt
 
 
@@ -531,8 +623,9 @@ def test_megatron_resumes_from_a_megatron_file_under_fp16kit_run_megatron(stand_
     model, opt = _megatron_model()
     _megatron_steps(model, opt, [False, True])
     sd = opt.state_dict()
-    sd["loss_scaler"] = megatron(module, cur_scale=2.0**10, cur_iter=6, last_overflow_iter=4, scale_window=3.0,
-                                 delayed_shift=2, cur_hysteresis=1)
+    sd["loss_scaler"] = megatron(
+        module, cur_scale=2.0**10, cur_iter=6, last_overflow_iter=4, scale_window=3.0, delayed_shift=2, cur_hysteresis=1
+    )
     data = _saved({"model": model.state_dict(), "optimizer": sd})
     stand_ins.remove()
     reference = load_checkpoint(io.BytesIO(data))
@@ -544,8 +637,12 @@ def test_megatron_resumes_from_a_megatron_file_under_fp16kit_run_megatron(stand_
         model2, opt2 = _megatron_model()
         model2.load_state_dict(ckpt["model"])
         opt2.load_state_dict(ckpt["optimizer"])
-        runs.append((_megatron_steps(model2, opt2, [False, True, False, True, False]),
-                     [p.detach().clone() for p in model2.parameters()]))
+        runs.append(
+            (
+                _megatron_steps(model2, opt2, [False, True, False, True, False]),
+                [p.detach().clone() for p in model2.parameters()],
+            )
+        )
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(p, q) for p, q in zip(runs[0][1], runs[1][1]))
 
@@ -593,19 +690,33 @@ def test_fused_era_objects_apex_pickled_whole_are_refused_at_load_not_later(stan
     (apex's own unpickled FusedAdam failed at its first step); fp16kit's wrapper keeps its masters
     and scale in objects apex's pickle lacks. Refused when loaded, naming the fix."""
     if what == "FusedAdam":
-        obj = _whole_optimizer(stand_ins, "apex.contrib.optimizers.fused_adam.FusedAdam",
-                               dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                    max_grad_norm=0.0))
+        obj = _whole_optimizer(
+            stand_ins,
+            "apex.contrib.optimizers.fused_adam.FusedAdam",
+            dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=0.0),
+        )
     elif what == "FusedSGD":
-        obj = _whole_optimizer(stand_ins, "apex.contrib.optimizers.fused_sgd.FusedSGD",
-                               dict(lr=0.1, momentum=0.9, dampening=0, weight_decay=0, nesterov=False))
+        obj = _whole_optimizer(
+            stand_ins,
+            "apex.contrib.optimizers.fused_sgd.FusedSGD",
+            dict(lr=0.1, momentum=0.9, dampening=0, weight_decay=0, nesterov=False),
+        )
     else:
         cls = stand_ins.add("apex.contrib.optimizers.fp16_optimizer.FP16_Optimizer")
         obj = cls()
         master = nn.Parameter(torch.ones(3))
-        obj.__dict__.update(optimizer=torch.optim.SGD([master], lr=0.1), fp16_groups=[[torch.ones(3).half()]],
-                            fp32_groups=[[master]], dynamic_loss_scale=True, cur_scale=2**16, cur_iter=0,
-                            last_overflow_iter=-1, scale_factor=2, scale_window=1000, verbose=True)
+        obj.__dict__.update(
+            optimizer=torch.optim.SGD([master], lr=0.1),
+            fp16_groups=[[torch.ones(3).half()]],
+            fp32_groups=[[master]],
+            dynamic_loss_scale=True,
+            cur_scale=2**16,
+            cur_iter=0,
+            last_overflow_iter=-1,
+            scale_factor=2,
+            scale_window=1000,
+            verbose=True,
+        )
     data = _saved({"optimizer": obj})
     stand_ins.remove()
     alias()
@@ -616,10 +727,12 @@ def test_fused_era_objects_apex_pickled_whole_are_refused_at_load_not_later(stan
 
 
 def test_fp16kit_s_own_fused_era_objects_still_pickle_and_load_state_dicts():
-    from fp16kit.legacy.contrib.optimizers import FP16_Optimizer as FusedEra, FusedAdam, FusedSGD
+    from fp16kit.legacy.contrib.optimizers import FP16_Optimizer as FusedEra
+    from fp16kit.legacy.contrib.optimizers import FusedAdam, FusedSGD
 
-    wrapper = FusedEra(FusedAdam([nn.Parameter(torch.ones(3).half())], lr=0.1, eps_inside_sqrt=True),
-                       dynamic_loss_scale=True)
+    wrapper = FusedEra(
+        FusedAdam([nn.Parameter(torch.ones(3).half())], lr=0.1, eps_inside_sqrt=True), dynamic_loss_scale=True
+    )
     twin = pickle.loads(pickle.dumps(wrapper))
     assert twin.cur_scale == 2.0**16 and twin.optimizer.eps_inside_sqrt is True
     copy.deepcopy(wrapper).optimizer.load_state_dict(wrapper.optimizer.state_dict())

@@ -94,12 +94,18 @@ def test_a_2018_fp16_module_pickled_whole_runs_in_fp16(stand_ins, alias):
     assert next(iter(loaded.state_dict())) == "module.0.weight"
     out.sum().backward()
     want.sum().backward()
-    assert all(p.grad.dtype == torch.float16 and torch.equal(p.grad, q.grad)
-               for p, q in zip(loaded.parameters(), reference.parameters()))
+    assert all(
+        p.grad.dtype == torch.float16 and torch.equal(p.grad, q.grad)
+        for p, q in zip(loaded.parameters(), reference.parameters())
+    )
     # the 2018 script's own imports resolve to the same objects
     old = importlib.import_module("apex.fp16_utils.fp16_optimizer")
     assert (old.FP16_Module, old.fp32_to_fp16, old.fp16_to_fp32, old.conversion_helper) == (
-        fp16_module.FP16_Module, fp16_module.fp32_to_fp16, fp16_module.fp16_to_fp32, fp16_module.conversion_helper)
+        fp16_module.FP16_Module,
+        fp16_module.fp32_to_fp16,
+        fp16_module.fp16_to_fp32,
+        fp16_module.conversion_helper,
+    )
 
 
 # ---------------------------------------------------------------------------------- LARC
@@ -129,8 +135,9 @@ def test_a_larc_apex_pickled_whole_is_refused_at_load_naming_the_fix(stand_ins, 
     """apex's LARC pickled only its inner optimizer's groups and state: neither that optimizer's
     class nor LARC's settings are in the file, and apex itself could not unpickle it."""
     model = nn.Linear(3, 2)
-    larc = _apex_larc_class(stand_ins)(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                       trust_coefficient=0.01, clip=False)
+    larc = _apex_larc_class(stand_ins)(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), trust_coefficient=0.01, clip=False
+    )
     data = _apex_file(stand_ins, {"model": model.state_dict(), "optimizer": larc})
     with pytest.raises(pickle.UnpicklingError) as info:
         _full_load(data)
@@ -158,12 +165,18 @@ SYNC_BN_LAYOUTS = {
     "fallback": ("apex.parallel.sync_batchnorm.SyncBatchNorm", {"process_group": None}),
     # the CUDA-extension class: channel_last from 2019-01, fuse_relu from 2019-04
     "optimized 2018-12": ("apex.parallel.optimized_sync_batchnorm.SyncBatchNorm", {"process_group": None}),
-    "optimized 2019-01": ("apex.parallel.optimized_sync_batchnorm.SyncBatchNorm",
-                          {"process_group": None, "channel_last": False}),
-    "optimized": ("apex.parallel.optimized_sync_batchnorm.SyncBatchNorm",
-                  {"process_group": None, "channel_last": False, "fuse_relu": False}),
-    "optimized channel-last + relu": ("apex.parallel.optimized_sync_batchnorm.SyncBatchNorm",
-                                      {"process_group": None, "channel_last": True, "fuse_relu": True}),
+    "optimized 2019-01": (
+        "apex.parallel.optimized_sync_batchnorm.SyncBatchNorm",
+        {"process_group": None, "channel_last": False},
+    ),
+    "optimized": (
+        "apex.parallel.optimized_sync_batchnorm.SyncBatchNorm",
+        {"process_group": None, "channel_last": False, "fuse_relu": False},
+    ),
+    "optimized channel-last + relu": (
+        "apex.parallel.optimized_sync_batchnorm.SyncBatchNorm",
+        {"process_group": None, "channel_last": True, "fuse_relu": True},
+    ),
 }
 
 
@@ -173,14 +186,20 @@ def test_an_apex_sync_batchnorm_pickled_whole_trains_and_evaluates(stand_ins, al
     path, attrs = SYNC_BN_LAYOUTS[layout]
     settings = dict(num_features=4, eps=1e-3, momentum=0.2)
     g = torch.Generator().manual_seed(2)
-    bn = _apex_module(stand_ins, path, _BatchNorm, attrs,
-                      init=lambda o: _BatchNorm.__init__(o, **settings, affine=True, track_running_stats=True))
+    bn = _apex_module(
+        stand_ins,
+        path,
+        _BatchNorm,
+        attrs,
+        init=lambda o: _BatchNorm.__init__(o, **settings, affine=True, track_running_stats=True),
+    )
     with torch.no_grad():
         for t in (bn.weight, bn.bias, bn.running_mean):
             t.copy_(torch.randn(4, generator=g))
         bn.running_var.copy_(torch.rand(4, generator=g) + 0.5)
-    reference = SyncBatchNorm(**settings, channel_last=attrs.get("channel_last", False),
-                              fuse_relu=attrs.get("fuse_relu", False))
+    reference = SyncBatchNorm(
+        **settings, channel_last=attrs.get("channel_last", False), fuse_relu=attrs.get("fuse_relu", False)
+    )
     reference.load_state_dict(bn.state_dict())
     data = _apex_file(stand_ins, {"model": nn.Sequential(bn)})
     loaded = _full_load(data)["model"][0]
@@ -205,24 +224,59 @@ def test_an_apex_sync_batchnorm_pickled_whole_trains_and_evaluates(stand_ins, al
 #: apex's defaults dict (what torch pickles) and the attributes its __init__ set beside it (what
 #: torch's pickling of an optimizer drops), per class, with apex's default values
 APEX_DEFAULTS = {
-    "FusedAdam": (dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
-                  dict(adam_w_mode=1, set_grad_none=True)),
+    "FusedAdam": (
+        dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
+        dict(adam_w_mode=1, set_grad_none=True),
+    ),
     # the same path's class of 2018-12 to 2019-08 (the legacy rule)
-    "FusedAdam 2018": (dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                            max_grad_norm=0.0), dict(eps_mode=1)),
-    "FusedLAMB": (dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                       grad_averaging=True, max_grad_norm=1.0),
-                  dict(adam_w_mode=1, set_grad_none=True, use_nvlamb=False)),
-    "FusedSGD": (dict(lr=0.1, momentum=0, dampening=0, weight_decay=0, nesterov=False),
-                 dict(wd_after_momentum=False, materialize_master_grads=True, most_recent_scale=1.0,
-                      scale_set_by_backward=False, set_grad_none=False)),
-    "FusedNovoGrad": (dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                           grad_averaging=True, norm_type=2, init_zero=False),
-                      dict(moment_mode=1, set_grad_none=True)),
+    "FusedAdam 2018": (
+        dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_grad_norm=0.0),
+        dict(eps_mode=1),
+    ),
+    "FusedLAMB": (
+        dict(
+            lr=1e-3,
+            bias_correction=True,
+            betas=(0.9, 0.999),
+            eps=1e-6,
+            weight_decay=0.01,
+            grad_averaging=True,
+            max_grad_norm=1.0,
+        ),
+        dict(adam_w_mode=1, set_grad_none=True, use_nvlamb=False),
+    ),
+    "FusedSGD": (
+        dict(lr=0.1, momentum=0, dampening=0, weight_decay=0, nesterov=False),
+        dict(
+            wd_after_momentum=False,
+            materialize_master_grads=True,
+            most_recent_scale=1.0,
+            scale_set_by_backward=False,
+            set_grad_none=False,
+        ),
+    ),
+    "FusedNovoGrad": (
+        dict(
+            lr=1e-3,
+            bias_correction=True,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0.0,
+            grad_averaging=True,
+            norm_type=2,
+            init_zero=False,
+        ),
+        dict(moment_mode=1, set_grad_none=True),
+    ),
     "FusedAdagrad": (dict(lr=1e-2, eps=1e-10, weight_decay=0.0), dict(adagrad_w_mode=0, set_grad_none=True)),
 }
-MODULES = {"FusedAdam": "fused_adam", "FusedLAMB": "fused_lamb", "FusedSGD": "fused_sgd",
-           "FusedNovoGrad": "fused_novograd", "FusedAdagrad": "fused_adagrad"}
+MODULES = {
+    "FusedAdam": "fused_adam",
+    "FusedLAMB": "fused_lamb",
+    "FusedSGD": "fused_sgd",
+    "FusedNovoGrad": "fused_novograd",
+    "FusedAdagrad": "fused_adagrad",
+}
 
 
 def _apex_optimizer(stand_ins, version: str, groups: list[dict], **settings) -> torch.optim.Optimizer:
@@ -300,7 +354,8 @@ def test_an_apex_optimizer_pickled_whole_steps_as_fp16kit_s_with_the_same_settin
     saved, want = loaded.state_dict(), reference.state_dict()
     kept = (*APEX_DEFAULTS[name][0], "step", "params")  # (torch's bookkeeping keys differ: foreach, ...)
     assert [{k: g.get(k) for k in kept} for g in saved["param_groups"]] == [
-        {k: g.get(k) for k in kept} for g in want["param_groups"]]
+        {k: g.get(k) for k in kept} for g in want["param_groups"]
+    ]
     for k in want["state"]:
         _same_tensors(saved["state"][k], want["state"][k])
     assert copy.deepcopy(loaded).defaults == loaded.defaults  # pickles again as fp16kit's
@@ -331,7 +386,10 @@ def test_an_apex_optimizer_pickled_whole_is_refused_where_a_lost_setting_matters
     with pytest.raises(pickle.UnpicklingError) as info:
         _full_load(data)
     message = str(info.value)
-    assert f"whole apex.optimizers.{name} object apex pickled (torch.save(optimizer), not optimizer.state_dict())" in message
+    assert (
+        f"whole apex.optimizers.{name} object apex pickled (torch.save(optimizer), not optimizer.state_dict())"
+        in message
+    )
     assert f"apex kept {lost} on the object" in message
     assert "torch.save(optimizer.state_dict(), NEW_PATH)" in message
 
@@ -369,8 +427,12 @@ def test_an_apex_ddp_pickled_whole_says_the_file_holds_no_model(stand_ins, alias
             del self.__dict__["self.bucket_streams"]
             return self.__dict__
 
-    ddp = _apex_module(stand_ins, "apex.parallel.distributed.DistributedDataParallel", nn.Module,
-                       {"_backend": "nccl", "message_size": 10000000, "delay_allreduce": False})
+    ddp = _apex_module(
+        stand_ins,
+        "apex.parallel.distributed.DistributedDataParallel",
+        nn.Module,
+        {"_backend": "nccl", "message_size": 10000000, "delay_allreduce": False},
+    )
     ddp.add_module("module", nn.Linear(3, 2))
     type(ddp).__getstate__ = apex_getstate
     data = _apex_file(stand_ins, {"model": ddp, "epoch": 7})
@@ -392,13 +454,23 @@ def test_an_apex_ddp_pickled_whole_says_the_file_holds_no_model(stand_ins, alias
 NORMS = {
     # path, fp16kit's class, apex's attributes beyond the parameters
     "FusedLayerNorm 2019": ("FusedLayerNorm", FusedLayerNorm, dict(eps=1e-5, elementwise_affine=True)),
-    "FusedLayerNorm": ("FusedLayerNorm", FusedLayerNorm, dict(eps=1e-4, elementwise_affine=True, memory_efficient=False)),
+    "FusedLayerNorm": (
+        "FusedLayerNorm",
+        FusedLayerNorm,
+        dict(eps=1e-4, elementwise_affine=True, memory_efficient=False),
+    ),
     "FusedLayerNorm, no affine": ("FusedLayerNorm", FusedLayerNorm, dict(eps=1e-5, elementwise_affine=False)),
-    "MixedFusedLayerNorm": ("MixedFusedLayerNorm", MixedFusedLayerNorm,
-                            dict(eps=1e-5, elementwise_affine=True, memory_efficient=False)),
+    "MixedFusedLayerNorm": (
+        "MixedFusedLayerNorm",
+        MixedFusedLayerNorm,
+        dict(eps=1e-5, elementwise_affine=True, memory_efficient=False),
+    ),
     "FusedRMSNorm": ("FusedRMSNorm", FusedRMSNorm, dict(eps=1e-5, elementwise_affine=True, memory_efficient=False)),
-    "MixedFusedRMSNorm": ("MixedFusedRMSNorm", MixedFusedRMSNorm,
-                          dict(eps=1e-6, elementwise_affine=True, memory_efficient=False)),
+    "MixedFusedRMSNorm": (
+        "MixedFusedRMSNorm",
+        MixedFusedRMSNorm,
+        dict(eps=1e-6, elementwise_affine=True, memory_efficient=False),
+    ),
 }
 
 
@@ -406,8 +478,12 @@ NORMS = {
 def test_an_apex_norm_pickled_whole_runs_as_fp16kit_s(stand_ins, alias, case):
     name, cls, attrs = NORMS[case]
     g = torch.Generator().manual_seed(4)
-    norm = _apex_module(stand_ins, f"apex.normalization.fused_layer_norm.{name}", nn.Module,
-                        dict(attrs, normalized_shape=torch.Size([6])))
+    norm = _apex_module(
+        stand_ins,
+        f"apex.normalization.fused_layer_norm.{name}",
+        nn.Module,
+        dict(attrs, normalized_shape=torch.Size([6])),
+    )
     params = ("weight",) if "RMS" in name else ("weight", "bias")
     for p in params:
         norm.register_parameter(p, nn.Parameter(torch.randn(6, generator=g)) if attrs["elementwise_affine"] else None)
@@ -431,8 +507,9 @@ def test_fp16model_and_network_to_half_pickled_whole_run(stand_ins, alias):
     reference_model, reference_half = FP16Model(copy.deepcopy(net)), network_to_half(copy.deepcopy(net))
     apex_model = _apex_module(stand_ins, "apex.fp16_utils.fp16util.FP16Model", nn.Module, {})
     apex_model.add_module("network", reference_model.network)  # apex's convert_network made the same
-    apex_half = nn.Sequential(_apex_module(stand_ins, "apex.fp16_utils.fp16util.tofp16", nn.Module, {}),
-                              reference_half[1])
+    apex_half = nn.Sequential(
+        _apex_module(stand_ins, "apex.fp16_utils.fp16util.tofp16", nn.Module, {}), reference_half[1]
+    )
     data = _apex_file(stand_ins, {"fp16model": apex_model, "network_to_half": apex_half})
     ckpt = _full_load(data)
 

@@ -30,8 +30,11 @@ def _reloaded(obj, tmp_path):
 
 def test_apex_scalers_of_both_eras_become_fp16kits_scaler_state(tmp_path, fake_apex, save):
     saved = {
-        "era1_dynamic": {"loss_scaler": fake_apex.era1_dynamic(cur_scale=2.0**20, cur_iter=1010,
-                                                               last_overflow_iter=3, scale_window=1000)},
+        "era1_dynamic": {
+            "loss_scaler": fake_apex.era1_dynamic(
+                cur_scale=2.0**20, cur_iter=1010, last_overflow_iter=3, scale_window=1000
+            )
+        },
         "era1_static": {"loss_scaler": fake_apex.era1_static(cur_scale=128)},
         "era2": {"loss_scaler": fake_apex.era2(2.0**15, unskipped=41, window=500, min_loss_scale=1.0)},
     }
@@ -40,15 +43,32 @@ def test_apex_scalers_of_both_eras_become_fp16kits_scaler_state(tmp_path, fake_a
     out, report = convert_checkpoint(load_checkpoint(path))
 
     assert out["era1_dynamic"]["loss_scaler"] == {
-        "dynamic": True, "loss_scale": 2.0**20, "scale_factor": 2.0, "scale_window": 1000,
+        "dynamic": True,
+        "loss_scale": 2.0**20,
+        "scale_factor": 2.0,
+        "scale_window": 1000,
         "unskipped": (1010 - 3 - 1) % 1000,  # 6 clean steps towards the next growth
-        "min_loss_scale": 1.0, "max_loss_scale": None}
+        "min_loss_scale": 1.0,
+        "max_loss_scale": None,
+    }
     assert out["era1_static"]["loss_scaler"] == {
-        "dynamic": False, "loss_scale": 128.0, "scale_factor": 2.0, "scale_window": 2000, "unskipped": 0,
-        "min_loss_scale": None, "max_loss_scale": 2.0**24}  # fp16_utils' FP16_Optimizer's own settings
+        "dynamic": False,
+        "loss_scale": 128.0,
+        "scale_factor": 2.0,
+        "scale_window": 2000,
+        "unskipped": 0,
+        "min_loss_scale": None,
+        "max_loss_scale": 2.0**24,
+    }  # fp16_utils' FP16_Optimizer's own settings
     assert out["era2"]["loss_scaler"] == {
-        "dynamic": True, "loss_scale": 2.0**15, "scale_factor": 2.0, "scale_window": 500, "unskipped": 41,
-        "min_loss_scale": 1.0, "max_loss_scale": 2.0**24}
+        "dynamic": True,
+        "loss_scale": 2.0**15,
+        "scale_factor": 2.0,
+        "scale_window": 500,
+        "unskipped": 41,
+        "min_loss_scale": 1.0,
+        "max_loss_scale": 2.0**24,
+    }
     assert [str(r) for r in report] == [
         "converted  era1_dynamic.loss_scaler: apex.fp16_utils.loss_scaler.DynamicLossScaler -> fp16kit's scaler "
         "state (dynamic, loss_scale 1.04858e+06; FP16_Optimizer.load_state_dict reads it)",
@@ -93,9 +113,14 @@ def test_megatron_scalers_stay_dicts_of_their_attributes(tmp_path, megatron, sav
     loaded = load_checkpoint(path)
     out, report = convert_checkpoint(loaded)
     assert out["optimizer"]["loss_scaler"] == loaded["optimizer"]["loss_scaler"]
-    assert report == [Conversion("optimizer.loss_scaler", "megatron.fp16.loss_scaler.DynamicLossScaler",
-                                 "a dict of its attributes (fp16kit.legacy.megatron's FP16_Optimizer reads it)",
-                                 changed=False)]
+    assert report == [
+        Conversion(
+            "optimizer.loss_scaler",
+            "megatron.fp16.loss_scaler.DynamicLossScaler",
+            "a dict of its attributes (fp16kit.legacy.megatron's FP16_Optimizer reads it)",
+            changed=False,
+        )
+    ]
     assert str(report[0]).startswith("kept       optimizer.loss_scaler: megatron.fp16.loss_scaler.")
 
 
@@ -112,7 +137,10 @@ def test_a_namespace_becomes_a_dict_that_weights_only_reads(tmp_path, save):
     args = argparse.Namespace(params_dtype=torch.bfloat16, lr=1e-4, layers=[1, 2], fp16=False)
     loaded = load_checkpoint(save({"args": args, "iteration": 5}, tmp_path / "a.pt"))
     out, report = convert_checkpoint(loaded)
-    assert out == {"args": {"params_dtype": torch.bfloat16, "lr": 1e-4, "layers": [1, 2], "fp16": False}, "iteration": 5}
+    assert out == {
+        "args": {"params_dtype": torch.bfloat16, "lr": 1e-4, "layers": [1, 2], "fp16": False},
+        "iteration": 5,
+    }
     assert _reloaded(out, tmp_path) == out  # torch dtypes are read by weights_only
     assert [(r.path, r.before) for r in report] == [("args", "argparse.Namespace (4 attributes)")]
     assert argparse.Namespace(**out["args"]) == args
@@ -139,11 +167,22 @@ def test_numpy_rng_state_becomes_tensors_and_numbers(tmp_path, fake_numpy, save)
 def _fused_adam_state(step, lr=1e-3, capturable=False) -> dict:
     """apex FusedAdam.state_dict(): a per-group step, per-param exp_avg/exp_avg_sq (docs/apex-others.md §3)."""
     torch.manual_seed(1)
-    group = {"lr": torch.tensor(lr) if capturable else lr, "bias_correction": True, "betas": (0.9, 0.999),
-             "eps": 1e-8, "weight_decay": 0.01, "step": torch.tensor(step) if capturable else step, "params": [0, 1, 2]}
-    return {"state": {0: {"exp_avg": torch.randn(3), "exp_avg_sq": torch.rand(3)},
-                      1: {"exp_avg": torch.randn(2), "exp_avg_sq": torch.rand(2)}},  # param 2: no grad yet
-            "param_groups": [group]}
+    group = {
+        "lr": torch.tensor(lr) if capturable else lr,
+        "bias_correction": True,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+        "step": torch.tensor(step) if capturable else step,
+        "params": [0, 1, 2],
+    }
+    return {
+        "state": {
+            0: {"exp_avg": torch.randn(3), "exp_avg_sq": torch.rand(3)},
+            1: {"exp_avg": torch.randn(2), "exp_avg_sq": torch.rand(2)},
+        },  # param 2: no grad yet
+        "param_groups": [group],
+    }
 
 
 def test_fused_adam_group_step_is_kept_unless_asked_and_torch_needs_it(tmp_path):
@@ -152,8 +191,13 @@ def test_fused_adam_group_step_is_kept_unless_asked_and_torch_needs_it(tmp_path)
     assert out["optimizer"] is sd
     assert [str(r) for r in report] == [
         "kept       optimizer.param_groups[0].step: per-group step 41 (apex Fused*) -> kept (--torch-optimizer-state "
-        "/ torch_optimizer_state=True moves it into each param's state for torch.optim.Adam/AdamW)"]
-    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)]
+        "/ torch_optimizer_state=True moves it into each param's state for torch.optim.Adam/AdamW)"
+    ]
+    params = [
+        torch.zeros(3, requires_grad=True),
+        torch.zeros(2, requires_grad=True),
+        torch.zeros(1, requires_grad=True),
+    ]
     adam = torch.optim.AdamW(params)
     with pytest.raises(KeyError, match="step"):  # why the option exists (docs/apex-others.md §6)
         adam.load_state_dict(sd)
@@ -169,13 +213,19 @@ def test_fused_adam_group_step_moves_into_torchs_per_param_state(tmp_path, captu
     state, group = out["optimizer"]["state"], out["optimizer"]["param_groups"][0]
     assert "step" not in group and group["lr"] == pytest.approx(1e-3) and type(group["lr"]) is float
     for pid in (0, 1):
-        assert state[pid]["step"].dtype == torch.float32 and state[pid]["step"].shape == () and state[pid]["step"] == 41.0
+        assert (
+            state[pid]["step"].dtype == torch.float32 and state[pid]["step"].shape == () and state[pid]["step"] == 41.0
+        )
     assert 2 not in state  # a param without state starts its own count in torch
     assert "step" in sd["param_groups"][0] and "step" not in sd["state"][0]  # the input is left as it was
-    expected = ["converted  optimizer.param_groups[0].step: per-group step 41 (apex Fused*) -> state[p]['step'] = "
-                "tensor(41.0) for the group's 2 params with state"]
+    expected = [
+        "converted  optimizer.param_groups[0].step: per-group step 41 (apex Fused*) -> state[p]['step'] = "
+        "tensor(41.0) for the group's 2 params with state"
+    ]
     if capturable:
-        expected.append("converted  optimizer.param_groups[0].lr: tensor lr (capturable) -> float 0.0010000000474974513")
+        expected.append(
+            "converted  optimizer.param_groups[0].lr: tensor lr (capturable) -> float 0.0010000000474974513"
+        )
     assert [str(r) for r in report] == expected
 
     loaded = _reloaded(out, tmp_path)["optimizer"]
@@ -198,8 +248,10 @@ def test_fused_adam_group_step_moves_into_torchs_per_param_state(tmp_path, captu
 
 
 def test_legacy_fused_adam_per_param_int_steps_become_tensors():
-    sd = {"state": {0: {"step": 9, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}},
-          "param_groups": [{"lr": 5e-5, "max_grad_norm": 1.0, "bias_correction": False, "params": [0]}]}
+    sd = {
+        "state": {0: {"step": 9, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}},
+        "param_groups": [{"lr": 5e-5, "max_grad_norm": 1.0, "bias_correction": False, "params": [0]}],
+    }
     out, report = convert_checkpoint({"optimizer_state_dict": sd}, torch_optimizer_state=True)
     assert out["optimizer_state_dict"]["state"][0]["step"].dtype == torch.float32
     assert out["optimizer_state_dict"]["state"][0]["step"].item() == 9.0
@@ -207,9 +259,12 @@ def test_legacy_fused_adam_per_param_int_steps_become_tensors():
 
 
 def test_fused_novograd_group_state_is_left_as_it_is():
-    sd = {"state": {0: {"exp_avg": torch.zeros(2)}},
-          "param_groups": [{"lr": 1e-3, "step": 5, "norm_type": 2, "exp_avg_sq": [torch.zeros(0), torch.ones(1)],
-                            "params": [0]}]}
+    sd = {
+        "state": {0: {"exp_avg": torch.zeros(2)}},
+        "param_groups": [
+            {"lr": 1e-3, "step": 5, "norm_type": 2, "exp_avg_sq": [torch.zeros(0), torch.ones(1)], "params": [0]}
+        ],
+    }
     out, report = convert_checkpoint({"opt": sd}, torch_optimizer_state=True)
     assert out["opt"]["param_groups"][0]["step"] == 5 and "step" not in out["opt"]["state"][0]
     assert report[0].changed is False and "torch has no NovoGrad" in report[0].after
@@ -243,18 +298,29 @@ NAN, INF = float("nan"), float("inf")
 # (maker, attribute, a value no apex run writes there): ZeroDivisionError / OverflowError
 # tracebacks before, or written into the converted file as they were (a NaN scale)
 IMPOSSIBLE_SCALERS = [
-    ("era1_dynamic", "scale_window", 0), ("era1_dynamic", "scale_window", INF), ("era1_dynamic", "scale_window", -3),
-    ("era1_dynamic", "cur_scale", NAN), ("era1_dynamic", "cur_scale", 0), ("era1_dynamic", "scale_factor", 0.0),
-    ("era1_static", "cur_scale", -1.0), ("era1_static", "cur_scale", INF),
-    ("era2", "_loss_scale", NAN), ("era2", "_loss_scale", 0.0), ("era2", "_loss_scale", -2.0**16),
-    ("era2", "_scale_seq_len", INF), ("era2", "_scale_seq_len", 0), ("era2", "_unskipped", -1),
+    ("era1_dynamic", "scale_window", 0),
+    ("era1_dynamic", "scale_window", INF),
+    ("era1_dynamic", "scale_window", -3),
+    ("era1_dynamic", "cur_scale", NAN),
+    ("era1_dynamic", "cur_scale", 0),
+    ("era1_dynamic", "scale_factor", 0.0),
+    ("era1_static", "cur_scale", -1.0),
+    ("era1_static", "cur_scale", INF),
+    ("era2", "_loss_scale", NAN),
+    ("era2", "_loss_scale", 0.0),
+    ("era2", "_loss_scale", -(2.0**16)),
+    ("era2", "_scale_seq_len", INF),
+    ("era2", "_scale_seq_len", 0),
+    ("era2", "_unskipped", -1),
 ]
 
 
-@pytest.mark.parametrize(("maker", "field", "value"), IMPOSSIBLE_SCALERS,
-                         ids=[f"{m}-{f}-{v!r}" for m, f, v in IMPOSSIBLE_SCALERS])
+@pytest.mark.parametrize(
+    ("maker", "field", "value"), IMPOSSIBLE_SCALERS, ids=[f"{m}-{f}-{v!r}" for m, f, v in IMPOSSIBLE_SCALERS]
+)
 def test_a_scaler_record_no_apex_run_writes_is_refused_naming_the_field_and_nothing_is_written(
-        tmp_path, fake_apex, save, maker, field, value):
+    tmp_path, fake_apex, save, maker, field, value
+):
     scaler = getattr(fake_apex, maker)()
     setattr(scaler, field, value)
     path = save({"model": {"w": torch.ones(2)}, "optimizer": {"loss_scaler": scaler}}, tmp_path / "apex.pt")
@@ -266,7 +332,8 @@ def test_a_scaler_record_no_apex_run_writes_is_refused_naming_the_field_and_noth
     assert isinstance(info.value, pickle.UnpicklingError)  # one except clause for "not converted"
     # what the command line prints after "IN was not converted: {where}: "
     assert info.value.where == "optimizer.loss_scaler" and info.value.why.startswith(
-        f"the {load_checkpoint(path)['optimizer']['loss_scaler']['__apex_class__']} there holds {field} = {value!r}, not ")
+        f"the {load_checkpoint(path)['optimizer']['loss_scaler']['__apex_class__']} there holds {field} = {value!r}, not "
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["apex.pt"]  # no output, no temporary file
     # and the file itself, loaded into an optimizer, is refused as plainly
     opt = FP16_Optimizer(torch.optim.SGD(torch.nn.Linear(2, 2).half().parameters(), lr=0.1), verbose=False)

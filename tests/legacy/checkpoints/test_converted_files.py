@@ -26,14 +26,34 @@ def _megatron_file(tmp_path, megatron, save_on):
     torch.manual_seed(3)
     w = torch.randn(4, 3).half()
     w.model_parallel = True
-    inner = {"state": {0: {"exp_avg": torch.randn(4, 3) * 0.01, "exp_avg_sq": torch.rand(4, 3) * 1e-4}},
-             "param_groups": [{"lr": LR, "bias_correction": True, "betas": (B1, B2), "eps": EPS,
-                               "weight_decay": WD, "step": STEP, "params": [0]}]}
-    optimizer = {"loss_scaler": megatron(cur_scale=1024.0, cur_iter=STEP, last_overflow_iter=50, scale_window=1000.0),
-                 "dynamic_loss_scale": True, "overflow": False, "first_closure_call_this_step": True,
-                 "optimizer_state_dict": inner, "fp32_from_fp16": [[w.float() + 0.001]]}
-    ckpt = {"args": argparse.Namespace(fp16=True, params_dtype=torch.half), "iteration": STEP,
-            "model": {"w": w}, "optimizer": optimizer}
+    inner = {
+        "state": {0: {"exp_avg": torch.randn(4, 3) * 0.01, "exp_avg_sq": torch.rand(4, 3) * 1e-4}},
+        "param_groups": [
+            {
+                "lr": LR,
+                "bias_correction": True,
+                "betas": (B1, B2),
+                "eps": EPS,
+                "weight_decay": WD,
+                "step": STEP,
+                "params": [0],
+            }
+        ],
+    }
+    optimizer = {
+        "loss_scaler": megatron(cur_scale=1024.0, cur_iter=STEP, last_overflow_iter=50, scale_window=1000.0),
+        "dynamic_loss_scale": True,
+        "overflow": False,
+        "first_closure_call_this_step": True,
+        "optimizer_state_dict": inner,
+        "fp32_from_fp16": [[w.float() + 0.001]],
+    }
+    ckpt = {
+        "args": argparse.Namespace(fp16=True, params_dtype=torch.half),
+        "iteration": STEP,
+        "model": {"w": w},
+        "optimizer": optimizer,
+    }
     # as torch 1.4 wrote it from a GPU: legacy format, protocol 2, storages on cuda:0
     return save_on(ckpt, tmp_path / "megatron.pt", legacy=True), ckpt
 
@@ -41,8 +61,9 @@ def _megatron_file(tmp_path, megatron, save_on):
 def _apex_adam(master, m, v, g, t):
     """apex FusedAdam (adam_w_mode), docs/apex-others.md §3.1, in double."""
     out = []
-    for p, mi, vi, gi in zip(master.flatten().tolist(), m.flatten().tolist(), v.flatten().tolist(),
-                             g.flatten().tolist()):
+    for p, mi, vi, gi in zip(
+        master.flatten().tolist(), m.flatten().tolist(), v.flatten().tolist(), g.flatten().tolist()
+    ):
         mi = B1 * mi + (1 - B1) * gi
         vi = B2 * vi + (1 - B2) * gi * gi
         u = (mi / (1 - B1**t)) / (math.sqrt(vi / (1 - B2**t)) + EPS) + WD * p
@@ -52,7 +73,8 @@ def _apex_adam(master, m, v, g, t):
 
 @pytest.mark.parametrize("torch_optimizer_state", [False, True])
 def test_a_converted_megatron_checkpoint_continues_in_fusedadam_at_the_saved_step(
-        tmp_path, megatron, save_on, torch_optimizer_state):
+    tmp_path, megatron, save_on, torch_optimizer_state
+):
     """With --torch-optimizer-state the group's step is gone: apex's FusedAdam continues from the
     per-param counts (it restarted its bias correction at step 1, silently, before)."""
     from fp16kit.legacy.megatron import FP16_Optimizer
@@ -97,8 +119,9 @@ def test_a_file_converted_for_torch_still_loads_into_torchs_adamw(tmp_path, mega
     # torch's AdamW decays before the update: p*(1-lr*wd) - lr*m_hat/(sqrt(v_hat)+eps)
     before = saved["optimizer"]["fp32_from_fp16"][0][0].flatten().tolist()
     t = STEP + 1
-    for j, (p, m, v, gi) in enumerate(zip(before, inner["exp_avg"].flatten().tolist(),
-                                          inner["exp_avg_sq"].flatten().tolist(), g.flatten().tolist())):
+    for j, (p, m, v, gi) in enumerate(
+        zip(before, inner["exp_avg"].flatten().tolist(), inner["exp_avg_sq"].flatten().tolist(), g.flatten().tolist())
+    ):
         m = B1 * m + (1 - B1) * gi
         v = B2 * v + (1 - B2) * gi * gi
         want = p * (1 - LR * WD) - LR / (1 - B1**t) * m / (math.sqrt(v) / math.sqrt(1 - B2**t) + EPS)
@@ -151,19 +174,32 @@ def _fused_era_state(layout: str):
     masters = [p.float() + 0.01 for p in model]
     n = sum(p.numel() for p in model)
     m, v = torch.randn(n) * 0.01, torch.rand(n) * 1e-4
-    group = {"lr": LR, "bias_correction": True, "betas": (B1, B2), "eps": EPS, "weight_decay": WD,
-             "max_grad_norm": 1.0}
+    group = {"lr": LR, "bias_correction": True, "betas": (B1, B2), "eps": EPS, "weight_decay": WD, "max_grad_norm": 1.0}
     if layout == "flat":
-        inner = {"state": {0: {"step": 10, "exp_avg": m.clone(), "exp_avg_sq": v.clone()}},
-                 "param_groups": [{**group, "params": [0]}]}
+        inner = {
+            "state": {0: {"step": 10, "exp_avg": m.clone(), "exp_avg_sq": v.clone()}},
+            "param_groups": [{**group, "params": [0]}],
+        }
         held = {"fp32_groups_flat": [torch.cat([t.flatten() for t in masters])]}
     else:
-        inner = {"state": {0: {"step": 10, "exp_avg": m[:6].reshape(3, 2).clone(), "exp_avg_sq": v[:6].reshape(3, 2).clone()},
-                           1: {"step": 10, "exp_avg": m[6:].clone(), "exp_avg_sq": v[6:].clone()}},
-                 "param_groups": [{**group, "params": [0, 1]}]}
+        inner = {
+            "state": {
+                0: {"step": 10, "exp_avg": m[:6].reshape(3, 2).clone(), "exp_avg_sq": v[:6].reshape(3, 2).clone()},
+                1: {"step": 10, "exp_avg": m[6:].clone(), "exp_avg_sq": v[6:].clone()},
+            },
+            "param_groups": [{**group, "params": [0, 1]}],
+        }
         held = {"fp32_groups": [[t.clone() for t in masters]]}
-    sd = {"dynamic_loss_scale": True, "cur_scale": 1024.0, "cur_iter": 10, "last_overflow_iter": -1,
-          "scale_factor": 2.0, "scale_window": 1000, "optimizer_state_dict": inner, **held}
+    sd = {
+        "dynamic_loss_scale": True,
+        "cur_scale": 1024.0,
+        "cur_iter": 10,
+        "last_overflow_iter": -1,
+        "scale_factor": 2.0,
+        "scale_window": 1000,
+        "optimizer_state_dict": inner,
+        **held,
+    }
     return {"model": {"w": model[0], "b": model[1]}, "optimizer": sd, "epoch": 3}, masters, m, v
 
 
@@ -201,11 +237,16 @@ def test_a_fused_era_fp16_optimizer_file_continues_in_fp16kit(tmp_path, save_on,
         convert_file(path, tmp_path / "out.pt", torch_optimizer_state=how.endswith("state"))
         loaded = torch.load(tmp_path / "out.pt", weights_only=True)
     if how.endswith("state"):  # the legacy per-param int step became torch's float32 tensor
-        assert all(s["step"].dtype == torch.float32 for s in loaded["optimizer"]["optimizer_state_dict"]["state"].values())
+        assert all(
+            s["step"].dtype == torch.float32 for s in loaded["optimizer"]["optimizer_state_dict"]["state"].values()
+        )
 
     model = [loaded["model"]["w"].clone().requires_grad_(), loaded["model"]["b"].clone().requires_grad_()]
-    opt = FP16_Optimizer(FusedAdam([{"params": model}], lr=LR, weight_decay=WD, max_grad_norm=1.0),
-                         dynamic_loss_scale=True, verbose=False)
+    opt = FP16_Optimizer(
+        FusedAdam([{"params": model}], lr=LR, weight_decay=WD, max_grad_norm=1.0),
+        dynamic_loss_scale=True,
+        verbose=False,
+    )
     opt.load_state_dict(loaded["optimizer"])
     grads = [(torch.arange(p.numel()).reshape(p.shape) * 0.5).half() for p in model]
     for p, g in zip(model, grads):
@@ -254,18 +295,22 @@ def test_fused_adagrad_state_loads_into_torchs_adagrad_after_torch_optimizer_sta
     p -= lr * g / (sqrt(sum) + eps) -- torch's with lr_decay 0 and the count unused."""
     lr, eps = 0.01, 1e-10
     saved_sum = torch.tensor([0.5, 2.0, 0.25])
-    sd = {"state": {0: {"sum": saved_sum.clone()}},
-          "param_groups": [{"lr": lr, "eps": eps, "weight_decay": 0.0, "params": [0]}]}
+    sd = {
+        "state": {0: {"sum": saved_sum.clone()}},
+        "param_groups": [{"lr": lr, "eps": eps, "weight_decay": 0.0, "params": [0]}],
+    }
     path = save_on({"optimizer": sd}, tmp_path / "adagrad.pt", legacy=True)
     plain, report = convert_file(path, tmp_path / "plain.pt"), None
     with pytest.raises(KeyError, match="step"):  # why the option does this
         torch.optim.Adagrad([torch.zeros(3, requires_grad=True)]).load_state_dict(
-            torch.load(tmp_path / "plain.pt", weights_only=True)["optimizer"])
+            torch.load(tmp_path / "plain.pt", weights_only=True)["optimizer"]
+        )
     report = convert_file(path, tmp_path / "out.pt", torch_optimizer_state=True)
     assert [str(r) for r in report if r.path == "optimizer.state"] == [
         "converted  optimizer.state: 'sum' only, no count, for 1 params (apex FusedAdagrad) -> state[p]['step'] = "
         "tensor(0.0) and group lr_decay 0: torch.optim.Adagrad needs both; the count matters only with lr_decay, "
-        "which apex's lacked"]
+        "which apex's lacked"
+    ]
     p = torch.tensor([1.0, -1.0, 0.5], requires_grad=True)
     opt = torch.optim.Adagrad([p], lr=lr, eps=eps)
     opt.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True)["optimizer"])

@@ -29,15 +29,34 @@ def _cases():
     shared = {"x": 1}
     return {
         "model and optimizer": {"model": model.state_dict(), "optimizer": adam.state_dict(), "epoch": 3},
-        "dtypes": {str(d): torch.arange(3).to(d) for d in (
-            torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
-            torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint16, torch.float8_e4m3fn)},
+        "dtypes": {
+            str(d): torch.arange(3).to(d)
+            for d in (
+                torch.float16,
+                torch.bfloat16,
+                torch.float32,
+                torch.float64,
+                torch.int8,
+                torch.uint8,
+                torch.int16,
+                torch.int32,
+                torch.int64,
+                torch.bool,
+                torch.complex64,
+                torch.uint16,
+                torch.float8_e4m3fn,
+            )
+        },
         "views": {"a": base, "b": base[1:], "c": base.t(), "d": base[:, ::2]},
         "grads": {"param": torch.nn.Parameter(torch.randn(2, 2)), "leaf": torch.randn(2, requires_grad=True)},
         "python values": [1, 2.5, float("nan"), float("inf"), -0.0, True, None, "s", b"raw", 1 + 2j, 2**70, -(2**70)],
         "torch values": {"size": torch.Size([2, 3]), "dtype": torch.float16, "device": torch.device("cuda", 1)},
-        "containers": {"nested": [{"b": (1, [2, {"c": torch.zeros(1)}])}], "empty": [(), [], {}, collections.OrderedDict()],
-                       "sets": [{1, 2}, set()], "shared": [shared, shared]},  # (weights_only refuses frozensets)
+        "containers": {
+            "nested": [{"b": (1, [2, {"c": torch.zeros(1)}])}],
+            "empty": [(), [], {}, collections.OrderedDict()],
+            "sets": [{1, 2}, set()],
+            "shared": [shared, shared],
+        },  # (weights_only refuses frozensets)
         "keys": {0: torch.zeros(1), 1.5: 2, (1, 2): "tuple key", None: 3, True: "bool key"},
         "sparse": torch.sparse_coo_tensor([[0, 1], [1, 0]], [1.0, 2.0], (2, 2), check_invariants=True),
         "quantized": torch.quantize_per_tensor(torch.tensor([0.1, -0.25, 0.3]), 0.05, 2, torch.qint8),
@@ -59,7 +78,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _same(a, b, where="root"):
     assert type(a) is type(b), where
     if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.requires_grad, a.device, a.layout) == (b.dtype, b.shape, b.requires_grad, b.device, b.layout), where
+        assert (a.dtype, a.shape, a.requires_grad, a.device, a.layout) == (
+            b.dtype,
+            b.shape,
+            b.requires_grad,
+            b.device,
+            b.layout,
+        ), where
         if not a.is_sparse and not a.is_quantized:
             assert (a.stride(), a.storage_offset()) == (b.stride(), b.storage_offset()), where
         if a.is_quantized:
@@ -86,10 +111,28 @@ def _storages(obj) -> list[int]:
     return [ptrs.index(p) for p in ptrs]
 
 
-@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning", "ignore:TypedStorage is deprecated:UserWarning")
+@pytest.mark.filterwarnings(
+    "ignore:torch.quantize_per_tensor:UserWarning", "ignore:TypedStorage is deprecated:UserWarning"
+)
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
-@pytest.mark.parametrize("name", ["model and optimizer", "dtypes", "views", "grads", "python values", "torch values",
-                                  "containers", "keys", "sparse", "quantized", "0-dim", "an int", "rng state"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model and optimizer",
+        "dtypes",
+        "views",
+        "grads",
+        "python values",
+        "torch values",
+        "containers",
+        "keys",
+        "sparse",
+        "quantized",
+        "0-dim",
+        "an int",
+        "rng state",
+    ],
+)
 def test_what_weights_only_reads_comes_back_identically(tmp_path, name, legacy):
     obj = _cases()[name]
     if legacy and name == "dtypes":  # the legacy format has no storage type for these

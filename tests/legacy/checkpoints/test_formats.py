@@ -33,10 +33,21 @@ FORMATS = pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-f
 
 def _megatron_args() -> argparse.Namespace:
     """A few of Megatron's args, as its arguments.py set them (2020)."""
-    return argparse.Namespace(num_layers=24, hidden_size=1024, num_attention_heads=16, fp16=True,
-                              params_dtype=torch.float16, loss_scale=None, loss_scale_window=1000.0,
-                              min_scale=1.0, hysteresis=2, data_path=["my-gpt2_text_document"],
-                              tokenizer_type="GPT2BPETokenizer", lr=1.5e-4, rank=0)
+    return argparse.Namespace(
+        num_layers=24,
+        hidden_size=1024,
+        num_attention_heads=16,
+        fp16=True,
+        params_dtype=torch.float16,
+        loss_scale=None,
+        loss_scale_window=1000.0,
+        min_scale=1.0,
+        hysteresis=2,
+        data_path=["my-gpt2_text_document"],
+        tokenizer_type="GPT2BPETokenizer",
+        lr=1.5e-4,
+        rank=0,
+    )
 
 
 def _megatron_checkpoint(megatron, fake_numpy, key: list[int]) -> dict:
@@ -60,15 +71,32 @@ def _megatron_checkpoint(megatron, fake_numpy, key: list[int]) -> dict:
             "overflow": False,
             "first_closure_call_this_step": True,
             "optimizer_state_dict": {
-                "state": {0: {"exp_avg": torch.randn(4, 3), "exp_avg_sq": torch.rand(4, 3)},
-                          1: {"exp_avg": torch.randn(4), "exp_avg_sq": torch.rand(4)}},
-                "param_groups": [{"lr": 1.5e-4, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
-                                  "weight_decay": 0.01, "step": 997, "params": [0, 1]}],
+                "state": {
+                    0: {"exp_avg": torch.randn(4, 3), "exp_avg_sq": torch.rand(4, 3)},
+                    1: {"exp_avg": torch.randn(4), "exp_avg_sq": torch.rand(4)},
+                },
+                "param_groups": [
+                    {
+                        "lr": 1.5e-4,
+                        "bias_correction": True,
+                        "betas": (0.9, 0.999),
+                        "eps": 1e-8,
+                        "weight_decay": 0.01,
+                        "step": 997,
+                        "params": [0, 1],
+                    }
+                ],
             },
             "fp32_from_fp16": [masters],
         },
-        "lr_scheduler": {"start_lr": 1.5e-4, "warmup_iter": 10, "num_iters": 1000, "decay_style": "cosine",
-                         "end_iter": 320000, "min_lr": 1e-5},
+        "lr_scheduler": {
+            "start_lr": 1.5e-4,
+            "warmup_iter": 10,
+            "num_iters": 1000,
+            "decay_style": "cosine",
+            "end_iter": 320000,
+            "min_lr": 1e-5,
+        },
         "random_rng_state": random.Random(1).getstate(),
         "np_rng_state": fake_numpy.rng_state(key, pos=17, has_gauss=1, cached=-0.5),
         "torch_rng_state": torch.get_rng_state(),
@@ -92,9 +120,18 @@ def test_a_megatron_v1_checkpoint_saved_on_cuda_loads_on_cpu(tmp_path, megatron,
     assert out["args"].params_dtype is torch.float16  # Megatron reads args.foo
     assert (out["checkpoint_version"], out["iteration"]) == (3.0, 1000)
     scaler = out["optimizer"]["loss_scaler"]
-    assert scaler == {"__apex_class__": "megatron.fp16.loss_scaler.DynamicLossScaler", "cur_scale": 2.0**31,
-                      "cur_iter": 1000, "last_overflow_iter": 2, "scale_factor": 2.0, "scale_window": 1000,
-                      "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 1, "consecutive_hysteresis": False}
+    assert scaler == {
+        "__apex_class__": "megatron.fp16.loss_scaler.DynamicLossScaler",
+        "cur_scale": 2.0**31,
+        "cur_iter": 1000,
+        "last_overflow_iter": 2,
+        "scale_factor": 2.0,
+        "scale_window": 1000,
+        "min_scale": 1,
+        "delayed_shift": 2,
+        "cur_hysteresis": 1,
+        "consecutive_hysteresis": False,
+    }
     assert type(scaler["min_scale"]) is int and type(scaler["cur_scale"]) is float  # as pickled
     np_state = out["np_rng_state"]
     assert type(np_state) is tuple and np_state[0] == "MT19937" and np_state[2:] == (17, 1, -0.5)
@@ -111,7 +148,9 @@ def test_a_megatron_v1_checkpoint_saved_on_cuda_loads_on_cpu(tmp_path, megatron,
     assert group["step"] == 997 and group["betas"] == (0.9, 0.999)
     layers = out["model"]["language_model"]["transformer"]
     assert layers["layers.0.dense.weight"].dtype == torch.float16
-    assert torch.equal(layers["layers.0.dense.weight"], saved["model"]["language_model"]["transformer"]["layers.0.dense.weight"])
+    assert torch.equal(
+        layers["layers.0.dense.weight"], saved["model"]["language_model"]["transformer"]["layers.0.dense.weight"]
+    )
     tensors = _tensors(out)
     assert len(tensors) == 12 and all(t.device.type == "cpu" for t in tensors)
 
@@ -151,14 +190,22 @@ def test_megatron_and_fork_scalers_come_back_with_exactly_their_attributes(tmp_p
 
     out = load_checkpoint(path)
     assert out["static"] == {"__apex_class__": f"{module}.LossScaler", "cur_scale": 128}
-    assert out["old"] == {"__apex_class__": f"{module}.DynamicLossScaler", "cur_scale": 2**32, "cur_iter": 0,
-                          "last_overflow_iter": -1, "scale_factor": 2.0, "scale_window": 1000}
+    assert out["old"] == {
+        "__apex_class__": f"{module}.DynamicLossScaler",
+        "cur_scale": 2**32,
+        "cur_iter": 0,
+        "last_overflow_iter": -1,
+        "scale_factor": 2.0,
+        "scale_window": 1000,
+    }
 
 
 @needs_no_cuda
 @FORMATS
 def test_an_era2_scaler_holding_a_cuda_int_tensor_loads_on_cpu(tmp_path, fake_apex, save_on, legacy):
-    path = save_on({"optimizer": {"loss_scaler": fake_apex.era2(1024.0, unskipped=7)}}, tmp_path / "e2.pt", legacy=legacy)
+    path = save_on(
+        {"optimizer": {"loss_scaler": fake_apex.era2(1024.0, unskipped=7)}}, tmp_path / "e2.pt", legacy=legacy
+    )
     fake_apex.remove()
     scaler = load_checkpoint(path)["optimizer"]["loss_scaler"]
     assert scaler["_overflow_buf"].device.type == "cpu" and scaler["_overflow_buf"].dtype == torch.int32
@@ -176,16 +223,38 @@ def _fused_era_state(layout: str) -> dict:
     masters = [torch.randn(*s) for s in sizes]
     inner_params = [0] if layout == "flat" else [0, 1]
     return {
-        "dynamic_loss_scale": True, "cur_scale": 2**16, "cur_iter": 12, "last_overflow_iter": 3,
-        "scale_factor": 2, "scale_window": 1000,
+        "dynamic_loss_scale": True,
+        "cur_scale": 2**16,
+        "cur_iter": 12,
+        "last_overflow_iter": 3,
+        "scale_factor": 2,
+        "scale_window": 1000,
         "optimizer_state_dict": {
-            "state": {i: {"step": 9, "exp_avg": torch.randn(19 if layout == "flat" else sizes[i][0]),
-                          "exp_avg_sq": torch.rand(19 if layout == "flat" else sizes[i][0])} for i in inner_params},
-            "param_groups": [{"lr": 5e-5, "bias_correction": False, "betas": (0.9, 0.999), "eps": 1e-6,
-                              "weight_decay": 0.01, "max_grad_norm": 1.0, "params": inner_params}],
+            "state": {
+                i: {
+                    "step": 9,
+                    "exp_avg": torch.randn(19 if layout == "flat" else sizes[i][0]),
+                    "exp_avg_sq": torch.rand(19 if layout == "flat" else sizes[i][0]),
+                }
+                for i in inner_params
+            },
+            "param_groups": [
+                {
+                    "lr": 5e-5,
+                    "bias_correction": False,
+                    "betas": (0.9, 0.999),
+                    "eps": 1e-6,
+                    "weight_decay": 0.01,
+                    "max_grad_norm": 1.0,
+                    "params": inner_params,
+                }
+            ],
         },
-        **({"fp32_groups_flat": [torch.cat([m.flatten() for m in masters])]} if layout == "flat"
-           else {"fp32_groups": [masters]}),
+        **(
+            {"fp32_groups_flat": [torch.cat([m.flatten() for m in masters])]}
+            if layout == "flat"
+            else {"fp32_groups": [masters]}
+        ),
     }
 
 
@@ -195,8 +264,13 @@ def test_a_fused_era_fp16_optimizer_state_loads_as_saved(tmp_path, save_on, layo
     saved = {"optimizer": _fused_era_state(layout)}
     out = load_checkpoint(save_on(saved, tmp_path / "f.pt"))["optimizer"]
     assert {k: v for k, v in out.items() if not isinstance(v, (dict, list))} == {
-        "dynamic_loss_scale": True, "cur_scale": 2**16, "cur_iter": 12, "last_overflow_iter": 3,
-        "scale_factor": 2, "scale_window": 1000}
+        "dynamic_loss_scale": True,
+        "cur_scale": 2**16,
+        "cur_iter": 12,
+        "last_overflow_iter": 3,
+        "scale_factor": 2,
+        "scale_window": 1000,
+    }
     masters = "fp32_groups_flat" if layout == "flat" else "fp32_groups"
     assert set(out) == set(saved["optimizer"])
     if layout == "flat":
@@ -208,8 +282,13 @@ def test_a_fused_era_fp16_optimizer_state_loads_as_saved(tmp_path, save_on, layo
 
 def test_amp_state_is_plain_already(tmp_path, save):
     """amp.state_dict(): one {'loss_scale', 'unskipped'} dict per loss (docs/apex-amp.md §9)."""
-    saved = {"model": {"w": torch.ones(2)}, "amp": {"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 17},
-                                                    "loss_scaler1": {"loss_scale": 1.0, "unskipped": 0}}}
+    saved = {
+        "model": {"w": torch.ones(2)},
+        "amp": {
+            "loss_scaler0": {"loss_scale": 32768.0, "unskipped": 17},
+            "loss_scaler1": {"loss_scale": 1.0, "unskipped": 0},
+        },
+    }
     out = load_checkpoint(save(saved, tmp_path / "amp.pt"))
     assert out["amp"] == saved["amp"]
     assert torch.load(tmp_path / "amp.pt", weights_only=True)["amp"] == saved["amp"]
@@ -283,8 +362,11 @@ NUMBERS = [
 
 @pytest.mark.parametrize("typestr,values,dtype", NUMBERS, ids=[n[0] for n in NUMBERS])
 def test_numpy_arrays_and_scalars_read_back_exactly(tmp_path, fake_numpy, save, typestr, values, dtype):
-    saved = {"array": fake_numpy.array(values, typestr), "scalar": fake_numpy.scalar(values[1], typestr),
-             "dtype": fake_numpy.dtype(typestr)}
+    saved = {
+        "array": fake_numpy.array(values, typestr),
+        "scalar": fake_numpy.scalar(values[1], typestr),
+        "dtype": fake_numpy.dtype(typestr),
+    }
     path = save(saved, tmp_path / "np.pt")
     out = read_checkpoint(path, plain_numpy=True)[0]  # load_checkpoint's form without numpy
     assert out["array"].dtype == dtype and out["array"].shape == (3,)
@@ -383,8 +465,11 @@ def test_an_allowed_object_hidden_where_checkpoints_never_hold_one_is_refused(tm
     t = torch.ones(2)
     cls = type(scaler)
     cls.__hash__ = object.__hash__
-    obj = {"dict key": lambda: {scaler: 1}, "set member": lambda: {"s": {scaler}},
-           "tensor attribute": lambda: (setattr(t, "scaler", scaler), {"t": t})[1]}[where]()
+    obj = {
+        "dict key": lambda: {scaler: 1},
+        "set member": lambda: {"s": {scaler}},
+        "tensor attribute": lambda: (setattr(t, "scaler", scaler), {"t": t})[1],
+    }[where]()
     with pytest.raises(pickle.UnpicklingError, match="where a checkpoint never holds one"):
         load_checkpoint(save(obj, tmp_path / "h.pt"))
 

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from fp16kit.legacy import load_checkpoint
-from fp16kit.legacy.checkpoints.errors import CheckpointRefused
 from fp16kit.legacy.checkpoints.convert import convert_file
+from fp16kit.legacy.checkpoints.errors import CheckpointRefused
 
 
 def _claim(data: bytes, numel: int, at: bytes = b"cpu") -> bytes:
@@ -37,7 +37,7 @@ def _claim(data: bytes, numel: int, at: bytes = b"cpu") -> bytes:
     j = data.find(b"K\x04", i)  # BININT1 4: the storage's numel, after its location
     assert i > 0 and j > i
     new = b"J" + numel.to_bytes(4, "little") if numel < 2**31 else b"\x8a\x08" + numel.to_bytes(8, "little")
-    return data[:j] + new + data[j + 2:]
+    return data[:j] + new + data[j + 2 :]
 
 
 def _legacy_file(numel: int) -> bytes:
@@ -80,8 +80,10 @@ def test_a_real_out_of_memory_is_not_called_corrupt(monkeypatch, tmp_path):
     torch.save({"w": torch.zeros(4)}, path, _use_new_zipfile_serialization=False)
 
     def no_memory(*args, **kwargs):
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
-                           "allocate memory: you tried to allocate 16 bytes. Error code 12 (Cannot allocate memory)")
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+            "allocate memory: you tried to allocate 16 bytes. Error code 12 (Cannot allocate memory)"
+        )
 
     monkeypatch.setattr(torch.serialization, "_legacy_load", no_memory)
     with pytest.raises(RuntimeError, match="you tried to allocate 16 bytes"):
@@ -95,7 +97,7 @@ def _view(data: bytes, part: str, value: int) -> bytes:
     k = data.find(b"K\x01\x85", j)
     new = b"J" + value.to_bytes(4, "little", signed=True)
     at = {"offset": (j + 1, j + 3), "size": (j + 3, j + 5), "stride": (k, k + 2)}[part]
-    return data[:at[0]] + new + data[at[1]:]
+    return data[: at[0]] + new + data[at[1] :]
 
 
 def _rezip(data: bytes, edit) -> bytes:
@@ -137,16 +139,23 @@ def test_an_empty_numpy_array_of_a_possible_shape_loads(tmp_path, fake_numpy, sa
     assert tuple(a.shape) == (0, 3, 2**20) and a.dtype == torch.float64
 
 
-@pytest.mark.parametrize("shape, want", [
-    ((2, 0), [[], []]), ((0, 2), []), ((2, 0, 3), [[], []]), ((2, 3, 0), [[[], [], []], [[], [], []]]),
-    ((2, 2), [[b"a", b"b"], [b"c", b"d"]]), ((2, 1, 2), [[[b"a", b"b"]], [[b"c", b"d"]]]),
-])
+@pytest.mark.parametrize(
+    "shape, want",
+    [
+        ((2, 0), [[], []]),
+        ((0, 2), []),
+        ((2, 0, 3), [[], []]),
+        ((2, 3, 0), [[[], [], []], [[], [], []]]),
+        ((2, 2), [[b"a", b"b"], [b"c", b"d"]]),
+        ((2, 1, 2), [[[b"a", b"b"]], [[b"c", b"d"]]]),
+    ],
+)
 def test_numpy_text_arrays_with_empty_dimensions_are_numpys_tolist(tmp_path, fake_numpy, save, shape, want):
     """Without numpy a text array becomes nested lists, as numpy's tolist() (worked out by hand
     here); a zero dimension raised 'ValueError: range() arg 3 must not be zero'."""
     import math
 
-    raw = b"abcd"[:math.prod(shape)]
+    raw = b"abcd"[: math.prod(shape)]
     path = save({"a": fake_numpy.ndarray(shape, "|S1", raw)}, tmp_path / "text.pt")
     assert load_checkpoint(path)["a"] == want
 
@@ -161,8 +170,17 @@ def test_a_scaler_attribute_named_like_the_class_key_cannot_change_the_class(tmp
     """A Megatron scaler whose pickled attributes claim "__apex_class__": apex's era-2 class came
     back as that class (and was read as apex's scaler by FP16_Optimizer.load_state_dict)."""
     scaler = megatron(cur_scale=4.0)
-    scaler.__dict__.update({"__apex_class__": "apex.amp.scaler.LossScaler", "dynamic": True, "_loss_scale": 2.0**30,
-                            "_max_loss_scale": 2.0**24, "_min_loss_scale": None, "_scale_seq_len": 1, "_unskipped": 0})
+    scaler.__dict__.update(
+        {
+            "__apex_class__": "apex.amp.scaler.LossScaler",
+            "dynamic": True,
+            "_loss_scale": 2.0**30,
+            "_max_loss_scale": 2.0**24,
+            "_min_loss_scale": None,
+            "_scale_seq_len": 1,
+            "_unskipped": 0,
+        }
+    )
     out = load_checkpoint(save({"s": scaler}, tmp_path / "s.pt"))["s"]
     assert out["__apex_class__"] == "megatron.fp16.loss_scaler.DynamicLossScaler"
     assert list(out)[0] == "__apex_class__" and out["cur_scale"] == 4.0
@@ -195,6 +213,7 @@ def _add(data: bytes, records: dict) -> bytes:
 @pytest.fixture
 def no_torch_load(monkeypatch):
     """torch.load fails the test if it is reached (the pre-scan must refuse first)."""
+
     def reached(*args, **kwargs):
         raise AssertionError("torch.load was reached")
 
@@ -246,22 +265,64 @@ def _bomb(entries: int = 300, size: int = 2**26, stored: bool = False) -> bytes:
     method, crc = (0, zlib.crc32(deflated)) if stored else (8, 0)
     name = b"archive/data/big"
     local_offset = len(body)
-    body += struct.pack(zipfile.structFileHeader, zipfile.stringFileHeader, 20, 0, 0, method, 0, 0,
-                        crc, len(deflated), size, len(name), 0) + name + deflated
+    body += (
+        struct.pack(
+            zipfile.structFileHeader,
+            zipfile.stringFileHeader,
+            20,
+            0,
+            0,
+            method,
+            0,
+            0,
+            crc,
+            len(deflated),
+            size,
+            len(name),
+            0,
+        )
+        + name
+        + deflated
+    )
     directory = bytearray()
 
     def entry(filename: bytes, method, crc, csize, usize, offset):
-        return struct.pack(zipfile.structCentralDir, zipfile.stringCentralDir, 20, 3, 20, 0, 0, method, 0, 0,
-                           crc, csize, usize, len(filename), 0, 0, 0, 0, 0, offset) + filename
+        return (
+            struct.pack(
+                zipfile.structCentralDir,
+                zipfile.stringCentralDir,
+                20,
+                3,
+                20,
+                0,
+                0,
+                method,
+                0,
+                0,
+                crc,
+                csize,
+                usize,
+                len(filename),
+                0,
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )
+            + filename
+        )
 
     for info in infos:
-        directory += entry(info.filename.encode(), info.compress_type, info.CRC, info.compress_size,
-                           info.file_size, info.header_offset)
+        directory += entry(
+            info.filename.encode(), info.compress_type, info.CRC, info.compress_size, info.file_size, info.header_offset
+        )
     for i in range(entries):
         directory += entry(b"archive/data/big%d" % i, method, crc, len(deflated), size, local_offset)
     count = len(infos) + entries
-    end = struct.pack(zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0, count, count, len(directory),
-                      len(body), 0)
+    end = struct.pack(
+        zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0, count, count, len(directory), len(body), 0
+    )
     return bytes(body + directory + end)
 
 
@@ -353,8 +414,9 @@ def _special(tmp_path, kind):
     return path, None
 
 
-@pytest.mark.parametrize("kind, said", [("fifo", "a FIFO"), ("socket", "a socket"), ("device", "a device"),
-                                        ("directory", "a directory")])
+@pytest.mark.parametrize(
+    "kind, said", [("fifo", "a FIFO"), ("socket", "a socket"), ("device", "a device"), ("directory", "a directory")]
+)
 def test_what_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, kind, said):
     path, keep = _special(tmp_path, kind)
     unblock = _Unblock(path) if kind == "fifo" else None
@@ -405,16 +467,28 @@ def _copies(n: int, size: int = 2**16) -> bytes:
 
 
 PICKLE_BOMBS = {
-    "bytearray(2**26)": (b"\x80\x02" + _G + b"J\x00\x00\x00\x04\x85R.", "builds 67,108,864 bytes by builtins.bytearray"),
-    "_codecs.encode hex chain": (b"\x80\x02" + _hex_chain(25) + b".", "calls _codecs.encode on something other than text"),
+    "bytearray(2**26)": (
+        b"\x80\x02" + _G + b"J\x00\x00\x00\x04\x85R.",
+        "builds 67,108,864 bytes by builtins.bytearray",
+    ),
+    "_codecs.encode hex chain": (
+        b"\x80\x02" + _hex_chain(25) + b".",
+        "calls _codecs.encode on something other than text",
+    ),
     "one bytes object copied 2,000 times": (b"\x80\x02" + _copies(2000) + b".", "more than .*ALLOCATION_RATIO = 4"),
-    "torch.FloatTensor(2**24)": (b"\x80\x02ctorch\nFloatTensor\nJ\x00\x00\x00\x01\x85R.",
-                                 r"calls torch.FloatTensor\(...\) with arguments, which allocates"),
-    "torch.Tensor.__new__(2**24)": (b"\x80\x02ctorch\nTensor\nJ\x00\x00\x00\x01\x85\x81.",
-                                    r"calls torch.Tensor\(...\) with arguments"),
-    "UntypedStorage(2**26)": (b"\x80\x02ctorch.storage\nUntypedStorage\nJ\x00\x00\x00\x04\x85R.", "makes a storage by calling"),
+    "torch.FloatTensor(2**24)": (
+        b"\x80\x02ctorch\nFloatTensor\nJ\x00\x00\x00\x01\x85R.",
+        r"calls torch.FloatTensor\(...\) with arguments, which allocates",
+    ),
+    "torch.Tensor.__new__(2**24)": (
+        b"\x80\x02ctorch\nTensor\nJ\x00\x00\x00\x01\x85\x81.",
+        r"calls torch.Tensor\(...\) with arguments",
+    ),
+    "UntypedStorage(2**26)": (
+        b"\x80\x02ctorch.storage\nUntypedStorage\nJ\x00\x00\x00\x04\x85R.",
+        "makes a storage by calling",
+    ),
 }
-
 
 
 def _refused_with_peak(data: bytes, said: str):
@@ -452,11 +526,18 @@ def test_a_200k_deep_tuple_is_refused_not_a_segfault(tmp_path):
     data = _zip_with(b"\x80\x02}N" + b"\x85" * 200_000 + b"K\x01s.")
     path = tmp_path / "deep.pt"
     path.write_bytes(data)
-    code = ("import sys\nfrom fp16kit.legacy import load_checkpoint\nfrom fp16kit.legacy.checkpoints.errors import "
-            "CheckpointRefused\ntry:\n    load_checkpoint(sys.argv[1])\nexcept CheckpointRefused as e:\n"
-            "    print(e.kind, e.subject)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    code = (
+        "import sys\nfrom fp16kit.legacy import load_checkpoint\nfrom fp16kit.legacy.checkpoints.errors import "
+        "CheckpointRefused\ntry:\n    load_checkpoint(sys.argv[1])\nexcept CheckpointRefused as e:\n"
+        "    print(e.kind, e.subject)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "structure its containers nest deeper than" in done.stdout
 
@@ -464,8 +545,11 @@ def test_a_200k_deep_tuple_is_refused_not_a_segfault(tmp_path):
 def test_a_bare_apex_class_is_refused_not_returned_as_fp16kits_stand_in(no_torch_load):
     """GLOBAL apex.amp.scaler.LossScaler, no NEWOBJ/BUILD: load_checkpoint returned fp16kit's
     stand-in class itself (and convert-checkpoint then failed with a PicklingError)."""
-    for pkl in (b"\x80\x02capex.amp.scaler\nLossScaler\n.", b"\x80\x02}X\x01\x00\x00\x00kcargparse\nNamespace\ns.",
-                b"\x80\x02]c__builtin__\nbytes\na."):
+    for pkl in (
+        b"\x80\x02capex.amp.scaler\nLossScaler\n.",
+        b"\x80\x02}X\x01\x00\x00\x00kcargparse\nNamespace\ns.",
+        b"\x80\x02]c__builtin__\nbytes\na.",
+    ):
         with pytest.raises(CheckpointRefused, match=r"itself \(the class or function, not an object made by it\)"):
             load_checkpoint(io.BytesIO(_zip_with(pkl)))
 
@@ -522,12 +606,19 @@ def _seeds(fake_apex, fake_numpy) -> dict[str, bytes]:
     master.model_parallel = True
     checkpoint = {
         "model": {"w": w, "w_view": w[1]},
-        "optimizer": {"loss_scaler": fake_apex.era1_dynamic(cur_scale=2.0**16), "overflow": False,
-                      "fp32_from_fp16": [[master]], "state": {0: {"step": 3}}},
+        "optimizer": {
+            "loss_scaler": fake_apex.era1_dynamic(cur_scale=2.0**16),
+            "overflow": False,
+            "fp32_from_fp16": [[master]],
+            "state": {0: {"step": 3}},
+        },
         "amp": {"loss_scaler0": fake_apex.era2(2.0**10)},
         "args": argparse.Namespace(lr=1e-3, params_dtype=torch.float16),
         "np_rng_state": fake_numpy.rng_state(list(range(8)), pos=8),
-        "iteration": 7, "blob": b"\x00\x01" * 8, "set": {1, 2}, "size": torch.Size([2, 3]),
+        "iteration": 7,
+        "blob": b"\x00\x01" * 8,
+        "set": {1, 2},
+        "size": torch.Size([2, 3]),
     }
     out = {}
     for legacy in (False, True):
@@ -543,12 +634,14 @@ def _mutants(seeds: dict[str, bytes], rng: random.Random, n: int):
         data = bytearray(seeds[name])
         how = rng.choice(["truncate", "flip", "flip pickle", "flip many"])
         if how == "truncate":
-            data = data[:rng.randrange(len(data))]
+            data = data[: rng.randrange(len(data))]
         elif how == "flip pickle" and name == "zip":
+
             def edit(record, rng=rng):
                 record = bytearray(record)
                 record[rng.randrange(len(record))] ^= 1 << rng.randrange(8)
                 return bytes(record)
+
             data = bytearray(_rezip(bytes(data), edit))  # a valid CRC: the pickle parser sees the damage
         else:
             span = len(data) if how == "flip many" or name == "zip" else min(len(data), 1200)  # legacy: its pickles
@@ -567,7 +660,9 @@ def test_mutated_checkpoints_load_or_raise_checkpoint_refused_only(fake_apex, fa
     for data in seeds.values():
         assert load_checkpoint(io.BytesIO(data))["iteration"] == 7  # control: the seeds load
     outcomes = {"loaded": 0, "refused": 0}
-    for label, data in _mutants(seeds, random.Random(int(os.environ.get("FUZZ_SEED", 17))), int(os.environ.get("FUZZ_N", 400))):
+    for label, data in _mutants(
+        seeds, random.Random(int(os.environ.get("FUZZ_SEED", 17))), int(os.environ.get("FUZZ_N", 400))
+    ):
         try:
             load_checkpoint(io.BytesIO(data))
             outcomes["loaded"] += 1
@@ -589,7 +684,7 @@ def _legacy_cut_after(opcode: str) -> bytes:
     for index in range(4):
         for op, _arg, pos in pickletools.genops(stream):
             if index == 3 and op.name == opcode:
-                return data[:pos + 1]
+                return data[: pos + 1]
     raise AssertionError(opcode)
 
 
@@ -611,21 +706,29 @@ def _legacy_other_key() -> bytes:
     data = buf.getvalue()
     keys = data.rindex(b"\x80\x02]")
     at = data.index(b"X", keys) + 5  # the first stored key's text
-    return data[:at] + b"x" + data[at + 1:]
+    return data[:at] + b"x" + data[at + 1 :]
 
 
 LEAKS = {  # what torch raised, leaking through load_checkpoint: the file, its refusal
     "IndexError (cut inside BININT1)": (lambda: _legacy_cut_after("BININT1"), "truncated or corrupt"),
     "struct.error (cut inside BININT)": (lambda: _legacy_cut_after("BININT"), "truncated or corrupt"),
-    "AssertionError (a storage id not a tuple)": (lambda: _zip_with(b"\x80\x02K\x00Q."), "refers to a storage in a form"),
+    "AssertionError (a storage id not a tuple)": (
+        lambda: _zip_with(b"\x80\x02K\x00Q."),
+        "refers to a storage in a form",
+    ),
     "AssertionError (a stored key no storage has)": (_legacy_other_key, "whose data the file does not hold"),
     "KeyError (a memo entry never stored)": (lambda: _zip_with(b"\x80\x02h\x05."), "refers to a value it never stored"),
-    "IndexError (SETITEMS without a value)": (lambda: _zip_with(b"\x80\x02}(K\x01u."), "sets a dict item without a value"),
+    "IndexError (SETITEMS without a value)": (
+        lambda: _zip_with(b"\x80\x02}(K\x01u."),
+        "sets a dict item without a value",
+    ),
     "RuntimeError with torch's weights_only=False advice (legacy tar)": (_legacy_tar, "legacy tar format"),
     # LONG4 (protocol 1+, never in torch.save's output): the refusal quoted torch's whole message,
     # "Re-running `torch.load` with `weights_only` set to `False` will likely succeed" included
     "torch's advice quoted for an unsupported opcode (LONG4)": (
-        lambda: _zip_with(b"\x80\x02\x8b\xff\xff\xff\x7f."), r"no pickle opcode torch.save writes \(Unsupported operand 139\)"),
+        lambda: _zip_with(b"\x80\x02\x8b\xff\xff\xff\x7f."),
+        r"no pickle opcode torch.save writes \(Unsupported operand 139\)",
+    ),
 }
 
 
@@ -658,28 +761,34 @@ def _legit_records(folder: str = "archive/") -> list[tuple[str, bytes]]:
     buf = io.BytesIO()
     torch.save({"w": torch.zeros(4)}, buf)
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
-        return [(folder + i.filename[len("archive/"):], z.read(i.filename)) for i in z.infolist()]
+        return [(folder + i.filename[len("archive/") :], z.read(i.filename)) for i in z.infolist()]
 
 
 ZIP_NAME_TRICKS = {
     # torch's zip reader (miniz) looks names up ignoring ASCII case: it read the hostile twin, the
     # scan and the CRC check the benign one (1.2 KB -> 5 GB, MemoryError)
     "a data.pkl twin differing in case, after": (
-        lambda: _zip_records(_legit_records() + [("archive/Data.pkl", _HOSTILE_PICKLE)]), "one name to torch's reader"),
+        lambda: _zip_records(_legit_records() + [("archive/Data.pkl", _HOSTILE_PICKLE)]),
+        "one name to torch's reader",
+    ),
     "a data.pkl twin differing in case, before": (
         lambda: _zip_records(_legit_records()[:1] + [("archive/DATA.PKL", _HOSTILE_PICKLE)] + _legit_records()[1:]),
-        "one name to torch's reader"),
+        "one name to torch's reader",
+    ),
     # torch reads FOLDER/data.pkl, FOLDER the first record's: the scan read the first record ending
     # in /data.pkl (1.2 KB -> 2.3 GB, loaded)
     "a benign data.pkl in a subfolder, the hostile one in the first record's folder": (
         lambda: _zip_records([("a/version", b"3\n")] + _legit_records("a/b/") + [("a/data.pkl", _HOSTILE_PICKLE)]),
-        "builds 268,435,456 bytes by builtins.bytearray"),
+        "builds 268,435,456 bytes by builtins.bytearray",
+    ),
     "records outside the first record's folder": (
         lambda: _zip_records([("a/version", b"3\n")] + _legit_records("b/") + [("a/data.pkl", _HOSTILE_PICKLE)]),
-        "is outside the folder 'a/' of its first record"),
+        "is outside the folder 'a/' of its first record",
+    ),
     "a NUL in a record's name": (
         lambda: _zip_records(_legit_records() + [("archive/data/0@x", b"")]).replace(b"0@x", b"0\x00x"),
-        "has a NUL byte in its name"),
+        "has a NUL byte in its name",
+    ),
 }
 
 
@@ -706,7 +815,7 @@ def _pid(legacy: bool) -> bytes:
     if not legacy:
         data = zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")
     start = data.index(b"(X\x07\x00\x00\x00storage")
-    return data[start:data.index(b"Q", start) + 1]
+    return data[start : data.index(b"Q", start) + 1]
 
 
 def _with_object(legacy: bool, obj: bytes) -> bytes:
@@ -719,13 +828,14 @@ def _with_object(legacy: bool, obj: bytes) -> bytes:
         return _rezip(data, lambda record: pkl)
     stream = io.BytesIO(data)
     import pickletools
+
     for _ in range(3):
         for _op in pickletools.genops(stream):
             pass
     start = stream.tell()
     for _op in pickletools.genops(stream):
         pass
-    return data[:start] + pkl + data[stream.tell():]
+    return data[:start] + pkl + data[stream.tell() :]
 
 
 _J = lambda n: b"J" + struct.pack("<i", n)  # noqa: E731
@@ -740,26 +850,41 @@ def _growing(storage: bytes, size: int = 2**29, stride: int = 1) -> bytes:
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
-@pytest.mark.parametrize("case, said", [
-    # an empty storage made by a call grows to fit: 973 bytes loaded a 2 GiB tensor of uninitialized
-    # memory (convert-checkpoint wrote it out); 2**31 items raised a bare RuntimeError (can't allocate)
-    ("set_ on an empty storage", "makes a storage by calling torch.storage.UntypedStorage"),
-    ("rebuild on an empty storage", "makes a storage by calling torch.storage.UntypedStorage"),
-    # a legacy-format storage grew to fit a view set on it (2 GiB asked of the allocator)
-    ("set_ past the file's storage", r"reach past its storage: a tensor's state \(tensor.set_\) needs 536,870,912 items"),
-    # a zero-stride view of 2**28 items of one float, converted: 2 GiB from 1 KB (loaded)
-    ("a converted zero-stride view", "builds a copy of 268,435,456 items by torch._utils._rebuild_device_tensor"),
-])
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        # an empty storage made by a call grows to fit: 973 bytes loaded a 2 GiB tensor of uninitialized
+        # memory (convert-checkpoint wrote it out); 2**31 items raised a bare RuntimeError (can't allocate)
+        ("set_ on an empty storage", "makes a storage by calling torch.storage.UntypedStorage"),
+        ("rebuild on an empty storage", "makes a storage by calling torch.storage.UntypedStorage"),
+        # a legacy-format storage grew to fit a view set on it (2 GiB asked of the allocator)
+        (
+            "set_ past the file's storage",
+            r"reach past its storage: a tensor's state \(tensor.set_\) needs 536,870,912 items",
+        ),
+        # a zero-stride view of 2**28 items of one float, converted: 2 GiB from 1 KB (loaded)
+        ("a converted zero-stride view", "builds a copy of 268,435,456 items by torch._utils._rebuild_device_tensor"),
+    ],
+)
 def test_a_view_that_grows_or_expands_into_memory_the_file_lacks_is_refused(legacy, case, said, no_torch_load):
     pid = _pid(legacy)
     obj = {
         "set_ on an empty storage": lambda: _growing(_EMPTY_STORAGE),
-        "rebuild on an empty storage": lambda: _V2 + b"(" + _EMPTY_STORAGE + b"K\x00" + _J(2**29) + b"\x85K\x01\x85"
-                                       + _NO_HOOKS + b"tR",
+        "rebuild on an empty storage": lambda: (
+            _V2 + b"(" + _EMPTY_STORAGE + b"K\x00" + _J(2**29) + b"\x85K\x01\x85" + _NO_HOOKS + b"tR"
+        ),
         "set_ past the file's storage": lambda: _growing(pid),
-        "a converted zero-stride view": lambda: b"ctorch._utils\n_rebuild_device_tensor_from_cpu_tensor\n(" + _V2 + b"("
-                                        + pid + b"K\x00" + _J(2**28) + b"\x85K\x00\x85" + _NO_HOOKS
-                                        + b"tRctorch\nfloat64\nX\x03\x00\x00\x00cpu\x89tR",
+        "a converted zero-stride view": lambda: (
+            b"ctorch._utils\n_rebuild_device_tensor_from_cpu_tensor\n("
+            + _V2
+            + b"("
+            + pid
+            + b"K\x00"
+            + _J(2**28)
+            + b"\x85K\x00\x85"
+            + _NO_HOOKS
+            + b"tRctorch\nfloat64\nX\x03\x00\x00\x00cpu\x89tR"
+        ),
     }[case]()
     tracemalloc.start()
     try:
@@ -784,8 +909,18 @@ def test_a_size_of_many_huge_dimensions_is_not_multiplied_out():
     """200,000 sizes of 2**62 and strides 0: the scan multiplied them (minutes for 2.4 MB); now
     only the view's extent is computed, and its item count capped."""
     k = 200_000
-    obj = (_V2 + b"(" + _pid(False) + b"K\x00(" + (b"\x8a\x08" + (2**62).to_bytes(8, "little")) * k + b"t("
-           + b"K\x00" * k + b"t" + _NO_HOOKS + b"tR")
+    obj = (
+        _V2
+        + b"("
+        + _pid(False)
+        + b"K\x00("
+        + (b"\x8a\x08" + (2**62).to_bytes(8, "little")) * k
+        + b"t("
+        + b"K\x00" * k
+        + b"t"
+        + _NO_HOOKS
+        + b"tR"
+    )
     with pytest.raises(CheckpointRefused):
         load_checkpoint(io.BytesIO(_with_object(False, obj)))
 
@@ -795,15 +930,27 @@ def test_views_of_every_shape_torch_save_writes_still_load(legacy):
     """Offsets, transposes, slices, zero strides (expand), empty views, of a big storage: each
     loads as torch.load(weights_only=True) gives it, sharing its storage."""
     base = torch.arange(60.0).reshape(6, 10)
-    obj = {"base": base, "t": base.t(), "slice": base[2:, 3:7], "step": base[:, ::3], "row": base[5],
-           "expand": torch.arange(3.0).expand(4, 3), "empty": base[3:3], "scalar": base[1, 1],
-           "h": base.half()[1:], "c": torch.tensor([1 + 2j, 3j])[1:], "b": torch.tensor([True, False])}
+    obj = {
+        "base": base,
+        "t": base.t(),
+        "slice": base[2:, 3:7],
+        "step": base[:, ::3],
+        "row": base[5],
+        "expand": torch.arange(3.0).expand(4, 3),
+        "empty": base[3:3],
+        "scalar": base[1, 1],
+        "h": base.half()[1:],
+        "c": torch.tensor([1 + 2j, 3j])[1:],
+        "b": torch.tensor([True, False]),
+    }
     buf = io.BytesIO()
     torch.save(obj, buf, _use_new_zipfile_serialization=not legacy)
     want = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     got = load_checkpoint(io.BytesIO(buf.getvalue()))
     for k, v in want.items():
-        assert got[k].stride() == v.stride() and got[k].storage_offset() == v.storage_offset() and torch.equal(got[k], v)
+        assert (
+            got[k].stride() == v.stride() and got[k].storage_offset() == v.storage_offset() and torch.equal(got[k], v)
+        )
     assert got["t"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
 
 
@@ -823,11 +970,15 @@ HASH_BOMBS = {
     # a 1.2 KB file as one dict key: hashing it visited 2**60 items (never ended)
     "a shared tuple as a dict key": b"\x80\x02}" + _shared_tuple(60) + b"K\x01s.",
     "a shared tuple as a set member": b"\x80\x02c__builtin__\nset\n]" + _shared_tuple(60) + b"a\x85R.",
-    "a shared tuple in OrderedDict's pairs": b"\x80\x02ccollections\nOrderedDict\n]" + _shared_tuple(60)
-                                             + b"K\x01\x86a\x85R.",
+    "a shared tuple in OrderedDict's pairs": b"\x80\x02ccollections\nOrderedDict\n]"
+    + _shared_tuple(60)
+    + b"K\x01\x86a\x85R.",
     # each copy hashes the keys again: 2**18 steps a copy, 100,000 copies
-    "a dict of one costly key, copied": b"\x80\x02]}" + _shared_tuple(18) + b"K\x01sq\x01("
-                                        + b"ccollections\nOrderedDict\nh\x01\x85R" * 100_000 + b"e.",
+    "a dict of one costly key, copied": b"\x80\x02]}"
+    + _shared_tuple(18)
+    + b"K\x01sq\x01("
+    + b"ccollections\nOrderedDict\nh\x01\x85R" * 100_000
+    + b"e.",
     # 50,000 int keys of one hash: each compared with all before it (950 KB: 14 s, quadratic)
     "ints chosen to collide, as dict keys": b"\x80\x02}(" + _colliding_ints(50_000, b"N") + b"u.",
     "ints chosen to collide, in a set": b"\x80\x02c__builtin__\nset\n](" + _colliding_ints(50_000) + b"e\x85R.",
@@ -842,8 +993,13 @@ def test_keys_that_take_more_steps_to_hash_than_the_file_has_bytes_are_refused(c
 
 
 def test_int_float_and_tuple_keys_of_real_checkpoints_still_load():
-    obj = {"state": {i: {"step": i} for i in range(5000)}, (1, 2): {(3, (4, 5)), 6, -1, -2}, 1.5: 2, -7: None,
-           "od": collections.OrderedDict([((1, 2), 3), (4, 5)])}
+    obj = {
+        "state": {i: {"step": i} for i in range(5000)},
+        (1, 2): {(3, (4, 5)), 6, -1, -2},
+        1.5: 2,
+        -7: None,
+        "od": collections.OrderedDict([((1, 2), 3), (4, 5)]),
+    }
     buf = io.BytesIO()
     torch.save(obj, buf)
     assert load_checkpoint(io.BytesIO(buf.getvalue())) == torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
@@ -856,11 +1012,11 @@ def _appended_archive(good: bytes, pkl: bytes = b"", archive: bytes | None = Non
     tail = (archive or _zip_with(pkl)).replace(b"archive/", b"appendd/")  # the same length
     start = zipfile.ZipFile(io.BytesIO(tail)).start_dir
     directory, i = bytearray(tail[start:]), 0
-    while directory[i:i + 4] == b"PK\x01\x02":
-        n, m, k = struct.unpack("<HHH", directory[i + 28:i + 34])
-        directory[i + 42:i + 46] = struct.pack("<I", struct.unpack("<I", directory[i + 42:i + 46])[0] + len(good))
+    while directory[i : i + 4] == b"PK\x01\x02":
+        n, m, k = struct.unpack("<HHH", directory[i + 28 : i + 34])
+        directory[i + 42 : i + 46] = struct.pack("<I", struct.unpack("<I", directory[i + 42 : i + 46])[0] + len(good))
         i += 46 + n + m + k
-    directory[i + 16:i + 20] = struct.pack("<I", struct.unpack("<I", directory[i + 16:i + 20])[0] + len(good))
+    directory[i + 16 : i + 20] = struct.pack("<I", struct.unpack("<I", directory[i + 16 : i + 20])[0] + len(good))
     return tail[:start] + bytes(directory)
 
 
@@ -1093,13 +1249,14 @@ def _refused_forms() -> dict[str, bytes]:
         good = _saved({"w": torch.zeros(4)}, legacy)
         for part, value in [("offset", 1000), ("stride", -1), ("size", -1)]:
             forms[f"{fmt}: a view's {part} of {value}"] = (
-                _view(good, part, value) if legacy else _rezip(good, lambda r, p=part, v=value: _view(r, p, v)))
+                _view(good, part, value) if legacy else _rezip(good, lambda r, p=part, v=value: _view(r, p, v))
+            )
         pid = _pid(legacy)
         forms[f"{fmt}: set_ on an empty storage"] = _with_object(legacy, _growing(_EMPTY_STORAGE))
         forms[f"{fmt}: set_ past the file's storage"] = _with_object(legacy, _growing(pid))
         forms[f"{fmt}: os.system"] = _saved({"x": _System()}, legacy)
         forms[f"{fmt}: a whole pickled module"] = _saved(torch.nn.Sequential(torch.nn.Linear(2, 2)), legacy)
-        forms[f"{fmt}: a cut at half"] = good[:len(good) // 2]
+        forms[f"{fmt}: a cut at half"] = good[: len(good) // 2]
         forms[f"{fmt}: a cut 30 bytes short"] = good[:-30]
     for name, (pkl, _said) in PICKLE_BOMBS.items():
         forms[f"pickle bomb: {name}"] = _zip_with(pkl)
@@ -1200,12 +1357,12 @@ def test_a_file_rewritten_in_place_after_its_scan_is_read_as_it_was_scanned(tmp_
         at = stream.tell()
         for _op in pickletools.genops(stream):
             pass
-        old = good[at:stream.tell()]
+        old = good[at : stream.tell()]
     else:
         old = zipfile.ZipFile(io.BytesIO(good)).read("archive/data.pkl")
         at = good.index(old)
     hostile = _same_size_hostile(len(old))
-    rewritten = good[:at] + hostile + good[at + len(old):]
+    rewritten = good[:at] + hostile + good[at + len(old) :]
     assert len(rewritten) == len(good)
     if not legacy:  # control: what torch makes of the rewrite (the legacy format's then fails on its keys)
         loaded = torch.load(io.BytesIO(rewritten), weights_only=True)

@@ -126,8 +126,15 @@ def _raw_call(module: str, name: str, arg: str) -> bytes:
     """Protocol-2 pickle bytes for ``module.name(arg)``: PROTO GLOBAL BINUNICODE TUPLE1 REDUCE STOP."""
     a = arg.encode()
     return (
-        b"\x80\x02c" + module.encode() + b"\n" + name.encode() + b"\n"
-        + b"X" + struct.pack("<I", len(a)) + a + b"\x85R."
+        b"\x80\x02c"
+        + module.encode()
+        + b"\n"
+        + name.encode()
+        + b"\n"
+        + b"X"
+        + struct.pack("<I", len(a))
+        + a
+        + b"\x85R."
     )
 
 
@@ -249,8 +256,10 @@ def test_deep_nesting_is_no_recursion_error(tmp_path, depth):
     """A pickle 100,000 lists deep (torch's unpickler reads it without recursing, but no
     checkpoint nests like this, and a tuple that deep overflows the C stack when hashed): refused
     by the pre-scan with the loader's one exception, never a bare RecursionError; 150 levels load."""
-    scaler = (b"capex.fp16_utils.loss_scaler\nLossScaler\n)\x81"  # GLOBAL, EMPTY_TUPLE, NEWOBJ
-              b"}X\x09\x00\x00\x00cur_scaleK\x08sb")  # EMPTY_DICT, "cur_scale", 8, SETITEM, BUILD
+    scaler = (
+        b"capex.fp16_utils.loss_scaler\nLossScaler\n)\x81"  # GLOBAL, EMPTY_TUPLE, NEWOBJ
+        b"}X\x09\x00\x00\x00cur_scaleK\x08sb"
+    )  # EMPTY_DICT, "cur_scale", 8, SETITEM, BUILD
     data_pkl = b"\x80\x02" + b"]" * depth + scaler + b"a" * depth + b"."  # EMPTY_LISTs ... APPENDs
     path = _with_data_pkl(tmp_path / "deep.pt", data_pkl)
     if depth > 200:
@@ -273,8 +282,11 @@ def test_more_containers_than_the_limit_are_refused(tmp_path, save, monkeypatch)
     monkeypatch.setattr(checkpoint, "MAX_CONTAINERS", 5)
     assert load_checkpoint(path) == obj
     monkeypatch.setattr(checkpoint, "MAX_CONTAINERS", 4)
-    with pytest.raises(pickle.UnpicklingError, match=r"more than fp16kit\.legacy\.checkpoint\.MAX_CONTAINERS"
-                                                     r" = 4 times.*raise that limit"):
+    with pytest.raises(
+        pickle.UnpicklingError,
+        match=r"more than fp16kit\.legacy\.checkpoint\.MAX_CONTAINERS"
+        r" = 4 times.*raise that limit",
+    ):
         load_checkpoint(path)
 
 
@@ -344,8 +356,18 @@ def test_a_saved_min_or_max_scale_that_is_no_number_is_refused_naming_the_field(
     from fp16kit.legacy.checkpoints.load import scaler_state
     from fp16kit.legacy.fp16_optimizer import AmpLossScaler
 
-    saved = {"__apex_class__": "apex.amp.scaler.LossScaler", "dynamic": True, "_loss_scale": 2.0**16,
-             "_scale_seq_len": 2000, "_unskipped": 0, "_min_loss_scale": None, "_max_loss_scale": 2.0**24, key: bad}
+    saved = {
+        "__apex_class__": "apex.amp.scaler.LossScaler",
+        "dynamic": True,
+        "_loss_scale": 2.0**16,
+        "_scale_seq_len": 2000,
+        "_unskipped": 0,
+        "_min_loss_scale": None,
+        "_max_loss_scale": 2.0**24,
+        key: bad,
+    }
     field = key.lstrip("_")
-    with pytest.raises(ValueError, match=rf"its {field} is .*, not a number or None \(None: no (floor|cap)\)\. Re-save"):
+    with pytest.raises(
+        ValueError, match=rf"its {field} is .*, not a number or None \(None: no (floor|cap)\)\. Re-save"
+    ):
         scaler_state(saved, current=AmpLossScaler(1.0).state_dict())

@@ -59,8 +59,11 @@ def test_a_nested_reduce_payload_is_refused_and_runs_nothing(tmp_path, megatron,
         "builtins.exec": _Reduce(exec, f"open({str(marker)!r}, 'w').close()"),
     }[call]
     path = _save(_nest(payload, megatron), tmp_path / "evil.pt", legacy)
-    with pytest.raises(pickle.UnpicklingError, match=r"load_checkpoint refused to load (posix\.|os\.|builtins\.)?"
-                                                     rf"{call.split('.')[1]}\b.*nothing was run"):
+    with pytest.raises(
+        pickle.UnpicklingError,
+        match=r"load_checkpoint refused to load (posix\.|os\.|builtins\.)?"
+        rf"{call.split('.')[1]}\b.*nothing was run",
+    ):
         load_checkpoint(path)
     assert not marker.exists()
     torch.load(path, weights_only=False)  # control: the payload is live
@@ -105,7 +108,9 @@ WHOLE = [
 @NO_SOURCE
 @FORMATS
 @pytest.mark.parametrize("path_,kind", WHOLE, ids=[w[0].split(".")[-1] for w in WHOLE])
-def test_a_whole_pickled_apex_or_megatron_module_is_refused_with_how_to_resave(tmp_path, stand_ins, legacy, path_, kind):
+def test_a_whole_pickled_apex_or_megatron_module_is_refused_with_how_to_resave(
+    tmp_path, stand_ins, legacy, path_, kind
+):
     cls = stand_ins.add(path_, bases=(_Wrapper,))
     path = _save(cls(), tmp_path / "model.pt", legacy)
     with pytest.raises(pickle.UnpicklingError) as info:
@@ -120,12 +125,18 @@ def test_a_whole_pickled_apex_or_megatron_module_is_refused_with_how_to_resave(t
 def test_whole_torch_modules_and_optimizers_are_refused_as_such(tmp_path, legacy):
     model = nn.Sequential(nn.Linear(2, 2))
     path = _save(model, tmp_path / "m.pt", legacy)
-    with pytest.raises(pickle.UnpicklingError, match=r"refused to load torch\.nn\.modules\.container\.Sequential in '.*m\.pt': "
-                                                     r"the file holds a whole pickled module object"):
+    with pytest.raises(
+        pickle.UnpicklingError,
+        match=r"refused to load torch\.nn\.modules\.container\.Sequential in '.*m\.pt': "
+        r"the file holds a whole pickled module object",
+    ):
         load_checkpoint(path)
     path = _save(torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "o.pt", legacy)
-    with pytest.raises(pickle.UnpicklingError, match=r"refused to load torch\.optim\.sgd\.SGD in '.*o\.pt': the file holds a "
-                                                     r"whole pickled optimizer object"):
+    with pytest.raises(
+        pickle.UnpicklingError,
+        match=r"refused to load torch\.optim\.sgd\.SGD in '.*o\.pt': the file holds a "
+        r"whole pickled optimizer object",
+    ):
         load_checkpoint(path)
 
 
@@ -137,8 +148,11 @@ def test_a_pickled_module_of_a_class_not_imported_is_told_by_its_state(tmp_path,
     cls = stand_ins.add("mymodels.gpt.GPT", bases=(_Wrapper,))
     path = _save(cls(), tmp_path / "m.pt", legacy)
     stand_ins.remove()
-    with pytest.raises(pickle.UnpicklingError, match=r"refused to load mymodels\.gpt\.GPT in '.*m\.pt': the file holds a whole "
-                                                     r"pickled module object"):
+    with pytest.raises(
+        pickle.UnpicklingError,
+        match=r"refused to load mymodels\.gpt\.GPT in '.*m\.pt': the file holds a whole "
+        r"pickled module object",
+    ):
         load_checkpoint(path)
 
 
@@ -156,13 +170,20 @@ def test_an_unknown_class_that_is_no_module_gets_the_plain_refusal(tmp_path, sta
 
 def _checkpoint_bytes(legacy: bool) -> bytes:
     out = io.BytesIO()
-    torch.save({"w": torch.arange(2000, dtype=torch.float32), "step": 3}, out, _use_new_zipfile_serialization=not legacy)
+    torch.save(
+        {"w": torch.arange(2000, dtype=torch.float32), "step": 3}, out, _use_new_zipfile_serialization=not legacy
+    )
     return out.getvalue()
 
 
 def _cuts(data: bytes, legacy: bool) -> dict[str, int]:
-    cuts = {"first bytes": 10, "early": 60, "middle": len(data) // 2, "last 30 bytes": len(data) - 30,
-            "last byte": len(data) - 1}
+    cuts = {
+        "first bytes": 10,
+        "early": 60,
+        "middle": len(data) // 2,
+        "last 30 bytes": len(data) - 30,
+        "last byte": len(data) - 1,
+    }
     if legacy:
         cuts["inside the magic number"] = 5
     return cuts
@@ -212,8 +233,11 @@ def test_a_zip_checkpoint_with_a_damaged_pickle_record_is_refused_as_corrupt(tmp
     path = tmp_path / "bad.pt"
     path.write_bytes(_flip(data, "data.pkl", pkl.index(b"step")))
     assert "rtep" in torch.load(path, weights_only=True)  # control: torch loads the damage
-    with pytest.raises(pickle.UnpicklingError, match=r"bad\.pt' is truncated or corrupt: record data\.pkl of its "
-                                                     r"zip archive fails its check \(Bad CRC-32"):
+    with pytest.raises(
+        pickle.UnpicklingError,
+        match=r"bad\.pt' is truncated or corrupt: record data\.pkl of its "
+        r"zip archive fails its check \(Bad CRC-32",
+    ):
         load_checkpoint(path)
 
 
@@ -232,8 +256,11 @@ def test_a_legacy_file_with_a_damaged_pickle_is_refused_as_corrupt(tmp_path):
     data[main - 5] = 0xFE
     path = tmp_path / "bad.pt"
     path.write_bytes(bytes(data))
-    with pytest.raises(pickle.UnpicklingError, match=r"is truncated or corrupt: its pickle holds a byte that is no "
-                                                     r"pickle opcode"):
+    with pytest.raises(
+        pickle.UnpicklingError,
+        match=r"is truncated or corrupt: its pickle holds a byte that is no "
+        r"pickle opcode",
+    ):
         load_checkpoint(path)
 
 
@@ -256,15 +283,27 @@ def test_a_file_saved_with_a_newer_pickle_protocol_is_told_so(tmp_path, legacy):
     intact, and the message says how it was saved, not that it is corrupt."""
     path = tmp_path / "p4.pt"
     torch.save({"w": torch.ones(2)}, path, pickle_protocol=4, _use_new_zipfile_serialization=not legacy)
-    with pytest.raises(pickle.UnpicklingError, match=r"p4\.pt' was saved with torch\.save\(\.\.\., pickle_protocol=4\)"):
+    with pytest.raises(
+        pickle.UnpicklingError, match=r"p4\.pt' was saved with torch\.save\(\.\.\., pickle_protocol=4\)"
+    ):
         load_checkpoint(path)
 
 
-@pytest.mark.parametrize("saved,kind,subject,whole", [
-    (lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), "whole", "torch.nn.modules.container.Sequential", "module"),
-    (lambda: {"args": argparse.ArgumentParser}, "global", "argparse.ArgumentParser", ""),
-])
-def test_a_refusal_says_its_kind_and_quotes_torch_without_its_advice_or_escape_codes(tmp_path, saved, kind, subject, whole):
+@pytest.mark.parametrize(
+    "saved,kind,subject,whole",
+    [
+        (
+            lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)),
+            "whole",
+            "torch.nn.modules.container.Sequential",
+            "module",
+        ),
+        (lambda: {"args": argparse.ArgumentParser}, "global", "argparse.ArgumentParser", ""),
+    ],
+)
+def test_a_refusal_says_its_kind_and_quotes_torch_without_its_advice_or_escape_codes(
+    tmp_path, saved, kind, subject, whole
+):
     """The command line words its own message from kind and subject; the library's quotes what
     torch found, not torch's terminal colour codes nor its add_safe_globals advice (which
     MIGRATION.md warns against)."""
@@ -275,5 +314,8 @@ def test_a_refusal_says_its_kind_and_quotes_torch_without_its_advice_or_escape_c
         load_checkpoint(tmp_path / "f.pt")
     assert (info.value.kind, info.value.subject, info.value.whole) == (kind, subject, whole)
     message = str(info.value)
-    assert f"(torch said: UnpicklingError: Unsupported global: GLOBAL {subject} was not an allowed global by default.)" in message
+    assert (
+        f"(torch said: UnpicklingError: Unsupported global: GLOBAL {subject} was not an allowed global by default.)"
+        in message
+    )
     assert "\x1b[" not in message and "safe_globals" not in message

@@ -15,6 +15,7 @@ The scale sequences expected after loading are worked out by hand from the rules
 ``(cur_iter - last_overflow_iter) % scale_window == 0``), and the weights are compared bit for
 bit with a run that continues from the same numbers through fp16kit's own state dict.
 """
+
 from __future__ import annotations
 
 import copy
@@ -166,8 +167,9 @@ def _apex_form(src_opt, scaler_obj, dynamic: bool) -> dict:
     }
 
 
-def _scaler_dict(loss_scale, *, dynamic=True, scale_factor=2.0, window=2000, unskipped=0,
-                 min_loss_scale=None, max_loss_scale=2.0**24) -> dict:
+def _scaler_dict(
+    loss_scale, *, dynamic=True, scale_factor=2.0, window=2000, unskipped=0, min_loss_scale=None, max_loss_scale=2.0**24
+) -> dict:
     return {
         "dynamic": dynamic,
         "loss_scale": float(loss_scale),
@@ -294,9 +296,7 @@ def test_era2_static_checkpoint_continues_identically(tmp_path, fake_apex):
     model, opt = _load_fresh(load_checkpoint(path))  # built dynamic; the checkpoint is static
     assert opt.dynamic_loss_scale is False and opt.loss_scale == 128.0
 
-    ref_model, ref_opt = _reference(
-        tmp_path, src_model, src_opt, _scaler_dict(128.0, dynamic=False), False
-    )
+    ref_model, ref_opt = _reference(tmp_path, src_model, src_opt, _scaler_dict(128.0, dynamic=False), False)
     pattern = [False] * 5
     got = _continue(model, opt, pattern)
     assert got[0] == [128.0] * 5 and got[1] == [False] * 5
@@ -321,8 +321,11 @@ def _apex_era1_scales(cur_scale, cur_iter, last_overflow_iter, factor, window, p
 ERA1_CASES = {
     # (cur_scale, cur_iter, last_overflow_iter, scale_factor, scale_window), pattern, scales by hand
     # (10-5)%4=1, 2, 3, then (13-5)%4==0 grows; overflow at 14; (18-14)%4==0 grows
-    "mid-window": ((512.0, 10, 5, 2.0, 4), [0, 0, 0, 0, 1, 0, 0, 0, 0, 0],
-                   [512, 512, 512, 1024, 512, 512, 512, 512, 1024, 1024]),
+    "mid-window": (
+        (512.0, 10, 5, 2.0, 4),
+        [0, 0, 0, 0, 1, 0, 0, 0, 0, 0],
+        [512, 512, 512, 1024, 512, 512, 512, 512, 1024, 1024],
+    ),
     # never overflowed (last=-1), int scale as apex kept it: (8)%3, (9)%3==0 grows, (12)%3==0 grows
     "never-overflowed-int-scale": ((1024, 7, -1, 2.0, 3), [0, 0, 0, 0, 0], [1024, 2048, 2048, 2048, 4096]),
     # scale_factor 4 carried: (1)%2, overflow /4 at 4, (5-4)%2, (6-4)%2==0 x4
@@ -358,9 +361,17 @@ def test_era1_dynamic_checkpoint_grows_when_apex_would_and_continues_identically
     # the same numbers through fp16kit's own form: clean steps since the last overflow,
     # modulo the window, are era 2's counter; era 1's floor of 1 and no cap come along
     ref_model, ref_opt = _reference(
-        tmp_path, src_model, src_opt,
-        _scaler_dict(cur_scale, scale_factor=factor, window=window, unskipped=(cur_iter - last - 1) % window,
-                     min_loss_scale=1.0, max_loss_scale=None),
+        tmp_path,
+        src_model,
+        src_opt,
+        _scaler_dict(
+            cur_scale,
+            scale_factor=factor,
+            window=window,
+            unskipped=(cur_iter - last - 1) % window,
+            min_loss_scale=1.0,
+            max_loss_scale=None,
+        ),
         True,
     )
     assert got == _continue(ref_model, ref_opt, pattern)
@@ -377,9 +388,7 @@ def test_era1_static_checkpoint_continues_identically(tmp_path, fake_apex, cur_s
 
     model, opt = _load_fresh(load_checkpoint(path))
     assert opt.dynamic_loss_scale is False and opt.loss_scale == cur_scale
-    ref_model, ref_opt = _reference(
-        tmp_path, src_model, src_opt, _scaler_dict(cur_scale, dynamic=False), False
-    )
+    ref_model, ref_opt = _reference(tmp_path, src_model, src_opt, _scaler_dict(cur_scale, dynamic=False), False)
     pattern = [False] * 4
     got = _continue(model, opt, pattern)
     assert got[0] == [float(cur_scale)] * 4 and got[1] == [False] * 4
@@ -391,8 +400,11 @@ def test_live_apex_objects_load_like_their_dicts(tmp_path, fake_apex, save):
     """With apex installed (torch.load(weights_only=False) gives live objects), the same
     checkpoint loads to the same state as through load_checkpoint's dicts."""
     src_model, src_opt = _trained("sgd")
-    for scaler in (fake_apex.era2(512.0, window=3, unskipped=1), fake_apex.era1_dynamic(512.0, 9, 4, 2.0, 3),
-                   fake_apex.era1_static(64)):
+    for scaler in (
+        fake_apex.era2(512.0, window=3, unskipped=1),
+        fake_apex.era1_dynamic(512.0, 9, 4, 2.0, 3),
+        fake_apex.era1_static(64),
+    ):
         live = {"model": src_model.state_dict(), "optimizer": _apex_form(src_opt, scaler, True)}
         path = save(live, tmp_path / "x.pt")
         fake_apex.remove()
@@ -438,8 +450,14 @@ def test_fp16_optimizer_state_dict_round_trip_and_bitwise_resume(tmp_path, loade
     pattern = (False, True, False, False) if dynamic else (False, False, False)
     src_model, src_opt = _trained("adam", dynamic_loss_scale=dynamic, pattern=pattern, **kw)
     sd = src_opt.state_dict()
-    assert list(sd) == ["loss_scaler", "dynamic_loss_scale", "overflow", "first_closure_call_this_step",
-                        "optimizer_state_dict", "fp32_from_fp16"]
+    assert list(sd) == [
+        "loss_scaler",
+        "dynamic_loss_scale",
+        "overflow",
+        "first_closure_call_this_step",
+        "optimizer_state_dict",
+        "fp32_from_fp16",
+    ]
     assert type(sd["loss_scaler"]) is dict
     path = save({"model": src_model.state_dict(), "optimizer": sd}, tmp_path / "own.pt")
     ckpt = torch.load(path, weights_only=True) if loader == "weights_only" else load_checkpoint(path)
@@ -465,8 +483,7 @@ def test_fp16_optimizer_state_saved_in_overflow_state_restores_it(tmp_path, save
 
 def test_load_checkpoint_returns_what_weights_only_load_returns(tmp_path, save):
     src_model, src_opt = _trained("sgd")
-    path = save({"model": src_model.state_dict(), "optimizer": src_opt.state_dict(), "epoch": 3},
-                tmp_path / "own.pt")
+    path = save({"model": src_model.state_dict(), "optimizer": src_opt.state_dict(), "epoch": 3}, tmp_path / "own.pt")
     a = torch.load(path, weights_only=True)
     b = load_checkpoint(path)
     _same(b, a)
@@ -511,8 +528,7 @@ def test_mixed_precision_optimizer_and_grad_scaler_round_trip_and_bitwise_resume
         _amp_step(*src, x, y, ov)
     sd = src[1].state_dict()
     assert list(sd) == ["optimizer", "masters"]
-    path = save({"model": src[0].state_dict(), "optimizer": sd, "scaler": src[2].state_dict()},
-                tmp_path / "amp.pt")
+    path = save({"model": src[0].state_dict(), "optimizer": sd, "scaler": src[2].state_dict()}, tmp_path / "amp.pt")
     ckpt = torch.load(path, weights_only=True) if loader == "weights_only" else load_checkpoint(path)
 
     dst = _amp_setup(1)
@@ -561,11 +577,25 @@ def _target():
 def _bad_scaler_forms():
     return {
         "fp16kit": _scaler_dict(4.0, window=7, unskipped=3),
-        "era2": {"__apex_class__": "apex.amp.scaler.LossScaler", "dynamic": True, "_loss_scale": 4.0,
-                 "_max_loss_scale": 2.0**24, "_min_loss_scale": None, "_scale_seq_len": 7, "_unskipped": 3,
-                 "_has_overflow": False, "_overflow_buf": torch.IntTensor([0])},
-        "era1": {"__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler", "cur_scale": 4.0,
-                 "cur_iter": 9, "last_overflow_iter": 2, "scale_factor": 2.0, "scale_window": 7},
+        "era2": {
+            "__apex_class__": "apex.amp.scaler.LossScaler",
+            "dynamic": True,
+            "_loss_scale": 4.0,
+            "_max_loss_scale": 2.0**24,
+            "_min_loss_scale": None,
+            "_scale_seq_len": 7,
+            "_unskipped": 3,
+            "_has_overflow": False,
+            "_overflow_buf": torch.IntTensor([0]),
+        },
+        "era1": {
+            "__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+            "cur_scale": 4.0,
+            "cur_iter": 9,
+            "last_overflow_iter": 2,
+            "scale_factor": 2.0,
+            "scale_window": 7,
+        },
     }
 
 
@@ -662,7 +692,7 @@ def test_unrecognized_loss_scaler_raises_value_error_and_changes_nothing(name):
 def test_mixed_precision_optimizer_mismatch_raises_and_changes_nothing():
     model = Net(0)
     mpo = MixedPrecisionOptimizer(_inner(model, "sgd"))
-    for (x, y) in _batches(2):
+    for x, y in _batches(2):
         mpo.zero_grad()
         (model(x) - y).pow(2).mean().backward()
         mpo.step()
@@ -670,8 +700,10 @@ def test_mixed_precision_optimizer_mismatch_raises_and_changes_nothing():
     for masters, match in (
         ([list(mpo.state_dict()["masters"][0])], r"\b1 param groups\b.*\b2\b"),
         ([list(mpo.state_dict()["masters"][0]), []], r"[Gg]roup 1\b.*\b0 master.*\b2\b"),
-        ([[torch.zeros(2, 2), mpo.state_dict()["masters"][0][1]], list(mpo.state_dict()["masters"][1])],
-         r"[Gg]roup 0\b.*\(2, 2\).*\(8, 4\)"),
+        (
+            [[torch.zeros(2, 2), mpo.state_dict()["masters"][0][1]], list(mpo.state_dict()["masters"][1])],
+            r"[Gg]roup 0\b.*\(2, 2\).*\(8, 4\)",
+        ),
     ):
         bad = {"optimizer": copy.deepcopy(mpo.optimizer.state_dict()), "masters": masters}
         bad["optimizer"]["param_groups"][0]["lr"] = 123.0
@@ -704,9 +736,7 @@ def test_cpu_saved_apex_checkpoint_loads_with_map_location(tmp_path, fake_apex, 
 @pytest.mark.parametrize("how", ["str", "path", "file", "bytesio"])
 def test_load_checkpoint_takes_paths_and_file_objects(tmp_path, fake_apex, how):
     src_model, src_opt = _trained("sgd")
-    path = _write_apex_checkpoint(
-        fake_apex, tmp_path / "apex.pt", src_model, src_opt, fake_apex.era1_static(32), False
-    )
+    path = _write_apex_checkpoint(fake_apex, tmp_path / "apex.pt", src_model, src_opt, fake_apex.era1_static(32), False)
     if how == "str":
         ckpt = load_checkpoint(str(path))
     elif how == "path":
@@ -716,8 +746,10 @@ def test_load_checkpoint_takes_paths_and_file_objects(tmp_path, fake_apex, how):
             ckpt = load_checkpoint(f)
     else:
         ckpt = load_checkpoint(io.BytesIO(path.read_bytes()))
-    assert ckpt["optimizer"]["loss_scaler"] == {"__apex_class__": "apex.fp16_utils.loss_scaler.LossScaler",
-                                                "cur_scale": 32}
+    assert ckpt["optimizer"]["loss_scaler"] == {
+        "__apex_class__": "apex.fp16_utils.loss_scaler.LossScaler",
+        "cur_scale": 32,
+    }
 
 
 def _save_tagged_cuda(obj, path, monkeypatch):
@@ -732,8 +764,10 @@ def _save_tagged_cuda(obj, path, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default of map_location")
 def test_cuda_tagged_apex_checkpoint_loads_on_a_cpu_only_machine(tmp_path, fake_apex, monkeypatch):
     src_model, src_opt = _trained("sgd")
-    ckpt_obj = {"model": src_model.state_dict(),
-                "optimizer": _apex_form(src_opt, fake_apex.era2(256.0, window=3, unskipped=1), True)}
+    ckpt_obj = {
+        "model": src_model.state_dict(),
+        "optimizer": _apex_form(src_opt, fake_apex.era2(256.0, window=3, unskipped=1), True),
+    }
     path = _save_tagged_cuda(ckpt_obj, tmp_path / "gpu.pt", monkeypatch)
     fake_apex.remove()
     tensors_only = _save_tagged_cuda({"t": torch.arange(3.0)}, tmp_path / "t.pt", monkeypatch)
@@ -753,7 +787,7 @@ def test_cuda_tagged_apex_checkpoint_loads_on_a_cpu_only_machine(tmp_path, fake_
 def test_cuda_saved_apex_checkpoint_maps_to_cpu_and_loads_on_cuda(tmp_path, fake_apex):
     src_model = Net(0).cuda()
     src_opt = _legacy(src_model, "sgd")
-    for (x, y) in _batches(2, seed=7):
+    for x, y in _batches(2, seed=7):
         _legacy_step(src_model, src_opt, x.cuda(), y.cuda())
     scaler = fake_apex.era2(512.0, window=3, unskipped=1)
     scaler._overflow_buf = scaler._overflow_buf.cuda()
@@ -779,8 +813,14 @@ def test_era1_scale_keeps_growing_past_era2s_cap(tmp_path, fake_apex):
     from fp16kit.legacy.checkpoints.load import scaler_state
     from fp16kit.legacy.fp16_optimizer import AmpLossScaler
 
-    saved = {"__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler", "cur_scale": 2**30,
-             "cur_iter": 10, "last_overflow_iter": 9, "scale_factor": 2.0, "scale_window": 1}
+    saved = {
+        "__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+        "cur_scale": 2**30,
+        "cur_iter": 10,
+        "last_overflow_iter": 9,
+        "scale_factor": 2.0,
+        "scale_window": 1,
+    }
     current = AmpLossScaler("dynamic").state_dict()
     state = scaler_state(saved, current=current)
     assert state["min_loss_scale"] == 1.0 and state["max_loss_scale"] is None

@@ -56,7 +56,11 @@ def reference(tmp_path_factory):
     (root / "part").mkdir()
     lines = _script_run("--epochs", EPOCHS, "--checkpoint-dir", root / "full")
     _script_run("--epochs", STOP, "--checkpoint-dir", root / "part")
-    return lines, torch.load(root / "full" / "checkpoint.pth.tar", weights_only=True), root / "part" / "checkpoint.pth.tar"
+    return (
+        lines,
+        torch.load(root / "full" / "checkpoint.pth.tar", weights_only=True),
+        root / "part" / "checkpoint.pth.tar",
+    )
 
 
 def _apex_layout(apex, ckpt_path, era: int, out: pathlib.Path) -> pathlib.Path:
@@ -64,8 +68,13 @@ def _apex_layout(apex, ckpt_path, era: int, out: pathlib.Path) -> pathlib.Path:
     ckpt = torch.load(ckpt_path, weights_only=True)
     sd, s = ckpt["optimizer"], ckpt["optimizer"]["loss_scaler"]
     if era == 2:
-        scaler = apex.era2(s["loss_scale"], window=s["scale_window"], unskipped=s["unskipped"],
-                           min_loss_scale=s["min_loss_scale"], max_loss_scale=s["max_loss_scale"])
+        scaler = apex.era2(
+            s["loss_scale"],
+            window=s["scale_window"],
+            unskipped=s["unskipped"],
+            min_loss_scale=s["min_loss_scale"],
+            max_loss_scale=s["max_loss_scale"],
+        )
     else:  # era 1 counts iterations; the same growth phase: unskipped clean ones since the last overflow
         n = ckpt["epoch"] * STEPS_PER_EPOCH
         scaler = apex.era1_dynamic(s["loss_scale"], n, n - 1 - s["unskipped"], 2.0, s["scale_window"])
@@ -84,7 +93,7 @@ def _check_resumed(lines: list[str], checkpoint_dir: pathlib.Path, reference, **
     # run's output after the line of the last epoch the checkpoint holds is what the resumed run prints
     last = next(i for i, line in enumerate(ref_lines) if line.startswith(f"epoch {STOP - 1} "))
     assert lines[1].endswith(f"(epoch {STOP}, loss scale {ref_lines[last].rsplit(' ', 1)[1]})")
-    assert lines[2:] == ref_lines[last + 1:]  # epochs 5-7, their overflow lines and the final loss
+    assert lines[2:] == ref_lines[last + 1 :]  # epochs 5-7, their overflow lines and the final loss
     assert any(line.startswith("Gradient overflow.") for line in lines[2:])  # the scale moved while resumed
     same_value(torch.load(checkpoint_dir / "checkpoint.pth.tar", weights_only=True), ref_final, "checkpoint")
 
@@ -116,8 +125,9 @@ def test_resumes_after_migrate_from_the_converted_file(fake_apex, tmp_path, refe
     new = tmp_path / "converted.pth.tar"
     assert cli_main(["convert-checkpoint", str(old), str(new)]) == 0
     capsys.readouterr()
-    lines = _script_run("--epochs", EPOCHS, "--resume", new, "--checkpoint-dir", tmp_path,
-                        script=migrated, under_fp16kit_run=False)
+    lines = _script_run(
+        "--epochs", EPOCHS, "--resume", new, "--checkpoint-dir", tmp_path, script=migrated, under_fp16kit_run=False
+    )
     _check_resumed(lines, tmp_path, reference)
 
 

@@ -55,7 +55,9 @@ def test_exactly_fp16kit_s_scaler_classes_are_added_and_removed(clean_list, mega
     install_apex_alias(megatron=megatron)
     added = _listed() - before
     assert added == _expected(megatron)
-    assert all(isinstance(e, tuple) and f"{e[0].__module__}.{e[0].__qualname__}" in FP16KIT_SCALER_CLASSES for e in added)
+    assert all(
+        isinstance(e, tuple) and f"{e[0].__module__}.{e[0].__qualname__}" in FP16KIT_SCALER_CLASSES for e in added
+    )
     uninstall_apex_alias()
     assert _listed() == before
 
@@ -81,8 +83,10 @@ def test_a_path_the_user_already_allowed_is_left_to_the_user_s_entry(clean_list)
     torch.serialization.add_safe_globals([mine])
     install_apex_alias()
     assert [e for e in _listed() if entry_path(e) == "apex.amp.scaler.LossScaler"] == [mine]
-    assert (_cls("fp16kit.legacy.loss_scaler.DynamicLossScaler"),
-            "apex.fp16_utils.loss_scaler.DynamicLossScaler") in _listed()  # the other paths are the alias's
+    assert (
+        _cls("fp16kit.legacy.loss_scaler.DynamicLossScaler"),
+        "apex.fp16_utils.loss_scaler.DynamicLossScaler",
+    ) in _listed()  # the other paths are the alias's
     uninstall_apex_alias()
     assert mine in _listed()
 

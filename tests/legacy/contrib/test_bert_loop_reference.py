@@ -16,9 +16,11 @@ from fp16kit.legacy.optimizers import FP16_Optimizer, FusedAdam
 
 def _model_params():
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(8, 4, generator=g).half().requires_grad_(),
-            torch.randn(8, generator=g).half().requires_grad_(),
-            torch.randn(8, generator=g).half().requires_grad_()]
+    return [
+        torch.randn(8, 4, generator=g).half().requires_grad_(),
+        torch.randn(8, generator=g).half().requires_grad_(),
+        torch.randn(8, generator=g).half().requires_grad_(),
+    ]
 
 
 def _loss(params, x, blow_up):
@@ -43,9 +45,16 @@ class Reference:
             p.grad = None
         (loss.float() * self.scale).backward()
         n_groups = max(self.group_of) + 1
-        norms = [math.sqrt(sum(float(self.params[i].grad.double().square().sum())
-                               for i in range(len(self.params)) if self.group_of[i] == gi))
-                 for gi in range(n_groups)]
+        norms = [
+            math.sqrt(
+                sum(
+                    float(self.params[i].grad.double().square().sum())
+                    for i in range(len(self.params))
+                    if self.group_of[i] == gi
+                )
+            )
+            for gi in range(n_groups)
+        ]
         skip = not all(math.isfinite(n) for n in norms)
         if skip:
             self.scale = max(self.scale / 2, 1)
@@ -73,8 +82,11 @@ class Reference:
 def test_bert_fp16_loop_matches_the_fp32_master_reference(max_grad_norm):
     params = _model_params()
     groups = [{"params": [params[0]], "weight_decay": 0.01}, {"params": [params[1], params[2]], "weight_decay": 0.0}]
-    optimizer = FP16_Optimizer(FusedAdam(groups, lr=5e-3, bias_correction=False, max_grad_norm=max_grad_norm),
-                               dynamic_loss_scale=True, verbose=False)
+    optimizer = FP16_Optimizer(
+        FusedAdam(groups, lr=5e-3, bias_correction=False, max_grad_norm=max_grad_norm),
+        dynamic_loss_scale=True,
+        verbose=False,
+    )
     optimizer.scale_window = 7
     ref = Reference(_model_params(), [0, 1, 1], [0.01, 0.0, 0.0], window=7, max_grad_norm=max_grad_norm)
     gen = torch.Generator().manual_seed(0)

@@ -122,8 +122,10 @@ def test_static_scale_detects_overflow_skips_and_logs(caplog):
 
 
 def test_dynamic_overflow_lines_only_when_verbose(caplog):
-    for verbose, expected in ((True, ["\nGrad overflow on iteration 0", "Using dynamic loss scale of 65536.0"]),
-                              (False, [])):
+    for verbose, expected in (
+        (True, ["\nGrad overflow on iteration 0", "Using dynamic loss scale of 65536.0"]),
+        (False, []),
+    ):
         caplog.clear()
         params = _bert_groups()
         opt = _make(params, verbose=verbose)
@@ -154,7 +156,7 @@ def test_skipped_step_leaves_params_masters_and_state_alone():
 
 def _reference_bert_step(masters, states, fp16_grads, scale, groups_wd, lr=1e-2, mgn=1.0, b1=0.9, b2=0.999, eps=1e-8):
     """§1.4 per group: norm of the scaled fp16 grads, per-group clip, unscale, BertAdam."""
-    for (gi, idx), wd in zip(enumerate([[0], [1, 2]]), groups_wd):
+    for (_gi, idx), wd in zip(enumerate([[0], [1, 2]]), groups_wd):
         norm = math.sqrt(sum(float((fp16_grads[i].double() ** 2).sum()) for i in idx))
         clip = (norm / scale + 1e-6) / mgn
         combined = clip * scale if clip > 1 else scale
@@ -175,8 +177,7 @@ def test_bert_style_two_groups_clip_independently():
     for k in range(4):
         # group 0 far above max_grad_norm, group 1 below it
         g = torch.Generator().manual_seed(k)
-        grads = [(torch.randn(p.shape, generator=g) * s * 64.0).half()
-                 for p, s in zip(params, (5.0, 0.01, 0.01))]
+        grads = [(torch.randn(p.shape, generator=g) * s * 64.0).half() for p, s in zip(params, (5.0, 0.01, 0.01))]
         for p, gr in zip(params, grads):
             p.grad = gr.clone()
         opt.step()
@@ -188,11 +189,11 @@ def test_bert_style_two_groups_clip_independently():
 
 
 def test_fp32_and_bf16_model_params_train_and_are_copied_back():
-    w = torch.randn(3, requires_grad=True)                      # fp32: apex never copied it back
+    w = torch.randn(3, requires_grad=True)  # fp32: apex never copied it back
     h = torch.randn(3).bfloat16().requires_grad_()
     opt = FP16_Optimizer(FusedAdam([w, h], lr=0.1), static_loss_scale=8.0)
     w0, h0 = w.detach().clone(), h.detach().clone()
-    opt.backward((w.sum() + h.float().sum()))
+    opt.backward(w.sum() + h.float().sum())
     assert torch.equal(w.grad, torch.full((3,), 8.0))
     opt.step()
     assert not torch.equal(w.detach(), w0) and not torch.equal(h.detach(), h0)
@@ -297,8 +298,16 @@ def test_state_dict_is_plain_data_and_round_trips_exactly():
     torch.save(o1.state_dict(), buf)
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
-    assert set(sd) == {"dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor",
-                       "scale_window", "optimizer_state_dict", "fp32_groups"}
+    assert set(sd) == {
+        "dynamic_loss_scale",
+        "cur_scale",
+        "cur_iter",
+        "last_overflow_iter",
+        "scale_factor",
+        "scale_window",
+        "optimizer_state_dict",
+        "fp32_groups",
+    }
     p2 = _clone_params(p1)
     o2 = _make(p2, dynamic=False)  # the saved dynamic_loss_scale wins
     o2.load_state_dict(sd)
@@ -335,8 +344,9 @@ def test_loads_apex_flat_master_layout(one_param_groups):
     apex_sd["optimizer_state_dict"] = {"state": flat_state, "param_groups": flat_groups}
     p2 = _clone_params(p1)
     if one_param_groups:
-        o2 = FP16_Optimizer(FusedAdam([{"params": [p]} for p in p2], lr=1e-2, max_grad_norm=1.0),
-                            dynamic_loss_scale=True)
+        o2 = FP16_Optimizer(
+            FusedAdam([{"params": [p]} for p in p2], lr=1e-2, max_grad_norm=1.0), dynamic_loss_scale=True
+        )
     else:
         o2 = _make(p2)
     o2.load_state_dict(apex_sd)
@@ -411,8 +421,9 @@ def test_pytorch_pretrained_bert_training_loop_runs_as_written():
         {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": 0.01},
         {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
     ]
-    optimizer = Wrapper(BertFusedAdam(groups, lr=5e-2, bias_correction=False, max_grad_norm=1.0),
-                        dynamic_loss_scale=True)
+    optimizer = Wrapper(
+        BertFusedAdam(groups, lr=5e-2, bias_correction=False, max_grad_norm=1.0), dynamic_loss_scale=True
+    )
     x = torch.randn(32, 8).half()
     y = (x[:, 0] > 0).long()
     losses = []

@@ -10,15 +10,17 @@ from fp16kit.legacy.contrib.optimizers import FP16_Optimizer, FusedSGD
 from fp16kit.legacy.optimizers import FusedAdam
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: FusedAdam(ps, lr=1e-3, bias_correction=False, max_grad_norm=1.0),
-    lambda ps: FusedSGD(ps, lr=1e-3, momentum=0.9),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: FusedAdam(ps, lr=1e-3, bias_correction=False, max_grad_norm=1.0),
+        lambda ps: FusedSGD(ps, lr=1e-3, momentum=0.9),
+    ],
+)
 def test_a_sparse_embedding_grad_is_refused_by_name_before_any_change(make):
     emb = torch.nn.Embedding(5, 2, sparse=True).half()
     lin = torch.nn.Linear(2, 2).half()
-    opt = FP16_Optimizer(make(list(lin.parameters()) + list(emb.parameters())), dynamic_loss_scale=True,
-                         verbose=False)
+    opt = FP16_Optimizer(make(list(lin.parameters()) + list(emb.parameters())), dynamic_loss_scale=True, verbose=False)
     opt.backward(lin(emb(torch.tensor([1, 2]))).float().sum())
     before = [p.detach().clone() for p in [*lin.parameters(), *emb.parameters()]]
     masters = [m.detach().clone() for g in opt.fp32_groups for m in g]
@@ -46,9 +48,17 @@ def test_opennmt_passes_a_zero_static_scale_with_the_dynamic_one():
     assert opt.cur_scale == 2.0**16
 
 
-@pytest.mark.parametrize("key,bad", [("cur_scale", 0.0), ("cur_scale", float("nan")), ("cur_scale", "65536"),
-                                     ("cur_scale", 10**400),  # OverflowError from math.isfinite
-                                     ("cur_iter", 2.5), ("cur_iter", -1)])
+@pytest.mark.parametrize(
+    "key,bad",
+    [
+        ("cur_scale", 0.0),
+        ("cur_scale", float("nan")),
+        ("cur_scale", "65536"),
+        ("cur_scale", 10**400),  # OverflowError from math.isfinite
+        ("cur_iter", 2.5),
+        ("cur_iter", -1),
+    ],
+)
 def test_a_checkpoint_with_an_unusable_scale_or_count_is_refused_before_any_change(key, bad):
     p = torch.ones(3, dtype=torch.float16, requires_grad=True)
     saved = FP16_Optimizer(FusedAdam([p], lr=1e-3, max_grad_norm=1.0), static_loss_scale=8.0, verbose=False)
@@ -63,10 +73,22 @@ def test_a_checkpoint_with_an_unusable_scale_or_count_is_refused_before_any_chan
     assert opt.dynamic_loss_scale and opt.cur_scale == 2.0**16 and opt.cur_iter == 0 and not opt.state
 
 
-@pytest.mark.parametrize("key,bad", [("scale_window", None), ("scale_window", 0), ("scale_window", 2.5),
-                                     ("scale_factor", None), ("scale_factor", 0.0), ("scale_factor", float("inf")),
-                                     ("scale_factor", "2"), ("scale_factor", 10**400), ("last_overflow_iter", None),
-                                     ("last_overflow_iter", -2), ("last_overflow_iter", 1.5)])
+@pytest.mark.parametrize(
+    "key,bad",
+    [
+        ("scale_window", None),
+        ("scale_window", 0),
+        ("scale_window", 2.5),
+        ("scale_factor", None),
+        ("scale_factor", 0.0),
+        ("scale_factor", float("inf")),
+        ("scale_factor", "2"),
+        ("scale_factor", 10**400),
+        ("last_overflow_iter", None),
+        ("last_overflow_iter", -2),
+        ("last_overflow_iter", 1.5),
+    ],
+)
 def test_a_dynamic_checkpoint_with_unusable_scale_settings_is_refused_before_any_change(key, bad):
     # scale_window=None raised a bare TypeError after the masters, inner state and scale were replaced
     p = torch.ones(3, dtype=torch.float16, requires_grad=True)
@@ -90,8 +112,11 @@ def test_a_dynamic_checkpoint_with_tensor_settings_loads_as_numbers():
     saved = FP16_Optimizer(FusedAdam([p], lr=1e-3, max_grad_norm=1.0), dynamic_loss_scale=True, verbose=False)
     sd = saved.state_dict()
     sd.update(scale_factor=torch.tensor(4.0), scale_window=torch.tensor(7), last_overflow_iter=torch.tensor(-1))
-    opt = FP16_Optimizer(FusedAdam([torch.ones(3, dtype=torch.float16, requires_grad=True)], lr=1e-3),
-                         dynamic_loss_scale=True, verbose=False)
+    opt = FP16_Optimizer(
+        FusedAdam([torch.ones(3, dtype=torch.float16, requires_grad=True)], lr=1e-3),
+        dynamic_loss_scale=True,
+        verbose=False,
+    )
     opt.load_state_dict(sd)
     assert (opt.scale_factor, opt.scale_window, opt.last_overflow_iter) == (4.0, 7, -1)
     assert type(opt.scale_factor) is float and type(opt.scale_window) is int
@@ -102,8 +127,9 @@ def test_a_dynamic_checkpoint_with_tensor_settings_loads_as_numbers():
 def test_writing_a_scale_that_cannot_work_is_refused(bad, dynamic):
     # scripts write opt.cur_scale by hand; 0 or NaN made every param NaN at the next step
     p = torch.ones(3, dtype=torch.float16, requires_grad=True)
-    opt = FP16_Optimizer(FusedAdam([p], lr=1e-3, bias_correction=False), static_loss_scale=8.0,
-                         dynamic_loss_scale=dynamic, verbose=False)
+    opt = FP16_Optimizer(
+        FusedAdam([p], lr=1e-3, bias_correction=False), static_loss_scale=8.0, dynamic_loss_scale=dynamic, verbose=False
+    )
     before = opt.cur_scale
     with pytest.raises(ValueError, match=rf"cur_scale must be a finite number > 0 \(e\.g\. 128\.0\), got {bad!r}\."):
         opt.cur_scale = bad

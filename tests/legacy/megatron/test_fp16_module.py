@@ -20,7 +20,12 @@ def test_keys_have_no_module_prefix_and_load_from_a_plain_model():
     assert not result.missing_keys and not result.unexpected_keys
     assert model.module[0].weight.dtype == torch.float16
     assert torch.equal(model.module[0].weight, plain[0].weight.half())
-    assert list(model.state_dict(prefix="model.")) == ["model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias"]
+    assert list(model.state_dict(prefix="model.")) == [
+        "model.0.weight",
+        "model.0.bias",
+        "model.1.weight",
+        "model.1.bias",
+    ]
     assert list(model.state_dict_for_save_checkpoint()) == list(model.state_dict())
 
 
@@ -48,10 +53,26 @@ def test_casting_and_pipeline_stages():
 
 
 def test_package_names_as_megatrons_init():
-    for name in ("BN_convert_float", "network_to_half", "prep_param_lists", "model_grads_to_master_grads",
-                 "master_params_to_model_params", "tofp16", "to_python_float", "clip_grad_norm",
-                 "convert_module", "convert_network", "FP16Model", "FP16_Module", "FP16_Optimizer",
-                 "fp32_to_fp16", "fp16_to_fp32", "conversion_helper", "LossScaler", "DynamicLossScaler"):
+    for name in (
+        "BN_convert_float",
+        "network_to_half",
+        "prep_param_lists",
+        "model_grads_to_master_grads",
+        "master_params_to_model_params",
+        "tofp16",
+        "to_python_float",
+        "clip_grad_norm",
+        "convert_module",
+        "convert_network",
+        "FP16Model",
+        "FP16_Module",
+        "FP16_Optimizer",
+        "fp32_to_fp16",
+        "fp16_to_fp32",
+        "conversion_helper",
+        "LossScaler",
+        "DynamicLossScaler",
+    ):
         assert hasattr(megatron, name), name
     assert megatron.prep_param_lists is apex_fp16util.prep_param_lists
     assert megatron.clip_grad_norm is megatron.fp16util.clip_grad_norm

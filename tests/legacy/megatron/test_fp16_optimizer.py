@@ -167,8 +167,14 @@ FP16, BF16 = torch.float16, torch.bfloat16
 
 @pytest.mark.parametrize(
     "dtype, args, clip",
-    [(FP16, CASES[0], 0.5), (FP16, CASES[1], 0.5), (FP16, CASES[2], 0.0), (FP16, CASES[0], 0.0),
-     (BF16, CASES[0], 0.5), (BF16, CASES[1], 0.0)],
+    [
+        (FP16, CASES[0], 0.5),
+        (FP16, CASES[1], 0.5),
+        (FP16, CASES[2], 0.0),
+        (FP16, CASES[0], 0.0),
+        (BF16, CASES[0], 0.5),
+        (BF16, CASES[1], 0.0),
+    ],
     ids=["megatron-clip", "consecutive-clip", "plain", "megatron", "bf16-megatron-clip", "bf16-consecutive"],
 )
 def test_megatron_training_sequence_matches_the_reference(dtype, args, clip):
@@ -241,8 +247,13 @@ def test_overflow_lines(caplog):
 def test_closure_retries_at_lower_scales(caplog):
     torch.manual_seed(0)
     model = FP16_Module(nn.Linear(4, 2))
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None,
-                         dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**40}, verbose=True)
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        static_loss_scale=None,
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 2.0**40},
+        verbose=True,
+    )
     x = torch.randn(3, 4)
 
     def closure():
@@ -303,8 +314,12 @@ def test_closure_retries_allow_for_the_hysteresis():
     retried past them (it raised 'not finite at any scale' after 32, the scale untouched)."""
     torch.manual_seed(0)
     model = FP16_Module(nn.Linear(4, 2))
-    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None,
-                         dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**24, "delayed_shift": 40})
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        static_loss_scale=None,
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 2.0**24, "delayed_shift": 40},
+    )
     x = torch.randn(3, 4)
 
     def closure():
@@ -342,8 +357,12 @@ def test_clip_grad_norm_is_a_method_and_the_scaler_is_built_once(monkeypatch):
             return super().clip_grad_norm(parameters, max_norm, norm_type)
 
     model = FP16_Module(nn.Linear(3, 2))
-    opt = Recording(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None, dynamic_loss_scale=True,
-                    dynamic_loss_args={"init_scale": 8.0})
+    opt = Recording(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        static_loss_scale=None,
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 8.0},
+    )
     assert len(built) == 1 and isinstance(opt.loss_scaler, Counting) and opt.loss_scale == 8.0
     opt.backward(model(torch.ones(2, 3)).sum())
     total = opt.clip_master_grads(0.25)

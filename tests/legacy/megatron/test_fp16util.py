@@ -93,9 +93,11 @@ def _worker(rank, init_file, results):
         for norm_type in (2, math.inf):
             total = clip_grad_norm(params, 0.5, norm_type, model_parallel_group=group)
             expected = reference(ref_params, 0.5, norm_type, rank=rank, reduce=reduce)
-            results[(rank, norm_type)] = (total, expected, all(
-                (p.grad is None) or torch.equal(p.grad, q.grad) for p, q in zip(params, ref_params)
-            ))
+            results[(rank, norm_type)] = (
+                total,
+                expected,
+                all((p.grad is None) or torch.equal(p.grad, q.grad) for p, q in zip(params, ref_params)),
+            )
     finally:
         dist.destroy_process_group()
 

@@ -185,8 +185,14 @@ def test_state_dict_is_plain_and_round_trips(tmp_path):
 @pytest.mark.parametrize("path", ["megatron.fp16.loss_scaler.DynamicLossScaler", "fp16.loss_scaler.DynamicLossScaler"])
 def test_old_pickles_default_the_missing_attributes(path):
     # a 2019 scaler pickled only apex era 1's attributes: the rest are 1, 1, 1, True
-    old = {"__apex_class__": path, "cur_scale": 1024.0, "cur_iter": 10, "last_overflow_iter": 7,
-           "scale_factor": 2.0, "scale_window": 4}
+    old = {
+        "__apex_class__": path,
+        "cur_scale": 1024.0,
+        "cur_iter": 10,
+        "last_overflow_iter": 7,
+        "scale_factor": 2.0,
+        "scale_window": 4,
+    }
     s = scaler_from_state(old)
     assert isinstance(s, DynamicLossScaler)
     assert (s.min_scale, s.delayed_shift, s.cur_hysteresis, s.consecutive_hysteresis) == (1, 1, 1, True)
@@ -199,9 +205,18 @@ def test_old_pickles_default_the_missing_attributes(path):
 
 
 def test_full_megatron_record_and_static_forms():
-    full = {"__apex_class__": "megatron.fp16.loss_scaler.DynamicLossScaler", "cur_scale": 2**31, "cur_iter": 5,
-            "last_overflow_iter": 2, "scale_factor": 2.0, "scale_window": 1000.0, "min_scale": 1.0,
-            "delayed_shift": 2, "cur_hysteresis": 1, "consecutive_hysteresis": False}
+    full = {
+        "__apex_class__": "megatron.fp16.loss_scaler.DynamicLossScaler",
+        "cur_scale": 2**31,
+        "cur_iter": 5,
+        "last_overflow_iter": 2,
+        "scale_factor": 2.0,
+        "scale_window": 1000.0,
+        "min_scale": 1.0,
+        "delayed_shift": 2,
+        "cur_hysteresis": 1,
+        "consecutive_hysteresis": False,
+    }
     s = scaler_from_state(full)
     assert s.state_dict() == {k: v for k, v in full.items() if k != "__apex_class__"}
     static = scaler_from_state({"__apex_class__": "fp16.loss_scaler.LossScaler", "cur_scale": 128})

@@ -47,8 +47,14 @@ def test_resume_is_exact_and_the_saved_scaler_wins():
     model, opt = build(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS)
     train(model, opt, 9)
     saved = roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict()})
-    assert set(saved["optimizer"]) == {"loss_scaler", "dynamic_loss_scale", "overflow",
-                                       "first_closure_call_this_step", "optimizer_state_dict", "fp32_from_fp16"}
+    assert set(saved["optimizer"]) == {
+        "loss_scaler",
+        "dynamic_loss_scale",
+        "overflow",
+        "first_closure_call_this_step",
+        "optimizer_state_dict",
+        "fp32_from_fp16",
+    }
     assert saved["optimizer"]["loss_scaler"] == opt.loss_scaler.state_dict()
 
     model2, opt2 = build(static_loss_scale=4.0)  # other settings: the checkpoint's win
@@ -71,8 +77,14 @@ def test_loads_a_pickled_megatron_scaler_as_load_checkpoint_gives_it(path):
     train(model, opt, 3)
     sd = opt.state_dict()
     # a 2019 object: no min_scale / delayed_shift / cur_hysteresis / consecutive_hysteresis
-    sd["loss_scaler"] = {"__apex_class__": path, "cur_scale": 2048.0, "cur_iter": 40, "last_overflow_iter": 38,
-                         "scale_factor": 2.0, "scale_window": 1000}
+    sd["loss_scaler"] = {
+        "__apex_class__": path,
+        "cur_scale": 2048.0,
+        "cur_iter": 40,
+        "last_overflow_iter": 38,
+        "scale_factor": 2.0,
+        "scale_window": 1000,
+    }
     _, fresh = build(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS)
     fresh.load_state_dict(sd)
     s = fresh.loss_scaler
@@ -122,7 +134,11 @@ def test_an_apex_scaler_converted_by_convert_checkpoint_continues_as_the_origina
 
     record = {
         "__apex_class__": "apex.fp16_utils.loss_scaler.DynamicLossScaler",
-        "cur_scale": 1024.0, "cur_iter": 57, "last_overflow_iter": 50, "scale_factor": 2.0, "scale_window": 10,
+        "cur_scale": 1024.0,
+        "cur_iter": 57,
+        "last_overflow_iter": 50,
+        "scale_factor": 2.0,
+        "scale_window": 10,
     }
     original = scaler_from_state(dict(record))
     converted = scaler_from_state(scaler_state(dict(record), current=AmpLossScaler(1.0).state_dict()))
@@ -137,23 +153,33 @@ def test_an_apex_scaler_converted_by_convert_checkpoint_continues_as_the_origina
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize(("dynamic", "field", "value", "said"), [
-    (True, "cur_scale", NAN, "cur_scale must be a finite number > 0, got nan"),  # was named init_scale
-    (True, "cur_scale", 0, "cur_scale must be a finite number > 0, got 0"),
-    (True, "cur_scale", -2.0, "cur_scale must be a finite number > 0, got -2.0"),
-    (True, "scale_factor", 0.5, "scale_factor must be a finite number > 1"),  # grew at every overflow
-    (True, "scale_window", 0, "scale_window must be a whole number >= 1"),
-    (False, "cur_scale", INF, "cur_scale must be a finite number > 0, got inf"),
-    (False, "cur_scale", NAN, "cur_scale must be a finite number > 0, got nan"),
-])
+@pytest.mark.parametrize(
+    ("dynamic", "field", "value", "said"),
+    [
+        (True, "cur_scale", NAN, "cur_scale must be a finite number > 0, got nan"),  # was named init_scale
+        (True, "cur_scale", 0, "cur_scale must be a finite number > 0, got 0"),
+        (True, "cur_scale", -2.0, "cur_scale must be a finite number > 0, got -2.0"),
+        (True, "scale_factor", 0.5, "scale_factor must be a finite number > 1"),  # grew at every overflow
+        (True, "scale_window", 0, "scale_window must be a whole number >= 1"),
+        (False, "cur_scale", INF, "cur_scale must be a finite number > 0, got inf"),
+        (False, "cur_scale", NAN, "cur_scale must be a finite number > 0, got nan"),
+    ],
+)
 def test_a_saved_scale_that_cannot_train_is_refused_naming_the_field_and_changes_nothing(dynamic, field, value, said):
-    kwargs = dict(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS) if dynamic \
+    kwargs = (
+        dict(static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=MEGATRON_ARGS)
+        if dynamic
         else dict(static_loss_scale=128.0)
+    )
     model, opt = build(**kwargs)
     train(model, opt, 3)
     saved = opt.state_dict()
     saved = {**saved, "loss_scaler": {**saved["loss_scaler"], field: value}}
-    before = (opt.loss_scaler.state_dict(), [m.clone() for m in opt.fp32_from_fp16_groups[0]], opt.optimizer.state_dict())
+    before = (
+        opt.loss_scaler.state_dict(),
+        [m.clone() for m in opt.fp32_from_fp16_groups[0]],
+        opt.optimizer.state_dict(),
+    )
     with pytest.raises(ValueError, match=rf"Cannot read the saved loss scaler \({said}"):
         opt.load_state_dict(saved)
     assert opt.loss_scaler.state_dict() == before[0]
@@ -174,17 +200,27 @@ def test_setting_a_loss_scale_that_cannot_train_is_refused(dynamic, value):
     assert opt.loss_scale == 1024
 
 
-@pytest.mark.parametrize("field", ["cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "min_scale",
-                                   "delayed_shift"])
-@pytest.mark.parametrize("bad", [10**400, -10**400, 2**62], ids=["10**400", "-10**400", "2**62"])
+@pytest.mark.parametrize(
+    "field", ["cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "min_scale", "delayed_shift"]
+)
+@pytest.mark.parametrize("bad", [10**400, -(10**400), 2**62], ids=["10**400", "-10**400", "2**62"])
 def test_a_saved_number_too_large_for_its_field_is_a_valueerror_naming_it(field, bad):
     """10**400 raised OverflowError (math.isfinite) or, in a counter, RuntimeError/OverflowError from
     the core's int32 trackers; a saved value no Megatron run wrote is a ValueError naming its field."""
     from fp16kit.legacy.megatron.loss_scaler import scaler_from_state
 
-    saved = {"cur_scale": 2.0**16, "cur_iter": 5, "last_overflow_iter": -1, "scale_factor": 2.0,
-             "scale_window": 1000, "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 2,
-             "consecutive_hysteresis": False, field: bad}
+    saved = {
+        "cur_scale": 2.0**16,
+        "cur_iter": 5,
+        "last_overflow_iter": -1,
+        "scale_factor": 2.0,
+        "scale_window": 1000,
+        "min_scale": 1,
+        "delayed_shift": 2,
+        "cur_hysteresis": 2,
+        "consecutive_hysteresis": False,
+        field: bad,
+    }
     if field in ("scale_factor", "min_scale", "cur_scale") and bad == 2**62:
         scaler_from_state(saved)  # a large number, but a float: Megatron's arithmetic runs on
         return

@@ -81,8 +81,12 @@ def test_rms_norms_are_apex_formula(dtype, wdtype):
 
 
 def test_state_dicts_load_into_torch_modules_and_back():
-    pairs = [(FusedLayerNorm(8), torch.nn.LayerNorm(8)), (MixedFusedLayerNorm(8), torch.nn.LayerNorm(8)),
-             (FusedRMSNorm(8), torch.nn.RMSNorm(8)), (MixedFusedRMSNorm(8), torch.nn.RMSNorm(8))]
+    pairs = [
+        (FusedLayerNorm(8), torch.nn.LayerNorm(8)),
+        (MixedFusedLayerNorm(8), torch.nn.LayerNorm(8)),
+        (FusedRMSNorm(8), torch.nn.RMSNorm(8)),
+        (MixedFusedRMSNorm(8), torch.nn.RMSNorm(8)),
+    ]
     for apex_style, torch_module in pairs:
         _randomize(apex_style)
         torch_module.load_state_dict(apex_style.state_dict())
@@ -119,7 +123,9 @@ def test_functional_forms_default_eps_1e_6():
     assert torch.equal(fln.fused_layer_norm_affine(x, w, b, (8,)), F.layer_norm(x, (8,), w, b, 1e-6))
     assert torch.equal(fln.fused_layer_norm(x, 8), F.layer_norm(x, (8,), eps=1e-6))
     xh = x.half()
-    assert torch.equal(fln.mixed_dtype_fused_layer_norm_affine(xh, w, b, 8), F.layer_norm(x.half().float(), (8,), w, b, 1e-6))
+    assert torch.equal(
+        fln.mixed_dtype_fused_layer_norm_affine(xh, w, b, 8), F.layer_norm(x.half().float(), (8,), w, b, 1e-6)
+    )
     assert torch.equal(fln.fused_rms_norm_affine(x, w, (8,)), _rms(x, (8,), w, 1e-6))
     assert torch.equal(fln.fused_rms_norm(xh, 8), _rms(xh, (8,), None, 1e-6))
     assert torch.equal(fln.mixed_dtype_fused_rms_norm_affine(xh, w, 8), _rms(xh, (8,), w, 1e-6))

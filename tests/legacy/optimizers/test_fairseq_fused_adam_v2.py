@@ -62,15 +62,35 @@ class FusedAdamV2(FusedAdam):
                 else:
                     raise RuntimeError("FusedAdam only support fp16 and fp32.")
             if len(g_16) > 0:
-                multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, [g_16, p_16, m_16, v_16],
-                                     group["lr"], beta1, beta2, group["eps"], group["step"], self.adam_w_mode,
-                                     bias_correction, group["weight_decay"])
+                multi_tensor_applier(
+                    self.multi_tensor_adam,
+                    self._dummy_overflow_buf,
+                    [g_16, p_16, m_16, v_16],
+                    group["lr"],
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["step"],
+                    self.adam_w_mode,
+                    bias_correction,
+                    group["weight_decay"],
+                )
                 for orig_p, p in zip(orig_p_16, p_16):
                     orig_p.copy_(p.data)
             if len(g_32) > 0:
-                multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, [g_32, p_32, m_32, v_32],
-                                     group["lr"], beta1, beta2, group["eps"], group["step"], self.adam_w_mode,
-                                     bias_correction, group["weight_decay"])
+                multi_tensor_applier(
+                    self.multi_tensor_adam,
+                    self._dummy_overflow_buf,
+                    [g_32, p_32, m_32, v_32],
+                    group["lr"],
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["step"],
+                    self.adam_w_mode,
+                    bias_correction,
+                    group["weight_decay"],
+                )
         return loss
 
 
@@ -124,8 +144,21 @@ def test_multi_tensor_adam_refuses_mismatched_lists_before_any_write():
     p = torch.ones(3)
     flag = torch.zeros(1, dtype=torch.int)
     with pytest.raises(ValueError, match="float32 tensors of the param's shape"):
-        multi_tensor_applier(amp_C.multi_tensor_adam, flag, [[torch.ones(3)], [p], [torch.zeros(2)], [torch.zeros(3)]],
-                             1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+        multi_tensor_applier(
+            amp_C.multi_tensor_adam,
+            flag,
+            [[torch.ones(3)], [p], [torch.zeros(2)], [torch.zeros(3)]],
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            1,
+            1,
+            1,
+            0.0,
+        )
     with pytest.raises(ValueError, match="got 2 lists"):
-        multi_tensor_applier(amp_C.multi_tensor_adam, flag, [[torch.ones(3)], [p]], 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+        multi_tensor_applier(
+            amp_C.multi_tensor_adam, flag, [[torch.ones(3)], [p]], 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0
+        )
     assert torch.equal(p, torch.ones(3))

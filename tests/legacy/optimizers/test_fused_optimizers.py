@@ -15,20 +15,20 @@ from fp16kit.legacy.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedN
 
 SIGNATURES = {
     FusedAdam: "params lr=0.001 bias_correction=True betas=(0.9, 0.999) eps=1e-08 adam_w_mode=True "
-               "weight_decay=0.0 amsgrad=False set_grad_none=True capturable=False master_weights=False",
+    "weight_decay=0.0 amsgrad=False set_grad_none=True capturable=False master_weights=False",
     FusedLAMB: "params lr=0.001 bias_correction=True betas=(0.9, 0.999) eps=1e-06 weight_decay=0.01 "
-               "amsgrad=False adam_w_mode=True grad_averaging=True set_grad_none=True max_grad_norm=1.0 "
-               "use_nvlamb=False",
+    "amsgrad=False adam_w_mode=True grad_averaging=True set_grad_none=True max_grad_norm=1.0 "
+    "use_nvlamb=False",
     FusedNovoGrad: "params lr=0.001 bias_correction=True betas=(0.9, 0.999) eps=1e-08 weight_decay=0.0 "
-                   "amsgrad=False reg_inside_moment=False grad_averaging=True norm_type=2 init_zero=False "
-                   "set_grad_none=True",
+    "amsgrad=False reg_inside_moment=False grad_averaging=True norm_type=2 init_zero=False "
+    "set_grad_none=True",
     FusedAdagrad: "params lr=0.01 eps=1e-10 weight_decay=0.0 set_grad_none=True adagrad_w_mode=False",
     FusedSGD: "params lr=<required parameter> momentum=0 dampening=0 weight_decay=0 nesterov=False "
-              "wd_after_momentum=False materialize_master_grads=True set_grad_none=False",
+    "wd_after_momentum=False materialize_master_grads=True set_grad_none=False",
     contrib.FusedAdam: "params lr=0.001 bias_correction=True betas=(0.9, 0.999) eps=1e-08 eps_inside_sqrt=False "
-                       "weight_decay=0.0 max_grad_norm=0.0 amsgrad=False use_mt=False amp_scale_adjustment=1.0",
+    "weight_decay=0.0 max_grad_norm=0.0 amsgrad=False use_mt=False amp_scale_adjustment=1.0",
     contrib.FusedSGD: "params lr=<required parameter> momentum=0.0 dampening=0.0 weight_decay=0.0 "
-                      "nesterov=False wd_after_momentum=False materialize_master_grads=True",
+    "nesterov=False wd_after_momentum=False materialize_master_grads=True",
 }
 
 
@@ -46,30 +46,45 @@ def test_signatures_and_defaults_are_apex(cls):
     assert _positional(cls) == SIGNATURES[cls]
 
 
-@pytest.mark.parametrize("cls,name", [
-    (FusedAdam, "FusedAdam"), (FusedLAMB, "FusedLAMB"), (FusedNovoGrad, "FusedNovoGrad"),
-    (contrib.FusedAdam, "FusedAdam"),
-])
+@pytest.mark.parametrize(
+    "cls,name",
+    [
+        (FusedAdam, "FusedAdam"),
+        (FusedLAMB, "FusedLAMB"),
+        (FusedNovoGrad, "FusedNovoGrad"),
+        (contrib.FusedAdam, "FusedAdam"),
+    ],
+)
 def test_amsgrad_is_refused_with_apex_text(cls, name):
     with pytest.raises(RuntimeError, match=f"^{name} does not support the AMSGrad variant.$"):
         cls([torch.zeros(2, requires_grad=True)], amsgrad=True)
 
 
-@pytest.mark.parametrize("kw", [dict(grads=[torch.zeros(2)]), dict(output_params=[]), dict(scale=2.0),
-                                dict(grad_norms=[1.0])])
+@pytest.mark.parametrize(
+    "kw", [dict(grads=[torch.zeros(2)]), dict(output_params=[]), dict(scale=2.0), dict(grad_norms=[1.0])]
+)
 def test_current_fused_adam_refuses_legacy_step_keywords(kw):
     p = torch.zeros(2, requires_grad=True)
     opt = FusedAdam([p])
     p.grad = torch.ones(2)
     with pytest.raises(RuntimeError) as err:
         opt.step(**kw)
-    assert str(err.value) == ("FusedAdam has been updated.  Simply initialize it identically to "
-                              "torch.optim.Adam, and call step() with no arguments.")
+    assert str(err.value) == (
+        "FusedAdam has been updated.  Simply initialize it identically to "
+        "torch.optim.Adam, and call step() with no arguments."
+    )
     assert torch.equal(p.detach(), torch.zeros(2)) and "step" not in opt.param_groups[0]
 
 
-@pytest.mark.parametrize("cls,name", [(FusedAdam, "FusedAdam"), (FusedLAMB, "FusedLAMB"),
-                                      (FusedNovoGrad, "FusedNovoGrad"), (FusedAdagrad, "FusedAdagrad")])
+@pytest.mark.parametrize(
+    "cls,name",
+    [
+        (FusedAdam, "FusedAdam"),
+        (FusedLAMB, "FusedLAMB"),
+        (FusedNovoGrad, "FusedNovoGrad"),
+        (FusedAdagrad, "FusedAdagrad"),
+    ],
+)
 def test_float64_params_are_refused_with_apex_text(cls, name):
     p = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     opt = cls([p])
@@ -119,8 +134,7 @@ def test_one_step_per_group_even_for_gradless_groups(cls):
 
 def test_zero_grad_takes_no_argument_and_sets_none_by_default():
     p = torch.zeros(2, requires_grad=True)
-    for cls, expect_none in ((FusedAdam, True), (FusedLAMB, True), (FusedNovoGrad, True),
-                             (FusedAdagrad, True)):
+    for cls, expect_none in ((FusedAdam, True), (FusedLAMB, True), (FusedNovoGrad, True), (FusedAdagrad, True)):
         opt = cls([p])
         p.grad = torch.ones(2)
         opt.zero_grad()

@@ -24,13 +24,14 @@ def test_fused_lamb_under_amp_o2_with_accumulation_matches_the_reference():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
     ref_model = copy.deepcopy(model).half()
     named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if not _no_decay(n)], "weight_decay": 0.01},
-              {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in named if not _no_decay(n)], "weight_decay": 0.01},
+        {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0},
+    ]
     ref_named = list(ref_model.named_parameters())
     ref_params = [p for n, p in ref_named if not _no_decay(n)] + [p for n, p in ref_named if _no_decay(n)]
     ref_wd = [0.01] * len(groups[0]["params"]) + [0.0] * len(groups[1]["params"])
-    model, opt = amp.initialize(model, FusedLAMB(groups, lr=1e-2), opt_level="O2", loss_scale="dynamic",
-                                verbosity=0)
+    model, opt = amp.initialize(model, FusedLAMB(groups, lr=1e-2), opt_level="O2", loss_scale="dynamic", verbosity=0)
 
     masters = [p.detach().double() for p in ref_params]
     m = [torch.zeros_like(x) for x in masters]
@@ -38,7 +39,7 @@ def test_fused_lamb_under_amp_o2_with_accumulation_matches_the_reference():
     scale, t, skipped = 2.0**16, 0, 0
     b1, b2, eps, lr = 0.9, 0.999, 1e-6, 1e-2
     gen = torch.Generator().manual_seed(1)
-    for k in range(8):
+    for _k in range(8):
         x = torch.randn(6, 4, generator=gen).half()
         for micro in range(2):
             loss = model(x).float().pow(2).mean()
@@ -49,7 +50,7 @@ def test_fused_lamb_under_amp_o2_with_accumulation_matches_the_reference():
 
         for p in ref_params:
             p.grad = None
-        for micro in range(2):
+        for _micro in range(2):
             (ref_model(x).float().pow(2).mean() * scale).backward()
         grads = [p.grad.float() * torch.tensor(1 / scale, dtype=torch.float32) for p in ref_params]
         if not all(torch.isfinite(g).all() for g in grads):

@@ -17,8 +17,15 @@ def test_applier_is_available_and_passes_its_chunk_size():
     assert seen == [(2048 * 32, "flag", [[1]], "x")]
 
 
-@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float16, torch.float32), (torch.float32, torch.float16),
-                                                 (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(
+    "src_dtype,dst_dtype",
+    [
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+    ],
+)
 def test_scale_is_fp32_product_rounded_once(src_dtype, dst_dtype):
     srcs = [torch.randn(5).to(src_dtype) * 100, torch.randn(3, 2).to(src_dtype)]
     dsts = [torch.empty(s.shape, dtype=dst_dtype) for s in srcs]

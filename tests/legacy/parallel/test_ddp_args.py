@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 from fp16kit.core import log as fp16kit_log
 from fp16kit.legacy import parallel
-from fp16kit.legacy.parallel import DistributedDataParallel, ReduceOp, Reducer, SyncBatchNorm
-from fp16kit.legacy.parallel import multiproc
+from fp16kit.legacy.parallel import DistributedDataParallel, ReduceOp, Reducer, SyncBatchNorm, multiproc
 
 
 @pytest.fixture
@@ -41,17 +40,26 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"shared_param": True},
-     r"^shared_param is no longer supported as an option\.  It was misleadingly named from the start\.  It turns "
-     r"out overlapping communication with computation should work fine with shared parameters\.  If you still "
-     r"wish to delay communication to the end of the backward pass, use delay_allreduce=True\|False instead\.$"),
-    ({"delay_allreduce": True, "allreduce_trigger_params": []},
-     r"^Setting allreduce_trigger_params is only valid if delay_allreduce=False\.$"),
-    ({"delay_allreduce": True, "num_allreduce_streams": 2},
-     r"^self\.allreduce_different_streams may only be used if delay_allreduce=False\.$"),
-    ({"gradient_predivide_factor": 0}, "gradient_predivide_factor must be a number > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"shared_param": True},
+            r"^shared_param is no longer supported as an option\.  It was misleadingly named from the start\.  It turns "
+            r"out overlapping communication with computation should work fine with shared parameters\.  If you still "
+            r"wish to delay communication to the end of the backward pass, use delay_allreduce=True\|False instead\.$",
+        ),
+        (
+            {"delay_allreduce": True, "allreduce_trigger_params": []},
+            r"^Setting allreduce_trigger_params is only valid if delay_allreduce=False\.$",
+        ),
+        (
+            {"delay_allreduce": True, "num_allreduce_streams": 2},
+            r"^self\.allreduce_different_streams may only be used if delay_allreduce=False\.$",
+        ),
+        ({"gradient_predivide_factor": 0}, "gradient_predivide_factor must be a number > 0"),
+    ],
+)
 def test_apex_value_errors_before_anything_is_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DistributedDataParallel(_model(), **kwargs)
@@ -68,8 +76,14 @@ def test_is_torch_ddp_with_apex_mapping(world, caplog):
     model = _model()
     with caplog.at_level(logging.INFO, logger="fp16kit"), warnings.catch_warnings():
         warnings.simplefilter("error")  # no deprecation warning, no FutureWarning from torch
-        ddp = DistributedDataParallel(model, delay_allreduce=True, retain_allreduce_buffers=True,
-                                      message_size=1000, gradient_average_split_factor=3, prof=True)
+        ddp = DistributedDataParallel(
+            model,
+            delay_allreduce=True,
+            retain_allreduce_buffers=True,
+            message_size=1000,
+            gradient_average_split_factor=3,
+            prof=True,
+        )
         DistributedDataParallel(_model(), delay_allreduce=True, num_allreduce_streams=1)
     assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and ddp.module is model
     assert ddp.find_unused_parameters and ddp.gradient_as_bucket_view and ddp.device_ids is None
@@ -121,6 +135,7 @@ def test_names_and_groups(world):
     with pytest.raises(ValueError, match="multiple of group_size"):
         parallel.create_syncbn_process_group(2)
     from fp16kit.legacy.parallel import optimized_sync_batchnorm, sync_batchnorm
+
     assert sync_batchnorm.SyncBatchNorm is optimized_sync_batchnorm.SyncBatchNorm is SyncBatchNorm
 
 
@@ -140,8 +155,12 @@ def test_convert_syncbn_model_reuses_parameters_fix():
 def test_multiproc_points_to_torchrun():
     with pytest.raises(RuntimeError, match="torchrun --nproc_per_node"):
         multiproc.main()
-    done = subprocess.run([sys.executable, "-m", "fp16kit.legacy.parallel.multiproc", "train.py"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "fp16kit.legacy.parallel.multiproc", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "torchrun" in done.stderr
 
 
@@ -202,6 +221,10 @@ def test_multiproc_names_the_given_script_and_arguments():
         multiproc.main(["train.py", "--lr", "0.1", "a b"])
     with pytest.raises(RuntimeError, match=r"torchrun --nproc_per_node=NUM_GPUS train\.py ARGS"):
         multiproc.main([])
-    done = subprocess.run([sys.executable, "-m", "fp16kit.legacy.parallel.multiproc", "main.py", "--fp16"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "fp16kit.legacy.parallel.multiproc", "main.py", "--fp16"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "torchrun --nproc_per_node=NUM_GPUS main.py --fp16" in done.stderr

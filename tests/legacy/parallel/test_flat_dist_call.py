@@ -42,8 +42,12 @@ _WORKER = textwrap.dedent(
 
 def _tensors(r):
     g = torch.Generator().manual_seed(10 + r)
-    return [torch.randn(3, generator=g), torch.randn(2, 2, generator=g).half(), torch.randn(4, generator=g),
-            torch.randn(1, generator=g).double()]
+    return [
+        torch.randn(3, generator=g),
+        torch.randn(2, 2, generator=g).half(),
+        torch.randn(4, generator=g),
+        torch.randn(1, generator=g).double(),
+    ]
 
 
 def test_flat_dist_call_broadcasts_and_averages_like_apex(tmp_path):
@@ -51,8 +55,13 @@ def test_flat_dist_call_broadcasts_and_averages_like_apex(tmp_path):
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
     init = f"file://{tmp_path / 'rdzv'}"
     procs = [
-        subprocess.Popen([sys.executable, "-c", _WORKER, str(r), init, str(tmp_path / f"{r}.pt")], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(r), init, str(tmp_path / f"{r}.pt")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
     ]
     for p in procs:

@@ -68,8 +68,9 @@ _WORKER = textwrap.dedent(
 
 def _net():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-                               torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(16, 2)
+    )
 
 
 def _data(seed, *shape):
@@ -100,8 +101,13 @@ def test_syncbn_amp_ddp_on_two_ranks_is_batchnorm_on_the_whole_batch(tmp_path):
         for a, b in zip(res[0][level]["params"], res[1][level]["params"]):
             assert torch.equal(a, b), level
         for (name, a), b in zip(ref.named_parameters(), res[0][level]["params"]):
-            torch.testing.assert_close(b.double(), a.detach(), rtol=0, atol=2e-3,  # fp16 convs at both levels
-                                       msg=lambda m: f"{level} {name}: {m}")
+            torch.testing.assert_close(
+                b.double(),
+                a.detach(),
+                rtol=0,
+                atol=2e-3,  # fp16 convs at both levels
+                msg=lambda m: f"{level} {name}: {m}",
+            )
         # the checkpoint: module.-prefixed keys load into the unwrapped model (after stripping) and back
         saved = dict(res[0][level]["state_dict"])
         assert all(k.startswith("module.") for k in saved)

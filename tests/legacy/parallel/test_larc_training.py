@@ -70,8 +70,7 @@ def _sgd(params):
 def test_amp_with_larc_is_apexs_step_bit_for_bit(level):
     half = level == "O2"
     model = _model()
-    model, larc = amp.initialize(model, LARC(_sgd(model.parameters())), opt_level=level,
-                                 loss_scale=SCALE, verbosity=0)
+    model, larc = amp.initialize(model, LARC(_sgd(model.parameters())), opt_level=level, loss_scale=SCALE, verbosity=0)
     ref = _Reference(_model(torch.float16 if half else torch.float32))
     for i in range(3):
         x = _batch(i)
@@ -97,8 +96,9 @@ def test_amp_with_larc_is_apexs_step_bit_for_bit(level):
 
 def test_amp_o2_overflow_skips_larc_and_keeps_weight_decay():
     model = _model()
-    model, larc = amp.initialize(model, LARC(_sgd(model.parameters())), opt_level="O2",
-                                 loss_scale="dynamic", verbosity=0)
+    model, larc = amp.initialize(
+        model, LARC(_sgd(model.parameters())), opt_level="O2", loss_scale="dynamic", verbosity=0
+    )
     before = [p.detach().clone() for p in model.parameters()]
     loss = model(_batch(0).half()).float().sum() * 1e4  # x 2**16 overflows fp16
     with amp.scale_loss(loss, larc) as scaled:
@@ -117,7 +117,7 @@ def test_lr_scheduler_on_larc_or_its_optimizer(on_wrapper):
         sched = torch.optim.lr_scheduler.StepLR(larc if on_wrapper else larc.optim, 1, gamma=0.5)
         ref = _Reference(_model())
         for i in range(3):
-            lr = LR * 0.5 ** i
+            lr = LR * 0.5**i
             assert larc.param_groups[0]["lr"] == larc.optim.param_groups[0]["lr"] == lr
             larc.zero_grad()
             model(_batch(i)).pow(2).mean().backward()
@@ -131,7 +131,7 @@ def test_lr_scheduler_on_larc_or_its_optimizer(on_wrapper):
     assert isinstance(larc, torch.optim.Optimizer)
     copy.deepcopy(larc)
     restored = pickle.loads(pickle.dumps(larc))
-    assert restored.optim.param_groups[0]["lr"] == LR * 0.5 ** 3 and restored.trust_coefficient == 0.02
+    assert restored.optim.param_groups[0]["lr"] == LR * 0.5**3 and restored.trust_coefficient == 0.02
 
 
 def test_state_dict_round_trip_continues_bit_for_bit():
@@ -184,8 +184,11 @@ def test_larc_around_mixed_precision_optimizer_is_refused_naming_the_order():
 
 def test_sparse_grads_are_refused_before_anything_changes():
     emb, lin = torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 1)
-    larc = LARC(torch.optim.SGD([{"params": lin.parameters(), "weight_decay": WD},
-                                 {"params": emb.parameters(), "weight_decay": WD}], lr=LR))
+    larc = LARC(
+        torch.optim.SGD(
+            [{"params": lin.parameters(), "weight_decay": WD}, {"params": emb.parameters(), "weight_decay": WD}], lr=LR
+        )
+    )
     lin(emb(torch.tensor([1, 2]))).sum().backward()
     grads = [p.grad.clone() for p in lin.parameters()]
     with pytest.raises(ValueError, match="sparse=False"):

@@ -175,9 +175,11 @@ def test_two_gloo_ranks(tmp_path):
 
     # -- DDP: apex's arithmetic, bit for bit, identical on both ranks
     expected_args = {
-        "default": (torch.float32, {}), "predivide": (torch.float32, {"factor": 3.0}),
+        "default": (torch.float32, {}),
+        "predivide": (torch.float32, {"factor": 3.0}),
         "sum": (torch.float32, {"factor": 3.0, "average": False}),
-        "fp16_fp32": (torch.float16, {"factor": 3.0, "fp32": True}), "fp16": (torch.float16, {"factor": 3.0}),
+        "fp16_fp32": (torch.float16, {"factor": 3.0, "fp32": True}),
+        "fp16": (torch.float16, {"factor": 3.0}),
     }
     for name, (dtype, kw) in expected_args.items():
         per_rank = [_local_grads([100 + r], dtype) for r in range(2)]
@@ -230,8 +232,9 @@ def test_two_gloo_ranks(tmp_path):
             torch.testing.assert_close(out, outs[r])
             torch.testing.assert_close(xgrad, xgrads[r], rtol=1e-4, atol=1e-5)
     for i, p in enumerate(ref.parameters()):
-        torch.testing.assert_close(res[0]["bn_param_grads"][i] + res[1]["bn_param_grads"][i], p.grad,
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            res[0]["bn_param_grads"][i] + res[1]["bn_param_grads"][i], p.grad, rtol=1e-4, atol=1e-5
+        )
     for r in range(2):
         torch.testing.assert_close(res[r]["bn_running"][0], ref.running_mean)
         torch.testing.assert_close(res[r]["bn_running"][1], ref.running_var)

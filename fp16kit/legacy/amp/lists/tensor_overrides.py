@@ -30,16 +30,37 @@ FP32_FUNCS = [
 CASTS = [
     name
     for name in (
-        "__add__", "__div__", "__eq__", "__ge__", "__gt__", "__iadd__", "__idiv__", "__imul__",
-        "__isub__", "__itruediv__", "__le__", "__lt__", "__mul__", "__ne__", "__radd__",
-        "__rdiv__", "__rmul__", "__rsub__", "__rtruediv__", "__sub__", "__truediv__",
+        "__add__",
+        "__div__",
+        "__eq__",
+        "__ge__",
+        "__gt__",
+        "__iadd__",
+        "__idiv__",
+        "__imul__",
+        "__isub__",
+        "__itruediv__",
+        "__le__",
+        "__lt__",
+        "__mul__",
+        "__ne__",
+        "__radd__",
+        "__rdiv__",
+        "__rmul__",
+        "__rsub__",
+        "__rtruediv__",
+        "__sub__",
+        "__truediv__",
     )
     if hasattr(MODULE, name)
 ]
 
 SEQUENCE_CASTS: list[str] = []
 
-for _own, _torchs in ((FP16_FUNCS, torch_overrides.FP16_FUNCS), (FP32_FUNCS, torch_overrides.FP32_FUNCS),
-                      (CASTS, torch_overrides.CASTS)):
+for _own, _torchs in (
+    (FP16_FUNCS, torch_overrides.FP16_FUNCS),
+    (FP32_FUNCS, torch_overrides.FP32_FUNCS),
+    (CASTS, torch_overrides.CASTS),
+):
     _own.extend(name for name in _torchs if hasattr(MODULE, name))
 del _own, _torchs

@@ -21,7 +21,11 @@ from ...checkpoints.errors import apex_object_refused
 from ...loss_scaler import check_factor, check_scale
 
 __all__ = [
-    "check_state_dict", "check_unpickled_settings", "dynamic_settings", "masters_from_state", "optimizer_state_from",
+    "check_state_dict",
+    "check_unpickled_settings",
+    "dynamic_settings",
+    "masters_from_state",
+    "optimizer_state_from",
 ]
 
 _REQUIRED = ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict")
@@ -127,7 +131,9 @@ def dynamic_settings(sd: dict[str, Any]) -> tuple[float, int, int]:
     return float(factor), window, last
 
 
-def masters_from_state(sd: dict[str, Any], fp32_groups: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def masters_from_state(
+    sd: dict[str, Any], fp32_groups: list[list[torch.Tensor]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(saved, master)`` pairs to copy, for either layout (a flat master is split by size)."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i, masters in enumerate(fp32_groups):
@@ -179,7 +185,8 @@ def check_unpickled_settings(opt: torch.optim.Optimizer, state: dict[str, Any], 
     if lost:
         cls = type(opt)
         raise apex_object_refused(
-            f"apex.contrib.optimizers.{cls.__name__}", "optimizer",
+            f"apex.contrib.optimizers.{cls.__name__}",
+            "optimizer",
             f"torch's pickling of optimizers keeps their param groups and state only, so its settings "
             f"{lost} are not in the file",
         )

@@ -48,6 +48,7 @@ from ._checkpoint import check_state_dict, dynamic_settings, masters_from_state,
 
 __all__ = ["FP16_Optimizer"]
 
+
 class FP16_Optimizer(WrappingOptimizer):
     """The fused-era FP16_Optimizer (see the module docstring and docs/apex-others.md §1).
 
@@ -101,8 +102,9 @@ class FP16_Optimizer(WrappingOptimizer):
         self._static_scale = float(scale)
         self._scale: LossScale | None = None
         if dynamic:
-            self._scale = LossScale(scale, rule="apex", growth_factor=2.0, growth_interval=1000,
-                                    dtype=torch.float64, device=self._device)
+            self._scale = LossScale(
+                scale, rule="apex", growth_factor=2.0, growth_interval=1000, dtype=torch.float64, device=self._device
+            )
 
     # ------------------------------------------------------------------ apex's attributes
     @property
@@ -213,7 +215,8 @@ class FP16_Optimizer(WrappingOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_masters" not in state:  # apex's own wrapper, unpickled under fp16kit's apex alias
             raise apex_object_refused(
-                "apex.contrib.optimizers.FP16_Optimizer", "optimizer",
+                "apex.contrib.optimizers.FP16_Optimizer",
+                "optimizer",
                 "fp16kit's FP16_Optimizer keeps its fp32 masters and loss scale in objects of its own, "
                 "which apex's pickle does not hold",
             )

@@ -38,9 +38,16 @@ class FusedAdam(StepWithGrads, LegacyAdam):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm)
+        super().__init__(
+            params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+        )
         self.use_mt = use_mt
         self.amp_scale_adjustment = amp_scale_adjustment
 

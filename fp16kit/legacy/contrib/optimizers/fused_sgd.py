@@ -37,8 +37,15 @@ class FusedSGD(StepWithGrads, SGD):
     ) -> None:
         if lr is required:
             raise ValueError("parameter group didn't specify a value of required optimization parameter lr")
-        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                         nesterov=nesterov, wd_after_momentum=wd_after_momentum)
+        super().__init__(
+            params,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            wd_after_momentum=wd_after_momentum,
+        )
         self.materialize_master_grads = materialize_master_grads
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -70,7 +77,11 @@ class FusedSGD(StepWithGrads, SGD):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sgd_step(self, wd_after_momentum=self.wd_after_momentum,
-                 grads=per_group(grads, len(self.param_groups)),
-                 outputs=per_group(output_params, len(self.param_groups)), scale=scale)
+        sgd_step(
+            self,
+            wd_after_momentum=self.wd_after_momentum,
+            grads=per_group(grads, len(self.param_groups)),
+            outputs=per_group(output_params, len(self.param_groups)),
+            scale=scale,
+        )
         return loss
