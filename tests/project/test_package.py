@@ -97,3 +97,36 @@ def test_the_wheel_holds_exactly_the_package_and_its_license(built):
     assert tops == {"fp16kit", next(t for t in tops if t.endswith(".dist-info"))}
     assert any(n.endswith("/LICENSE") for n in names)
     assert "License: BSD-3-Clause" in metadata or "License-Expression: BSD-3-Clause" in metadata
+
+
+def test_the_sdists_own_tests_pass_from_its_unpacked_tree(built, tmp_path):
+    # A sample that needs the helpers, the docs and the package together: the layering and
+    # citation rules, the api page, a core module, a legacy checkpoint test.
+    sdist, _ = built
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path, filter="data")
+    (tree,) = tmp_path.iterdir()
+    sample = [
+        "tests/project/test_layering.py",
+        "tests/project/test_citations.py",
+        "tests/project/test_api_reference.py",
+        "tests/core/test_scale_rules.py",
+        "tests/legacy/checkpoints/test_load.py",
+    ]
+    env = {**__import__("os").environ, "PYTHONPATH": str(tree)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sample],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "passed" in run.stdout and str(tree) in _python_in(tree, env)
+
+
+def _python_in(tree: Path, env: dict) -> str:
+    code = "import fp16kit; print(fp16kit.__file__)"
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree, env=env
+    ).stdout

@@ -284,7 +284,7 @@ def test_more_containers_than_the_limit_are_refused(tmp_path, save, monkeypatch)
     monkeypatch.setattr(checkpoint, "MAX_CONTAINERS", 4)
     with pytest.raises(
         pickle.UnpicklingError,
-        match=r"more than fp16kit\.legacy\.checkpoint\.MAX_CONTAINERS"
+        match=r"more than fp16kit\.legacy\.checkpoints\.load\.MAX_CONTAINERS"
         r" = 4 times.*raise that limit",
     ):
         load_checkpoint(path)
