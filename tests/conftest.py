@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -15,3 +16,22 @@ def _restore_excepthook():
     hook = sys.excepthook
     yield
     sys.excepthook = hook
+
+
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A one-rank gloo default process group for the test (torch.distributed.group.WORLD)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        # DDP objects sit in reference cycles: freed by a later gc, after their group was
+        # destroyed (and a new one built), torch's reducer hangs or aborts the whole pytest
+        # process ("terminate called after throwing an instance of 'std::system_error'")
+        gc.collect()
+        dist.destroy_process_group()

@@ -3,8 +3,6 @@ visible (two real ranks: tests/legacy/parallel/test_two_ranks.py)."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,22 +17,6 @@ from fp16kit.distributed import (
 )
 
 
-@pytest.fixture
-def world(tmp_path):
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        # DDP objects sit in reference cycles: freed by a later gc, after their group was
-        # destroyed (and a new one built), torch's reducer hangs or aborts the whole pytest
-        # process ("terminate called after throwing an instance of 'std::system_error'")
-        gc.collect()
-        dist.destroy_process_group()
-
-
 class _Bucket:
     def __init__(self, tensor):
         self.tensor = tensor
@@ -47,7 +29,7 @@ class _Bucket:
     "dtype, fp32", [(torch.float32, False), (torch.float16, True), (torch.float16, False), (torch.bfloat16, True)]
 )
 @pytest.mark.parametrize("factor, average", [(1.0, True), (3.0, True), (3.0, False), (7.0, True)])
-def test_hook_scales_before_and_after_as_apex(world, monkeypatch, dtype, fp32, factor, average):
+def test_hook_scales_before_and_after_as_apex(gloo_world, monkeypatch, dtype, fp32, factor, average):
     monkeypatch.setattr(comm_hooks.dist, "get_world_size", lambda group=None: 3)
     grads = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(dtype)
     bucket = _Bucket(grads.clone())
@@ -70,7 +52,7 @@ def test_state_validates_the_factor():
             ApexAllreduceState(None, True, bad)
 
 
-def test_coalesced_collectives_per_dtype(world, monkeypatch):
+def test_coalesced_collectives_per_dtype(gloo_world, monkeypatch):
     a, b, c = torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.float16) * 3, torch.full((2,), 9.0)
     before = [t.clone() for t in (a, b, c)]
     broadcast_coalesced([a, b, c])

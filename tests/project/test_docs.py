@@ -389,20 +389,6 @@ def _two_losses_step_on_their_sum(ns, facts):
 # ---------------------------------------------------------------------------- tests
 
 
-@pytest.fixture
-def default_process_group(tmp_path):
-    """A 1-rank gloo default group, for blocks that pass torch.distributed.group.WORLD."""
-    dist = torch.distributed
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _finish(ns: dict, quiet: bool = False) -> None:
     """Land anything a block left in flight on the optimizer thread (``quiet``: while another
     error propagates, do not replace it with a step's error)."""
@@ -422,7 +408,7 @@ def test_doc_block_runs(block: Block, tmp_path, monkeypatch, request):
     blocks = chain(block)
     monkeypatch.chdir(tmp_path)
     if any("torch.distributed" in b.source for b in blocks):
-        request.getfixturevalue("default_process_group")
+        request.getfixturevalue("gloo_world")
     ns, facts = _reader_names(block.file, tmp_path)
     try:
         for b in blocks:

@@ -3,7 +3,6 @@ the arithmetic with two ranks is in test_two_ranks.py."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import subprocess
 import sys
@@ -16,23 +15,6 @@ import torch.distributed as dist
 from fp16kit.core import log as fp16kit_log
 from fp16kit.legacy import parallel
 from fp16kit.legacy.parallel import DistributedDataParallel, ReduceOp, Reducer, SyncBatchNorm, multiproc
-
-
-@pytest.fixture
-def world(tmp_path):
-    """A one-rank gloo default group."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        # DDP objects sit in reference cycles: freed by a later gc, after their group was
-        # destroyed (and a new one built), torch's reducer hangs or aborts the whole pytest
-        # process ("terminate called after throwing an instance of 'std::system_error'")
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def _model():
@@ -70,7 +52,7 @@ def test_needs_a_process_group_and_says_how():
         DistributedDataParallel(_model())
 
 
-def test_is_torch_ddp_with_apex_mapping(world, caplog):
+def test_is_torch_ddp_with_apex_mapping(gloo_world, caplog):
     for key in ("delay_allreduce", "retain_allreduce_buffers", "message_size", "num_allreduce_streams"):
         fp16kit_log._seen.discard(("apex.parallel.DistributedDataParallel", key))
     model = _model()
@@ -94,7 +76,7 @@ def test_is_torch_ddp_with_apex_mapping(world, caplog):
     assert all(k.startswith("module.") for k in ddp.state_dict())
 
 
-def test_disable_allreduce_is_no_sync(world):
+def test_disable_allreduce_is_no_sync(gloo_world):
     ddp = DistributedDataParallel(_model())
     ddp.disable_allreduce()
     assert ddp.require_backward_grad_sync is False
@@ -104,7 +86,7 @@ def test_disable_allreduce_is_no_sync(world):
     ddp(torch.randn(5, 4)).sum().backward()
 
 
-def test_one_rank_gradients_are_local_gradients_after_apex_scaling(world):
+def test_one_rank_gradients_are_local_gradients_after_apex_scaling(gloo_world):
     model = _model()
     ref = _model()
     ddp = DistributedDataParallel(model, gradient_predivide_factor=3.0)
@@ -115,7 +97,7 @@ def test_one_rank_gradients_are_local_gradients_after_apex_scaling(world):
         assert torch.equal(p.grad, r.grad.mul(1.0 / 3.0).mul(3.0 / 1))
 
 
-def test_reducer_in_one_rank(world):
+def test_reducer_in_one_rank(gloo_world):
     model = _model()
     for p in model.parameters():
         p.grad = torch.ones_like(p)
@@ -127,7 +109,7 @@ def test_reducer_in_one_rank(world):
     reducer.reduce()
 
 
-def test_names_and_groups(world):
+def test_names_and_groups(gloo_world):
     assert ReduceOp is dist.ReduceOp
     assert parallel.LARC.LARC.__name__ == "LARC"
     assert parallel.create_syncbn_process_group(0) is None
@@ -164,7 +146,7 @@ def test_multiproc_points_to_torchrun():
     assert done.returncode == 1 and "torchrun" in done.stderr
 
 
-def test_gradient_average_split_factor_is_apex_old_name_for_predivide(world, caplog):
+def test_gradient_average_split_factor_is_apex_old_name_for_predivide(gloo_world, caplog):
     key = ("apex.parallel.DistributedDataParallel", "gradient_average_split_factor")
     fp16kit_log._seen.discard(key)
     model, ref = _model(), _model()
@@ -182,7 +164,7 @@ def test_gradient_average_split_factor_is_apex_old_name_for_predivide(world, cap
         DistributedDataParallel(_model(), gradient_average_split_factor=0)
 
 
-def test_arithmetic_arguments_assigned_later_take_effect(world):
+def test_arithmetic_arguments_assigned_later_take_effect(gloo_world):
     model, ref = _model(), _model()
     ddp = DistributedDataParallel(model)
     ddp.gradient_predivide_factor = 4.0
@@ -198,7 +180,7 @@ def test_arithmetic_arguments_assigned_later_take_effect(world):
     assert ddp.gradient_predivide_factor == 4.0
 
 
-def test_allreduce_always_fp32_assigned_later_takes_effect(world):
+def test_allreduce_always_fp32_assigned_later_takes_effect(gloo_world):
     torch.manual_seed(1)
     model = torch.nn.Linear(16, 8).half()
     ref = torch.nn.Linear(16, 8).half()
