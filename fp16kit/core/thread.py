@@ -139,13 +139,6 @@ class JobFuture(Future):
             return Future.exception(self)
         except CancelledError:
             return None
-        except RuntimeError as e:
-            # CPython: a KeyboardInterrupt that lands in Condition.wait just before it takes
-            # its lock back leaves the lock free, and the `with` around the wait then raises
-            # this in the interrupt's place. The lock is consistent (free): raise the interrupt.
-            if isinstance(e.__context__, KeyboardInterrupt) and "un-acquired lock" in str(e):
-                raise e.__context__ from None
-            raise
 
     def _claim(self) -> bool:
         """Mark the error delivered; True only for the first claim (the one that raises)."""
