@@ -21,6 +21,7 @@ raise ``FloatingPointError`` (``"raise"``) through the core's floor policy
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from ...core import kernels
 from ...core.floor import FLOOR_POLICIES
 from ...core.interrupts import hold_interrupts
-from ..fp16_optimizer import AmpLossScaler
+from ..fp16_optimizer import AmpLossScaler, check_amp_settings
 from ..loss_scaler import check_scale, check_window, pickled, pickled_attributes
 
 __all__ = ["LossScaler"]
@@ -43,6 +44,10 @@ class LossScaler(AmpLossScaler):
     ``loss_scale()``, ``_loss_scale`` (read and write), ``_unskipped``, ``_scale_seq_len``
     (read and write), ``dynamic``, ``_min_loss_scale``, ``_max_loss_scale``,
     ``update_scale()``, ``clear_overflow_state()``, ``_overflow_buf`` (read and write; see below).
+    ``_min_loss_scale`` / ``_max_loss_scale`` (read and write) take what ``amp.initialize``
+    takes (FIX: apex took NaN, negative or 0 bounds, which reached the scale at the next
+    overflow or growth): a ValueError naming the valid range leaves them as they were. As in
+    apex, a new bound applies at the next overflow or growth.
 
     ``_overflow_buf``: apex's int ``noop_flag`` buffer that ``update_scale()`` read. Here the
     scaler's own overflow flags live elsewhere; this buffer is an extra flag that
@@ -128,6 +133,7 @@ class LossScaler(AmpLossScaler):
 
     @_min_loss_scale.setter
     def _min_loss_scale(self, value: float | None) -> None:
+        self._check_bounds(value, self._max_loss_scale)
         self._state.min_scale = float(value) if value else None
 
     @property  # type: ignore[override]
@@ -135,8 +141,17 @@ class LossScaler(AmpLossScaler):
         return self._state.max_scale
 
     @_max_loss_scale.setter
-    def _max_loss_scale(self, value: float) -> None:
-        self._state.max_scale = float(value)
+    def _max_loss_scale(self, value: float | None) -> None:
+        self._check_bounds(self._min_loss_scale, value)
+        self._state.max_scale = None if value is None or value == math.inf else float(value)
+
+    def _check_bounds(self, floor: float | None, cap: float | None) -> None:
+        """ValueError, with amp.initialize's wording, for a floor or cap it refuses (a floor
+        that is NaN, inf or negative; a cap that is NaN or <= 0; a floor above the cap), or no
+        floor for an ``on_min_scale`` policy that watches one; nothing is changed then."""
+        # the other settings passed are valid ones: only the floor and the cap are checked
+        check_amp_settings("dynamic", 1.0, 2.0, 1, floor, cap)
+        _check_floor_policy(self._state.on_min_scale, floor)
 
     # ------------------------------------------------------------------ one backward
     def scale_on(self, device: torch.device) -> torch.Tensor:
