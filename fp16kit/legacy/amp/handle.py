@@ -12,6 +12,7 @@ scale then (FIX: apex applied overflowed grads).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,8 +22,8 @@ from ...core import kernels
 from ...core.interrupts import COMPLETED, hold_interrupts
 from .._messages import apex_logger
 from ._amp_state import _amp_state
-from ._process_optimizer import unprepare, unscale_into_stash
-from .scaler import LossScaler
+from ._process_optimizer import unprepare, unscale_into_stash, within_commits
+from .scaler import LossScaler, refuse_if_broken
 
 __all__ = ["scale_loss", "disable_casts", "init", "AmpHandle", "NoOpHandle", "OptimWrapper"]
 
@@ -56,6 +57,7 @@ def scale_loss(
 
 _ENTRY = "the entry of amp.scale_loss"
 _EXIT = "amp.scale_loss's exit (this backward's grads unscaled, the loss scale updated)"
+_FAILED = "amp.scale_loss's exit after an error in its block (the grads put back)"
 
 
 class ScaleLoss:
@@ -98,24 +100,28 @@ class ScaleLoss:
             optimizers = [optimizers]
         self.optimizers = list(optimizers)  # FIX: a tuple is prepared too
         scaler = _amp_state.loss_scalers[self.loss_id]
+        refuse_if_broken(_amp_state.loss_scalers)
         if not properties.master_weights and scaler.is_static_one():
             self.mode = "float"
             return self.loss.float()
         try:
             with hold_interrupts(_ENTRY):
-                if not self.delay_unscale:
-                    for opt in self.optimizers:
-                        if not opt._amp_stash.params_have_scaled_gradients:
-                            self.prepared.append(opt)
-                            opt._prepare_amp_backward()
-                scaled = kernels.scale_outputs(self.loss.float(), scaler.scale_on)
-                self.mode = "scaled"
-                return scaled
+                return within_commits(_ENTRY, self.optimizers, lambda: self._enter(scaler))
         except BaseException as e:
             self._put_back()  # the block never runs: nothing was changed
             if COMPLETED.format(what=_ENTRY) in getattr(e, "__notes__", ()):
                 e.__notes__.remove(COMPLETED.format(what=_ENTRY))  # it was not: repeat the with
             raise
+
+    def _enter(self, scaler: LossScaler) -> torch.Tensor:
+        if not self.delay_unscale:
+            for opt in self.optimizers:
+                if not opt._amp_stash.params_have_scaled_gradients:
+                    self.prepared.append(opt)
+                    opt._prepare_amp_backward()
+        scaled = kernels.scale_outputs(self.loss.float(), scaler.scale_on)
+        self.mode = "scaled"
+        return scaled
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if self.mode == "off":
@@ -124,12 +130,21 @@ class ScaleLoss:
             _clear_cache(self.properties)
             return False
         if exc_type is not None:
-            self._put_back()
-            _clear_cache(self.properties)
-            return False
-        with hold_interrupts(_EXIT):
             try:
-                self._commit()
+                with hold_interrupts(_FAILED):  # the grads back whole (a Ctrl-C then: after it)
+                    self._put_back()
+                    _clear_cache(self.properties)
+                    return False
+            except KeyboardInterrupt as e:
+                if COMPLETED.format(what=_FAILED) in getattr(e, "__notes__", ()):
+                    e.__notes__.remove(COMPLETED.format(what=_FAILED))  # the with failed: repeat it
+                raise
+        # a second Ctrl-C marks the scaler this exit updates (the optimizers: within_commits)
+        scaler = _amp_state.loss_scalers[self.loss_id]
+        mark = None if self.delay_unscale else functools.partial(scaler.mark_broken, _EXIT)
+        with hold_interrupts(_EXIT, on_abandon=mark):
+            try:
+                within_commits(_EXIT, self.optimizers, self._commit)
             finally:
                 _clear_cache(self.properties)
             return False

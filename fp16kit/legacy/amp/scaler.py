@@ -21,6 +21,7 @@ raise ``FloatingPointError`` (``"raise"``) through the core's floor policy
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -31,8 +32,9 @@ from ...core.floor import FLOOR_POLICIES
 from ...core.interrupts import hold_interrupts
 from ..fp16_optimizer import AmpLossScaler, check_amp_settings
 from ..loss_scaler import check_scale, check_window, pickled, pickled_attributes
+from ._amp_state import _amp_state
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "refuse_if_broken"]
 
 # the attributes every apex.amp.scaler.LossScaler pickled (also _min_loss_scale from 2019 on,
 # _has_overflow and _overflow_buf, which a restored scaler does not need)
@@ -79,6 +81,7 @@ class LossScaler(AmpLossScaler):
         self._static_scale = None if self.dynamic else float(loss_scale)  # host copy (never updated)
         self._overflow_buf_tensor: torch.Tensor | None = None  # apex's _overflow_buf, made on first read
         self._deferred: list[torch.Tensor] = []  # found flags of delay_overflow_check exits, not yet applied
+        self.broken_by: str | None = None  # the call a second Ctrl-C broke off half way (see mark_broken)
 
     @property
     def _overflow_buf(self) -> torch.Tensor:
@@ -206,8 +209,9 @@ class LossScaler(AmpLossScaler):
         delay_overflow_check=True)`` count here, once: they are consumed (zeroed in place, so the
         optimizer's next ``step()`` does not skip for them again) -- the script that delayed the
         check decided with this call (NVIDIA's BERT: no ``step()`` on overflow). One commit
-        (a Ctrl-C during it is raised when it is whole)."""
-        with hold_interrupts("loss_scaler.update_scale()"):
+        (a Ctrl-C during it is raised when it is whole; see :meth:`mark_broken`)."""
+        refuse_if_broken([self])
+        with hold_interrupts(_UPDATE, on_abandon=functools.partial(self.mark_broken, _UPDATE)):
             found = self.take_found()
             if found is not None and self._deferred:
                 deferred, self._deferred = self._deferred, []
@@ -226,9 +230,23 @@ class LossScaler(AmpLossScaler):
     def apply_deferred(self) -> None:
         """At ``optimizer.step()``: one scale update for the flags deferred since the last update
         (the step itself skips on them through the optimizer's pending flags)."""
-        if self._deferred:
-            deferred, self._deferred = self._deferred, []
-            self.update(kernels.combine_found_inf(deferred, self._device()))
+        if self._deferred:  # (inside the step's commit: a second Ctrl-C from here on marks this scaler)
+            with hold_interrupts("optimizer.step()", on_abandon=functools.partial(self.mark_broken, "optimizer.step()")):
+                deferred, self._deferred = self._deferred, []
+                self.update(kernels.combine_found_inf(deferred, self._device()))
+
+    # ------------------------------------------------------------------ a second Ctrl-C
+    def mark_broken(self, what: str) -> None:
+        """A second Ctrl-C broke off ``what`` (an amp commit that changes this scaler) half way:
+        the scale and its counters are part old, part new. Until ``amp.load_state_dict`` restores
+        this scaler (:meth:`restored`), amp's calls refuse (:func:`refuse_if_broken`)."""
+        self.broken_by = what
+
+    def restored(self) -> None:
+        """Loaded from a checkpoint: whole again, with no backward in progress."""
+        self.broken_by = None
+        self._flags = []
+        self._deferred = []
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict()
@@ -288,6 +306,24 @@ class LossScaler(AmpLossScaler):
 
     def __repr__(self) -> str:
         return f"LossScaler(dynamic={self.dynamic}, loss_scale={self.loss_scale()}, unskipped={self._unskipped})"
+
+
+_UPDATE = "loss_scaler.update_scale()"
+BROKEN = (
+    "A second Ctrl-C broke off {what} half way, so {name} is part old, part new. "
+    "Restore amp from the last checkpoint before training on: amp.load_state_dict(checkpoint['amp']) "
+    "(and the optimizer's and the model's load_state_dict, as for a resumed run)."
+)
+
+
+def refuse_if_broken(scalers: list[LossScaler]) -> None:
+    """RuntimeError naming the fix if one of ``scalers`` was broken off by a second Ctrl-C
+    (:meth:`LossScaler.mark_broken`); changes nothing."""
+    for scaler in scalers:
+        if getattr(scaler, "broken_by", None) is not None:
+            index = next((i for i, s in enumerate(getattr(_amp_state, "loss_scalers", [])) if s is scaler), None)
+            name = "amp's loss scaler" if index is None else f"amp's loss_scaler{index}"
+            raise RuntimeError(BROKEN.format(what=scaler.broken_by, name=name))
 
 
 def _check_floor_policy(on_min_scale: str, min_loss_scale: float | None) -> None:
