@@ -27,7 +27,7 @@ import torch
 
 from fp16kit.legacy import FP16_Optimizer, amp
 from fp16kit.legacy.amp._amp_state import _amp_state
-from _helpers.interrupt import Script, _assert_equal as assert_equal, sweep
+from _helpers.interrupt import Script, _assert_equal as assert_equal, _roundtrip as roundtrip, sweep
 
 OPTS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
@@ -272,3 +272,67 @@ def test_a_second_ctrl_c_breaks_the_fp16_optimizer_step_and_it_refuses_until_res
             for _, fn in script.iteration(world, i):
                 fn(world)
     assert_equal(script.state(w), script.state(ref), "after load_state_dict")
+
+
+def _run(script: Script, w: Any, iterations: range) -> None:
+    for i in iterations:
+        for _, fn in script.iteration(w, i):
+            fn(w)
+
+
+def _refused(call: Any) -> str:
+    with pytest.raises(RuntimeError, match="second Ctrl-C broke off") as info:
+        call()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("where", ["scale_loss exit, in the unscale", "scale_loss exit, in the scale update", "step"])
+def test_a_second_ctrl_c_breaks_amp_and_it_refuses_until_restored(where: str, monkeypatch: Any) -> None:
+    script = amp_o2_script(opt="adamw", overflow_at=2 if where == "step" else 1)  # (a skipped step: no hooks)
+    w = script.build()
+    _run(script, w, range(1))
+    saved = roundtrip(script.checkpoint(w))  # what the user restores: the last checkpoint
+    calls = script.iteration(w, 1)
+    scaler = _amp_state.loss_scalers[0]
+    if where == "step":
+        hook = w.opt.register_step_pre_hook(_twice)
+        broken = calls[-1]
+        calls[0][1](w)
+        calls[1][1](w)
+    else:
+        target = w.opt if "unscale" in where else scaler
+        name = "_post_amp_backward" if "unscale" in where else "update"
+        inner = getattr(target, name)
+        monkeypatch.setattr(target, name, lambda *a: (_twice(), inner(*a)))
+        broken = calls[1]
+        calls[0][1](w)
+    with pytest.raises(KeyboardInterrupt) as info:
+        broken[1](w)
+    assert any("second Ctrl-C" in note for note in info.value.__notes__)
+    monkeypatch.undo()
+    if where == "step":
+        hook.remove()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # every call that would train on, or save, half a change refuses, naming the fix
+    texts = [_refused(lambda: _activate(w).opt.step())]
+    for fn in (calls[1][1], lambda w: amp.state_dict()) if where != "step" else ():
+        texts.append(_refused(lambda: fn(w)))
+    if where == "step" or "unscale" in where:
+        texts += [_refused(w.opt.zero_grad), _refused(w.opt.state_dict)]
+    assert all("load_state_dict" in t and "checkpoint" in t for t in texts), texts
+    if where != "step":
+        assert "amp.load_state_dict(checkpoint['amp'])" in texts[1]
+    # restored from the checkpoint (what a resumed run loads), training goes on as in that run
+    script.restore(w, saved)
+    ref = script.build()
+    script.restore(ref, roundtrip(saved))
+    for world in (w, ref):
+        _run(script, world, range(1, 3))
+    assert_equal(script.state(w), script.state(ref), "after load_state_dict")
+    assert_equal(script.state(w), script.state(_run_all(script)), "against the uninterrupted run")
+
+
+def _run_all(script: Script) -> Any:
+    w = script.build()
+    _run(script, w, range(3))
+    return w
