@@ -17,17 +17,20 @@ The calls of an iteration are the ones apex documented::
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import sys
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from fp16kit.core.interrupts import completed
 from fp16kit.legacy import FP16_Optimizer, amp
 from fp16kit.legacy.amp._amp_state import _amp_state
-from _helpers.interrupt import Script, _assert_equal as assert_equal, _roundtrip as roundtrip, sweep
+from _helpers.interrupt import Script, _assert_equal as assert_equal, _roundtrip as roundtrip, run_all, sweep
 
 OPTS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
@@ -162,6 +165,57 @@ def amp_o2_script(
     return Script(build, iteration, checkpoint, restore, iterations, final, boundary_calls=("step",))
 
 
+# ---------------------------------------------------------------------- the 2018 handle API
+@pytest.fixture
+def handle(monkeypatch: Any) -> Any:
+    """``amp.init()`` (O1 casting, CPU autocast here) for the test; casting back as before after."""
+    from fp16kit.legacy.amp import casts
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_amp_state, "handle", getattr(_amp_state, "handle", None), raising=False)
+    h = amp.init()
+    yield h
+    casts._disable_o1_for_tests()
+
+
+def amp_handle_script(handle: Any, *, opt: str = "sgd", num_loss: int = 2, overflow_at: int | None = None,
+                      iterations: int = 3) -> Script:
+    """``optimizer = handle.wrap_optimizer(optimizer, num_loss)`` after ``amp.init()``: per
+    iteration ``zero_grad()``, one ``with optimizer.scale_loss(loss_k)`` per loss (its own
+    forward, fp16 under O1), ``step()``; loss 1 overflows at ``overflow_at`` (a skipped step,
+    its scaler halved). Window 2, so the scales grow within the run."""
+
+    def build() -> Any:
+        model = _model()
+        o = handle.wrap_optimizer(OPTS[opt](model.parameters()), num_loss=num_loss)
+        for scaler in o._loss_scaler:
+            scaler._scale_seq_len = 2
+        return SimpleNamespace(model=model, opt=o)
+
+    def backward(w: Any, i: int, k: int) -> None:
+        g = torch.Generator().manual_seed(100 + 10 * i + k)
+        out = w.model(torch.randn(4, 6, generator=g)).float()
+        loss = out.pow(2).mean() * 1e-2 if k == 0 else out.sum() * (1e6 if i == overflow_at else 1e-3)
+        with w.opt.scale_loss(loss) as scaled:
+            scaled.backward()
+
+    def iteration(w: Any, i: int) -> list:
+        return [
+            ("zero_grad", lambda w: w.opt.zero_grad()),
+            *((f"scale_loss_{k}", lambda w, k=k: backward(w, i, k)) for k in range(num_loss)),
+            ("step", lambda w: w.opt.step()),
+        ]
+
+    def checkpoint(w: Any) -> dict[str, Any]:
+        return {"model": _clone(w.model.state_dict()), "opt": w.opt.state_dict()}
+
+    def restore(w: Any, ckpt: dict[str, Any]) -> None:
+        w.model.load_state_dict(ckpt["model"])
+        w.opt.load_state_dict(ckpt["opt"])
+
+    return Script(build, iteration, checkpoint, restore, iterations, boundary_calls=("step",))
+
+
 # ---------------------------------------------------------------------- the sweeps (CI: small)
 # Every line of the checks before a commit, then every 29th line; the slow tests sweep more
 # configurations (static scales, AdamW, fp32 params, async backward) and lines.
@@ -182,6 +236,12 @@ def test_ctrl_c_anywhere_in_an_async_fp16_optimizer_step() -> None:
 @pytest.mark.parametrize("call", ["scale_loss", "step"])
 def test_ctrl_c_anywhere_in_an_amp_o2_iteration(call: str) -> None:
     counts = sweep(amp_o2_script(overflow_at=1, **CI), at_iteration=1, call=call, **FAST)
+    assert counts["points"] > 0 and counts["completed"] > 0 and counts["repeated"] > 0
+
+
+@pytest.mark.parametrize("call", ["scale_loss_0", "scale_loss_1", "step"])
+def test_ctrl_c_anywhere_in_an_amp_handle_iteration(handle: Any, call: str) -> None:
+    counts = sweep(amp_handle_script(handle, overflow_at=1, **CI), at_iteration=1, call=call, **FAST)
     assert counts["points"] > 0 and counts["completed"] > 0 and counts["repeated"] > 0
 
 
@@ -336,3 +396,93 @@ def _run_all(script: Script) -> Any:
     w = script.build()
     _run(script, w, range(3))
     return w
+
+
+# ---------------------------------------------------------------------- two Ctrl-Cs anywhere
+def _sigint_twice_at(n: int, gap: int, fn: Any) -> tuple[int, BaseException | None]:
+    """Run ``fn()``, running the installed SIGINT handler at its ``n``-th and ``n + gap``-th line
+    events (the user pressing Ctrl-C twice); returns how many fired and what ``fn`` raised."""
+    count = fired = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count, fired
+        if event == "line" and fired < 2:
+            count += 1
+            if count in (n, n + gap):
+                fired += 1
+                handler = signal.getsignal(signal.SIGINT)
+                if callable(handler):
+                    handler(signal.SIGINT, frame)
+        return local
+
+    previous = sys.gettrace()
+    gc.collect()
+    gc.disable()
+    sys.settrace(lambda frame, event, arg: local if fired < 2 else None)
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - what the call raised is the outcome
+        return fired, e
+    finally:
+        sys.settrace(previous)
+        gc.enable()
+    return fired, None
+
+
+def double_tap_sweep(script: Script, *, call: str, at: int = 1, gap: int = 1, dense: int = 40, stride: int = 7) -> dict[str, int]:
+    """Two Ctrl-Cs ``gap`` lines apart at every point of ``call`` (each of the first ``dense``
+    lines, every ``stride``-th after). The call raises KeyboardInterrupt, and then either
+
+    * it refuses: saving (``checkpoint``) and training on (``optimizer.step()``) raise
+      RuntimeError naming the fix, and restoring the checkpoint of the iteration's start and
+      training on ends bit for bit as the uninterrupted run; or
+    * nothing is half done: the checkpoint is the uninterrupted run's before the call, or after
+      it if the KeyboardInterrupt says it was completed, and going on from there as after one
+      Ctrl-C (repeating the call unless completed) ends bit for bit as the uninterrupted run."""
+    final_ref, points = run_all(script)
+    counts = {"points": 0, "refused": 0, "whole": 0, "stale handler": 0}
+    n = 1
+    while True:
+        w = script.build()
+        _run(script, w, range(at))
+        saved = roundtrip(script.checkpoint(w))
+        calls = list(script.iteration(w, at))
+        k = [name for name, _ in calls].index(call)
+        for _, fn in calls[:k]:
+            fn(w)
+        fired, error = _sigint_twice_at(n, gap, lambda: calls[k][1](w))
+        if fired == 0:
+            assert error is None, error
+            return counts
+        where = f"{call}: two Ctrl-Cs at lines {n} and {n + gap}"
+        assert isinstance(error, KeyboardInterrupt), f"{where}: {error!r}"
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            # fp16kit.core.interrupts: the second one at a hold's exit line, before its restore,
+            # leaves the hold's handler installed (test_two_ctrl_cs_at_a_holds_exit_...)
+            counts["stale handler"] += 1
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        counts["points"] += 1
+        try:
+            ckpt = roundtrip(script.checkpoint(w))
+        except RuntimeError as e:
+            assert "second Ctrl-C broke off" in str(e) and "load_state_dict" in str(e), f"{where}: {e}"
+            assert any("second Ctrl-C" in note for note in getattr(error, "__notes__", ())), where
+            _refused(lambda: _activate(w).opt.step())
+            counts["refused"] += 1
+            script.restore(w, saved)
+            _run(script, w, range(at, script.iterations))
+        else:
+            done = completed(error) is not None
+            assert_equal(ckpt, points[(at, call, "after" if done else "before")], f"{where}: not refused, checkpoint")
+            counts["whole"] += 1
+            for _, fn in calls[k + 1:] if done else calls[k:]:
+                fn(w)
+            _run(script, w, range(at + 1, script.iterations))
+        assert_equal(script.state(w), final_ref, f"{where}: trained on")
+        n += 1 if n < dense else stride
+
+
+@pytest.mark.parametrize("call", ["scale_loss", "step"])
+def test_two_ctrl_cs_anywhere_in_amp_o2_then_restore(call: str) -> None:
+    counts = double_tap_sweep(amp_o2_script(opt="adamw", batchnorm=True, overflow_at=1), call=call)
+    assert counts["refused"] > 0 and counts["whole"] > 0
