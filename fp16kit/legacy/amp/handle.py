@@ -436,6 +436,7 @@ class OptimWrapper:
             scaler._loss_scale = scale
             scaler._unskipped = unskipped
         self._loaded_scalers = scalers is not None
+        self._amp_handle._clear_cache()  # O1's fp16 copies of params a checkpoint may change in place
 
     def _recovered_from_interrupt(self) -> None:
         # A second Ctrl-C broke a commit off (fp16kit.core.interrupts): start the next step
