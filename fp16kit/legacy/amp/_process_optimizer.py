@@ -18,6 +18,17 @@ Fixes (MIGRATION.md): ``step()``/``zero_grad()`` before the first backward lazy-
 accumulated fp32 grads (§13.7); the O2 optimizer state stays fp32 whatever the order of
 ``initialize`` and ``optimizer.load_state_dict``, and the exact masters travel in
 ``optimizer.state_dict()[MASTERS_KEY]`` (option (b) of §12).
+
+Ctrl-C (:mod:`fp16kit.core.interrupts`): ``step``, ``zero_grad``, ``add_param_group``,
+``state_dict``, ``load_state_dict`` and each side of ``scale_loss`` (:func:`within_commits`) are
+commits of the optimizer. Who carries the mark of a commit a second Ctrl-C broke off: what it
+changes. The optimizer (params, masters, grads, its state), until its ``load_state_dict``
+(which also drops the backward in progress and the pending skips); a loss scaler, for the
+commits that change one (``scale_loss``'s exit, a ``step()`` applying deferred updates,
+``update_scale()``, ``amp.load_state_dict``), until ``amp.load_state_dict`` restores it -- so a
+run restored as apex documents (model, optimizer, amp) is whole again, and one that skipped a
+part is refused by the part it skipped. ``step()`` and ``scale_loss`` refuse while any amp
+scaler is marked.
 """
 
 from __future__ import annotations

@@ -74,7 +74,11 @@ class ScaleLoss:
       the exit's first line, before its commit, is raised from it with nothing put back: the
       next entry puts the grads back first;
     * exit after the block: the unscale and the scale update as one commit; a SIGINT during it
-      is raised after it, saying it was completed (go on with ``optimizer.step()``)."""
+      is raised after it, saying it was completed (go on with ``optimizer.step()``).
+
+    A second SIGINT breaks a side off and marks the optimizers (and, at the exit, the loss
+    scaler): the next ``scale_loss`` / ``step()`` refuses until they are restored from a
+    checkpoint (see :mod:`._process_optimizer`)."""
 
     def __init__(
         self, loss: torch.Tensor, optimizers: Any, loss_id: int, delay_unscale: bool, delay_overflow_check: bool
