@@ -18,11 +18,23 @@ Fixes (MIGRATION.md): ``step()``/``zero_grad()`` before the first backward lazy-
 accumulated fp32 grads (§13.7); the O2 optimizer state stays fp32 whatever the order of
 ``initialize`` and ``optimizer.load_state_dict``, and the exact masters travel in
 ``optimizer.state_dict()[MASTERS_KEY]`` (option (b) of §12).
+
+Ctrl-C (:mod:`fp16kit.core.interrupts`): ``step``, ``zero_grad``, ``add_param_group``,
+``state_dict``, ``load_state_dict`` and each side of ``scale_loss`` (:func:`within_commits`) are
+commits of the optimizer. Who carries the mark of a commit a second Ctrl-C broke off: what it
+changes. The optimizer (params, masters, grads, its state), until its ``load_state_dict``
+(which also drops the backward in progress and the pending skips); a loss scaler, for the
+commits that change one (``scale_loss``'s exit, a ``step()`` applying deferred updates,
+``update_scale()``, ``amp.load_state_dict``), until ``amp.load_state_dict`` restores it -- so a
+run restored as apex documents (model, optimizer, amp) is whole again, and one that skipped a
+part is refused by the part it skipped. ``step()`` and ``scale_loss`` refuse while any amp
+scaler is marked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +42,12 @@ from typing import Any
 import torch
 
 from ...core import kernels
-from ...core.interrupts import hold_interrupts
+from ...core.interrupts import commit
 from ...core.master import MasterParams
 from ...master_weights.groups import MasterGroups
 from .._messages import apex_logger, float_or_half
 from ._amp_state import _amp_state
+from .scaler import refuse_if_broken
 
 __all__ = ["AmpOptimizerState", "process_optimizer", "unprepare", "unscale_into_stash", "MASTERS_KEY", "AMP_METHODS"]
 
@@ -247,11 +260,12 @@ def _clear_master_grads(optimizer: torch.optim.Optimizer) -> None:
 def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: Any) -> Callable[..., Any]:
     old_step = optimizer.step
 
+    @commit("optimizer.step()")  # one commit, torch's step hooks included
     def step(self: Any, closure: Callable[[], Any] | None = None) -> Any:
-        with hold_interrupts("optimizer.step()"):  # one commit, torch's step hooks included
-            return amp_step(closure)
+        return amp_step(closure)
 
     def amp_step(closure: Callable[[], Any] | None) -> Any:
+        refuse_if_broken(getattr(_amp_state, "loss_scalers", []))  # it would update them, or step on their flags
         skip = _take_skip(optimizer)
         for deferring in getattr(_amp_state, "loss_scalers", ()):  # delay_overflow_check exits
             if hasattr(deferring, "apply_deferred"):
@@ -292,21 +306,20 @@ def _make_zero_grad(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
     def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
         """apex zeroed the fp16 and fp32 grads in place and set the master grads to None;
         ``set_to_none=True`` sets them all to None (FIX: apex took no argument)."""
-        with hold_interrupts("optimizer.zero_grad()"):
-            optimizer._amp_lazy_init()
-            stash = optimizer._amp_stash
-            kernels.clear_grads_(stash.all_fp16_params + stash.all_fp32_from_fp32_params, set_to_none=bool(set_to_none))
-            _clear_master_grads(optimizer)
+        optimizer._amp_lazy_init()
+        stash = optimizer._amp_stash
+        kernels.clear_grads_(stash.all_fp16_params + stash.all_fp32_from_fp32_params, set_to_none=bool(set_to_none))
+        _clear_master_grads(optimizer)
 
-    return types.MethodType(zero_grad, optimizer)
+    return types.MethodType(commit("optimizer.zero_grad()")(zero_grad), optimizer)
 
 
 def _make_add_param_group(optimizer: torch.optim.Optimizer, master_weights: bool) -> Callable[..., None]:
     old_add = optimizer.add_param_group
 
+    @commit("optimizer.add_param_group()")
     def add_param_group(self: Any, new_group: dict[str, Any]) -> None:
-        with hold_interrupts("optimizer.add_param_group()"):
-            add(new_group)
+        add(new_group)
 
     def add(new_group: dict[str, Any]) -> None:
         optimizer._amp_lazy_init()
@@ -336,11 +349,16 @@ def _make_add_param_group(optimizer: torch.optim.Optimizer, master_weights: bool
     return types.MethodType(add_param_group, optimizer)
 
 
-def _make_checkpointing(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., Any], Callable[..., None]]:
+def _make_checkpointing(
+    optimizer: torch.optim.Optimizer, master_weights: bool
+) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """``state_dict`` / ``load_state_dict``, each one commit of the optimizer: ``state_dict``
+    refuses after a second Ctrl-C broke a commit off (a checkpoint of half a change would be
+    saved), ``load_state_dict`` recovers from it (see :func:`process_optimizer`)."""
     old_state_dict = optimizer.state_dict
     old_load = optimizer.load_state_dict
 
-    def state_dict() -> dict[str, Any]:
+    def state_dict(self: Any) -> dict[str, Any]:
         """The optimizer's state dict, plus the exact fp32 masters per group once they exist."""
         sd = old_state_dict()
         stash = optimizer._amp_stash
@@ -348,22 +366,54 @@ def _make_checkpointing(optimizer: torch.optim.Optimizer) -> tuple[Callable[...,
             sd[MASTERS_KEY] = [[m.detach() for m in g.masters] for g in stash.master_groups]
         return sd
 
-    def load_state_dict(sd: dict[str, Any]) -> None:
+    def load_state_dict(self: Any, sd: dict[str, Any]) -> None:
         """Load into the fp32 masters (the state stays fp32); restore the saved masters, or
-        rebuild them from the fp16 model weights for a checkpoint without them (apex's)."""
+        rebuild them from the fp16 model weights for a checkpoint without them (apex's). All
+        checked first: an error loads nothing."""
+        if not master_weights:
+            return old_load(sd)
         optimizer._amp_lazy_init()
         groups = optimizer._amp_stash.master_groups
         saved = sd.get(MASTERS_KEY) if isinstance(sd, dict) else None
         pairs = _match_masters(saved, groups) if saved is not None else None
-        with hold_interrupts("optimizer.load_state_dict()"):
-            old_load({k: v for k, v in sd.items() if k != MASTERS_KEY} if isinstance(sd, dict) else sd)
-            if pairs is not None:
-                kernels.copy_pairs_(pairs)
-            else:
-                if groups.masters.masters:
-                    kernels.copy_to_(groups.masters.model_params, groups.masters.masters)
+        old_load({k: v for k, v in sd.items() if k != MASTERS_KEY} if isinstance(sd, dict) else sd)
+        if pairs is not None:
+            kernels.copy_pairs_(pairs)
+        elif groups.masters.masters:
+            kernels.copy_to_(groups.masters.model_params, groups.masters.masters)
 
-    return state_dict, load_state_dict
+    return (
+        types.MethodType(commit("optimizer.state_dict()")(state_dict), optimizer),
+        types.MethodType(commit("optimizer.load_state_dict()", recovers=True)(load_state_dict), optimizer),
+    )
+
+
+def _recovered_from_interrupt(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` recovered the optimizer from a commit a second Ctrl-C broke off:
+    no backward in progress and no skip pending, as in a run resumed from that checkpoint (the
+    model's grads are the next ``zero_grad()``'s, as there)."""
+    stash = optimizer._amp_stash
+    stash.pending = []
+    stash.grads_at_entry = []
+    stash.grad_stash = {}
+    stash.params_have_scaled_gradients = False
+
+
+def within_commits(what: str, optimizers: list[Any], body: Callable[[], Any]) -> Any:
+    """``body()`` as one commit (:func:`fp16kit.core.interrupts.commit`) of each of ``optimizers``,
+    nested: each refuses first if a second Ctrl-C broke one of its commits off (before ``body``
+    changes anything), and a second Ctrl-C during ``body`` marks them all."""
+    run = _commit_running(what)
+
+    def nest(i: int) -> Any:
+        return body() if i == len(optimizers) else run(optimizers[i], lambda: nest(i + 1))
+
+    return nest(0)
+
+
+@functools.cache
+def _commit_running(what: str) -> Callable[[Any, Callable[[], Any]], Any]:
+    return commit(what)(lambda self, body: body())
 
 
 def _match_masters(saved: Any, groups: MasterGroups) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -429,5 +479,13 @@ def process_optimizer(optimizer: torch.optim.Optimizer, properties: Any, casts: 
     optimizer.add_param_group = _make_add_param_group(optimizer, master_weights)
     if master_weights:
         optimizer.zero_grad = _make_zero_grad(optimizer)
-        optimizer.state_dict, optimizer.load_state_dict = _make_checkpointing(optimizer)
+    optimizer.state_dict, optimizer.load_state_dict = _make_checkpointing(optimizer, master_weights)
+    recovered = getattr(optimizer, "_recovered_from_interrupt", None)  # the class's own, if any, first
+
+    def recovered_from_interrupt(self: Any) -> None:
+        if recovered is not None:
+            recovered()
+        _recovered_from_interrupt(self)
+
+    optimizer._recovered_from_interrupt = types.MethodType(recovered_from_interrupt, optimizer)
     return optimizer

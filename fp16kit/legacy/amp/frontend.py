@@ -28,7 +28,7 @@ from ..loss_scaler import check_saved_scaler
 from . import _model, _process_optimizer
 from ._amp_state import _amp_state, maybe_print, warn_or_err
 from .handle import AmpHandle
-from .scaler import LossScaler
+from .scaler import LossScaler, refuse_if_broken
 
 __all__ = ["Properties", "initialize", "state_dict", "load_state_dict", "opt_levels"]
 
@@ -304,7 +304,16 @@ def _check_num_losses(num_losses: Any) -> None:
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}`` (plain data); ``{}``
-    before ``initialize`` (FIX: apex raised AttributeError)."""
+    before ``initialize`` (FIX: apex raised AttributeError).
+
+    A second Ctrl-C that breaks off one of amp's commits (fp16kit.core.interrupts) marks what it
+    changed half way: the optimizer (its step, zero_grad, add_param_group, scale_loss's entry and
+    exit), until its ``load_state_dict``; and a loss scaler (scale_loss's exit, a step that applies
+    the updates ``delay_overflow_check`` deferred, ``update_scale()``, this module's
+    ``load_state_dict``), until ``amp.load_state_dict`` restores it. Until then this refuses (a
+    checkpoint of half a change), as do ``scale_loss`` and ``optimizer.step()``: RuntimeError
+    saying to restore the last checkpoint, as a resumed run does."""
+    refuse_if_broken(getattr(_amp_state, "loss_scalers", []))
     if destination is None:
         destination = collections.OrderedDict()
     for idx, scaler in enumerate(getattr(_amp_state, "loss_scalers", [])):
@@ -381,7 +390,9 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
                 f"'unskipped' (amp.state_dict()'s) or a saved apex scaler, got a {type(value).__name__}: {e}"
             ) from e
         updates.append((scalers[i], *entry))
-    with hold_interrupts("amp.load_state_dict()"):  # all checked: now every scaler or none
-        for scaler, scale, unskipped in updates:
+    what = "amp.load_state_dict()"
+    with hold_interrupts(what, on_abandon=lambda: [scaler.mark_broken(what) for scaler, _, _ in updates]):
+        for scaler, scale, unskipped in updates:  # all checked: now every scaler or none
             scaler._loss_scale = scale
             scaler._unskipped = unskipped
+            scaler.restored()  # whole again after a second Ctrl-C broke a call off (see state_dict)

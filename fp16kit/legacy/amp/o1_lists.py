@@ -120,11 +120,11 @@ class ApexLists(TorchFunctionMode):
             return self._half(t, torch.get_autocast_dtype(t.device.type), name)
 
         new_args, new_kwargs = cast_args(args, kwargs, convert, keep=("out",))
-        return _without_autocast(on, func, new_args, new_kwargs)
+        return _without_autocast(func, new_args, new_kwargs)
 
     def _fp32(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict) -> Any:
         new_args, new_kwargs = cast_args(args, kwargs, lambda t: self._float(t, on, name), keep=("out",))
-        return _without_autocast(on, func, new_args, new_kwargs)
+        return _without_autocast(func, new_args, new_kwargs)
 
     def _banned(self, func: Any, name: str, on: list[str], args: tuple, kwargs: dict, ban: tuple[str, str]) -> Any:
         message, besides = ban
@@ -179,16 +179,13 @@ class ApexLists(TorchFunctionMode):
         return copy
 
 
-def _without_autocast(on: list[str], func: Any, args: list, kwargs: dict) -> Any:
-    """``func`` with autocast off for the device types in ``on``: it runs in the dtype its rule
-    cast to, whatever autocast's own list says of it (CUDA autocast's fp32 softmax)."""
-    for device_type in on:
-        torch.set_autocast_enabled(device_type, False)
-    try:
+def _without_autocast(func: Any, args: list, kwargs: dict) -> Any:
+    """``func`` with autocast off: it runs in the dtype its rule cast to, whatever autocast's own
+    list says of it (CUDA autocast's fp32 softmax). torch's C guard, not ``set_autocast_enabled``
+    in a try/finally: no Python line runs between the switch-off and the switch-back, so a Ctrl-C
+    (or two) in the forward cannot leave autocast off for the rest of the run."""
+    with torch._C._DisableAutocast():
         return func(*args, **kwargs)
-    finally:
-        for device_type in on:
-            torch.set_autocast_enabled(device_type, True)
 
 
 def _mixed(args: tuple, kwargs: dict) -> bool:

@@ -21,6 +21,8 @@ raise ``FloatingPointError`` (``"raise"``) through the core's floor policy
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import torch
@@ -28,10 +30,11 @@ import torch
 from ...core import kernels
 from ...core.floor import FLOOR_POLICIES
 from ...core.interrupts import hold_interrupts
-from ..fp16_optimizer import AmpLossScaler
+from ..fp16_optimizer import AmpLossScaler, check_amp_settings
 from ..loss_scaler import check_scale, check_window, pickled, pickled_attributes
+from ._amp_state import _amp_state
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "refuse_if_broken"]
 
 # the attributes every apex.amp.scaler.LossScaler pickled (also _min_loss_scale from 2019 on,
 # _has_overflow and _overflow_buf, which a restored scaler does not need)
@@ -43,6 +46,10 @@ class LossScaler(AmpLossScaler):
     ``loss_scale()``, ``_loss_scale`` (read and write), ``_unskipped``, ``_scale_seq_len``
     (read and write), ``dynamic``, ``_min_loss_scale``, ``_max_loss_scale``,
     ``update_scale()``, ``clear_overflow_state()``, ``_overflow_buf`` (read and write; see below).
+    ``_min_loss_scale`` / ``_max_loss_scale`` (read and write) take what ``amp.initialize``
+    takes (FIX: apex took NaN, negative or 0 bounds, which reached the scale at the next
+    overflow or growth): a ValueError naming the valid range leaves them as they were. As in
+    apex, a new bound applies at the next overflow or growth.
 
     ``_overflow_buf``: apex's int ``noop_flag`` buffer that ``update_scale()`` read. Here the
     scaler's own overflow flags live elsewhere; this buffer is an extra flag that
@@ -80,6 +87,7 @@ class LossScaler(AmpLossScaler):
         self._static_scale = None if self.dynamic else float(loss_scale)  # host copy (never updated)
         self._overflow_buf_tensor: torch.Tensor | None = None  # apex's _overflow_buf, made on first read
         self._deferred: list[torch.Tensor] = []  # found flags of delay_overflow_check exits, not yet applied
+        self.broken_by: str | None = None  # the call a second Ctrl-C broke off half way (see mark_broken)
 
     @property
     def _overflow_buf(self) -> torch.Tensor:
@@ -136,6 +144,7 @@ class LossScaler(AmpLossScaler):
 
     @_min_loss_scale.setter
     def _min_loss_scale(self, value: float | None) -> None:
+        self._check_bounds(value, self._max_loss_scale)
         self._state.min_scale = float(value) if value else None
 
     @property  # type: ignore[override]
@@ -143,8 +152,17 @@ class LossScaler(AmpLossScaler):
         return self._state.max_scale
 
     @_max_loss_scale.setter
-    def _max_loss_scale(self, value: float) -> None:
-        self._state.max_scale = float(value)
+    def _max_loss_scale(self, value: float | None) -> None:
+        self._check_bounds(self._min_loss_scale, value)
+        self._state.max_scale = None if value is None or value == math.inf else float(value)
+
+    def _check_bounds(self, floor: float | None, cap: float | None) -> None:
+        """ValueError, with amp.initialize's wording, for a floor or cap it refuses (a floor
+        that is NaN, inf or negative; a cap that is NaN or <= 0; a floor above the cap), or no
+        floor for an ``on_min_scale`` policy that watches one; nothing is changed then."""
+        # the other settings passed are valid ones: only the floor and the cap are checked
+        check_amp_settings("dynamic", 1.0, 2.0, 1, floor, cap)
+        _check_floor_policy(self._state.on_min_scale, floor)
 
     # ------------------------------------------------------------------ one backward
     def scale_on(self, device: torch.device) -> torch.Tensor:
@@ -199,8 +217,9 @@ class LossScaler(AmpLossScaler):
         delay_overflow_check=True)`` count here, once: they are consumed (zeroed in place, so the
         optimizer's next ``step()`` does not skip for them again) -- the script that delayed the
         check decided with this call (NVIDIA's BERT: no ``step()`` on overflow). One commit
-        (a Ctrl-C during it is raised when it is whole)."""
-        with hold_interrupts("loss_scaler.update_scale()"):
+        (a Ctrl-C during it is raised when it is whole; see :meth:`mark_broken`)."""
+        refuse_if_broken([self])
+        with hold_interrupts(_UPDATE, on_abandon=functools.partial(self.mark_broken, _UPDATE)):
             found = self.take_found()
             if found is not None and self._deferred:
                 deferred, self._deferred = self._deferred, []
@@ -219,9 +238,25 @@ class LossScaler(AmpLossScaler):
     def apply_deferred(self) -> None:
         """At ``optimizer.step()``: one scale update for the flags deferred since the last update
         (the step itself skips on them through the optimizer's pending flags)."""
-        if self._deferred:
-            deferred, self._deferred = self._deferred, []
-            self.update(kernels.combine_found_inf(deferred, self._device()))
+        if self._deferred:  # (inside the step's commit: a second Ctrl-C from here on marks this scaler)
+            with hold_interrupts(
+                "optimizer.step()", on_abandon=functools.partial(self.mark_broken, "optimizer.step()")
+            ):
+                deferred, self._deferred = self._deferred, []
+                self.update(kernels.combine_found_inf(deferred, self._device()))
+
+    # ------------------------------------------------------------------ a second Ctrl-C
+    def mark_broken(self, what: str) -> None:
+        """A second Ctrl-C broke off ``what`` (an amp commit that changes this scaler) half way:
+        the scale and its counters are part old, part new. Until ``amp.load_state_dict`` restores
+        this scaler (:meth:`restored`), amp's calls refuse (:func:`refuse_if_broken`)."""
+        self.broken_by = what
+
+    def restored(self) -> None:
+        """Loaded from a checkpoint: whole again, with no backward in progress."""
+        self.broken_by = None
+        self._flags = []
+        self._deferred = []
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict()
@@ -281,6 +316,24 @@ class LossScaler(AmpLossScaler):
 
     def __repr__(self) -> str:
         return f"LossScaler(dynamic={self.dynamic}, loss_scale={self.loss_scale()}, unskipped={self._unskipped})"
+
+
+_UPDATE = "loss_scaler.update_scale()"
+BROKEN = (
+    "A second Ctrl-C broke off {what} half way, so {name} is part old, part new. "
+    "Restore amp from the last checkpoint before training on: amp.load_state_dict(checkpoint['amp']) "
+    "(and the optimizer's and the model's load_state_dict, as for a resumed run)."
+)
+
+
+def refuse_if_broken(scalers: list[LossScaler]) -> None:
+    """RuntimeError naming the fix if one of ``scalers`` was broken off by a second Ctrl-C
+    (:meth:`LossScaler.mark_broken`); changes nothing."""
+    for scaler in scalers:
+        if getattr(scaler, "broken_by", None) is not None:
+            index = next((i for i, s in enumerate(getattr(_amp_state, "loss_scalers", [])) if s is scaler), None)
+            name = "amp's loss scaler" if index is None else f"amp's loss_scaler{index}"
+            raise RuntimeError(BROKEN.format(what=scaler.broken_by, name=name))
 
 
 def _check_floor_policy(on_min_scale: str, min_loss_scale: float | None) -> None:

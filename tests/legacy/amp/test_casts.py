@@ -404,3 +404,25 @@ def test_register_before_initialize_does_not_warn(registry, caplog):
     with caplog.at_level(logging.WARNING, logger="fp16kit"):
         registry.register_half_function(_module(), "op")
     assert not [r for r in caplog.records if r.name == "fp16kit"]
+
+
+def test_a_ctrl_c_in_a_listed_op_never_leaves_autocast_off(o1):
+    # O1 runs an op its lists cast in the cast dtype with autocast off; the switch back is torch's
+    # C guard: a Ctrl-C at any line of the call (a set_autocast_enabled(False) before a try, or
+    # in a finally, left O1's autocast off for the rest of the run)
+    from torch.overrides import _get_current_function_mode_stack
+
+    from _helpers.interrupt import sigint_at
+
+    lists = casts._o1_lists()
+    x = torch.randn(4, 4, dtype=torch.float16)
+    n = 1
+    while True:
+        outcome = sigint_at(n, lambda: torch.softmax(x, -1))
+        assert torch.is_autocast_enabled("cpu"), f"autocast left off by a Ctrl-C at line {n}"
+        if not outcome.fired:
+            assert outcome.result.dtype == torch.float32  # apex's list: softmax in fp32
+            return
+        if all(m is not lists for m in _get_current_function_mode_stack()):
+            lists.__enter__()  # torch's own _pop_mode_temporarily, interrupted (not fp16kit's code)
+        n += 1

@@ -325,6 +325,65 @@ def test_scaler_options_that_cannot_train_are_refused_at_initialize_and_change_n
     assert (_amp_state.opt_properties, _amp_state.loss_scalers) == before
 
 
+BAD_BOUNDS = [
+    # set on the scaler apex amp exposes (_amp_state.loss_scalers[i]): apex took any value, so a
+    # NaN or negative floor, or a NaN or 0 cap, reached the scale at the next overflow or growth
+    ("_min_loss_scale", NAN, "min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got nan."),
+    ("_min_loss_scale", -1.0, "min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got -1.0."),
+    ("_min_loss_scale", INF, "min_loss_scale must be None or a finite number >= 0 (0 or None: no floor), got inf."),
+    (
+        "_min_loss_scale",
+        2.0**10,
+        "min_loss_scale (1024.0) is above max_loss_scale (256.0); pass min_loss_scale <= max_loss_scale.",
+    ),
+    ("_max_loss_scale", NAN, "max_loss_scale must be a number > 0 (inf or None: no cap), got nan."),
+    ("_max_loss_scale", 0.0, "max_loss_scale must be a number > 0 (inf or None: no cap), got 0.0."),
+    ("_max_loss_scale", -256.0, "max_loss_scale must be a number > 0 (inf or None: no cap), got -256.0."),
+    (
+        "_max_loss_scale",
+        2.0,
+        "min_loss_scale (4.0) is above max_loss_scale (2.0); pass min_loss_scale <= max_loss_scale.",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, value, text", BAD_BOUNDS, ids=[f"{n}={v}" for n, v, _ in BAD_BOUNDS])
+def test_scaler_bounds_set_on_the_scaler_are_checked_as_at_initialize(name, value, text):
+    model = tiny_model()
+    model, opt = amp.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        opt_level="O2",
+        verbosity=0,
+        min_loss_scale=4.0,
+        max_loss_scale=256.0,
+        on_min_scale="warn",
+    )
+    scaler = _amp_state.loss_scalers[0]
+    with pytest.raises(ValueError) as info:
+        setattr(scaler, name, value)
+    assert str(info.value) == text
+    assert (scaler._min_loss_scale, scaler._max_loss_scale, scaler.loss_scale()) == (4.0, 256.0, 256.0)
+    # a floor policy that watches the floor needs one: taking it away is refused too
+    with pytest.raises(ValueError, match="on_min_scale='warn' needs a floor to watch"):
+        scaler._min_loss_scale = None
+    assert scaler._min_loss_scale == 4.0
+
+
+def test_scaler_bounds_apex_trained_with_are_accepted_on_the_scaler():
+    model = tiny_model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    scaler = _amp_state.loss_scalers[0]
+    scaler._min_loss_scale = 0  # apex's "no floor"
+    scaler._max_loss_scale = INF  # no cap
+    assert (scaler._min_loss_scale, scaler._max_loss_scale) == (None, None)
+    scaler._max_loss_scale, scaler._min_loss_scale = 2.0**10, 2.0**10  # a floor equal to the cap
+    assert (scaler._min_loss_scale, scaler._max_loss_scale) == (2.0**10, 2.0**10)
+    scaler._scale_seq_len = 1  # the cap applies at the next growth, as apex's
+    _train(model, opt, batches(2))
+    assert scaler.loss_scale() == 2.0**10 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     "kw",
     [
