@@ -34,12 +34,12 @@ Contract:
   every held SIGINT when the hold ends instead.
 * :func:`completed` also finds the note on a KeyboardInterrupt a second, late SIGINT raised
   while the first was being delivered (the first is its ``__context__``).
-* A block that raised has no COMPLETED note on the KeyboardInterrupt (the error is its
-  ``__context__``): a call that raises changes nothing, so it may be repeated.
-* The one gap: CPython runs a Python signal handler only at certain bytecodes (a call's end, a
-  loop's jump), so a SIGINT in the few bytecodes after the restore's last such check is raised
-  after the call has returned, in the caller, without the note -- a window of well under a
-  microsecond per call.
+* A block that raised gets the RAISED note instead (the error is the interrupt's
+  ``__context__``): a call may raise after it changed state, so it is over either way;
+  :func:`completed` names it too.
+* A :func:`commit`'s wrapper also notes a SIGINT that the restored handler raises just after
+  the hold's exit returned (CPython checks for signals after that call). The one gap left: one
+  that arrives in the two bytecodes after that check is raised in the caller, without the note.
 """
 
 from __future__ import annotations
@@ -55,9 +55,13 @@ import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["ABANDONED", "COMPLETED", "commit", "commit_methods", "completed", "hold_interrupts"]
+__all__ = ["ABANDONED", "COMPLETED", "RAISED", "commit", "commit_methods", "completed", "hold_interrupts"]
 
 COMPLETED = "fp16kit: Ctrl-C arrived during {what}; that was completed first, so it is done (do not repeat the call)."
+RAISED = (
+    "fp16kit: Ctrl-C arrived during {what}; that ran to its end first and raised the error in this "
+    "interrupt's context (do not repeat the call: handle that error)."
+)
 ABANDONED = (
     "fp16kit: a second Ctrl-C arrived during {what}, which was left half done; "
     "reload the last checkpoint before training on."
@@ -138,8 +142,8 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
         try:
             if _signal.signal(signal.SIGINT, self.previous) is held and held.count and (held.count == 1 or not held.escalates): _deliver(self.previous, held, exc_type is None)  # noqa: E701  # fmt: skip
         except KeyboardInterrupt as e:
-            if exc_type is None and completed(e) is None:
-                e.add_note(COMPLETED.format(what=held.what))
+            if completed(e) is None:
+                e.add_note((COMPLETED if exc_type is None else RAISED).format(what=held.what))
             raise
 
 
@@ -153,8 +157,16 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with hold_interrupts(what, on_abandon=lambda: self.__dict__.__setitem__(_BROKEN, what)):
-                if _BROKEN in self.__dict__:
+            ended = False
+            try:
+                with hold_interrupts(what, on_abandon=lambda: self.__dict__.__setitem__(_BROKEN, what)):
+                    # Refused while marked broken -- on the main thread: a job the user queued
+                    # before the break runs to its end on the optimizer thread, so the state is
+                    # the one the break left, not one with a failed job in it.
+                    if _BROKEN not in self.__dict__ or threading.current_thread() is not threading.main_thread():
+                        result = fn(self, *args, **kwargs)
+                        ended = True
+                        return result
                     if not recovers:
                         raise RuntimeError(
                             _BROKEN_MESSAGE.format(what=self.__dict__[_BROKEN], name=type(self).__name__)
@@ -166,8 +178,14 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
                         self.__dict__[_BROKEN] = broken  # a refused checkpoint restores nothing
                         raise
                     getattr(self, "_recovered_from_interrupt", lambda: None)()
+                    ended = True
                     return result
-                return fn(self, *args, **kwargs)
+            except KeyboardInterrupt as e:
+                # A SIGINT after the restore's last signal check is raised here, when the
+                # hold's exit returns: the call is done, say so (the caller cannot tell).
+                if ended and completed(e) is None:
+                    e.add_note(COMPLETED.format(what=what))
+                raise
 
         return call  # type: ignore[return-value]
 
@@ -190,14 +208,14 @@ _BROKEN_MESSAGE = (
 
 def _deliver(handler: Callable[[int, Any], Any], held: _Held, done: bool) -> None:
     """Hand the held SIGINTs to ``handler``; a KeyboardInterrupt it raises says COMPLETED when
-    the block ran to its end (``done``; one that raised changed nothing, by the caller's own
-    contract, so the call may be repeated)."""
+    the block ran to its end, RAISED when it ended with an error (``done`` False): a call may
+    raise after it changed state (``update()`` at a floor with ``on_min_scale="raise"``), so
+    either way the call is over and must not be repeated."""
     try:
         for _ in range(held.count):  # (more than one only for a handler that does not raise)
             handler(signal.SIGINT, held.frame)
     except KeyboardInterrupt as e:
-        if done:
-            e.add_note(COMPLETED.format(what=held.what))
+        e.add_note((COMPLETED if done else RAISED).format(what=held.what))
         raise
 
 
@@ -209,6 +227,6 @@ def completed(error: BaseException) -> str | None:
     while isinstance(seen, KeyboardInterrupt):
         for note in getattr(seen, "__notes__", ()):
             if isinstance(note, str) and note.startswith(_PREFIX):
-                return note[len(_PREFIX) :].split("; that was completed", 1)[0]
+                return note[len(_PREFIX) :].split("; that ", 1)[0]
         seen = seen.__context__
     return None

@@ -220,6 +220,7 @@ class GradScaler(torch.amp.GradScaler):
         threads = self.__dict__.get("_thread_side")
         if threads is None:  # built lazily: also for scalers unpickled from older versions
             threads = self.__dict__["_thread_side"] = ScalerThreads()
+            threads.loaded(self._loss_scale, self.__dict__.pop("_lagged_next_scale", None))
         return threads
 
     # -------------------------------------------------------------- scale
@@ -676,6 +677,10 @@ class GradScaler(torch.amp.GradScaler):
         # included) never share scale tensors. A process group cannot cross processes: the
         # unpickled scaler has none until one is assigned.
         state["_loss_scale"] = copy.copy(self._loss_scale)
+        if self._enabled:  # in the lag of steps on a thread: the copy resumes it as a state dict does
+            scale, lag = self._threads.saved(self._loss_scale, self.get_scale())
+            state["_loss_scale"].init_scale = scale
+            state["_lagged_next_scale"] = lag.get("next_scale")
         if "_disabled_fields" in state:
             state["_disabled_fields"] = dict(state["_disabled_fields"])
         if state.get("_process_group") is not None:

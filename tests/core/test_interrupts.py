@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fp16kit
-from fp16kit.core.interrupts import ABANDONED, COMPLETED, completed, hold_interrupts
+from fp16kit.core.interrupts import ABANDONED, COMPLETED, RAISED, completed, hold_interrupts
 from tests._helpers.interrupt import Script, sigint_at, sweep
 
 
@@ -95,7 +95,9 @@ def test_another_error_inside_a_hold_still_delivers_the_interrupt() -> None:
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
             raise ValueError("boom")
     assert isinstance(info.value.__context__, ValueError)
-    assert completed(info.value) is None  # the call raised: it changed nothing, repeat it
+    # The call is over (it may have changed state before it raised): do not repeat it.
+    assert completed(info.value) == "the test step"
+    assert RAISED.format(what="the test step") in info.value.__notes__
 
 
 def test_a_sigint_right_after_the_restore_still_says_completed() -> None:
