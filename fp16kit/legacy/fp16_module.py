@@ -1,5 +1,7 @@
-"""apex.fp16_utils names of 2018 (until apex ``5c6144e6``): ``FP16_Module``, ``fp32_to_fp16``,
-``fp16_to_fp32``, ``conversion_helper``. Megatron-LM v1 copied them (:mod:`fp16kit.legacy.megatron`).
+"""apex.fp16_utils names of 2018 (until apex ``5c6144e6``).
+
+``FP16_Module``, ``fp32_to_fp16``, ``fp16_to_fp32``, ``conversion_helper``. Megatron-LM v1 copied
+them (:mod:`fp16kit.legacy.megatron`).
 
 ::
 

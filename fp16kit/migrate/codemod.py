@@ -1,5 +1,6 @@
-"""``fp16kit migrate``'s rewriter: apex imports -> fp16kit.legacy on a concrete syntax tree (libcst),
-so every byte outside the rewritten names stays as it was (comments, layout, CRLF, encoding, BOM).
+"""``fp16kit migrate``'s rewriter: apex imports -> fp16kit.legacy on a concrete syntax tree (libcst).
+
+So every byte outside the rewritten names stays as it was (comments, layout, CRLF, encoding, BOM).
 
 Algorithm (one pass over the tree; the table is :mod:`fp16kit.legacy.apex_alias.apex_map`)::
 
@@ -79,9 +80,11 @@ class MigrationError(ValueError):
 
 
 def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationResult:
-    """Rewrite the apex imports in one module's source. Bytes in, bytes out (the encoding, from a
-    BOM or a coding declaration, is kept); str in, str out. Raises MigrationError if it does not decode
-    or parse, or if libcst would not give back its every byte."""
+    """Rewrite the apex imports in one module's source.
+
+    Bytes in, bytes out (the encoding, from a BOM or a coding declaration, is kept); str in, str out.
+    Raises MigrationError if it does not decode or parse, or if libcst would not give back its every
+    byte."""
     if not _mentions_ours(source, megatron):  # parsing costs ~0.1 s a file: skip what cannot match
         return MigrationResult(source, False)
     module = _parse(source)

@@ -1,5 +1,6 @@
-"""``fp16kit migrate``'s second concern: the checks apex-era code makes for apex without an
-``import`` statement (availability probes, dynamic imports), which the import rewrite alone leaves
+"""``fp16kit migrate``'s second concern: the checks apex-era code makes for apex without an ``import``.
+
+Statement (availability probes, dynamic imports), which the import rewrite alone leaves
 spelling ``apex`` -- after it, ``'apex' in sys.modules`` is False and amp silently turns off.
 
 Rules (``NAME`` is a module-name string literal; ``T`` is what the import rewrite maps it to)::
@@ -158,7 +159,9 @@ def _has_fromlist(call: cst.Call) -> bool:
 def fallback_handler(
     node: cst.CSTNode, parents: Callable[[cst.CSTNode], cst.CSTNode | None]
 ) -> cst.ExceptHandler | None:
-    """The ``except ImportError`` (or ModuleNotFoundError, Exception, bare) whose ``try`` body holds
+    """The ``except ImportError`` handler whose ``try`` body holds ``node``, or None.
+
+    The ``except ImportError`` (or ModuleNotFoundError, Exception, bare) whose ``try`` body holds
     ``node``, innermost first; None when there is none."""
     child, parent = node, parents(node)
     while parent is not None:
@@ -178,10 +181,12 @@ def _catches_import_error(node: cst.BaseExpression) -> bool:
 
 
 class Probes:
-    """The probes of one module (see the module docstring): ``strings`` / ``names`` hold the
-    rewrites (by the id of the node in the parsed tree) that the rewriter applies as it leaves each
-    node; ``seen`` the nodes dealt with here, which the rewriter must not report again as a plain
-    string or a bare name; ``report(node, message)`` takes what is left for the user."""
+    """The probes of one module (see the module docstring).
+
+    ``strings`` / ``names`` hold the rewrites (by the id of the node in the parsed tree) that the
+    rewriter applies as it leaves each node; ``seen`` the nodes dealt with here, which the rewriter
+    must not report again as a plain string or a bare name; ``report(node, message)`` takes what is
+    left for the user."""
 
     def __init__(
         self,
@@ -211,7 +216,9 @@ class Probes:
 
     # -- what the rewriter's visitors hand over ------------------------------------------------
     def prepare(self, module: cst.Module) -> None:
-        """Before the walk: the names the module itself puts in (or takes out of) sys.modules, and
+        """Before the walk: collect the module's own sys.modules names and its probe functions' local names.
+
+        Before the walk: the names the module itself puts in (or takes out of) sys.modules, and
         the local names its imports give the probe functions (``fs`` for ``from importlib.util import
         find_spec as fs``)."""
         stubbed = self._stubbed = set()

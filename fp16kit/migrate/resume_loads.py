@@ -224,7 +224,9 @@ def _reached(
 
 
 def resume_loads(module: cst.Module, *, megatron: bool = False) -> list[tuple[cst.CSTNode, str]]:
-    """(node, message) for each torch.load call of ``module`` the rule in the module docstring
+    """(node, message) for each torch.load call of ``module`` that the rule in the module docstring reports.
+
+    (node, message) for each torch.load call of ``module`` the rule in the module docstring
     reports; the node is the call's ``torch.load`` (on the call's first line)."""
     names = _Bindings(megatron)
     module.visit(names)

@@ -191,7 +191,9 @@ class MasterWeightsTrainer(Trainer):
         ignore_keys_for_eval: list[str] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """``Trainer.train``; a checkpoint to resume is checked first (before any state changes):
+        """``Trainer.train``, checking a checkpoint to resume first.
+
+        ``Trainer.train``; a checkpoint to resume is checked first (before any state changes):
         one saved by ``transformers.Trainer`` holds no fp32 master weights and is refused."""
         check_checkpoint(resume_from_checkpoint, self.args.output_dir)
         try:
@@ -225,7 +227,9 @@ class MasterWeightsTrainer(Trainer):
 
     # ------------------------------------------------------------------ reads of the weights
     def synchronize(self) -> None:
-        """Wait for an optimizer step in flight (``async_step=True``) and copy its masters into
+        """Wait for an optimizer step in flight and copy its masters into the model.
+
+        Wait for an optimizer step in flight (``async_step=True``) and copy its masters into
         the model; a no-op otherwise, or before ``train()`` created the optimizer."""
         opt = find_master_optimizer(self.optimizer)
         if opt is not None:
@@ -242,8 +246,9 @@ class MasterWeightsTrainer(Trainer):
         return super().predict(*args, **kwargs)
 
     def save_model(self, *args: Any, **kwargs: Any) -> None:
-        """``Trainer.save_model`` of the weights after the last optimizer step (also what a
-        checkpoint saves, so its weights match its masters)."""
+        """``Trainer.save_model`` of the weights after the last optimizer step.
+
+        Also what a checkpoint saves, so its weights match its masters."""
         self.synchronize()
         super().save_model(*args, **kwargs)
 

@@ -1,6 +1,8 @@
-"""What ``amp.initialize`` does to models (docs/apex-amp.md §2.7-8, §4): the incoming checks, the
-cast (``convert_network`` keeps affine BatchNorm in fp32), the forward casting of inputs and
-outputs, and the state-dict hook that makes ``model.state_dict()`` fp32.
+"""What ``amp.initialize`` does to models (docs/apex-amp.md §2.7-8, §4).
+
+The incoming checks, the cast (``convert_network`` keeps affine BatchNorm in fp32), the
+forward casting of inputs and outputs, and the state-dict hook that makes
+``model.state_dict()`` fp32.
 
 Forward casting: the model's class becomes a subclass of its own class (same name, qualname
 and module; ``isinstance`` holds) whose ``forward`` casts around the user's ``forward``. apex
@@ -29,7 +31,9 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def to_type(dtype: torch.dtype, x: Any) -> Any:
-    """apex's ``applier(x, to_type(dtype))``: floating tensors -> ``dtype``; strings and
+    """apex's ``applier(x, to_type(dtype))``: cast floating tensors (walking containers) to ``dtype``.
+
+    apex's ``applier(x, to_type(dtype))``: floating tensors -> ``dtype``; strings and
     numpy arrays untouched; objects with ``.to`` -> ``x.to(dtype)``; Mappings and other
     iterables walked, keeping their type (namedtuples too); anything else untouched."""
     if isinstance(x, torch.Tensor):
@@ -61,7 +65,9 @@ _AMP_CLASSES: dict[tuple[type, Any, Any], type] = {}
 
 
 def amp_class(base: type, in_dtype: torch.dtype | None, out_dtype: torch.dtype) -> type:
-    """The subclass of ``base`` (same name and qualname) whose ``forward`` casts floating inputs
+    """The subclass of ``base`` whose ``forward`` casts its inputs and output around ``base.forward``.
+
+    The subclass of ``base`` (same name and qualname) whose ``forward`` casts floating inputs
     to ``in_dtype`` (None: no input cast) and the output to ``out_dtype`` around ``base.forward``.
     Made once per (base, dtypes)."""
     key = (base, in_dtype, out_dtype)
@@ -110,8 +116,9 @@ def _set_casts(model: nn.Module, in_dtype: torch.dtype | None, out_dtype: torch.
 
 
 def fp32_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """This module's own fp16/bf16 params and buffers in ``state_dict`` -> fp32 (apex walked
-    the whole dict once per module)."""
+    """This module's own fp16/bf16 params and buffers in ``state_dict`` -> fp32.
+
+    apex walked the whole dict once per module."""
     for name in (*module._parameters, *module._buffers):
         key = prefix + name
         v = state_dict.get(key)
@@ -120,7 +127,9 @@ def fp32_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: 
 
 
 class RefreshMastersHook:
-    """``model.load_state_dict`` post hook: masters of the amp optimizers that no longer round
+    """A ``model.load_state_dict`` post hook that rebuilds stale amp masters from the loaded fp16 weights.
+
+    ``model.load_state_dict`` post hook: masters of the amp optimizers that no longer round
     to the loaded fp16 weights are rebuilt from them (§12 FIX; apex left them stale). Holds
     weak references; a copy or pickle of the model is tied to no optimizer."""
 

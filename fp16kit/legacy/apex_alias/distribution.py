@@ -1,5 +1,6 @@
-"""The ``apex`` distribution the apex alias reports while it stands in for all of apex, so that
-checks of apex's package metadata see it installed, as they saw NVIDIA apex::
+"""The ``apex`` distribution the apex alias reports while it stands in for all of apex.
+
+So that checks of apex's package metadata see it installed, as they saw NVIDIA apex::
 
     importlib.metadata.version("apex")            -> "0.1"   (NVIDIA apex's setup.py never changed
                                                               it: every build reported 0.1)
@@ -47,7 +48,9 @@ class ApexDistribution(Distribution):
 
 
 def find_apex_distribution(context: DistributionFinder.Context) -> Iterator[Distribution]:
-    """``ApexDistribution`` when ``context`` asks for ``apex`` (any spelling PEP 503 equates) or for
+    """Return ``ApexDistribution`` when ``context`` asks for ``apex`` (or for all) on the interpreter's own path.
+
+    ``ApexDistribution`` when ``context`` asks for ``apex`` (any spelling PEP 503 equates) or for
     all, on the interpreter's own path: a search of other folders (``distributions(path=[...])``,
     an installer looking at a target directory) must not find it there."""
     if list(context.path) != sys.path:

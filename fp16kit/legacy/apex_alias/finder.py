@@ -1,5 +1,6 @@
-"""An opt-in import hook: ``import apex`` (and every apex module fp16kit covers) resolves to
-fp16kit.legacy, for running apex-era code unmodified -- or, beside a real apex that lacks apex.amp /
+"""An opt-in import hook: ``import apex`` (and every apex module fp16kit covers) resolves to fp16kit.legacy.
+
+For running apex-era code unmodified -- or, beside a real apex that lacks apex.amp /
 apex.fp16_utils (NVIDIA apex >= 25.x, as NGC containers ship it), only what that apex lacks does.
 
 Contract::
@@ -504,7 +505,8 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
 
 
 def uninstall_apex_alias() -> None:
-    """Undo install_apex_alias(): the finder and every ``apex`` entry it put in sys.modules go;
+    """Undo install_apex_alias(): the finder and every ``apex`` entry it put in sys.modules go.
+
     fp16kit's own modules stay imported; modules hidden by ``shadow=True`` come back."""
     global _installed
     with _LOCK:

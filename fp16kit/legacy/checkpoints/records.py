@@ -1,4 +1,6 @@
-"""The non-tensor objects apex-era checkpoints pickle, and the inert stand-ins
+"""The non-tensor objects apex-era checkpoints pickle, and the inert stand-ins they load as.
+
+The non-tensor objects apex-era checkpoints pickle, and the inert stand-ins
 :func:`fp16kit.legacy.load_checkpoint` unpickles them into (docs/apex-others.md §6).
 
 torch's weights-only unpickler resolves a pickle's globals through an allow-list. For each path
@@ -81,7 +83,9 @@ CLASS_KEY = "__apex_class__"
 
 
 def saved_scaler(obj: Any) -> dict[str, Any] | None:
-    """What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler
+    """What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler.
+
+    What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler
     (``{CLASS_KEY: path, attributes...}``), for a live object of one of
     :data:`FP16KIT_SCALER_CLASSES` (e.g. what ``torch.load(..., weights_only=False)`` returned
     under ``fp16kit run``); None for anything else. The object is only read. ValueError if it
@@ -160,8 +164,10 @@ class _AttributeRecord(Record):
 
 
 class ScalerRecord(_AttributeRecord):
-    """An apex or Megatron loss scaler: its attributes, exactly as pickled. ``reads_as`` is the
-    class it stands for (its own path, or for one of fp16kit's classes the apex one)."""
+    """An apex or Megatron loss scaler: its attributes, exactly as pickled.
+
+    ``reads_as`` is the class it stands for (its own path, or for one of fp16kit's classes
+    the apex one)."""
 
     reads_as = ""
 
@@ -215,7 +221,9 @@ _LITTLE = sys.byteorder == "little"
 
 
 class DtypeRecord(Record):
-    """``numpy.dtype(obj, align, copy)`` then ``BUILD (version, byteorder, subarray, names,
+    """A pickled simple ``numpy.dtype``.
+
+    ``numpy.dtype(obj, align, copy)`` then ``BUILD (version, byteorder, subarray, names,
     fields, elsize, alignment, flags[, metadata])``. Simple dtypes only: a kind in "biufcSU",
     no fields, no sub-array."""
 
@@ -413,7 +421,9 @@ def _numpy_dtype(np: Any, dtype: DtypeRecord) -> Any:
 
 
 def decode(record: Record, *, plain: bool) -> Any:
-    """A numpy record's value: a numpy object when numpy is installed and ``plain`` is False;
+    """A numpy record's value, as a numpy object or as plain data.
+
+    A numpy record's value: a numpy object when numpy is installed and ``plain`` is False;
     otherwise a tensor (arrays of numbers), a Python number (scalars), nested lists (text
     arrays) or numpy's ``dtype.str`` (a dtype)."""
     np = None if plain else _numpy()

@@ -1,6 +1,7 @@
-"""The opcode simulation behind :mod:`fp16kit.legacy.checkpoints.scan`: one pickle, opcode by
-opcode, the way torch's weights-only reader runs it, knowing of each value only its kind, size
-and nesting depth -- never building it.
+"""The opcode simulation behind :mod:`fp16kit.legacy.checkpoints.scan`.
+
+One pickle, opcode by opcode, the way torch's weights-only reader runs it, knowing of each
+value only its kind, size and nesting depth -- never building it.
 
 The scan stops (returns False) where torch's reader refuses the file on its own, cleanly: at an
 opcode outside its set (protocol 3+), at a global it does not allow; everything before was
@@ -248,8 +249,10 @@ class _Stop(Exception):
 
 
 class Scanner:
-    """One file's pickles, simulated (see the module docstring). ``storages``: storage key ->
-    bytes its pickle claims; ``itemsizes``: key -> element size."""
+    """One file's pickles, simulated (see the module docstring).
+
+    ``storages``: storage key -> bytes its pickle claims; ``itemsizes``: key -> element
+    size."""
 
     def __init__(self, f: Any, stream: Any, size: int, budget: Budget, *, legacy: bool) -> None:
         self.f, self.stream, self.size, self.budget, self.legacy = f, stream, size, budget, legacy
@@ -282,7 +285,9 @@ class Scanner:
 
     # ----------------------------------------------------------------- the loop
     def run(self, expect: int | None = None) -> bool:
-        """Scan one pickle up to its STOP; False where torch refuses it by itself (stop), or
+        """Scan one pickle up to its STOP; False where torch would refuse it.
+
+        Scan one pickle up to its STOP; False where torch refuses it by itself (stop), or
         where it is not the int ``expect`` (torch refuses such a file after reading it)."""
         out = self._pickle()
         return out is not None and (expect is None or out.kind == "int" and out.value == expect)

@@ -1,4 +1,6 @@
-"""apex.optimizers -> fp16kit.legacy.optimizers: apex's fused optimizers as facades over
+"""apex.optimizers -> fp16kit.legacy.optimizers: apex's fused optimizers as facades over :mod:`fp16kit.optim`.
+
+apex.optimizers -> fp16kit.legacy.optimizers: apex's fused optimizers as facades over
 :mod:`fp16kit.optim` (CPU and CUDA, no extension), and the fused-era ``FP16_Optimizer``.
 
 ``FusedMixedPrecisionLamb`` (2022) is not provided: importing it raises ImportError naming

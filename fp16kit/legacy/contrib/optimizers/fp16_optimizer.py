@@ -1,6 +1,7 @@
-"""apex.contrib.optimizers.fp16_optimizer (and apex.optimizers.fp16_optimizer): the fused-era
-``FP16_Optimizer`` that BERT-era scripts (HF pytorch-pretrained-BERT, NVIDIA BERT, SpanBERT,
-OpenNMT-py ``-optim fusedadam``) wrap around the legacy ``FusedAdam``::
+"""apex.contrib.optimizers.fp16_optimizer (and apex.optimizers.fp16_optimizer): the fused-era ``FP16_Optimizer``.
+
+That BERT-era scripts (HF pytorch-pretrained-BERT, NVIDIA BERT, SpanBERT, OpenNMT-py
+``-optim fusedadam``) wrap around the legacy ``FusedAdam``::
 
     optimizer = FusedAdam(groups, lr, bias_correction=False, max_grad_norm=1.0)
     optimizer = FP16_Optimizer(optimizer, dynamic_loss_scale=True)   # or static_loss_scale=S
@@ -162,7 +163,8 @@ class FP16_Optimizer(WrappingOptimizer):
 
     # ------------------------------------------------------------------ the loop
     def zero_grad(self, set_grads_to_None: bool = True, *, set_to_none: bool | None = None) -> None:  # type: ignore[override]
-        """Clear the fp16 model grads (to None by default, unlike apex.fp16_utils);
+        """Clear the fp16 model grads (to None by default, unlike apex.fp16_utils).
+
         ``set_to_none`` is torch's name for ``set_grads_to_None`` and wins when given."""
         if set_to_none is not None:
             set_grads_to_None = set_to_none
@@ -237,8 +239,10 @@ class FP16_Optimizer(WrappingOptimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore :meth:`state_dict` (or apex's, flat or per-param masters). Everything is
-        checked before anything changes; masters are copied, model params left alone (apex)."""
+        """Restore :meth:`state_dict` (or apex's, flat or per-param masters).
+
+        Everything is checked before anything changes; masters are copied, model params left
+        alone (apex)."""
         check_state_dict(state_dict, self.fp16_groups)
         pairs = masters_from_state(state_dict, self.fp32_groups)
         self.optimizer.load_state_dict(optimizer_state_from(state_dict, self.fp16_groups))
