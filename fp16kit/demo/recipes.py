@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,13 +108,14 @@ def fp16_optimizer(model: nn.Module, cfg: DemoConfig) -> Recipe:
 
     A half model, fp32 masters inside FP16_Optimizer, apex's dynamic loss scale (bf16: the
     static 1.0, no scaling), ``optimizer.backward(loss)``."""
+    forward: Callable[[torch.Tensor], torch.Tensor]
     if cfg.dtype == torch.float16:
         model = network_to_half(model)  # casts the inputs too
         forward = model
     else:  # bf16: apex had no bf16; fp16kit's FP16_Optimizer takes bf16 params
         model = convert_network(model, cfg.dtype)
         forward = _casting_inputs(model, cfg.dtype)
-    scaling = {
+    scaling: dict[str, Any] = {
         "dynamic_loss_scale": True,
         "dynamic_loss_args": {"init_scale": cfg.init_scale, "scale_window": cfg.growth_interval},
     }
@@ -156,7 +158,8 @@ def amp_o2(model: nn.Module, cfg: DemoConfig) -> Recipe:
     if cfg.scaled:
         # amp.initialize has no init_scale or scale_window; apex scripts set its scaler's fields
         # (capped at max_loss_scale, 2**24, as apex's LossScaler(init_scale=...) and FP16_Optimizer do)
-        scaler._loss_scale = min(cfg.init_scale, scaler._max_loss_scale)
+        cap = scaler._max_loss_scale  # amp.initialize always sets one (2**24 by default)
+        scaler._loss_scale = cfg.init_scale if cap is None else min(cfg.init_scale, cap)
         scaler._scale_seq_len = cfg.growth_interval
     skipped = 0
 

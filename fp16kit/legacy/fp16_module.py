@@ -61,6 +61,8 @@ def fp16_to_fp32(val: Any) -> Any:
 class FP16_Module(nn.Module):
     """Run ``module`` in fp16 behind fp32 inputs and outputs (see the module docstring)."""
 
+    module: nn.Module  # registered by add_module: a submodule, not what nn.Module.__getattr__ may return
+
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.add_module("module", module.half())

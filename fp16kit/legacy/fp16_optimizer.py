@@ -95,7 +95,7 @@ class AmpLossScaler:
         if self.dynamic:
             init = min(max_loss_scale, init_scale)
         else:
-            init = float(loss_scale)  # type: ignore[arg-type]
+            init = float(loss_scale)
         self._state = LossScale(
             init,
             rule="apex_amp",
@@ -500,7 +500,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             self._overflow = False  # apex never checked with a static scale
             self._prepared = (inv, kernels.new_found_inf(scale.device), None)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Skip the step if the last backward overflowed; else step the masters and copy them into the model.
 
         Skip (logging apex's message) if the last backward overflowed; else step the
@@ -640,7 +640,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         self.all_fp32_from_fp32_params = [p for g in groups for p in g.direct]
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """Return apex's six keys, as plain data.
 
         apex's six keys, as plain data (``torch.load(weights_only=True)`` reads it):
@@ -656,7 +656,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             "fp32_from_fp16": [[m.detach() for m in g] for g in self.fp32_from_fp16_groups],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict in fp16kit's form or apex's.
 
         Load fp16kit's form or apex's (an era-2 ``apex.amp.scaler.LossScaler`` or an era-1

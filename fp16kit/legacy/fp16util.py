@@ -108,7 +108,7 @@ class FP16Model(nn.Module):
         return self.network(*inputs)
 
 
-def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
     """Return ``(model_params, master_params)`` for the model's trainable params.
 
     fp32 copies with ``requires_grad=True``, or with ``flat_master=True`` one flat fp32

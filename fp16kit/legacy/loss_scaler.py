@@ -163,14 +163,15 @@ def check_saved_scaler(saved: Any) -> None:
     negative or inf; a ``scale_window`` below 1 or not whole; a negative count): a
     :class:`SavedScalerRefused`. Attributes it lacks, and every other form, are left to the
     reader. Changes nothing."""
+    path: Any  # a record's class key holds whatever was pickled; only known paths have fields
     if isinstance(saved, dict):
         path, attributes = saved.get(CLASS_KEY), saved
     else:
         cls = type(saved)
         path, attributes = f"{cls.__module__}.{cls.__qualname__}", getattr(saved, "__dict__", {})
-    for name, kind in _RECORD_FIELDS.get(path, {}).items():  # type: ignore[call-overload]
+    for name, kind in _RECORD_FIELDS.get(path, {}).items():
         if name in attributes:
-            _check_pickled(path, name, attributes[name], kind)  # type: ignore[arg-type]
+            _check_pickled(path, name, attributes[name], kind)
 
 
 # ---------------------------------------------------------------- settings a scaler runs with

@@ -393,7 +393,7 @@ def _migrate_source(source: bytes, megatron: bool) -> MigrationResult:
         return migrate_source(source, megatron=megatron)
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 

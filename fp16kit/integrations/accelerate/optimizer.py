@@ -135,7 +135,7 @@ class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
         self._unscaled = unscaled
         self._skipped: torch.Tensor | None = None
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
         """Step on a sync step (see the module docstring); a no-op on an accumulation micro-step."""
         if not self.gradient_state.sync_gradients:
             return

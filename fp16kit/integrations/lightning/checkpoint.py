@@ -105,9 +105,9 @@ def landed_weights(
     replaced: dict[str, torch.Tensor] = {}
     for opt in optimizers:
         opt.wait_for_step()  # (the optimizer states taken before this waited already)
-        for p, m in zip(opt.model_params, opt.master_params):
+        for param, m in zip(opt.model_params, opt.master_params):
             landed = None
-            for name in names.get(id(p), []):
+            for name in names.get(id(param), []):
                 live = weights.get(name)
                 if not isinstance(live, torch.Tensor):
                     continue

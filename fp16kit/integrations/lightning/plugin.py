@@ -157,7 +157,7 @@ class MasterWeightsPrecision(Precision):
                 "GradScaler unscales param.grad in place and cannot reach the fp32 masters. Pass "
                 "fp16kit.GradScaler(device, ...) (same arguments)."
             )
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = precision
         self.dtype = _DTYPES[precision]
         self.scaler: GradScaler | None = scaler
         self._mpo_options: dict[str, Any] = {
@@ -256,7 +256,7 @@ class MasterWeightsPrecision(Precision):
             callbacks.insert(0, _PluginHooks(self))
 
     # ------------------------------------------------------------------ backward, step
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if self._owed.settle(self.scaler):  # the last iteration's update, once (torch.amp's rule)
             self._unscaled.clear()  # (an unscale without a step: that one update closed it too)
         if self._unscaled:  # manual optimization: clip_gradients (unscaled), then no opt.step()

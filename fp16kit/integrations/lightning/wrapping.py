@@ -49,7 +49,9 @@ def wrapped_before(optimizer: Any, options: dict[str, Any]) -> MixedPrecisionOpt
         entry = _WRAPPED.get(optimizer)
     except TypeError:  # not weak-referenceable: never wrapped here
         return None
-    before = entry[0]() if entry is not None else None
+    if entry is None:
+        return None
+    before = entry[0]()
     if before is not None and entry[1] != options:
         raise ValueError(
             f"configure_optimizers returned a {type(optimizer).__name__} that an earlier fit "

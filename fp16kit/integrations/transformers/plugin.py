@@ -154,13 +154,13 @@ class MasterWeightsTrainer(Trainer):
         callbacks = [_SynchronizeAtTrainEnd(self), *(named.get("callbacks") or [])]
         if "callbacks" in bound.signature.parameters:
             bound.arguments["callbacks"] = callbacks
-        else:
+        elif var_kw is not None:  # (with neither, bound.kwargs would not carry them either)
             bound.arguments[var_kw] = {**extra, "callbacks": callbacks}
         super().__init__(*bound.args, **bound.kwargs)
         # wraps the handler's method on the instance: keeps its class (a subclass's own handler)
         # and its attributes
         handler = self.callback_handler
-        handler.on_pre_optimizer_step = functools.partial(
+        handler.on_pre_optimizer_step = functools.partial(  # type: ignore[method-assign]  # this instance's only
             _checked_pre_optimizer_step, self, handler.on_pre_optimizer_step
         )
 

@@ -7,11 +7,14 @@ stdout: :mod:`fp16kit.legacy._messages`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._messages import apex_logger
+
+if TYPE_CHECKING:
+    from .scaler import LossScaler
 
 __all__ = ["AmpState", "_amp_state", "maybe_print", "warn_or_err", "master_params"]
 
@@ -21,6 +24,14 @@ class AmpState:
 
     apex's ``AmpState``: attributes set by ``amp.initialize`` (``opt_properties``,
     ``loss_scalers``, ``verbosity``, ``min_loss_scale``, ``max_loss_scale``; ``handle`` at O1)."""
+
+    # set by amp.initialize (handle: also by amp.init); annotated only, so absent before it as in
+    # apex, where scripts test hasattr(_amp_state, "opt_properties")
+    opt_properties: Any
+    loss_scalers: list[LossScaler]
+    min_loss_scale: float | None
+    max_loss_scale: float
+    handle: Any
 
     def __init__(self) -> None:
         self.hard_override = False

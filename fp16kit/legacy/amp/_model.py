@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import collections.abc
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -48,7 +49,8 @@ def to_type(dtype: torch.dtype, x: Any) -> Any:
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
         return type(x)(*(to_type(dtype, v) for v in x))
     if isinstance(x, collections.abc.Iterable) and not isinstance(x, collections.abc.Iterator):
-        return type(x)(to_type(dtype, v) for v in x)
+        rebuild: Callable[..., Any] = type(x)  # a concrete iterable class, built from its items
+        return rebuild(to_type(dtype, v) for v in x)
     return x
 
 
@@ -89,14 +91,22 @@ def amp_class(base: type, in_dtype: torch.dtype | None, out_dtype: torch.dtype) 
     return cls
 
 
-def _amp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+if TYPE_CHECKING:
+
+    class _AmpModule(nn.Module):
+        """What the classes :func:`amp_class` makes have beyond their base (for the type checker)."""
+
+        _amp_cast_types: tuple[torch.dtype | None, torch.dtype]
+
+
+def _amp_forward(self: _AmpModule, *args: Any, **kwargs: Any) -> Any:
     in_dtype, out_dtype = type(self)._amp_cast_types
     if in_dtype is not None:
         args, kwargs = to_type(in_dtype, args), to_type(in_dtype, kwargs)
     return to_type(out_dtype, super(type(self), self).forward(*args, **kwargs))
 
 
-def _amp_reduce_ex(self: nn.Module, protocol: int) -> Any:
+def _amp_reduce_ex(self: _AmpModule, protocol: int) -> Any:
     # pickle and deepcopy rebuild the amp class from the user's class (found by its name)
     # (the state is applied after the object exists: references back to it are kept)
     base = type(self).__bases__[0]
@@ -104,7 +114,7 @@ def _amp_reduce_ex(self: nn.Module, protocol: int) -> Any:
 
 
 def _rebuild(base: type, cast_types: tuple[Any, Any]) -> nn.Module:
-    cls = amp_class(base, *cast_types)
+    cls = cast("type[nn.Module]", amp_class(base, *cast_types))  # a subclass of the user's module class
     return cls.__new__(cls)
 
 

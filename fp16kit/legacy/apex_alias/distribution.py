@@ -14,6 +14,7 @@ away with the alias. ``pkg_resources`` scans ``sys.path`` folders instead and do
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import sys
@@ -42,7 +43,7 @@ class ApexDistribution(Distribution):
             return "apex\n"
         return None
 
-    def locate_file(self, path: str | pathlib.PurePath) -> pathlib.Path:
+    def locate_file(self, path: str | os.PathLike[str]) -> pathlib.Path:
         # where fp16kit is installed: the folder its own distribution's files are relative to
         return pathlib.Path(__file__).resolve().parents[2] / path
 

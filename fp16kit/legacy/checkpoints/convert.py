@@ -191,10 +191,10 @@ class _Converter:
             if hasattr(obj, "_metadata"):
                 out._metadata = obj._metadata  # type: ignore[attr-defined]
             return out
-        items = [self.convert(v, (*path, i)) for i, v in enumerate(obj)]
-        if all(a is b for a, b in zip(items, obj)):
+        converted = [self.convert(v, (*path, i)) for i, v in enumerate(obj)]
+        if all(a is b for a, b in zip(converted, obj)):
             return obj
-        return items if isinstance(obj, list) else tuple(items)
+        return converted if isinstance(obj, list) else tuple(converted)
 
     def _scaler(self, record: dict[str, Any], path: tuple[Any, ...]) -> Any:
         cls = record[CLASS_KEY]

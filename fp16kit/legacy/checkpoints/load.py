@@ -302,7 +302,7 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
                 frame[3] = True
         else:
             obj = frame[0]
-            if isinstance(obj, Record):  # its path, while its frame is still on the stack
+            if isinstance(obj, (ScalerRecord, NamespaceRecord)):  # its path, while its frame is still on the stack
                 out = finish(obj, dict(zip(obj.attributes, plain)), path(None)[:-1])
             else:
                 out = _rebuilt(obj, plain) if frame[3] else obj

@@ -291,6 +291,9 @@ class ScalarRecord(Record):
     """A numpy number (``numpy.core.multiarray.scalar(dtype, raw bytes)``)."""
 
     _path = "numpy.core.multiarray.scalar"
+    # set by _scalar; annotated only, so a record unpickled without them has neither in __dict__
+    dtype: DtypeRecord
+    raw: bytes
 
 
 def _reconstruct(cls: Any, shape: Any, typecode: Any) -> NdarrayRecord:
@@ -376,7 +379,7 @@ def _plain_array(shape: tuple[int, ...], dtype: DtypeRecord, raw: bytes, fortran
         if fortran and len(dims) > 1:
             raise pickle.UnpicklingError("a Fortran-ordered text array is read only with numpy installed")
         n = dtype.itemsize
-        items = [data[i : i + n] for i in range(0, len(data), n)]
+        items: list[Any] = [data[i : i + n] for i in range(0, len(data), n)]
         if dtype.kind == "U":
             items = [it.decode("utf-32-le" if _LITTLE else "utf-32-be").rstrip("\0") for it in items]
         else:

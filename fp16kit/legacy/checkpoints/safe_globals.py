@@ -85,7 +85,9 @@ def _scaler_entries(fp16kit_module: Callable[[str], str | None]) -> list[tuple[t
         if target is None:
             continue
         cls = getattr(importlib.import_module(target), name, None)
-        own = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else None
+        if not isinstance(cls, type):
+            continue
+        own = f"{cls.__module__}.{cls.__qualname__}"
         if own not in FP16KIT_SCALER_CLASSES:
             continue  # only fp16kit's scaler classes, whatever a table says
         entries += [(cls, path), (cls, own)]
@@ -114,7 +116,7 @@ def allow(fp16kit_module: Callable[[str], str | None]) -> list[Any]:
                 )
                 continue
             added.append(entry)
-        torch.serialization.add_safe_globals(added)
+        torch.serialization.add_safe_globals(list(added))  # a copy typed as torch's parameter
     return added
 
 

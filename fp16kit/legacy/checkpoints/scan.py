@@ -341,11 +341,11 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
                     "damaged",
                 )
         for small in _SMALL_RECORDS:
-            info = records.get((folder + small.encode()).lower())
-            if info is not None and info.file_size > 64:
+            small_info = records.get((folder + small.encode()).lower())
+            if small_info is not None and small_info.file_size > 64:
                 raise refused(
                     f,
-                    f"its record {info.filename!r} holds {info.file_size:,} bytes; torch.save writes a few",
+                    f"its record {small_info.filename!r} holds {small_info.file_size:,} bytes; torch.save writes a few",
                     "damaged",
                 )
         try:
@@ -363,14 +363,14 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
     prefix = folder.decode("cp437")
     for key, nbytes in scanner.storages.items():
         name = f"{prefix}data/{key}"
-        info = records.get((folder + b"data/" + key.encode("utf-8", "surrogatepass")).lower())
-        if info is None:
+        stored = records.get((folder + b"data/" + key.encode("utf-8", "surrogatepass")).lower())
+        if stored is None:
             raise refused(f, f"its pickle names storage {key!r}, but the archive holds no record {name!r}", "damaged")
-        if info.file_size != nbytes:
+        if stored.file_size != nbytes:
             raise refused(
                 f,
-                f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {info.filename!r} "
-                f"holds {info.file_size:,}",
+                f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {stored.filename!r} "
+                f"holds {stored.file_size:,}",
                 "damaged",
             )
 

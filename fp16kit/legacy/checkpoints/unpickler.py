@@ -34,7 +34,7 @@ checked. Per call it knows what the callee builds::
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -203,8 +203,9 @@ def _hash(v: _V) -> int | None:
         return None
     if v.hashed is _UNHASHED:  # worked out once: a shared tuple is a key many times over
         items = [_hash(i) for i in v.value]
-        v.hashed = None if None in items else hash(tuple(_Hash(h) for h in items))
-    return v.hashed
+        known = [h for h in items if h is not None]
+        v.hashed = None if len(known) < len(items) else hash(tuple(_Hash(h) for h in known))
+    return cast("int | None", v.hashed)  # no longer _UNHASHED: worked out just above
 
 
 def _stand_in_paths() -> frozenset[str]:
@@ -427,7 +428,7 @@ class Scanner:
             raise _Stop  # torch: "Can only append to lists" / "Can only SETITEM for dict"
         self._grow(target, items, f"an item of a {kind}")
         if kind == "dict":
-            self._keys(target, items[::2])
+            self._keys(cast(_Keyed, target), items[::2])  # a "dict" value is made as a _Keyed
 
     def _keys(self, target: _Keyed, keys: list[_V], copied: _V | None = None) -> None:
         """``keys`` hashed into the dict or set ``target`` (or all the keys of ``copied``): Python
@@ -439,8 +440,8 @@ class Scanner:
             if copied.counts:
                 if counts is None:
                     counts = target.counts = {}
-                for h, n in copied.counts.items():
-                    counts[h] = counts.get(h, 0) + n
+                for known, n in copied.counts.items():
+                    counts[known] = counts.get(known, 0) + n
             steps = copied.steps
         for key in keys:
             h = _hash(key)

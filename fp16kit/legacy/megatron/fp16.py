@@ -63,6 +63,8 @@ class FP16_Module(nn.Module):
     ``pipeline_first_stage`` / ``pipeline_last_stage`` (keyword only; Megatron asked its
     ``mpu``): only the first pipeline stage casts its inputs and only the last its outputs."""
 
+    module: nn.Module  # registered by add_module: a submodule, not what nn.Module.__getattr__ may return
+
     def __init__(
         self, module: nn.Module, *, pipeline_first_stage: bool = True, pipeline_last_stage: bool = True
     ) -> None:
@@ -81,7 +83,7 @@ class FP16_Module(nn.Module):
         outputs = self.module(*inputs, **kwargs)
         return fp16_to_fp32(outputs) if self.pipeline_last_stage else outputs
 
-    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def state_dict_for_save_checkpoint(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -91,7 +93,7 @@ class FP16_Module(nn.Module):
             return self.state_dict(destination, prefix, keep_vars)
         return child(destination, prefix, keep_vars)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
@@ -169,10 +171,10 @@ class FP16_Optimizer(_FP16_Optimizer):
         )
         super().__init__(
             init_optimizer,
-            static_loss_scale,
+            static_loss_scale,  # type: ignore[arg-type]  # None is Megatron's; only its _new_loss_scaler reads it
             dynamic_loss_scale,
             dynamic_loss_args,
-            verbose,  # type: ignore[arg-type]
+            verbose,
         )
         self._copy_model_parallel_attributes(self.all_fp16_params, self.all_fp32_from_fp16_params)
 
@@ -221,7 +223,7 @@ class FP16_Optimizer(_FP16_Optimizer):
         apex_logger.log(logging.WARNING if self.verbose else logging.DEBUG, message)
 
     # ------------------------------------------------------------------ the loop
-    def backward(  # type: ignore[override]
+    def backward(
         self,
         loss: Any,
         update_master_grads: bool = True,
@@ -261,7 +263,7 @@ class FP16_Optimizer(_FP16_Optimizer):
             flags = kernels.all_reduce_found_inf(flags, self._device, group)
         self._overflow = kernels.combine_found_inf(flags.values(), self._device) != 0
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update the scale; on overflow skip the step, else step the masters and copy them into the model.
 
         Update the scale with ``overflow`` (every call); on overflow log Megatron's line and

@@ -84,7 +84,7 @@ def _backward(scale: Any, output_tensor: Any, retain_graph: bool, output_tensor_
 class LossScaler(_era1.LossScaler):
     """Megatron's static scaler: ``loss * scale`` before backward, never an overflow."""
 
-    def backward(  # type: ignore[override]
+    def backward(
         self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None
     ) -> None:
         _backward(self.loss_scale, output_tensor, retain_graph, output_tensor_grad)
@@ -151,8 +151,8 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
         self.model_parallel_group = model_parallel_group
 
     # ---------------------------------------------------------------- Megatron's attributes
-    @property
-    def scale_window(self) -> float:  # type: ignore[override]
+    @property  # type: ignore[override]  # Megatron's window is a float; apex's is an int attribute
+    def scale_window(self) -> float:
         return self._scale_window
 
     @scale_window.setter
@@ -225,7 +225,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
             flags = kernels.all_reduce_found_inf(flags, device, group)
         return bool(kernels.combine_found_inf(flags.values(), device).item())
 
-    def backward(  # type: ignore[override]
+    def backward(
         self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None
     ) -> None:
         _backward(self.loss_scale, output_tensor, retain_graph, output_tensor_grad)

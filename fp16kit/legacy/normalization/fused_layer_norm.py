@@ -106,6 +106,8 @@ class FusedRMSNorm(nn.RMSNorm):
     ``FusedRMSNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
     ``nn.RMSNorm`` (weight=1) computing apex's formula (:func:`fp16kit.nn.rms_norm`)."""
 
+    eps: float  # apex's constructor always sets it (nn.RMSNorm's may be None)
+
     def __init__(
         self,
         normalized_shape: _Shape,

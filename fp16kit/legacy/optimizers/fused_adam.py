@@ -105,7 +105,7 @@ class FusedAdam(StepWithGrads, Adam):
         return settings_or_refusal(FusedAdam, state, lost)
 
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self,
         closure: Callable[[], Any] | None = None,
         grads: Any = None,

@@ -174,7 +174,9 @@ class FP16_Optimizer(WrappingOptimizer):
         """``(loss.float() * cur_scale).backward()``."""
         if self._scale is not None:
             self._scale.materialize(self._device)  # no-op unless unpickled
-            scaled = kernels.scale_outputs(loss.float(), lambda device: self._scale.scale)  # type: ignore[union-attr]
+            live = self._scale.scale
+            assert live is not None  # materialized just above
+            scaled = kernels.scale_outputs(loss.float(), lambda device: live)
         else:
             scaled = kernels.scale_outputs(loss.float(), lambda device: self._static_scale)
         scaled.backward()  # type: ignore[union-attr]
@@ -224,7 +226,7 @@ class FP16_Optimizer(WrappingOptimizer):
             )
         self.__dict__.update(state)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {
             "dynamic_loss_scale": self.dynamic_loss_scale,
             "cur_scale": self.cur_scale,
@@ -238,7 +240,7 @@ class FP16_Optimizer(WrappingOptimizer):
         sd["fp32_groups"] = [[m.detach() for m in group] for group in self.fp32_groups]
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (or apex's, flat or per-param masters).
 
         Everything is checked before anything changes; masters are copied, model params left

@@ -57,7 +57,7 @@ class FusedSGD(StepWithGrads, SGD):
         super().__setstate__(state)
 
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self,
         closure: Callable[[], Any] | None = None,
         grads: Any = None,
