@@ -29,8 +29,7 @@ CLASSES = 10
 class Task:
     """The teacher and a fixed held-out set; training batches are drawn fresh per epoch.
 
-    The teacher and a fixed held-out set; training batches are drawn fresh per epoch
-    (:meth:`epoch_batches`), so the model learns the rule rather than a finite sample."""
+    Drawn by :meth:`epoch_batches`, so the model learns the rule rather than a finite sample."""
 
     teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w1, b1, w2, b2 (CPU)
     x_eval: torch.Tensor

@@ -42,8 +42,7 @@ def _stepped(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class LostUpdates:
     """Counts the elements each step of ``optimizer`` leaves unchanged.
 
-    Counts the elements each step of ``optimizer`` leaves unchanged (see the module
-    docstring); :meth:`remove` takes the hooks off."""
+    See the module docstring; :meth:`remove` takes the hooks off."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._before: list[torch.Tensor] = []

@@ -39,9 +39,8 @@ __all__ = [
 class MultiTensorApply:
     """apex's applier: ``applier(op, noop_flag_buffer, tensor_lists, *args)`` calls ``op(chunk_size, ...)``.
 
-    apex's applier: ``applier(op, noop_flag_buffer, tensor_lists, *args)`` calls
-    ``op(chunk_size, noop_flag_buffer, tensor_lists, *args)``. ``available`` is True: the ops
-    here need no extension."""
+    The call is ``op(chunk_size, noop_flag_buffer, tensor_lists, *args)``. ``available`` is True:
+    the ops here need no extension."""
 
     available = True
     warned = False

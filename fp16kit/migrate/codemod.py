@@ -358,7 +358,7 @@ class _ApexRewriter(cst.CSTTransformer):
         res = self._resolve(full)
         if res is None:
             return None, alias  # not ours (e.g. `from megatron import mpu`)
-        if res.target is not None and not res.rest:  # covered, a submodule: from parent(T) import last(T) as <the old name>
+        if res.target is not None and not res.rest:  # a submodule: from parent(T) import last(T) as <the old name>
             parent, _, last = res.target.rpartition(".")
             asname = alias.asname
             if asname is None and last != name:

@@ -461,7 +461,9 @@ class Probes:
     def _lines(self, bindings: Collection[BaseAssignment]) -> str:
         """ "line 3" / "lines 3, 7": where ``bindings`` are."""
         positions = self._position_map()
-        lines = sorted({positions[b.node].start.line for b in bindings if isinstance(b, Assignment) and b.node in positions})
+        lines = sorted(
+            {positions[b.node].start.line for b in bindings if isinstance(b, Assignment) and b.node in positions}
+        )
         return ("line " if len(lines) == 1 else "lines ") + ", ".join(map(str, lines)) if lines else "the builtins"
 
     def _rewritten_import(self, binding: BaseAssignment) -> bool:

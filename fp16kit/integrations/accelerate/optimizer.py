@@ -116,9 +116,8 @@ class UnscaledThisIteration:
 class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
     """``AcceleratedOptimizer`` whose ``step`` runs ``scaler.step``/``scaler.update`` on a MixedPrecisionOptimizer.
 
-    ``AcceleratedOptimizer`` whose ``step`` runs ``scaler.step``/``scaler.update`` on a
-    :class:`fp16kit.MixedPrecisionOptimizer` and whose ``step_was_skipped`` reads the scaler's
-    flag (see the module docstring). ``optimizer.optimizer`` is the MixedPrecisionOptimizer;
+    Its ``step_was_skipped`` reads the scaler's flag (see the module docstring).
+    ``optimizer.optimizer`` is the :class:`fp16kit.MixedPrecisionOptimizer`;
     ``optimizer.optimizer.optimizer`` the torch optimizer it steps on the masters."""
 
     def __init__(

@@ -1,7 +1,6 @@
 """``MasterWeightsAccelerator``: HF Accelerate with an fp16/bf16 model and fp32 master weights.
 
-``MasterWeightsAccelerator``: HF Accelerate with an fp16/bf16 model and fp32 master weights
-("O2 without apex"), on :class:`fp16kit.MixedPrecisionOptimizer` and :class:`fp16kit.GradScaler`.
+"O2 without apex", on :class:`fp16kit.MixedPrecisionOptimizer` and :class:`fp16kit.GradScaler`.
 
 ::
 
@@ -169,8 +168,7 @@ class MasterWeightsAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Accelerate's ``prepare``, with every model cast and placed before any optimizer is wrapped.
 
-        Accelerate's ``prepare``, with every model cast and placed before any optimizer is
-        wrapped (whatever the order of ``args``): the masters are made from the final params."""
+        Whatever the order of ``args``: the masters are made from the final params."""
         for obj in args:
             if isinstance(obj, torch.nn.Module):
                 self._cast(obj)
@@ -354,9 +352,8 @@ class MasterWeightsAccelerator(Accelerator):
     def settle_scale(self) -> None:
         """Run the ``scaler.update()`` the last iteration's steps owe.
 
-        Run the ``scaler.update()`` the last iteration's steps owe (it runs by itself at the
-        next ``backward`` and ``save_state``): call it before reading ``scaler.get_scale()``
-        between the steps and the next backward, e.g. to log the scale."""
+        It runs by itself at the next ``backward`` and ``save_state``: call it before reading
+        ``scaler.get_scale()`` between the steps and the next backward, e.g. to log the scale."""
         self._unscaled.owed.settle(self.scaler)
 
     def free_memory(self, *objects: Any) -> Any:

@@ -186,8 +186,7 @@ class MasterWeightsFabricPrecision(HalfPrecision):
     def settle_scale(self) -> None:
         """Run the ``scaler.update()`` the last steps owe, if not run yet.
 
-        Run the ``scaler.update()`` the last steps owe, if not run yet (``fabric.backward``
-        and ``state_dict`` run it by themselves): call it at the end of an iteration in which not
+        ``fabric.backward`` and ``state_dict`` run it by themselves: call it at the end of an iteration in which not
         every optimizer stepped before reading ``scaler.get_scale()`` or saving ``plugin.scaler``."""
         self._owed.settle(self.scaler)
 

@@ -438,8 +438,8 @@ class MasterWeightsPrecision(Precision):
     def settle_scale(self) -> None:
         """Run the ``scaler.update()`` the last steps owe, if not run yet.
 
-        Run the ``scaler.update()`` the last steps owe, if not run yet (the end of the
-        training batch, the next backward, ``state_dict`` and ``teardown`` run it by themselves):
+        The end of the training batch, the next backward, ``state_dict`` and ``teardown`` run it
+        by themselves:
         call it to read ``scaler.get_scale()`` inside ``training_step`` after an iteration's
         steps when not every optimizer stepped."""
         if self._owed.settle(self.scaler):

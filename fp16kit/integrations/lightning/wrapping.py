@@ -85,8 +85,8 @@ def master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
 def state_to_masters(opt: MixedPrecisionOptimizer) -> None:
     """Move optimizer state back next to the masters when something moved it.
 
-    Move optimizer state back next to the masters when something moved it (Lightning's
-    ``_optimizer_to_device`` after loading, or its teardown): torch's load_state_dict re-places
+    Lightning's ``_optimizer_to_device`` moves it after loading, and its teardown: torch's
+    load_state_dict re-places
     each param's floating state on its param's device, as MixedPrecisionOptimizer's own
     constructor does."""
     inner = opt.optimizer

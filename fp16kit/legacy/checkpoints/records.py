@@ -85,8 +85,7 @@ CLASS_KEY = "__apex_class__"
 def saved_scaler(obj: Any) -> dict[str, Any] | None:
     """What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler.
 
-    What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler
-    (``{CLASS_KEY: path, attributes...}``), for a live object of one of
+    That is ``{CLASS_KEY: path, attributes...}``, here made for a live object of one of
     :data:`FP16KIT_SCALER_CLASSES` (e.g. what ``torch.load(..., weights_only=False)`` returned
     under ``fp16kit run``); None for anything else. The object is only read. ValueError if it
     holds none of its attributes: a pickle may build one without its state (NEWOBJ with no

@@ -189,8 +189,7 @@ class FP16_Optimizer(_FP16_Optimizer):
     def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2) -> float:
         """Megatron's :func:`~fp16kit.legacy.megatron.clip_grad_norm` over ``model_parallel_group``.
 
-        Megatron's :func:`~fp16kit.legacy.megatron.clip_grad_norm` over ``model_parallel_group``
-        (what :meth:`clip_master_grads` calls); returns the total norm, a Python float."""
+        What :meth:`clip_master_grads` calls; returns the total norm, a Python float."""
         return clip_grad_norm(parameters, max_norm, norm_type, model_parallel_group=self._model_parallel_group)
 
     @staticmethod

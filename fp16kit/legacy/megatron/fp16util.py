@@ -98,8 +98,7 @@ def clip_grad_norm(
 ) -> float:
     """Clip the grads of ``parameters`` by their total norm, Megatron's way.
 
-    Clip the grads of ``parameters`` by their total norm, Megatron's way (see the module
-    docstring); return the total norm as a Python float."""
+    See the module docstring; returns the total norm as a Python float."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]

@@ -84,9 +84,7 @@ def _backward(scale: Any, output_tensor: Any, retain_graph: bool, output_tensor_
 class LossScaler(_era1.LossScaler):
     """Megatron's static scaler: ``loss * scale`` before backward, never an overflow."""
 
-    def backward(
-        self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None
-    ) -> None:
+    def backward(self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None) -> None:
         _backward(self.loss_scale, output_tensor, retain_graph, output_tensor_grad)
 
     def state_dict(self) -> dict[str, Any]:
@@ -225,9 +223,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
             flags = kernels.all_reduce_found_inf(flags, device, group)
         return bool(kernels.combine_found_inf(flags.values(), device).item())
 
-    def backward(
-        self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None
-    ) -> None:
+    def backward(self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None) -> None:
         _backward(self.loss_scale, output_tensor, retain_graph, output_tensor_grad)
 
     # ---------------------------------------------------------------- checkpoints

@@ -181,8 +181,8 @@ def optimizer_state_from(sd: dict[str, Any], fp16_groups: list[list[torch.Tensor
 def check_unpickled_settings(opt: torch.optim.Optimizer, state: dict[str, Any], settings: tuple[str, ...]) -> None:
     """Refuse, in ``__setstate__``, an optimizer apex pickled whole.
 
-    Refuse, in ``__setstate__``, an optimizer apex pickled whole (what ``torch.load(...,
-    weights_only=False)`` hands fp16kit's class under the apex alias): torch's pickling kept its
+    That is what ``torch.load(..., weights_only=False)`` hands fp16kit's class under the apex
+    alias: torch's pickling kept its
     param groups and state but not the settings the step reads, which nothing can recover (apex's
     own unpickled optimizer failed at its first step). torch's ``load_state_dict`` also goes
     through ``__setstate__``, on a built optimizer: left alone."""
