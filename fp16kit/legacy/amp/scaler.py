@@ -44,9 +44,8 @@ _PICKLED = ("dynamic", "_loss_scale", "_max_loss_scale", "_scale_seq_len", "_uns
 class LossScaler(AmpLossScaler):
     """apex's ``apex.amp.scaler.LossScaler`` (see the module docstring).
 
-    apex's ``apex.amp.scaler.LossScaler`` (see the module docstring). Attributes scripts use:
-    ``loss_scale()``, ``_loss_scale`` (read and write), ``_unskipped``, ``_scale_seq_len``
-    (read and write), ``dynamic``, ``_min_loss_scale``, ``_max_loss_scale``,
+    Attributes scripts use: ``loss_scale()``, ``_loss_scale`` (read and write), ``_unskipped``,
+    ``_scale_seq_len`` (read and write), ``dynamic``, ``_min_loss_scale``, ``_max_loss_scale``,
     ``update_scale()``, ``clear_overflow_state()``, ``_overflow_buf`` (read and write; see below).
     ``_min_loss_scale`` / ``_max_loss_scale`` (read and write) take what ``amp.initialize``
     takes (FIX: apex took NaN, negative or 0 bounds, which reached the scale at the next
@@ -218,8 +217,7 @@ class LossScaler(AmpLossScaler):
     def update_scale(self) -> bool:
         """apex's ``update_scale()``: apply the rule; return whether the step must be skipped.
 
-        apex's ``update_scale()``: apply the rule; return whether the step must be skipped
-        (reads the flag on the host). Flags deferred by ``scale_loss(...,
+        Reads the flag on the host. Flags deferred by ``scale_loss(...,
         delay_overflow_check=True)`` count here, once: they are consumed (zeroed in place, so the
         optimizer's next ``step()`` does not skip for them again) -- the script that delayed the
         check decided with this call (NVIDIA's BERT: no ``step()`` on overflow). One commit
@@ -246,8 +244,7 @@ class LossScaler(AmpLossScaler):
     def apply_deferred(self) -> None:
         """At ``optimizer.step()``: one scale update for the flags deferred since the last update.
 
-        At ``optimizer.step()``: one scale update for the flags deferred since the last update
-        (the step itself skips on them through the optimizer's pending flags)."""
+        The step itself skips on them through the optimizer's pending flags."""
         if self._deferred:  # (inside the step's commit: a second Ctrl-C from here on marks this scaler)
             with hold_interrupts(
                 "optimizer.step()", on_abandon=functools.partial(self.mark_broken, "optimizer.step()")
@@ -257,7 +254,9 @@ class LossScaler(AmpLossScaler):
 
     # ------------------------------------------------------------------ a second Ctrl-C
     def mark_broken(self, what: str) -> None:
-        """A second Ctrl-C broke off ``what`` (an amp commit that changes this scaler) half way:
+        """Mark this scaler broken: a second Ctrl-C broke off ``what`` half way.
+
+        A second Ctrl-C broke off ``what`` (an amp commit that changes this scaler) half way:
         the scale and its counters are part old, part new. Until ``amp.load_state_dict`` restores
         this scaler (:meth:`restored`), amp's calls refuse (:func:`refuse_if_broken`)."""
         self.broken_by = what
@@ -337,7 +336,9 @@ BROKEN = (
 
 
 def refuse_if_broken(scalers: list[LossScaler]) -> None:
-    """RuntimeError naming the fix if one of ``scalers`` was broken off by a second Ctrl-C
+    """Raise RuntimeError naming the fix if one of ``scalers`` was broken off by a second Ctrl-C.
+
+    RuntimeError naming the fix if one of ``scalers`` was broken off by a second Ctrl-C
     (:meth:`LossScaler.mark_broken`); changes nothing."""
     for scaler in scalers:
         if getattr(scaler, "broken_by", None) is not None:
