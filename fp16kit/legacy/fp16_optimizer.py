@@ -387,8 +387,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     def synchronize(self) -> None:
         """Wait for the step in flight and copy the final masters into the model.
 
-        Call before evaluating or saving the model with ``async_step=True``. A no-op
-        otherwise."""
+        Call it before evaluating or saving the model with ``async_step=True``; a no-op otherwise."""
         self._mpo.synchronize()
 
     def _scale_device(self) -> torch.device:
@@ -412,8 +411,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     def overflow(self) -> bool:
         """Did the last ``update_master_grads`` see inf/NaN?
 
-        (Reading it syncs with the device, once per iteration; the flag itself is computed
-        on the device.)"""
+        Reading it syncs with the device, once per iteration; the flag itself is computed on the device."""
         if isinstance(self._overflow, torch.Tensor):
             self._overflow = bool(self._overflow.item())
         return self._overflow
@@ -503,8 +501,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Skip the step if the last backward overflowed; else step the masters and copy them into the model.
 
-        Skip (logging apex's message) if the last backward overflowed; else step the
-        masters (with the closure if given) and copy them into the fp16 params.
+        A skip logs apex's message; the masters step with the closure if given; the copy is into the fp16 params.
 
         With ``async_step``: hand the grads to the optimizer thread and return None at once
         (no host read of the overflow flag); the job skips or steps, and its errors surface
@@ -584,8 +581,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> Any:
         """Clip the grads of every param in ``param_groups`` by their total norm.
 
-        Clip the grads of every param in ``param_groups`` (the fp32 masters and fp32 params)
-        by their total norm; return that norm, or ``-1`` if the last backward overflowed."""
+        These are the fp32 masters and fp32 params; returns that norm, or ``-1`` if the last backward overflowed."""
         self._refuse_when_async("clip_master_grads")
         if self.overflow:
             return -1
@@ -641,9 +637,8 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Return apex's six keys, as plain data.
+        """Return apex's six keys, as plain data (``torch.load(weights_only=True)`` reads it).
 
-        apex's six keys, as plain data (``torch.load(weights_only=True)`` reads it):
         ``loss_scaler`` is a dict, ``fp32_from_fp16`` the exact fp32 masters per group. Waits
         for a step in flight; does not write the model params."""
         self._mpo.wait_for_step()

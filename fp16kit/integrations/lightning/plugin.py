@@ -424,6 +424,7 @@ class MasterWeightsPrecision(Precision):
         return {"precision": self.precision, "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the masters' weights in the checkpoint, and in this plugin's entry the live params."""
         # Lightning dumps the model state dict, then the optimizers, then this plugin: the
         # checkpoint gets the masters' weights; the live params, where a step has not landed
         # in them yet, go to this plugin's entry (lightning_checkpoint's docstring).
@@ -446,6 +447,7 @@ class MasterWeightsPrecision(Precision):
             self._unscaled.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s scaler, and the live params a step had not landed yet."""
         self.settle_scale()  # close the iteration; the load then sets the scale
         saved = state_dict.get("scaler")
         if saved is not None and self.scaler is not None:
