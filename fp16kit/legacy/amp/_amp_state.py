@@ -7,14 +7,11 @@ stdout: :mod:`fp16kit.legacy._messages`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._messages import apex_logger
-
-if TYPE_CHECKING:
-    from .scaler import LossScaler
 
 __all__ = ["AmpState", "_amp_state", "maybe_print", "warn_or_err", "master_params"]
 
@@ -28,7 +25,7 @@ class AmpState:
     # set by amp.initialize (handle: also by amp.init); annotated only, so absent before it as in
     # apex, where scripts test hasattr(_amp_state, "opt_properties")
     opt_properties: Any
-    loss_scalers: list[LossScaler]
+    loss_scalers: list[Any]  # amp.scaler.LossScaler objects (that module imports this one)
     min_loss_scale: float | None
     max_loss_scale: float
     handle: Any
