@@ -1,4 +1,6 @@
-"""``fp16kit convert-checkpoint IN OUT``: an apex-era checkpoint -> a file
+"""``fp16kit convert-checkpoint IN OUT``: an apex-era checkpoint -> a plain-data file.
+
+``fp16kit convert-checkpoint IN OUT``: an apex-era checkpoint -> a file
 ``torch.load(OUT, weights_only=True)`` reads (the work is :func:`fp16kit.legacy.checkpoints.convert.convert_file`).
 
 Prints one line per converted (or deliberately kept) item, then where it wrote. An error is one

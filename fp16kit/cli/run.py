@@ -1,5 +1,6 @@
-"""``fp16kit run``: run an unmodified apex-era script with ``import apex`` resolving to fp16kit.legacy
-(beside a real apex >= 25.x, which lacks amp / fp16_utils: only the modules it lacks do)."""
+"""``fp16kit run``: run an unmodified apex-era script with ``import apex`` resolving to fp16kit.legacy.
+
+Beside a real apex >= 25.x, which lacks amp / fp16_utils: only the modules it lacks do."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The demo behind ``fp16kit demo``: one small real model trained side by side in fp32, the
+"""The demo behind ``fp16kit demo``: one small real model trained side by side by every recipe.
+
+The demo behind ``fp16kit demo``: one small real model trained side by side in fp32, the
 apex way (through :mod:`fp16kit.legacy`), the modern way (``torch.autocast``,
 :class:`fp16kit.GradScaler`, :class:`fp16kit.MixedPrecisionOptimizer`, asynchronous steps), and
 as fp16 and bf16 models without fp32 masters.

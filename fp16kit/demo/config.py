@@ -30,9 +30,11 @@ OPTIMIZERS = {"adamw": 3e-3, "sgd": 0.02}
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """One demo run. Every recipe trains a copy of the same initial model on the same batches,
-    with the same optimizer and learning rate at every step: ``lr`` (None: the optimizer's
-    default in :data:`OPTIMIZERS`) decayed to a tenth along a cosine over the run (:meth:`lr_at`).
+    """One demo run.
+
+    Every recipe trains a copy of the same initial model on the same batches, with the same
+    optimizer and learning rate at every step: ``lr`` (None: the optimizer's default in
+    :data:`OPTIMIZERS`) decayed to a tenth along a cosine over the run (:meth:`lr_at`).
 
     ``dtype`` is the low-precision dtype of the mixed recipes; the two ``*-no-masters`` recipes
     are fp16 and bf16 whatever it is. With bf16 no recipe scales the loss (bf16 has fp32's
@@ -106,7 +108,9 @@ class DemoConfig:
         return OPTIMIZERS[self.optimizer] if self.lr is None else self.lr
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of step ``step`` (0-based): a cosine from ``peak_lr`` at the first
+        """The learning rate of step ``step`` (0-based): a cosine decay from ``peak_lr`` to ``peak_lr / 10``.
+
+        The learning rate of step ``step`` (0-based): a cosine from ``peak_lr`` at the first
         step down to ``peak_lr / 10`` at the end (the usual decay, with nanoGPT's floor)::
 
             peak_lr * (0.1 + 0.9 * (1 + cos(pi * step / total_steps)) / 2)

@@ -27,8 +27,9 @@ CLASSES = 10
 
 @dataclass(frozen=True)
 class Task:
-    """The teacher and a fixed held-out set; training batches are drawn fresh per epoch
-    (:meth:`epoch_batches`), so the model learns the rule rather than a finite sample."""
+    """The teacher and a fixed held-out set; training batches are drawn fresh per epoch.
+
+    Drawn by :meth:`epoch_batches`, so the model learns the rule rather than a finite sample."""
 
     teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w1, b1, w2, b2 (CPU)
     x_eval: torch.Tensor
@@ -42,7 +43,9 @@ class Task:
         return (torch.tanh(x @ w1 + b1) @ w2 + b2).argmax(dim=1)
 
     def epoch_batches(self, epoch: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Epoch ``epoch``'s ``steps`` batches, on the device: a function of (seed, epoch) only,
+        """Epoch ``epoch``'s ``steps`` batches, on the device, the same for every recipe.
+
+        Epoch ``epoch``'s ``steps`` batches, on the device: a function of (seed, epoch) only,
         the same for every recipe."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         x = torch.randn(steps * self.batch_size, IN_FEATURES, generator=g)
@@ -82,6 +85,7 @@ def make_model(cfg: DemoConfig) -> nn.Sequential:
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy computed in fp32, whatever the model's output dtype (as mixed-precision
-    code does: the softmax of fp16 logits loses too much in fp16)."""
+    """Cross-entropy computed in fp32, whatever the model's output dtype.
+
+    As mixed-precision code does: the softmax of fp16 logits loses too much in fp16."""
     return nn.functional.cross_entropy(logits.float(), target)

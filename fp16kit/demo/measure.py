@@ -1,4 +1,6 @@
-"""What the demo measures beside the losses: the updates lost to rounding, and the bytes of
+"""What the demo measures beside the losses: updates lost to rounding, and bytes of training state.
+
+What the demo measures beside the losses: the updates lost to rounding, and the bytes of
 training state a recipe holds.
 
 **Updates lost** (:class:`LostUpdates`): the share of weight elements a step taken left
@@ -38,8 +40,9 @@ def _stepped(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 class LostUpdates:
-    """Counts the elements each step of ``optimizer`` leaves unchanged (see the module
-    docstring); :meth:`remove` takes the hooks off."""
+    """Counts the elements each step of ``optimizer`` leaves unchanged.
+
+    See the module docstring; :meth:`remove` takes the hooks off."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._before: list[torch.Tensor] = []
@@ -62,8 +65,9 @@ class LostUpdates:
         self._before = []
 
     def counts(self) -> tuple[int, int]:
-        """(elements left unchanged, elements stepped) over the steps so far (a host read; with
-        steps on another thread, read after they landed)."""
+        """(elements left unchanged, elements stepped) over the steps so far.
+
+        A host read; with steps on another thread, read after they landed."""
         return (0 if self._lost is None else int(self._lost.item())), self._total
 
     def remove(self) -> None:
@@ -84,8 +88,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes held by each of :data:`STATE_PARTS` (see the module docstring), ``optimizer``
-    being the torch optimizer that steps the weights (the inner one of a wrapper)."""
+    """Bytes held by each of :data:`STATE_PARTS` (see the module docstring).
+
+    ``optimizer`` being the torch optimizer that steps the weights (the inner one of a
+    wrapper)."""
     params = list(model.parameters())
     seen: set[tuple[str, int]] = set()
     weights = storage_bytes(params, seen)

@@ -52,7 +52,9 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot(result: DemoResult, path: str | os.PathLike[str]) -> None:
-    """Two panels: each recipe's training loss per step (moving average) with its held-out loss
+    """Plot each recipe's losses and loss scale in two panels, written to ``path``.
+
+    Two panels: each recipe's training loss per step (moving average) with its held-out loss
     per epoch; each scaled recipe's loss scale (log2 axis), per step when the run traced it,
     else per epoch. Written to ``path`` (the format from its extension)."""
     figure_cls = require()

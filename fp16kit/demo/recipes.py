@@ -1,5 +1,6 @@
-"""The demo's training recipes: one function each, written the way README.md and MIGRATION.md
-tell users to write them (each ``step`` below is a training loop's body, as documentation).
+"""The demo's training recipes: one function each, written the way README.md and MIGRATION.md tell users to.
+
+Write them (each ``step`` below is a training loop's body, as documentation).
 
 =================  ======  ==================================================================
 recipe             face    what it runs
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,7 +81,8 @@ _OPTIMIZER_LABELS = {"adamw": "AdamW", "sgd": "SGD(momentum=0.9)"}
 
 
 def make_optimizer(params: object, cfg: DemoConfig) -> torch.optim.Optimizer:
-    """The run's optimizer over ``params``: ``AdamW(lr)`` or ``SGD(lr, momentum=0.9)``,
+    """The run's optimizer over ``params``: ``AdamW(lr)`` or ``SGD(lr, momentum=0.9)``.
+
     torch's defaults otherwise (the runner sets each step's lr, see ``DemoConfig.lr_at``)."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.peak_lr, momentum=0.9)  # type: ignore[arg-type]
@@ -101,16 +104,18 @@ def fp32(model: nn.Module, cfg: DemoConfig) -> Recipe:
 
 
 def fp16_optimizer(model: nn.Module, cfg: DemoConfig) -> Recipe:
-    """apex.fp16_utils, migrated by changing the import (MIGRATION.md §1): a half model, fp32
-    masters inside FP16_Optimizer, apex's dynamic loss scale (bf16: the static 1.0, no
-    scaling), ``optimizer.backward(loss)``."""
+    """apex.fp16_utils, migrated by changing the import (MIGRATION.md §1).
+
+    A half model, fp32 masters inside FP16_Optimizer, apex's dynamic loss scale (bf16: the
+    static 1.0, no scaling), ``optimizer.backward(loss)``."""
+    forward: Callable[[torch.Tensor], torch.Tensor]
     if cfg.dtype == torch.float16:
         model = network_to_half(model)  # casts the inputs too
         forward = model
     else:  # bf16: apex had no bf16; fp16kit's FP16_Optimizer takes bf16 params
         model = convert_network(model, cfg.dtype)
         forward = _casting_inputs(model, cfg.dtype)
-    scaling = {
+    scaling: dict[str, Any] = {
         "dynamic_loss_scale": True,
         "dynamic_loss_args": {"init_scale": cfg.init_scale, "scale_window": cfg.growth_interval},
     }
@@ -139,9 +144,11 @@ def fp16_optimizer(model: nn.Module, cfg: DemoConfig) -> Recipe:
 
 
 def amp_o2(model: nn.Module, cfg: DemoConfig) -> Recipe:
-    """apex.amp, migrated by changing the import (MIGRATION.md §5): ``initialize`` takes the
-    fp32 model and optimizer, casts the model, keeps fp32 masters in the optimizer. bf16:
-    ``cast_model_type=torch.bfloat16, loss_scale=1.0`` (MIGRATION.md: bf16 needs no scaling)."""
+    """apex.amp, migrated by changing the import (MIGRATION.md §5).
+
+    ``initialize`` takes the fp32 model and optimizer, casts the model, keeps fp32 masters in
+    the optimizer. bf16: ``cast_model_type=torch.bfloat16, loss_scale=1.0`` (MIGRATION.md:
+    bf16 needs no scaling)."""
     optimizer = make_optimizer(model.parameters(), cfg)
     if cfg.dtype == torch.float16:
         model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
@@ -151,7 +158,8 @@ def amp_o2(model: nn.Module, cfg: DemoConfig) -> Recipe:
     if cfg.scaled:
         # amp.initialize has no init_scale or scale_window; apex scripts set its scaler's fields
         # (capped at max_loss_scale, 2**24, as apex's LossScaler(init_scale=...) and FP16_Optimizer do)
-        scaler._loss_scale = min(cfg.init_scale, scaler._max_loss_scale)
+        cap = scaler._max_loss_scale  # amp.initialize always sets one (2**24 by default)
+        scaler._loss_scale = cfg.init_scale if cap is None else min(cfg.init_scale, cap)
         scaler._scale_seq_len = cfg.growth_interval
     skipped = 0
 
@@ -188,8 +196,9 @@ def _grad_scaler(cfg: DemoConfig) -> fp16kit.GradScaler:
 
 
 def autocast(model: nn.Module, cfg: DemoConfig) -> Recipe:
-    """torch.amp's recipe with fp16kit's drop-in scaler (README, "Use"): fp32 weights,
-    low-precision compute inside ``torch.autocast``."""
+    """torch.amp's recipe with fp16kit's drop-in scaler (README, "Use").
+
+    fp32 weights, low-precision compute inside ``torch.autocast``."""
     device = torch.device(cfg.device).type
     optimizer = make_optimizer(model.parameters(), cfg)
     scaler = _grad_scaler(cfg)
@@ -217,8 +226,9 @@ def autocast(model: nn.Module, cfg: DemoConfig) -> Recipe:
 
 
 def master_weights(model: nn.Module, cfg: DemoConfig, *, async_step: bool = False) -> Recipe:
-    """An fp16 (or bf16) model with fp32 master weights, the torch.amp way (README): the
-    scaler unscales the model's fp16 grads straight into the masters."""
+    """An fp16 (or bf16) model with fp32 master weights, the torch.amp way (README).
+
+    The scaler unscales the model's fp16 grads straight into the masters."""
     model = model.to(cfg.dtype)
     inner = make_optimizer(model.parameters(), cfg)
     optimizer = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step)
@@ -245,13 +255,17 @@ def master_weights(model: nn.Module, cfg: DemoConfig, *, async_step: bool = Fals
 
 
 def async_steps(model: nn.Module, cfg: DemoConfig) -> Recipe:
-    """:func:`master_weights` with ``async_step=True``: the same loop; each step runs on the
-    optimizer thread beside the next forward/backward (a one-step delayed update)."""
+    """:func:`master_weights` with ``async_step=True``.
+
+    The same loop; each step runs on the optimizer thread beside the next forward/backward
+    (a one-step delayed update)."""
     return master_weights(model, cfg, async_step=True)
 
 
 def no_masters(model: nn.Module, cfg: DemoConfig, dtype: torch.dtype) -> Recipe:
-    """A 16-bit model trained on its own weights: the optimizer steps the fp16/bf16 params
+    """A 16-bit model trained on its own weights, without masters or loss scale.
+
+    A 16-bit model trained on its own weights: the optimizer steps the fp16/bf16 params
     (its state in their dtype too, as torch keeps it), no masters. No loss scale: bf16 needs
     none, and for fp16 ``GradScaler.step`` raises "Attempting to unscale FP16 gradients" (torch's
     check, kept by fp16kit's drop-in)."""
@@ -288,7 +302,9 @@ def _casting_inputs(model: nn.Module, dtype: torch.dtype) -> Callable[[torch.Ten
 
 @dataclass(frozen=True)
 class RecipeInfo:
-    """``label`` is a format string: ``{dtype}`` (the run's), ``{optimizer}`` (its class name)
+    """One recipe of the demo: its name, face, label and builder.
+
+    ``label`` is a format string: ``{dtype}`` (the run's), ``{optimizer}`` (its class name)
     and ``{scaler}`` (" + GradScaler" when the run scales the loss, else ", no loss scale")."""
 
     name: str

@@ -1,5 +1,6 @@
-"""The demo's runner: every recipe trains epoch by epoch, side by side; a row per epoch per
-recipe as soon as it is measured, then one summary per recipe.
+"""The demo's runner: every recipe trains epoch by epoch, side by side.
+
+A row per epoch per recipe as soon as it is measured, then one summary per recipe.
 
 Order (recipes interleaved per epoch, so that noise on a shared machine falls on all of them
 alike and the time ratios compare like with like)::
@@ -45,12 +46,14 @@ __all__ = ["EpochRow", "Summary", "DemoResult", "train", "run_demo", "summarize"
 
 @dataclass(frozen=True)
 class EpochRow:
-    """One recipe's figures for one epoch. ``scale`` is None for a recipe without a loss scale;
-    ``skipped`` counts this epoch's skipped steps; ``step_scales`` is empty unless
-    ``cfg.trace``. ``lost`` of the ``stepped`` weight elements this epoch's steps updated were
-    left unchanged (:class:`~.measure.LostUpdates`); ``finite``: the model's weights are all
-    finite after the epoch; ``state``: bytes of training state held after its last step, per
-    part (:func:`~.measure.state_bytes`), for a model of ``params`` elements."""
+    """One recipe's figures for one epoch.
+
+    ``scale`` is None for a recipe without a loss scale; ``skipped`` counts this epoch's
+    skipped steps; ``step_scales`` is empty unless ``cfg.trace``. ``lost`` of the ``stepped``
+    weight elements this epoch's steps updated were left unchanged
+    (:class:`~.measure.LostUpdates`); ``finite``: the model's weights are all finite after the
+    epoch; ``state``: bytes of training state held after its last step, per part
+    (:func:`~.measure.state_bytes`), for a model of ``params`` elements."""
 
     recipe: str
     epoch: int
@@ -76,12 +79,14 @@ class EpochRow:
 
 @dataclass(frozen=True)
 class Summary:
-    """One recipe after the last epoch. ``loss_vs_fp32`` is ``eval_loss / fp32's - 1`` and
-    ``time_vs_fp32`` the ratio of the ms/step (None without the fp32 recipe in the run);
-    ``ms_per_step`` is the median over the epochs (robust to a busy machine).
-    ``updates_lost`` is over the whole run (elements lost / elements stepped; None if no step
-    was taken), ``finite`` the last epoch's, ``state`` the bytes after the last step and
-    ``bytes_per_param`` their sum over the model's parameter count."""
+    """One recipe after the last epoch.
+
+    ``loss_vs_fp32`` is ``eval_loss / fp32's - 1`` and ``time_vs_fp32`` the ratio of the
+    ms/step (None without the fp32 recipe in the run); ``ms_per_step`` is the median over the
+    epochs (robust to a busy machine). ``updates_lost`` is over the whole run (elements lost
+    / elements stepped; None if no step was taken), ``finite`` the last epoch's, ``state``
+    the bytes after the last step and ``bytes_per_param`` their sum over the model's
+    parameter count."""
 
     recipe: str
     eval_loss: float
@@ -124,8 +129,9 @@ def _device_sync(device: torch.device) -> None:
 
 
 def train(cfg: DemoConfig) -> Iterator[EpochRow]:
-    """Train every recipe of ``cfg``; yield each :class:`EpochRow` as soon as it is measured
-    (epoch 1 of every recipe, in ``cfg.recipes`` order, then epoch 2, ...)."""
+    """Train every recipe of ``cfg``; yield each :class:`EpochRow` as soon as it is measured.
+
+    Epoch 1 of every recipe, in ``cfg.recipes`` order, then epoch 2, ...."""
     cfg.check()
     device = torch.device(cfg.device)
     task = make_task(cfg)
@@ -214,7 +220,9 @@ def _ratio(part: int, whole: int) -> float | None:
 
 
 def run_demo(cfg: DemoConfig | None = None, on_epoch: Callable[[EpochRow], None] | None = None) -> DemoResult:
-    """Run :func:`train` to the end, calling ``on_epoch(row)`` as each row arrives; return all
+    """Run :func:`train` to the end; return all rows and the summaries.
+
+    Run :func:`train` to the end, calling ``on_epoch(row)`` as each row arrives; return all
     rows and the summaries."""
     cfg = DemoConfig() if cfg is None else cfg
     start = time.perf_counter()

@@ -10,7 +10,9 @@ __all__ = ["find_master_optimizer"]
 
 
 def find_master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer | None:
-    """The :class:`fp16kit.MixedPrecisionOptimizer` under a framework's optimizer wrappers
+    """The :class:`fp16kit.MixedPrecisionOptimizer` under a framework's optimizer wrappers, or None.
+
+    The :class:`fp16kit.MixedPrecisionOptimizer` under a framework's optimizer wrappers
     (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: each keeps the
     wrapped one as ``.optimizer``), or None when there is none."""
     seen: set[int] = set()

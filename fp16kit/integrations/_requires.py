@@ -12,7 +12,9 @@ from ..core.log import log_once
 
 
 def require(module: str, *, extra: str, tested: tuple[str, str]) -> ModuleType:
-    """Import ``module`` (e.g. ``"lightning.pytorch"``) or raise ``ImportError`` naming
+    """Import ``module`` or raise ``ImportError`` naming the extra to install.
+
+    Import ``module`` (e.g. ``"lightning.pytorch"``) or raise ``ImportError`` naming
     ``pip install "fp16kit[<extra>]"``. ``tested = (lowest, below)`` is the version range the
     adapter is tested against (the extra's bounds); outside it the adapter still loads and
     logs one warning, since most releases keep the hooks it uses."""

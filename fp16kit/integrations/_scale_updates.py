@@ -1,5 +1,4 @@
-"""One ``scaler.update()`` per iteration, however many optimizers step: the rule the framework
-adapters share.
+"""One ``scaler.update()`` per iteration, however many optimizers step: the rule the framework adapters share.
 
 torch.amp's loop::
 
@@ -60,7 +59,9 @@ class OwedUpdate:
         self._stepped: set[int] = set()  # id(opt) stepped (or step skipped) since the last update
 
     def stepped(self, scaler: GradScaler | None, optimizer: Any, sharing: Iterable[Any] | None) -> None:
-        """``optimizer`` stepped (or its step was skipped): the update is owed. ``sharing``: every
+        """Record that ``optimizer`` stepped (or its step was skipped): the update is owed.
+
+        ``optimizer`` stepped (or its step was skipped): the update is owed. ``sharing``: every
         optimizer that may step on this backward's grads, or None where they are not known. If
         all of them have stepped since the last update, no step can need this iteration's scale
         any more and the update runs now; else it waits for :meth:`settle`."""

@@ -44,7 +44,9 @@ APEX_LOGGER = "fp16kit.apex"
 
 
 class CurrentStdoutHandler(logging.Handler):
-    """Writes each record to ``sys.stdout`` as it is when the record is handled, as ``print``
+    """A logging handler that writes each record to the current ``sys.stdout``, as ``print`` does.
+
+    Writes each record to ``sys.stdout`` as it is when the record is handled, as ``print``
     does (a ``StreamHandler`` would keep the stream it was given at import)."""
 
     terminator = "\n"

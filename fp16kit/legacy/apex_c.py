@@ -1,4 +1,6 @@
-"""apex's ``apex_C`` extension (``import apex_C``): ``flatten`` and ``unflatten``, the two ops
+"""apex's ``apex_C`` extension (``import apex_C``): ``flatten`` and ``unflatten``, torch's own.
+
+apex's ``apex_C`` extension (``import apex_C``): ``flatten`` and ``unflatten``, the two ops
 apex-era data-parallel code (NVIDIA BERT's ``run_pretraining.py``, apex's own ``Reducer``) called
 to pack grads into one buffer for a single all-reduce. They are torch's own::
 

@@ -1,5 +1,7 @@
-"""apex.fp16_utils names of 2018 (until apex ``5c6144e6``): ``FP16_Module``, ``fp32_to_fp16``,
-``fp16_to_fp32``, ``conversion_helper``. Megatron-LM v1 copied them (:mod:`fp16kit.legacy.megatron`).
+"""apex.fp16_utils names of 2018 (until apex ``5c6144e6``).
+
+``FP16_Module``, ``fp32_to_fp16``, ``fp16_to_fp32``, ``conversion_helper``. Megatron-LM v1 copied
+them (:mod:`fp16kit.legacy.megatron`).
 
 ::
 
@@ -58,6 +60,8 @@ def fp16_to_fp32(val: Any) -> Any:
 
 class FP16_Module(nn.Module):
     """Run ``module`` in fp16 behind fp32 inputs and outputs (see the module docstring)."""
+
+    module: nn.Module  # registered by add_module: a submodule, not what nn.Module.__getattr__ may return
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()

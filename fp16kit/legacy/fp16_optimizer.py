@@ -68,7 +68,9 @@ _STATE_KEYS = (
 
 
 class AmpLossScaler:
-    """The interface of apex's ``apex.amp.scaler.LossScaler`` (``FP16_Optimizer.loss_scaler``)
+    """apex's era-2 ``apex.amp.scaler.LossScaler`` interface over a :class:`LossScale`.
+
+    The interface of apex's ``apex.amp.scaler.LossScaler`` (``FP16_Optimizer.loss_scaler``)
     on a :class:`LossScale` with apex amp's rule, in float64 on the params' device.
 
     ``loss_scale()`` is a method here, as in apex's era-2 scaler."""
@@ -93,7 +95,7 @@ class AmpLossScaler:
         if self.dynamic:
             init = min(max_loss_scale, init_scale)
         else:
-            init = float(loss_scale)  # type: ignore[arg-type]
+            init = float(loss_scale)
         self._state = LossScale(
             init,
             rule="apex_amp",
@@ -196,7 +198,9 @@ class AmpLossScaler:
 def check_amp_settings(
     loss_scale: Any, init_scale: Any, scale_factor: Any, scale_window: Any, min_loss_scale: Any, max_loss_scale: Any
 ) -> None:
-    """ValueError naming the first setting of apex amp's scaler that cannot train: a loss scale
+    """Raise ValueError naming the first setting of apex amp's scaler that cannot train.
+
+    ValueError naming the first setting of apex amp's scaler that cannot train: a loss scale
     that is not ``"dynamic"`` or a finite number > 0, an ``init_scale`` that is NaN or <= 0 (or
     inf with no ``max_loss_scale`` to start at), a ``scale_factor`` <= 1, a ``scale_window``
     that is not a whole number >= 1, a floor that is NaN or negative, a cap that is NaN or <= 0,
@@ -381,8 +385,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         return self._mpo.async_step
 
     def synchronize(self) -> None:
-        """Wait for the step in flight and copy the final masters into the model (call before
-        evaluating or saving the model with ``async_step=True``). A no-op otherwise."""
+        """Wait for the step in flight and copy the final masters into the model.
+
+        Call it before evaluating or saving the model with ``async_step=True``; a no-op otherwise."""
         self._mpo.synchronize()
 
     def _scale_device(self) -> torch.device:
@@ -404,8 +409,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     # ------------------------------------------------------------------ apex's attributes
     @property
     def overflow(self) -> bool:
-        """Did the last ``update_master_grads`` see inf/NaN? (Reading it syncs with the device,
-        once per iteration; the flag itself is computed on the device.)"""
+        """Did the last ``update_master_grads`` see inf/NaN?
+
+        Reading it syncs with the device, once per iteration; the flag itself is computed on the device."""
         if isinstance(self._overflow, torch.Tensor):
             self._overflow = bool(self._overflow.item())
         return self._overflow
@@ -424,10 +430,11 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
     # ------------------------------------------------------------------ the loop
     def zero_grad(self, set_grads_to_None: bool = False, *, set_to_none: bool | None = None) -> None:  # type: ignore[override]
-        """Zero (or set to None) the grads of every param the optimizer owns and of the fp16
-        model params. ``set_to_none`` is torch's name for apex's ``set_grads_to_None`` (loops
-        written for torch optimizers call ``zero_grad(set_to_none=True)``); it wins when given.
-        With ``async_step`` the masters' grads belong to the step in flight: the next step's job
+        """Zero (or set to None) the grads of every param the optimizer owns and of the fp16 model params.
+
+        ``set_to_none`` is torch's name for apex's ``set_grads_to_None`` (loops written for
+        torch optimizers call ``zero_grad(set_to_none=True)``); it wins when given. With
+        ``async_step`` the masters' grads belong to the step in flight: the next step's job
         clears them before it writes this iteration's grads."""
         if set_to_none is not None:
             set_grads_to_None = set_to_none
@@ -440,7 +447,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         kernels.clear_grads_(owned + self.all_fp16_params, set_to_none=set_grads_to_None)
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
-        """``(loss.float() * loss_scale).backward(retain_graph=retain_graph)``, then
+        """Backward the scaled loss, then :meth:`update_master_grads` unless told not to.
+
+        ``(loss.float() * loss_scale).backward(retain_graph=retain_graph)``, then
         :meth:`update_master_grads` unless ``update_master_grads=False`` (for several losses:
         ``backward(l1, False); backward(l2, False); update_master_grads()``).
 
@@ -452,7 +461,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             self.update_master_grads()
 
     def update_master_grads(self) -> None:
-        """fp16 model grads -> fp32 master grads * 1/scale, fp32 params' grads * 1/scale in
+        """Unscale the model grads into the master grads and check them for inf/NaN.
+
+        fp16 model grads -> fp32 master grads * 1/scale, fp32 params' grads * 1/scale in
         place, one non-finite check; with a dynamic scale, the scale update (on the device).
 
         With ``async_step``: check the model grads and update the scale on their device; the
@@ -487,9 +498,10 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             self._overflow = False  # apex never checked with a static scale
             self._prepared = (inv, kernels.new_found_inf(scale.device), None)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Skip (logging apex's message) if the last backward overflowed; else step the
-        masters (with the closure if given) and copy them into the fp16 params.
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Skip the step if the last backward overflowed; else step the masters and copy them into the model.
+
+        A skip logs apex's message; the masters step with the closure if given; the copy is into the fp16 params.
 
         With ``async_step``: hand the grads to the optimizer thread and return None at once
         (no host read of the overflow flag); the job skips or steps, and its errors surface
@@ -567,8 +579,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         return clip_grad_norm(parameters, max_norm, norm_type)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> Any:
-        """Clip the grads of every param in ``param_groups`` (the fp32 masters and fp32 params)
-        by their total norm; return that norm, or ``-1`` if the last backward overflowed."""
+        """Clip the grads of every param in ``param_groups`` by their total norm.
+
+        These are the fp32 masters and fp32 params; returns that norm, or ``-1`` if the last backward overflowed."""
         self._refuse_when_async("clip_master_grads")
         if self.overflow:
             return -1
@@ -576,8 +589,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         return self.clip_grad_norm(params, max_norm, norm_type)
 
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
-        """The master grads per group (None where a param has none), or None while in an
-        overflow state."""
+        """The master grads per group (None where a param has none), or None while in an overflow state."""
         self._refuse_when_async("inspect_master_grad_data")
         if self.overflow:
             apex_logger.warning(
@@ -605,8 +617,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             self._mpo.masters_to_model()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (apex had no such method): its fp16/bf16 params get fp32 masters,
-        as at construction."""
+        """Add a param group (apex had no such method): its fp16/bf16 params get fp32 masters, as at construction."""
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]  # a generator is read once: keep the list
             param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -625,8 +636,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         self.all_fp32_from_fp32_params = [p for g in groups for p in g.direct]
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """apex's six keys, as plain data (``torch.load(weights_only=True)`` reads it):
+    def state_dict(self) -> dict[str, Any]:
+        """Return apex's six keys, as plain data (``torch.load(weights_only=True)`` reads it).
+
         ``loss_scaler`` is a dict, ``fp32_from_fp16`` the exact fp32 masters per group. Waits
         for a step in flight; does not write the model params."""
         self._mpo.wait_for_step()
@@ -639,8 +651,10 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             "fp32_from_fp16": [[m.detach() for m in g] for g in self.fp32_from_fp16_groups],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load fp16kit's form or apex's (an era-2 ``apex.amp.scaler.LossScaler`` or an era-1
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict in fp16kit's form or apex's.
+
+        Load fp16kit's form or apex's (an era-2 ``apex.amp.scaler.LossScaler`` or an era-1
         ``LossScaler``/``DynamicLossScaler`` under ``loss_scaler``; read apex files with
         :func:`fp16kit.legacy.load_checkpoint`). Load the model (``model.load_state_dict``)
         before or after this, but before the optimizer is next used: the masters are restored

@@ -58,13 +58,17 @@ def BN_convert_float(module: nn.Module) -> nn.Module:
 
 
 def network_to_half(network: nn.Module) -> nn.Sequential:
-    """``nn.Sequential(tofp16(), BN_convert_float(network.half()))``: state-dict keys of the
+    """Return ``nn.Sequential(tofp16(), BN_convert_float(network.half()))``.
+
+    ``nn.Sequential(tofp16(), BN_convert_float(network.half()))``: state-dict keys of the
     network gain a ``1.`` prefix, as with apex."""
     return nn.Sequential(tofp16(), BN_convert_float(network.half()))
 
 
 def convert_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Convert the module's own floating-point params, their grads and its floating-point
+    """Convert the module's own floating-point params, grads and buffers to ``dtype``.
+
+    Convert the module's own floating-point params, their grads and its floating-point
     buffers to ``dtype`` (not its children's)."""
     for param in module.parameters(recurse=False):
         if param is not None:
@@ -90,8 +94,10 @@ def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 class FP16Model(nn.Module):
-    """Run a network in fp16: ``self.network = convert_network(network, torch.half)``; floating
-    positional inputs are cast to half, other inputs (e.g. token ids) pass unchanged."""
+    """Run a network in fp16.
+
+    ``self.network = convert_network(network, torch.half)``; floating positional inputs
+    are cast to half, other inputs (e.g. token ids) pass unchanged."""
 
     def __init__(self, network: nn.Module) -> None:
         super().__init__()
@@ -102,10 +108,11 @@ class FP16Model(nn.Module):
         return self.network(*inputs)
 
 
-def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Return ``(model_params, master_params)`` for the model's trainable params: fp32 copies
-    with ``requires_grad=True``, or with ``flat_master=True`` one flat fp32 ``nn.Parameter``
-    holding them all (its grad allocated as zeros)."""
+def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """Return ``(model_params, master_params)`` for the model's trainable params.
+
+    fp32 copies with ``requires_grad=True``, or with ``flat_master=True`` one flat fp32
+    ``nn.Parameter`` holding them all (its grad allocated as zeros)."""
     model_params = [param for param in model.parameters() if param.requires_grad]
     if flat_master:
         dtypes = sorted({str(p.dtype) for p in model_params})
@@ -126,8 +133,10 @@ def model_grads_to_master_grads(
     master_params: Sequence[torch.Tensor],
     flat_master: bool = False,
 ) -> None:
-    """Copy model grads into master grads (no unscaling). Non-flat: a missing model grad sets
-    the master grad to None. Flat: a missing model grad counts as zeros."""
+    """Copy model grads into master grads (no unscaling).
+
+    Non-flat: a missing model grad sets the master grad to None. Flat: a missing model
+    grad counts as zeros."""
     if flat_master:
         flat = master_params[0]
         if flat.grad is None:

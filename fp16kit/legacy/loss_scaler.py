@@ -78,7 +78,9 @@ def pickled_as(obj: Any) -> str:
 
 
 def pickled_attributes(obj: Any, state: Any, required: Iterable[str]) -> dict[str, Any]:
-    """``state`` (what pickle hands ``obj.__setstate__``) as the attribute dict apex pickled, with
+    """Return ``state`` as the attribute dict apex pickled, checked to hold ``required``.
+
+    ``state`` (what pickle hands ``obj.__setstate__``) as the attribute dict apex pickled, with
     ``required`` in it; ValueError naming what is wrong otherwise."""
     if not isinstance(state, dict):
         raise ValueError(f"{_not_apex(obj)}: it holds a {type(state).__name__}, not a dict of attributes. {_LOOK}")
@@ -92,7 +94,9 @@ def pickled_attributes(obj: Any, state: Any, required: Iterable[str]) -> dict[st
 
 
 def pickled(obj: Any, state: dict[str, Any], name: str, kind: str, *, default: Any = _REQUIRED) -> Any:
-    """``state[name]`` (``default`` when absent, if given), checked to be of ``kind`` (a key of
+    """Return ``state[name]``, checked to be of ``kind``.
+
+    ``state[name]`` (``default`` when absent, if given), checked to be of ``kind`` (a key of
     :data:`PICKLED_KINDS`)."""
     if name not in state and default is not _REQUIRED:
         return default
@@ -101,7 +105,9 @@ def pickled(obj: Any, state: dict[str, Any], name: str, kind: str, *, default: A
 
 
 class SavedScalerRefused(ValueError):
-    """A saved apex scaler (a pickled object, or the record ``load_checkpoint`` returns) whose
+    """A saved apex scaler whose attribute ``name`` holds a value apex never wrote there.
+
+    A saved apex scaler (a pickled object, or the record ``load_checkpoint`` returns) whose
     attribute ``name`` holds ``value``, not ``what`` apex wrote there; ``path`` is the apex class.
     A ValueError: torch's weights-only reader rewrites a ``pickle.UnpicklingError`` raised while it
     unpickles into its own advice (``add_safe_globals``), and passes this through as it is."""
@@ -149,25 +155,30 @@ _RECORD_FIELDS = {
 
 
 def check_saved_scaler(saved: Any) -> None:
-    """ValueError naming the attribute if ``saved`` -- an apex scaler as
+    """Raise ValueError if the saved apex scaler ``saved`` holds a value no apex run can write.
+
+    ValueError naming the attribute if ``saved`` -- an apex scaler as
     :func:`fp16kit.legacy.load_checkpoint` returns it (a dict with ``"__apex_class__"``), or a
     live apex object -- holds a value no apex run can write there (a scale that is NaN, 0,
     negative or inf; a ``scale_window`` below 1 or not whole; a negative count): a
     :class:`SavedScalerRefused`. Attributes it lacks, and every other form, are left to the
     reader. Changes nothing."""
+    path: Any  # a record's class key holds whatever was pickled; only known paths have fields
     if isinstance(saved, dict):
         path, attributes = saved.get(CLASS_KEY), saved
     else:
         cls = type(saved)
         path, attributes = f"{cls.__module__}.{cls.__qualname__}", getattr(saved, "__dict__", {})
-    for name, kind in _RECORD_FIELDS.get(path, {}).items():  # type: ignore[call-overload]
+    for name, kind in _RECORD_FIELDS.get(path, {}).items():
         if name in attributes:
-            _check_pickled(path, name, attributes[name], kind)  # type: ignore[arg-type]
+            _check_pickled(path, name, attributes[name], kind)
 
 
 # ---------------------------------------------------------------- settings a scaler runs with
 def check_scale(name: str, value: Any) -> None:
-    """ValueError unless ``value`` is a finite number > 0: a loss scale of 0 makes every
+    """Raise ValueError unless ``value`` is a finite number > 0.
+
+    ValueError unless ``value`` is a finite number > 0: a loss scale of 0 makes every
     unscaled grad inf or NaN, inf or NaN makes every grad non-finite, and a negative one is
     nothing apex ever ran with (its dynamic rules grow it without bound)."""
     if not _is_scale(value):
@@ -175,7 +186,9 @@ def check_scale(name: str, value: Any) -> None:
 
 
 def check_factor(name: str, value: Any) -> None:
-    """ValueError unless ``value`` is a finite number > 1 (as torch's GradScaler requires of its
+    """Raise ValueError unless ``value`` is a finite number > 1.
+
+    ValueError unless ``value`` is a finite number > 1 (as torch's GradScaler requires of its
     growth factor): the scale is divided by it at an overflow and multiplied by it to grow, so a
     factor <= 1 never backs off and skips every step once the scale overflows."""
     if not _is_factor(value):
@@ -185,7 +198,9 @@ def check_factor(name: str, value: Any) -> None:
 
 
 def check_window(name: str, value: Any) -> None:
-    """ValueError unless ``value`` is a whole number >= 1 (an int, or an integral float such
+    """Raise ValueError unless ``value`` is a whole number >= 1.
+
+    ValueError unless ``value`` is a whole number >= 1 (an int, or an integral float such
     as 2000.0): the clean steps between two growths of the scale."""
     if not _is_window(value):
         raise ValueError(
@@ -268,7 +283,9 @@ class LossScaler:
         return _scale_grads_in(self.loss_scale, grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``(loss * loss_scale).backward()``, one commit: once it has added to the grads, a
+        """``(loss * loss_scale).backward()``, as one commit.
+
+        ``(loss * loss_scale).backward()``, one commit: once it has added to the grads, a
         Ctrl-C is raised saying so (repeating it would add again)."""
         with hold_interrupts("loss_scaler.backward(loss)"):
             scaled_loss = kernels.scale_outputs(loss, lambda _d: self.loss_scale)
@@ -279,8 +296,10 @@ _ERA1_DYNAMIC = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", 
 
 
 class DynamicLossScaler:
-    """apex's dynamic loss scaler (era 1): halve on overflow (floor 1), double every
-    ``scale_window`` clean iterations since the last overflow (no cap)."""
+    """apex's dynamic loss scaler (era 1).
+
+    Halve on overflow (floor 1), double every ``scale_window`` clean iterations since the
+    last overflow (no cap)."""
 
     def __init__(self, init_scale: float = 2**32, scale_factor: float = 2.0, scale_window: int = 1000) -> None:
         check_scale("init_scale", init_scale)
@@ -359,7 +378,9 @@ class DynamicLossScaler:
         return _any_non_finite([x.detach().clone()])
 
     def update_scale(self, overflow: bool) -> None:
-        """One step of the rule (module docstring): one commit, a Ctrl-C during it is raised
+        """One step of the rule (module docstring), as one commit.
+
+        One step of the rule (module docstring): one commit, a Ctrl-C during it is raised
         when the scale, the iteration count and the last overflow agree again."""
         with hold_interrupts("loss_scaler.update_scale()"):
             before = self._state.get_scale()
@@ -376,7 +397,9 @@ class DynamicLossScaler:
         return _scale_grads_in(self.loss_scale, grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``(loss * loss_scale).backward()``, one commit: once it has added to the grads, a
+        """``(loss * loss_scale).backward()``, as one commit.
+
+        ``(loss * loss_scale).backward()``, one commit: once it has added to the grads, a
         Ctrl-C is raised saying so (repeating it would add again)."""
         with hold_interrupts("loss_scaler.backward(loss)"):
             scaled_loss = kernels.scale_outputs(loss, lambda _d: self.loss_scale)

@@ -1,5 +1,6 @@
-"""apex.multi_tensor_apply (and the ``amp_C`` ops scripts call through it) without apex's
-CUDA extension: pure-torch stand-ins on fp16kit's core kernels and optimizers, CPU and CUDA.
+"""apex.multi_tensor_apply (and the ``amp_C`` ops scripts call through it) without apex's CUDA extension.
+
+Pure-torch stand-ins on fp16kit's core kernels and optimizers, CPU and CUDA.
 
     from fp16kit.legacy.multi_tensor_apply import multi_tensor_applier, amp_C   # was: import amp_C
     overflow_buf = torch.zeros(1, dtype=torch.int)
@@ -36,9 +37,10 @@ __all__ = [
 
 
 class MultiTensorApply:
-    """apex's applier: ``applier(op, noop_flag_buffer, tensor_lists, *args)`` calls
-    ``op(chunk_size, noop_flag_buffer, tensor_lists, *args)``. ``available`` is True: the ops
-    here need no extension."""
+    """apex's applier: ``applier(op, noop_flag_buffer, tensor_lists, *args)`` calls ``op(chunk_size, ...)``.
+
+    The call is ``op(chunk_size, noop_flag_buffer, tensor_lists, *args)``. ``available`` is True:
+    the ops here need no extension."""
 
     available = True
     warned = False
@@ -83,8 +85,7 @@ def multi_tensor_scale(
 def multi_tensor_l2norm(
     chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]], per_tensor: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``amp_C.multi_tensor_l2norm``: ``tensor_lists = [tensors]``; returns ``(norm,
-    per_tensor_norms)``."""
+    """``amp_C.multi_tensor_l2norm``: ``tensor_lists = [tensors]``; returns ``(norm, per_tensor_norms)``."""
     if len(tensor_lists) != 1:
         raise ValueError(f"multi_tensor_l2norm takes [tensors], got {len(tensor_lists)} lists.")
     return kernels.l2_norm_and_flag_(list(tensor_lists[0]), noop_flag, per_tensor=bool(per_tensor))
@@ -103,7 +104,9 @@ def multi_tensor_adam(
     bias_correction: int,
     weight_decay: float,
 ) -> None:
-    """``amp_C.multi_tensor_adam``: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]``,
+    """``amp_C.multi_tensor_adam``: one Adam step in place, the rule of :class:`fp16kit.optim.Adam`.
+
+    ``amp_C.multi_tensor_adam``: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]``,
     one Adam step in place (``mode`` 1: decoupled decay, 0: L2; fp32 math, fp32 moments), the
     rule of :class:`fp16kit.optim.Adam`. What fairseq's ``FusedAdamV2`` and other copies of
     apex's FusedAdam.step call through ``FusedAdam.multi_tensor_adam``. ``noop_flag`` is not

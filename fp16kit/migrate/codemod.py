@@ -1,5 +1,6 @@
-"""``fp16kit migrate``'s rewriter: apex imports -> fp16kit.legacy on a concrete syntax tree (libcst),
-so every byte outside the rewritten names stays as it was (comments, layout, CRLF, encoding, BOM).
+"""``fp16kit migrate``'s rewriter: apex imports -> fp16kit.legacy on a concrete syntax tree (libcst).
+
+So every byte outside the rewritten names stays as it was (comments, layout, CRLF, encoding, BOM).
 
 Algorithm (one pass over the tree; the table is :mod:`fp16kit.legacy.apex_alias.apex_map`)::
 
@@ -30,12 +31,13 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Union
+from typing import Union, cast
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from ..legacy.apex_alias import apex_map
 from .probes import Probes, fallback_handler
@@ -79,9 +81,11 @@ class MigrationError(ValueError):
 
 
 def migrate_source(source: bytes | str, *, megatron: bool = False) -> MigrationResult:
-    """Rewrite the apex imports in one module's source. Bytes in, bytes out (the encoding, from a
-    BOM or a coding declaration, is kept); str in, str out. Raises MigrationError if it does not decode
-    or parse, or if libcst would not give back its every byte."""
+    """Rewrite the apex imports in one module's source.
+
+    Bytes in, bytes out (the encoding, from a BOM or a coding declaration, is kept); str in, str out.
+    Raises MigrationError if it does not decode or parse, or if libcst would not give back its every
+    byte."""
     if not _mentions_ours(source, megatron):  # parsing costs ~0.1 s a file: skip what cannot match
         return MigrationResult(source, False)
     module = _parse(source)
@@ -100,7 +104,9 @@ def _located(module: cst.Module, found: list[tuple[cst.CSTNode, str]]) -> list[U
     rewrite); an import left failing inside the `try` of an `except ImportError` says that the
     fallback now runs."""
     metadata = MetadataWrapper(module, unsafe_skip_copy=True).resolve_many([PositionProvider, ParentNodeProvider])
-    positions, parents = metadata[PositionProvider], metadata[ParentNodeProvider]
+    # resolve_many types its maps' values as object: these two providers' values are these
+    positions = cast(Mapping[cst.CSTNode, CodeRange], metadata[PositionProvider])
+    parents = cast(Mapping[cst.CSTNode, cst.CSTNode], metadata[ParentNodeProvider])
     problems = set()
     for node, message in found:
         handler = (
@@ -144,7 +150,8 @@ def _parse(source: bytes | str) -> cst.Module:
     again = module.bytes if isinstance(source, bytes) else module.code
     if again != source:
         at = next((i for i, (a, b) in enumerate(zip(source, again)) if a != b), min(len(source), len(again)))
-        line = source[:at].count(b"\n" if isinstance(source, bytes) else "\n") + 1
+        head = source[:at]
+        line = (head.count(b"\n") if isinstance(head, bytes) else head.count("\n")) + 1
         raise MigrationError(
             line,
             "libcst cannot reproduce this file byte for byte (a line ending in a lone CR, a form "
@@ -186,8 +193,8 @@ def _renamed(node: cst.BaseExpression, old: str, new: str) -> cst.BaseExpression
     for _ in range(same):
         head = head.value  # type: ignore[attr-defined]
     new_head = _name_node(".".join(new_parts[: len(new_parts) - same]))
-    new_head = new_head.with_changes(lpar=head.lpar, rpar=head.rpar)  # type: ignore[attr-defined]
-    return new_head if head is node else node.deep_replace(head, new_head)  # type: ignore[return-value]
+    new_head = new_head.with_changes(lpar=head.lpar, rpar=head.rpar)
+    return new_head if head is node else node.deep_replace(head, new_head)
 
 
 class _ApexRewriter(cst.CSTTransformer):
@@ -239,7 +246,9 @@ class _ApexRewriter(cst.CSTTransformer):
             def visit_Import(self, imp: cst.Import) -> bool:
                 for alias in imp.names:
                     dotted = _dotted(alias.name)
-                    res = rewriter._resolve(dotted) if dotted else None
+                    if not dotted:
+                        continue
+                    res = rewriter._resolve(dotted)
                     if alias.asname is None and res is not None and res.covered and not res.rest:
                         rewriter.roots.add(dotted.partition(".")[0])
                     elif alias.asname is None and dotted:  # stays: still binds its root name
@@ -259,7 +268,7 @@ class _ApexRewriter(cst.CSTTransformer):
         for alias in updated_node.names:
             dotted = _dotted(alias.name)
             res = self._resolve(dotted) if dotted else None
-            if res is not None and res.covered and not res.rest:
+            if dotted and res is not None and res.target is not None and not res.rest:  # covered
                 names.append(alias.with_changes(name=_renamed(alias.name, dotted, res.target)))
                 changed = True
             else:
@@ -300,6 +309,7 @@ class _ApexRewriter(cst.CSTTransformer):
         own = self._resolve(module)
         own_target = own.new_path if own is not None and own.covered else None
         for key, aliases in groups.items():
+            new_module: cst.BaseExpression | None
             if key is None:
                 new_module = updated_node.module
             elif key == own_target:  # the usual case: only the differing head of the name changes
@@ -325,6 +335,7 @@ class _ApexRewriter(cst.CSTTransformer):
         ):
             return alias.with_changes(comma=cst.MaybeSentinel.DEFAULT), statement
         # one name per line in (): keep the comma and its comment, indent `)` as the original did
+        assert not isinstance(node.names, cst.ImportStar)  # a star import is never split
         last = node.names[-1].comma
         if isinstance(last, cst.Comma) and isinstance(last.whitespace_after, cst.ParenthesizedWhitespace):
             closing = last.whitespace_after.last_line
@@ -347,13 +358,13 @@ class _ApexRewriter(cst.CSTTransformer):
         res = self._resolve(full)
         if res is None:
             return None, alias  # not ours (e.g. `from megatron import mpu`)
-        if res.covered and not res.rest:  # a submodule: from parent(T) import last(T) as <the old name>
+        if res.target is not None and not res.rest:  # a submodule: from parent(T) import last(T) as <the old name>
             parent, _, last = res.target.rpartition(".")
             asname = alias.asname
             if asname is None and last != name:
                 asname = cst.AsName(name=cst.Name(name))
             return parent, alias.with_changes(name=cst.Name(last), asname=asname)
-        if res.covered and res.rest == f".{name}":  # an attribute of a mapped module
+        if res.target is not None and res.rest == f".{name}":  # covered, an attribute of a mapped module
             self._check_provided(node, res.target, name, full)
             return res.target, alias
         self._report(node, f"from {module} import {name}: {self._explain(res)}")
@@ -373,7 +384,8 @@ class _ApexRewriter(cst.CSTTransformer):
         res = self._resolve(module)
         if res is None:
             return updated
-        if res.covered and not res.rest and module not in apex_map.CLOSED:
+        if res.target is not None and not res.rest and module not in apex_map.CLOSED:  # covered
+            assert updated.module is not None  # leave_ImportFrom keeps `from . import *` as it is
             self.imports += 1
             target = apex_map.STAR_MODULES.get(module, res.target)
             return updated.with_changes(module=_renamed(updated.module, module, target))
@@ -421,12 +433,12 @@ class _ApexRewriter(cst.CSTTransformer):
                     f"(e.g. `import {root}.fp16`): add `import {dotted.rpartition('.')[0]}` for this use",
                 )
             return False
-        if not res.covered:
+        if res.target is None:  # not covered
             self._report(node, f"{dotted}: {self._explain(res)}")
             return False
         chain: list[cst.BaseExpression] = [node]
         while isinstance(chain[-1], cst.Attribute):
-            chain.append(chain[-1].value)  # type: ignore[attr-defined]
+            chain.append(chain[-1].value)
         prefix_node = chain[len(chain) - (res.prefix.count(".") + 1)]
         if res.rest:
             self._check_provided(node, res.target, res.rest.split(".")[1], dotted)

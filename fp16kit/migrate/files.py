@@ -108,8 +108,10 @@ def is_vendored_apex(path: str) -> bool:
 
 
 def given_roots(paths: Iterable[str]) -> list[str]:
-    """The real folders a migration of ``paths`` may write in: each folder given, and the folder
-    holding each file given (so a named symlink to a file elsewhere is not followed out of it)."""
+    """The real folders a migration of ``paths`` may write in.
+
+    Each folder given, and the folder holding each file given (so a named symlink to a file
+    elsewhere is not followed out of it)."""
     roots = []
     for path in paths:
         folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
@@ -123,9 +125,10 @@ def _inside(real: str, roots: Sequence[str]) -> bool:
 
 def iter_python_files(paths: Iterable[str], skipped: list[tuple[str, str]] | None = None) -> Iterator[str]:
     """The Python files under ``paths`` (see the module docstring); FileNotFoundError for a missing path.
-    ``skipped`` (if given) gets (path, why) for each vendored apex folder, each symlinked folder not
-    followed (a loop, or a target outside ``paths``), and each file named in ``paths`` that is not
-    migrated."""
+
+    ``skipped`` (if given) gets (path, why) for each vendored apex folder, each symlinked folder
+    not followed (a loop, or a target outside ``paths``), and each file named in ``paths`` that is
+    not migrated."""
     paths = list(paths)
     for path in paths:
         if not os.path.lexists(path):
@@ -390,7 +393,7 @@ def _migrate_source(source: bytes, megatron: bool) -> MigrationResult:
         return migrate_source(source, megatron=megatron)
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -405,7 +408,9 @@ def migrate_file(
     write_hard_links: bool = False,
     write_read_only: bool = False,
 ) -> FileOutcome:
-    """Rewrite one file's apex imports; writes only if ``write`` and something changed, and only
+    """Rewrite one file's apex imports, writing only if ``write``, something changed, and no harm can come.
+
+    Rewrite one file's apex imports; writes only if ``write`` and something changed, and only
     without harm (see the module docstring): otherwise ``error`` says why and nothing is written.
     ``roots`` (real folders, given_roots()): where it may write (None: anywhere); ``max_size``: the
     largest file read, in bytes (None: no limit)."""

@@ -1,5 +1,6 @@
-"""``fp16kit migrate``'s second concern: the checks apex-era code makes for apex without an
-``import`` statement (availability probes, dynamic imports), which the import rewrite alone leaves
+"""``fp16kit migrate``'s second concern: the checks apex-era code makes for apex without an ``import``.
+
+Statement (availability probes, dynamic imports), which the import rewrite alone leaves
 spelling ``apex`` -- after it, ``'apex' in sys.modules`` is False and amp silently turns off.
 
 Rules (``NAME`` is a module-name string literal; ``T`` is what the import rewrite maps it to)::
@@ -40,7 +41,16 @@ import re
 from collections.abc import Callable, Collection, Mapping
 
 import libcst as cst
-from libcst.metadata import BaseAssignment, BuiltinAssignment, MetadataWrapper, PositionProvider, ScopeProvider
+from libcst.metadata import (
+    Assignment,
+    BaseAssignment,
+    BuiltinAssignment,
+    CodeRange,
+    MetadataWrapper,
+    PositionProvider,
+    Scope,
+    ScopeProvider,
+)
 
 from ..legacy.apex_alias.apex_map import Resolution, is_handled
 
@@ -158,7 +168,9 @@ def _has_fromlist(call: cst.Call) -> bool:
 def fallback_handler(
     node: cst.CSTNode, parents: Callable[[cst.CSTNode], cst.CSTNode | None]
 ) -> cst.ExceptHandler | None:
-    """The ``except ImportError`` (or ModuleNotFoundError, Exception, bare) whose ``try`` body holds
+    """The ``except ImportError`` handler whose ``try`` body holds ``node``, or None.
+
+    The ``except ImportError`` (or ModuleNotFoundError, Exception, bare) whose ``try`` body holds
     ``node``, innermost first; None when there is none."""
     child, parent = node, parents(node)
     while parent is not None:
@@ -178,10 +190,12 @@ def _catches_import_error(node: cst.BaseExpression) -> bool:
 
 
 class Probes:
-    """The probes of one module (see the module docstring): ``strings`` / ``names`` hold the
-    rewrites (by the id of the node in the parsed tree) that the rewriter applies as it leaves each
-    node; ``seen`` the nodes dealt with here, which the rewriter must not report again as a plain
-    string or a bare name; ``report(node, message)`` takes what is left for the user."""
+    """The probes of one module (see the module docstring).
+
+    ``strings`` / ``names`` hold the rewrites (by the id of the node in the parsed tree) that the
+    rewriter applies as it leaves each node; ``seen`` the nodes dealt with here, which the rewriter
+    must not report again as a plain string or a bare name; ``report(node, message)`` takes what is
+    left for the user."""
 
     def __init__(
         self,
@@ -205,17 +219,21 @@ class Probes:
         self._module: cst.Module | None = None
         self._aliases: set[str] = set()  # local names `from importlib.util import find_spec as fs` binds
         self._starred: set[str] = set()  # probe functions a `from pkgutil import *` binds
-        self._scopes: Mapping[cst.CSTNode, object] | None = None  # libcst's metadata maps, on first need
-        self._positions: Mapping[cst.CSTNode, object] | None = None
+        self._scopes: Mapping[cst.CSTNode, Scope | None] | None = None  # libcst's metadata maps, on first need
+        self._positions: Mapping[cst.CSTNode, CodeRange] | None = None
         self._uses: dict[int, set[str]] | None = None  # line -> the uncovered apex.x uses reported on it
 
     # -- what the rewriter's visitors hand over ------------------------------------------------
     def prepare(self, module: cst.Module) -> None:
-        """Before the walk: the names the module itself puts in (or takes out of) sys.modules, and
+        """Before the walk: collect the module's own sys.modules names and its probe functions' local names.
+
+        Before the walk: the names the module itself puts in (or takes out of) sys.modules, and
         the local names its imports give the probe functions (``fs`` for ``from importlib.util import
         find_spec as fs``)."""
-        stubbed = self._stubbed = set()
-        aliases, starred = self._aliases, self._starred = set(), set()
+        stubbed: set[object] = set()
+        aliases: set[str] = set()
+        starred: set[str] = set()
+        self._stubbed, self._aliases, self._starred = stubbed, aliases, starred
         self._module, self._scopes, self._positions, self._uses = module, None, None, None
 
         class _Stubs(cst.CSTVisitor):
@@ -311,9 +329,10 @@ class Probes:
             root = prefix.partition(".")[0] if prefix and "." in prefix else None
             if root and is_handled(root, megatron=self._megatron, extensions=True):
                 if bare is not None:
-                    func, probes, others = self._bare_function(bare)
-                    if func is None:
+                    found, probes, others = self._bare_function(bare)
+                    if found is None:
                         return
+                    func = found
                 what = _what(func)
                 self._report(
                     node,
@@ -328,9 +347,10 @@ class Probes:
         if res is None:
             return
         if bare is not None:
-            func, probes, others = self._bare_function(bare)
-            if func is None:
+            found, probes, others = self._bare_function(bare)
+            if found is None:
                 return  # the user's own function of that name: its "apex" is no module name
+            func = found
         what = _what(func)
         self.seen.add(id(arg))
         if not res.covered or res.rest:
@@ -415,7 +435,7 @@ class Probes:
         self.rewritten += 1
 
     # -- what the names are: libcst's scope analysis, on first need ----------------------------
-    def _scope_map(self) -> Mapping[cst.CSTNode, object]:
+    def _scope_map(self) -> Mapping[cst.CSTNode, Scope | None]:
         """libcst's ScopeProvider map of the module being walked: resolved once, on the first probe
         that needs it (it costs about three parses), over the walked tree's own nodes."""
         if self._scopes is None:
@@ -423,7 +443,7 @@ class Probes:
             self._scopes = MetadataWrapper(self._module, unsafe_skip_copy=True).resolve(ScopeProvider)
         return self._scopes
 
-    def _position_map(self) -> Mapping[cst.CSTNode, object]:
+    def _position_map(self) -> Mapping[cst.CSTNode, CodeRange]:
         """The PositionProvider map, resolved apart from the scopes: only reports need lines."""
         if self._positions is None:
             assert self._module is not None, "prepare() first"
@@ -441,7 +461,9 @@ class Probes:
     def _lines(self, bindings: Collection[BaseAssignment]) -> str:
         """ "line 3" / "lines 3, 7": where ``bindings`` are."""
         positions = self._position_map()
-        lines = sorted({positions[b.node].start.line for b in bindings if getattr(b, "node", None) in positions})
+        lines = sorted(
+            {positions[b.node].start.line for b in bindings if isinstance(b, Assignment) and b.node in positions}
+        )
         return ("line " if len(lines) == 1 else "lines ") + ", ".join(map(str, lines)) if lines else "the builtins"
 
     def _rewritten_import(self, binding: BaseAssignment) -> bool:

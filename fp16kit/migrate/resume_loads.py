@@ -114,7 +114,7 @@ class _Bindings(cst.CSTVisitor):
             return False
         for alias in node.names:
             name = dotted_name(alias.name) or ""
-            local = dotted_name(alias.asname.name) if alias.asname is not None else name
+            local = (dotted_name(alias.asname.name) or "") if alias.asname is not None else name
             if module == "torch" and name == "load":
                 self.load.add(local)
             elif self.target(f"{module}.{name}") is not None:
@@ -224,7 +224,9 @@ def _reached(
 
 
 def resume_loads(module: cst.Module, *, megatron: bool = False) -> list[tuple[cst.CSTNode, str]]:
-    """(node, message) for each torch.load call of ``module`` the rule in the module docstring
+    """(node, message) for each torch.load call of ``module`` that the rule in the module docstring reports.
+
+    (node, message) for each torch.load call of ``module`` the rule in the module docstring
     reports; the node is the call's ``torch.load`` (on the call's first line)."""
     names = _Bindings(megatron)
     module.visit(names)
@@ -251,7 +253,7 @@ def resume_loads(module: cst.Module, *, megatron: bool = False) -> list[tuple[cs
             continue
         for load in _reached(flow, (a.value for a in call.args), chain, carried):
             reports.setdefault(load, MESSAGE.format(receiver=receiver))
-    for chain, key, container in flow.entries:
+    for chain, entry_key, container in flow.entries:
         for load in _reached(flow, iter([container]), chain, carried):
-            reports.setdefault(load, ENTRY_MESSAGE.format(key=key))
+            reports.setdefault(load, ENTRY_MESSAGE.format(key=entry_key))
     return [(flow.nodes[i].func, message) for i, message in reports.items()]

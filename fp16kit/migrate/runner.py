@@ -1,4 +1,6 @@
-"""``fp16kit run``: run an unmodified apex-era script (or ``-m`` module) as ``python SCRIPT ARGS``
+"""``fp16kit run``: run an unmodified apex-era script (or ``-m`` module) with the apex alias installed.
+
+``fp16kit run``: run an unmodified apex-era script (or ``-m`` module) as ``python SCRIPT ARGS``
 would, with :func:`~fp16kit.legacy.apex_alias.finder.install_apex_alias` in effect.
 
 Contract (what the script sees, and what the caller gets back)::
@@ -68,10 +70,11 @@ class RunError(Exception):
 def run_script(
     path: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False, restore: bool = True
 ) -> int:
-    """``python PATH ARGS`` with the apex alias installed; returns the exit code. ``restore=False``
-    (the command line, whose process ends next) leaves the script's __main__, sys.argv, sys.path and
-    the alias in place, as python does until exit: its non-daemon threads and atexit handlers still
-    pickle its classes and import apex."""
+    """``python PATH ARGS`` with the apex alias installed; returns the exit code.
+
+    ``restore=False`` (the command line, whose process ends next) leaves the script's __main__,
+    sys.argv, sys.path and the alias in place, as python does until exit: its non-daemon threads and
+    atexit handlers still pickle its classes and import apex."""
     if path == "-":  # python - : the script is read from stdin
         return _run_source(sys.stdin.read(), "<stdin>", ["-", *args], megatron, shadow, restore)
     if not os.path.exists(path):
@@ -89,8 +92,9 @@ def run_script(
 def run_command(
     command: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False, restore: bool = True
 ) -> int:
-    """``python -c COMMAND ARGS`` with the apex alias installed; returns the exit code (``restore``:
-    as for :func:`run_script`)."""
+    """``python -c COMMAND ARGS`` with the apex alias installed; returns the exit code.
+
+    ``restore``: as for :func:`run_script`."""
     return _run_source(command, "<string>", ["-c", *args], megatron, shadow, restore)
 
 
@@ -151,8 +155,9 @@ def _exec_as_main(code: types.CodeType, attrs: dict[str, Any], *, restore: bool)
 def run_module(
     name: str, args: Sequence[str] = (), *, megatron: bool = False, shadow: bool = False, restore: bool = True
 ) -> int:
-    """``python -m NAME ARGS`` with the apex alias installed; returns the exit code (``restore``: as
-    for :func:`run_script`)."""
+    """``python -m NAME ARGS`` with the apex alias installed; returns the exit code.
+
+    ``restore``: as for :func:`run_script`."""
     if not name or name.startswith("."):
         raise RunError(f"Relative module names not supported: {name!r}", 1)
     with _script_environment([name, *args], os.getcwd(), megatron=megatron, shadow=shadow, restore=restore):

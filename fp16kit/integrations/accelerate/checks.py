@@ -1,5 +1,6 @@
-"""The argument checks of :class:`~fp16kit.integrations.accelerate.MasterWeightsAccelerator`,
-run before Accelerate's (process-global) state is touched, so a refused call changes nothing."""
+"""The argument checks of :class:`~fp16kit.integrations.accelerate.MasterWeightsAccelerator`.
+
+Run before Accelerate's (process-global) state is touched, so a refused call changes nothing."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ SUPPORTED_TYPES = (
 
 
 def launched_precision(mixed_precision: str | None) -> str:
-    """The argument if given; else ``accelerate launch``'s ``--mixed_precision`` / accelerate
+    """The mixed precision to train in: the argument, else ``accelerate launch``'s, else "fp16".
+
+    The argument if given; else ``accelerate launch``'s ``--mixed_precision`` / accelerate
     config (``ACCELERATE_MIXED_PRECISION``, as ``Accelerator()`` reads it), "fp16" when that is
     unset or "no" (this class trains in half precision)."""
     if mixed_precision is not None:

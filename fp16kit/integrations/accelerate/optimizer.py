@@ -1,6 +1,7 @@
-"""The optimizer :class:`~fp16kit.integrations.accelerate.MasterWeightsAccelerator` prepares:
-Accelerate's ``AcceleratedOptimizer`` around a :class:`fp16kit.MixedPrecisionOptimizer`, whose
-step and skipped-step signal go through fp16kit's scaler.
+"""The optimizer :class:`~fp16kit.integrations.accelerate.MasterWeightsAccelerator` prepares.
+
+Accelerate's ``AcceleratedOptimizer`` around a :class:`fp16kit.MixedPrecisionOptimizer`,
+whose step and skipped-step signal go through fp16kit's scaler.
 
 Accelerate 1.15 (``accelerate/optimizer.py``: ``AcceleratedOptimizer.step``,
 ``patch_optimizer_step``) decides that a step was skipped when ``scaler.step(optimizer)`` did
@@ -60,8 +61,9 @@ __all__ = ["MasterWeightsAcceleratedOptimizer", "UnscaledThisIteration"]
 
 
 class UnscaledThisIteration:
-    """The prepared optimizers a clip unscaled this iteration and that have not stepped yet;
-    shared by one accelerator's optimizers (main thread only)."""
+    """The prepared optimizers a clip unscaled this iteration and that have not stepped yet.
+
+    Shared by one accelerator's optimizers (main thread only)."""
 
     def __init__(self) -> None:
         self._pending: set[int] = set()
@@ -71,8 +73,9 @@ class UnscaledThisIteration:
 
     def unscale(self, scaler: GradScaler, optimizer: MixedPrecisionOptimizer) -> None:
         """``scaler.unscale_(optimizer)`` once per iteration (a second clip reuses it).
-        Refused after that optimizer's step, before the next backward: its grads are spent,
-        and a second unscale would update the scaler twice in one iteration."""
+
+        Refused after that optimizer's step, before the next backward: its grads are
+        spent, and a second unscale would update the scaler twice in one iteration."""
         if id(optimizer) in self._done:
             raise RuntimeError(
                 "accelerator.clip_grad_norm_/clip_grad_value_/unscale_gradients() after "
@@ -102,17 +105,19 @@ class UnscaledThisIteration:
         return id(optimizer) in self._pending
 
     def stepped(self, optimizer: MixedPrecisionOptimizer) -> bool:
-        """Record the step of ``optimizer``; True when no unscaled optimizer still has to step
-        (the scaler may update now)."""
+        """Record the step of ``optimizer``; True when no unscaled optimizer still has to step.
+
+        The scaler may update now."""
         self._pending.discard(id(optimizer))
         self._done.add(id(optimizer))
         return not self._pending
 
 
 class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
-    """``AcceleratedOptimizer`` whose ``step`` runs ``scaler.step``/``scaler.update`` on a
-    :class:`fp16kit.MixedPrecisionOptimizer` and whose ``step_was_skipped`` reads the scaler's
-    flag (see the module docstring). ``optimizer.optimizer`` is the MixedPrecisionOptimizer;
+    """``AcceleratedOptimizer`` whose ``step`` runs ``scaler.step``/``scaler.update`` on a MixedPrecisionOptimizer.
+
+    Its ``step_was_skipped`` reads the scaler's flag (see the module docstring).
+    ``optimizer.optimizer`` is the :class:`fp16kit.MixedPrecisionOptimizer`;
     ``optimizer.optimizer.optimizer`` the torch optimizer it steps on the masters."""
 
     def __init__(
@@ -129,7 +134,7 @@ class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
         self._unscaled = unscaled
         self._skipped: torch.Tensor | None = None
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
         """Step on a sync step (see the module docstring); a no-op on an accumulation micro-step."""
         if not self.gradient_state.sync_gradients:
             return
@@ -150,7 +155,9 @@ class MasterWeightsAcceleratedOptimizer(AcceleratedOptimizer):
             opt.step()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Accelerate's. On a sync step whose grads a clip unscaled but that never stepped (the
+        """Accelerate's ``zero_grad``, counting a step that never came as skipped.
+
+        Accelerate's. On a sync step whose grads a clip unscaled but that never stepped (the
         user skipped it, e.g. on a non-finite clipped norm): that step counts as skipped, and
         the scaler updates once no unscaled optimizer is left to step -- what torch.amp's
         ``scaler.update()`` after ``unscale_`` does: the scale halves if the grads held

@@ -1,5 +1,6 @@
-"""``MasterWeightsAccelerator``: HF Accelerate with an fp16/bf16 model and fp32 master weights
-("O2 without apex"), on :class:`fp16kit.MixedPrecisionOptimizer` and :class:`fp16kit.GradScaler`.
+"""``MasterWeightsAccelerator``: HF Accelerate with an fp16/bf16 model and fp32 master weights.
+
+"O2 without apex", on :class:`fp16kit.MixedPrecisionOptimizer` and :class:`fp16kit.GradScaler`.
 
 ::
 
@@ -102,8 +103,9 @@ __all__ = ["MasterWeightsAccelerator", "MasterWeightsAcceleratedOptimizer"]
 
 
 class MasterWeightsAccelerator(Accelerator):
-    """An ``accelerate.Accelerator`` that trains an fp16/bf16 model through fp32 master weights
-    (see the module docstring for what happens at each hook).
+    """An ``accelerate.Accelerator`` that trains an fp16/bf16 model through fp32 master weights.
+
+    See the module docstring for what happens at each hook.
 
     Args:
         mixed_precision: ``"fp16"`` or ``"bf16"``: the dtype ``prepare`` casts the model to.
@@ -164,8 +166,9 @@ class MasterWeightsAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Accelerate's ``prepare``, with every model cast and placed before any optimizer is
-        wrapped (whatever the order of ``args``): the masters are made from the final params."""
+        """Accelerate's ``prepare``, with every model cast and placed before any optimizer is wrapped.
+
+        Whatever the order of ``args``: the masters are made from the final params."""
         for obj in args:
             if isinstance(obj, torch.nn.Module):
                 self._cast(obj)
@@ -188,7 +191,9 @@ class MasterWeightsAccelerator(Accelerator):
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
-        """Wrap ``optimizer`` in a MixedPrecisionOptimizer (unless it is one) and in
+        """Wrap ``optimizer`` in a MixedPrecisionOptimizer and a :class:`MasterWeightsAcceleratedOptimizer`.
+
+        Wrap ``optimizer`` in a MixedPrecisionOptimizer (unless it is one) and in
         :class:`MasterWeightsAcceleratedOptimizer`; one this accelerator prepared already gives
         the same prepared optimizer again. ``device_placement`` is ignored: the masters live
         where the params (or ``master_device``) are."""
@@ -211,7 +216,9 @@ class MasterWeightsAccelerator(Accelerator):
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
-        """Accelerate's, matching a scheduler built on the plain torch optimizer (or on the
+        """Accelerate's, matching a scheduler to the prepared optimizer it was built on.
+
+        Accelerate's, matching a scheduler built on the plain torch optimizer (or on the
         prepared one) to that prepared optimizer (so it skips with its skipped steps only)."""
         if getattr(scheduler, "_is_accelerate_prepared", False):
             return super().prepare_scheduler(scheduler)
@@ -231,7 +238,9 @@ class MasterWeightsAccelerator(Accelerator):
         return prepared
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Accelerate's (``scaler.scale(loss / accumulation_steps).backward()``); refused, before
+        """Accelerate's ``backward``, refused while a clip's unscaled grads wait for ``optimizer.step()``.
+
+        Accelerate's (``scaler.scale(loss / accumulation_steps).backward()``); refused, before
         anything changes, while a clip's unscaled grads wait for ``optimizer.step()``."""
         if self._unscaled.any_pending():
             raise RuntimeError(
@@ -246,9 +255,10 @@ class MasterWeightsAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ unscale and clip
     def unscale_gradients(self, optimizer: Any = None) -> None:
-        """``scaler.unscale_`` on the prepared optimizers (default: all): the unscaled grads go
-        into the masters. Once per optimizer per iteration (a second call does nothing);
-        only on a sync step. A no-op for bf16 (no scaler)."""
+        """``scaler.unscale_`` on the prepared optimizers (default: all): the unscaled grads go into the masters.
+
+        Once per optimizer per iteration (a second call does nothing); only on a sync
+        step. A no-op for bf16 (no scaler)."""
         self._check_sync_step("unscale_gradients")
         if self.scaler is None or not self.scaler.is_enabled():
             return
@@ -258,7 +268,9 @@ class MasterWeightsAccelerator(Accelerator):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Unscale, then clip the unscaled grads the optimizers will use for ``parameters``
+        """Unscale, then clip the unscaled grads the optimizers will use by their total norm.
+
+        Unscale, then clip the unscaled grads the optimizers will use for ``parameters``
         (each model param standing for its master) by their total norm; returns that norm."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         owners = self._owners(params)
@@ -268,7 +280,9 @@ class MasterWeightsAccelerator(Accelerator):
         return kernels.clip_grad_norm_(self._masters_of(owners, params), max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        """Unscale, then clamp the unscaled grads the optimizers will use for ``parameters``
+        """Unscale, then clamp the unscaled grads the optimizers will use to ``[-clip_value, clip_value]``.
+
+        Unscale, then clamp the unscaled grads the optimizers will use for ``parameters``
         (each model param standing for its master) to ``[-clip_value, clip_value]``."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         owners = self._owners(params)
@@ -276,7 +290,9 @@ class MasterWeightsAccelerator(Accelerator):
         torch.nn.utils.clip_grad_value_(self._masters_of(owners, params), clip_value)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Any:
-        """Accelerate's. With ``unwrap`` (``save_model``, exporting) and ``async_step``: the
+        """Accelerate's ``get_state_dict``, giving the weights of the last step with ``async_step``.
+
+        Accelerate's. With ``unwrap`` (``save_model``, exporting) and ``async_step``: the
         weights of the last step, even while it is still in flight -- it waits for the step
         and gives each param with a master that master rounded to the param's dtype (what the
         model holds once the step lands), without landing it, so training goes on exactly as
@@ -299,7 +315,9 @@ class MasterWeightsAccelerator(Accelerator):
         return state
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
-        """Accelerate's; an fp16 accelerator refuses, before loading anything, a checkpoint
+        """Accelerate's ``load_state``, refusing a checkpoint without ``scaler.pt`` before loading anything.
+
+        Accelerate's; an fp16 accelerator refuses, before loading anything, a checkpoint
         directory without ``scaler.pt`` (saved by a bf16 run), which Accelerate would report as a
         missing file after the model and the masters were overwritten. Loaded into objects
         interrupted between a clip and its step, it leaves none of that iteration behind."""
@@ -324,26 +342,32 @@ class MasterWeightsAccelerator(Accelerator):
                 self.scaler.load_state_dict(loaded)
 
     def save_state(self, *args: Any, **kwargs: Any) -> Any:
-        """Accelerate's, after the iteration's owed ``scaler.update()`` runs: ``scaler.pt``
+        """Accelerate's ``save_state``, after the iteration's owed ``scaler.update()`` runs.
+
+        Accelerate's, after the iteration's owed ``scaler.update()`` runs: ``scaler.pt``
         holds the scale the next backward uses (a resume continues bit for bit)."""
         self.settle_scale()
         return super().save_state(*args, **kwargs)
 
     def settle_scale(self) -> None:
-        """Run the ``scaler.update()`` the last iteration's steps owe (it runs by itself at the
-        next ``backward`` and ``save_state``): call it before reading ``scaler.get_scale()``
-        between the steps and the next backward, e.g. to log the scale."""
+        """Run the ``scaler.update()`` the last iteration's steps owe.
+
+        It runs by itself at the next ``backward`` and ``save_state``: call it before reading
+        ``scaler.get_scale()`` between the steps and the next backward, e.g. to log the scale."""
         self._unscaled.owed.settle(self.scaler)
 
     def free_memory(self, *objects: Any) -> Any:
-        """Accelerate's (forgets the prepared objects: ``find_executable_batch_size`` retries
+        """Accelerate's ``free_memory``, also forgetting a clip's unscale still waiting for a step.
+
+        Accelerate's (forgets the prepared objects: ``find_executable_batch_size`` retries
         call it), and forgets a clip's unscale still waiting for a step of those optimizers."""
         self._unscaled.clear()
         return super().free_memory(*objects)
 
     def synchronize(self) -> None:
-        """Wait for every prepared optimizer's step in flight and copy its masters into the
-        model (``async_step=True``: call before evaluating or exporting; a no-op otherwise)."""
+        """Wait for every prepared optimizer's step in flight and copy its masters into the model.
+
+        ``async_step=True``: call before evaluating or exporting; a no-op otherwise."""
         for opt in self._mixed_optimizers(None):
             opt.synchronize()
 

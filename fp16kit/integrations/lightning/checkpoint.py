@@ -94,7 +94,9 @@ def _masters_from(
 def landed_weights(
     weights: dict[str, Any], module: torch.nn.Module, optimizers: list[MixedPrecisionOptimizer]
 ) -> dict[str, torch.Tensor]:
-    """Put each master, rounded to its param's dtype, into ``weights`` (a checkpoint's
+    """Put each master, rounded to its param's dtype, into ``weights``; return the replaced live values.
+
+    Put each master, rounded to its param's dtype, into ``weights`` (a checkpoint's
     ``state_dict``, by name) where it differs from the param; return the replaced live values
     (the params the next forward uses). The live params are not written."""
     names: dict[int, list[str]] = {}
@@ -103,9 +105,9 @@ def landed_weights(
     replaced: dict[str, torch.Tensor] = {}
     for opt in optimizers:
         opt.wait_for_step()  # (the optimizer states taken before this waited already)
-        for p, m in zip(opt.model_params, opt.master_params):
+        for param, m in zip(opt.model_params, opt.master_params):
             landed = None
-            for name in names.get(id(p), []):
+            for name in names.get(id(param), []):
                 live = weights.get(name)
                 if not isinstance(live, torch.Tensor):
                     continue
@@ -116,8 +118,9 @@ def landed_weights(
 
 
 def restore_next_forward(module: torch.nn.Module, next_forward: dict[str, torch.Tensor]) -> None:
-    """Write the saved live params back (after Lightning loaded the checkpoint's landed
-    weights; see the module docstring)."""
+    """Write the saved live params back.
+
+    After Lightning loaded the checkpoint's landed weights; see the module docstring."""
     params = dict(module.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for name, value in next_forward.items():

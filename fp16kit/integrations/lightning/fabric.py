@@ -69,9 +69,10 @@ __all__ = ["MasterWeightsFabricPrecision"]
 
 
 class MasterWeightsFabricPrecision(HalfPrecision):
-    """Fabric's ``HalfPrecision`` plus fp32 masters behind ``fp16kit.GradScaler`` (see the module
-    docstring). ``scaler``: an :class:`fp16kit.GradScaler` for fp16 (default
-    ``GradScaler(device)``); refused with bf16."""
+    """Fabric's ``HalfPrecision`` plus fp32 masters behind ``fp16kit.GradScaler`` (see the module docstring).
+
+    ``scaler``: an :class:`fp16kit.GradScaler` for fp16 (default ``GradScaler(device)``);
+    refused with bf16."""
 
     def __init__(
         self,
@@ -107,7 +108,9 @@ class MasterWeightsFabricPrecision(HalfPrecision):
         self.__dict__.update(state, _checked=weakref.WeakSet(), _modules=weakref.WeakSet())
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Fabric's (the module to fp16/bf16), remembered: its grads tell which optimizers may
+        """Fabric's ``convert_module`` (the module to fp16/bf16), remembering the module.
+
+        Fabric's (the module to fp16/bf16), remembered: its grads tell which optimizers may
         step on a backward (:meth:`_sharing`)."""
         module = super().convert_module(module)
         self._modules.add(module)
@@ -181,8 +184,9 @@ class MasterWeightsFabricPrecision(HalfPrecision):
         self._unscaled.clear()
 
     def settle_scale(self) -> None:
-        """Run the ``scaler.update()`` the last steps owe, if not run yet (``fabric.backward``
-        and ``state_dict`` run it by themselves): call it at the end of an iteration in which not
+        """Run the ``scaler.update()`` the last steps owe, if not run yet.
+
+        ``fabric.backward`` and ``state_dict`` run it by themselves: call it at the end of an iteration in which not
         every optimizer stepped before reading ``scaler.get_scale()`` or saving ``plugin.scaler``."""
         self._owed.settle(self.scaler)
 

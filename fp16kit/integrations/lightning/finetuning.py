@@ -43,7 +43,9 @@ __all__ = ["adapt_finetuning"]
 
 
 def adapt_finetuning(callbacks: Any, optimizers: Callable[[], list[MixedPrecisionOptimizer]]) -> None:
-    """Adapt every ``BaseFinetuning`` in ``callbacks`` to ``optimizers()`` (the plugin's current
+    """Adapt every ``BaseFinetuning`` in ``callbacks`` to the plugin's MixedPrecisionOptimizers.
+
+    Adapt every ``BaseFinetuning`` in ``callbacks`` to ``optimizers()`` (the plugin's current
     MixedPrecisionOptimizers; read at each call, so a callback reused by another fit follows)."""
     for cb in callbacks if isinstance(callbacks, list) else []:
         if not isinstance(cb, BaseFinetuning):

@@ -28,7 +28,9 @@ __all__ = ["grad_norm", "trainer_of"]
 
 
 def trainer_of(model: Any) -> Any:
-    """The Trainer of a LightningModule, possibly inside a strategy's wrappers (DDP's
+    """The Trainer of a LightningModule, possibly inside a strategy's wrappers; None if none is attached.
+
+    The Trainer of a LightningModule, possibly inside a strategy's wrappers (DDP's
     ``.module``, Lightning's ``_forward_module``); None if none is attached."""
     for _ in range(4):
         if isinstance(model, pl.LightningModule):
@@ -43,12 +45,13 @@ def trainer_of(model: Any) -> Any:
 def grad_norm(
     module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/"
 ) -> dict[str, torch.Tensor]:
-    """Drop-in for ``lightning.pytorch.utilities.grad_norm`` that reads the unscaled master
-    grads: call it in ``on_before_optimizer_step`` (the fp16 model grads are still multiplied by
-    the loss scale there). Same keys and arithmetic as Lightning's; a param without a master
-    (not stepped by a MixedPrecisionOptimizer) contributes its own grad. With several
-    optimizers (manual optimization), the params of the one being stepped count; those of the
-    others are left out (their grads are still scaled: not this step's)."""
+    """Drop-in for ``lightning.pytorch.utilities.grad_norm`` that reads the unscaled master grads.
+
+    Call it in ``on_before_optimizer_step`` (the fp16 model grads are still multiplied by the
+    loss scale there). Same keys and arithmetic as Lightning's; a param without a master (not
+    stepped by a MixedPrecisionOptimizer) contributes its own grad. With several optimizers
+    (manual optimization), the params of the one being stepped count; those of the others are
+    left out (their grads are still scaled: not this step's)."""
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")

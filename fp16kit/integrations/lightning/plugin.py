@@ -157,7 +157,7 @@ class MasterWeightsPrecision(Precision):
                 "GradScaler unscales param.grad in place and cannot reach the fp32 masters. Pass "
                 "fp16kit.GradScaler(device, ...) (same arguments)."
             )
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = precision
         self.dtype = _DTYPES[precision]
         self.scaler: GradScaler | None = scaler
         self._mpo_options: dict[str, Any] = {
@@ -256,7 +256,7 @@ class MasterWeightsPrecision(Precision):
             callbacks.insert(0, _PluginHooks(self))
 
     # ------------------------------------------------------------------ backward, step
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if self._owed.settle(self.scaler):  # the last iteration's update, once (torch.amp's rule)
             self._unscaled.clear()  # (an unscale without a step: that one update closed it too)
         if self._unscaled:  # manual optimization: clip_gradients (unscaled), then no opt.step()
@@ -266,8 +266,9 @@ class MasterWeightsPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     def unscale_gradients(self, optimizer: Any) -> None:
-        """Put this iteration's unscaled grads into the masters (``scaler.unscale_``; bf16 at
-        scale 1). Idempotent until the step."""
+        """Put this iteration's unscaled grads into the masters.
+
+        ``scaler.unscale_``; bf16 at scale 1. Idempotent until the step."""
         opt = _master_optimizer(optimizer)
         if id(opt) in self._unscaled:
             return
@@ -279,8 +280,9 @@ class MasterWeightsPrecision(Precision):
             self._unscaled[id(opt)] = opt.unscale_grads_(kernels.one(device), kernels.new_found_inf(device))
 
     def unscaled(self, optimizer: Any) -> bool:
-        """Whether the master grads hold this iteration's unscaled grads (from
-        :meth:`unscale_gradients` to the step)."""
+        """Whether the master grads hold this iteration's unscaled grads.
+
+        From :meth:`unscale_gradients` to the step."""
         return id(_master_optimizer(optimizer)) in self._unscaled
 
     def optimizer_step(  # type: ignore[override]
@@ -358,8 +360,10 @@ class MasterWeightsPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip the unscaled master grads; by norm, :attr:`last_grad_norm` is the total norm
-        (unscaled, before clipping; a 0-dim tensor on the masters' device: no host sync)."""
+        """Clip the unscaled master grads.
+
+        By norm, :attr:`last_grad_norm` is the total norm (unscaled, before clipping; a
+        0-dim tensor on the masters' device: no host sync)."""
         if clip_val <= 0 or self._skipping or is_mock(optimizer):  # (training_step returned None: no grads)
             return
         opt = _master_optimizer(optimizer)
@@ -371,8 +375,10 @@ class MasterWeightsPrecision(Precision):
 
     # ------------------------------------------------------------------ landing async steps
     def synchronize(self) -> None:
-        """Land every optimizer's step in flight (``opt.synchronize()``): the model params then
-        hold the masters' values. The hooks below call it; a no-op without ``async_step``."""
+        """Land every optimizer's step in flight (``opt.synchronize()``).
+
+        The model params then hold the masters' values. The hooks below call it; a no-op
+        without ``async_step``."""
         for opt in self.optimizers:
             opt.synchronize()
 
@@ -409,13 +415,16 @@ class MasterWeightsPrecision(Precision):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """``{"precision", "scaler"}`` (plain data; ``"next_forward"`` added by
+        """The plugin's state, ``{"precision", "scaler"}``, as plain data.
+
+        ``{"precision", "scaler"}`` (plain data; ``"next_forward"`` added by
         :meth:`on_save_checkpoint`). Lands nothing: see :mod:`.lightning_checkpoint`. Runs the
         owed ``scaler.update()`` first: the saved scale is the one the next backward uses."""
         self.settle_scale()
         return {"precision": self.precision, "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the masters' weights in the checkpoint, and in this plugin's entry the live params."""
         # Lightning dumps the model state dict, then the optimizers, then this plugin: the
         # checkpoint gets the masters' weights; the live params, where a step has not landed
         # in them yet, go to this plugin's entry (lightning_checkpoint's docstring).
@@ -428,14 +437,17 @@ class MasterWeightsPrecision(Precision):
             own["next_forward"] = next_forward
 
     def settle_scale(self) -> None:
-        """Run the ``scaler.update()`` the last steps owe, if not run yet (the end of the
-        training batch, the next backward, ``state_dict`` and ``teardown`` run it by themselves):
+        """Run the ``scaler.update()`` the last steps owe, if not run yet.
+
+        The end of the training batch, the next backward, ``state_dict`` and ``teardown`` run it
+        by themselves:
         call it to read ``scaler.get_scale()`` inside ``training_step`` after an iteration's
         steps when not every optimizer stepped."""
         if self._owed.settle(self.scaler):
             self._unscaled.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s scaler, and the live params a step had not landed yet."""
         self.settle_scale()  # close the iteration; the load then sets the scale
         saved = state_dict.get("scaler")
         if saved is not None and self.scaler is not None:

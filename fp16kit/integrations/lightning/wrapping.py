@@ -41,13 +41,17 @@ def wrap(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> MixedPrec
 
 
 def wrapped_before(optimizer: Any, options: dict[str, Any]) -> MixedPrecisionOptimizer | None:
-    """The wrapper an earlier fit made for ``optimizer`` (None if none); other options raise
-    ValueError (call it for every optimizer before wrapping any: nothing changes then)."""
+    """The wrapper an earlier fit made for ``optimizer`` (None if none).
+
+    Other options raise ValueError (call it for every optimizer before wrapping any:
+    nothing changes then)."""
     try:
         entry = _WRAPPED.get(optimizer)
     except TypeError:  # not weak-referenceable: never wrapped here
         return None
-    before = entry[0]() if entry is not None else None
+    if entry is None:
+        return None
+    before = entry[0]()
     if before is not None and entry[1] != options:
         raise ValueError(
             f"configure_optimizers returned a {type(optimizer).__name__} that an earlier fit "
@@ -58,7 +62,9 @@ def wrapped_before(optimizer: Any, options: dict[str, Any]) -> MixedPrecisionOpt
 
 
 def is_mock(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is what Lightning steps when ``configure_optimizers`` returned None
+    """Whether ``optimizer`` is Lightning's stand-in for a fit without an optimizer.
+
+    Whether ``optimizer`` is what Lightning steps when ``configure_optimizers`` returned None
     (``lightning.pytorch.core.optimizer._MockOptimizer``, lightning 2.6.6: a private name; the
     test of a fit without an optimizer fails if it moves). Not wrapped: nothing to step."""
     opt = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -77,8 +83,10 @@ def master_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
 
 
 def state_to_masters(opt: MixedPrecisionOptimizer) -> None:
-    """Move optimizer state back next to the masters when something moved it (Lightning's
-    ``_optimizer_to_device`` after loading, or its teardown): torch's load_state_dict re-places
+    """Move optimizer state back next to the masters when something moved it.
+
+    Lightning's ``_optimizer_to_device`` moves it after loading, and its teardown: torch's
+    load_state_dict re-places
     each param's floating state on its param's device, as MixedPrecisionOptimizer's own
     constructor does."""
     inner = opt.optimizer

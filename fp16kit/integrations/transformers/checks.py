@@ -1,4 +1,6 @@
-"""The checks of :class:`~fp16kit.integrations.transformers.MasterWeightsTrainer`, run before
+"""The checks of :class:`~fp16kit.integrations.transformers.MasterWeightsTrainer`, run before anything changes.
+
+The checks of :class:`~fp16kit.integrations.transformers.MasterWeightsTrainer`, run before
 the Trainer (or its accelerator) is built or a checkpoint is loaded, so a refused call changes
 nothing: the TrainingArguments and the model it can train "O2 style", and the checkpoints it
 can resume."""

@@ -154,13 +154,13 @@ class MasterWeightsTrainer(Trainer):
         callbacks = [_SynchronizeAtTrainEnd(self), *(named.get("callbacks") or [])]
         if "callbacks" in bound.signature.parameters:
             bound.arguments["callbacks"] = callbacks
-        else:
+        elif var_kw is not None:  # (with neither, bound.kwargs would not carry them either)
             bound.arguments[var_kw] = {**extra, "callbacks": callbacks}
         super().__init__(*bound.args, **bound.kwargs)
         # wraps the handler's method on the instance: keeps its class (a subclass's own handler)
         # and its attributes
         handler = self.callback_handler
-        handler.on_pre_optimizer_step = functools.partial(
+        handler.on_pre_optimizer_step = functools.partial(  # type: ignore[method-assign]  # this instance's only
             _checked_pre_optimizer_step, self, handler.on_pre_optimizer_step
         )
 
@@ -191,7 +191,9 @@ class MasterWeightsTrainer(Trainer):
         ignore_keys_for_eval: list[str] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """``Trainer.train``; a checkpoint to resume is checked first (before any state changes):
+        """``Trainer.train``, checking a checkpoint to resume first.
+
+        ``Trainer.train``; a checkpoint to resume is checked first (before any state changes):
         one saved by ``transformers.Trainer`` holds no fp32 master weights and is refused."""
         check_checkpoint(resume_from_checkpoint, self.args.output_dir)
         try:
@@ -225,7 +227,9 @@ class MasterWeightsTrainer(Trainer):
 
     # ------------------------------------------------------------------ reads of the weights
     def synchronize(self) -> None:
-        """Wait for an optimizer step in flight (``async_step=True``) and copy its masters into
+        """Wait for an optimizer step in flight and copy its masters into the model.
+
+        Wait for an optimizer step in flight (``async_step=True``) and copy its masters into
         the model; a no-op otherwise, or before ``train()`` created the optimizer."""
         opt = find_master_optimizer(self.optimizer)
         if opt is not None:
@@ -242,8 +246,9 @@ class MasterWeightsTrainer(Trainer):
         return super().predict(*args, **kwargs)
 
     def save_model(self, *args: Any, **kwargs: Any) -> None:
-        """``Trainer.save_model`` of the weights after the last optimizer step (also what a
-        checkpoint saves, so its weights match its masters)."""
+        """``Trainer.save_model`` of the weights after the last optimizer step.
+
+        Also what a checkpoint saves, so its weights match its masters."""
         self.synchronize()
         super().save_model(*args, **kwargs)
 

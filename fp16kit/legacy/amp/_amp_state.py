@@ -1,4 +1,6 @@
-"""apex.amp._amp_state: the process-wide amp state scripts read (``_amp_state.loss_scalers``,
+"""apex.amp._amp_state: the process-wide amp state scripts read, and apex's ``maybe_print`` / ``warn_or_err``.
+
+apex.amp._amp_state: the process-wide amp state scripts read (``_amp_state.loss_scalers``,
 ``opt_properties``, ``verbosity``, ...), and apex's ``maybe_print`` / ``warn_or_err`` (apex
 printed; these write apex's text to the ``fp16kit.apex`` logger, whose handler writes it to
 stdout: :mod:`fp16kit.legacy._messages`)."""
@@ -15,8 +17,18 @@ __all__ = ["AmpState", "_amp_state", "maybe_print", "warn_or_err", "master_param
 
 
 class AmpState:
-    """apex's ``AmpState``: attributes set by ``amp.initialize`` (``opt_properties``,
+    """apex's ``AmpState``: the attributes ``amp.initialize`` sets.
+
+    apex's ``AmpState``: attributes set by ``amp.initialize`` (``opt_properties``,
     ``loss_scalers``, ``verbosity``, ``min_loss_scale``, ``max_loss_scale``; ``handle`` at O1)."""
+
+    # set by amp.initialize (handle: also by amp.init); annotated only, so absent before it as in
+    # apex, where scripts test hasattr(_amp_state, "opt_properties")
+    opt_properties: Any
+    loss_scalers: list[Any]  # amp.scaler.LossScaler objects (that module imports this one)
+    min_loss_scale: float | None
+    max_loss_scale: float
+    handle: Any
 
     def __init__(self) -> None:
         self.hard_override = False
@@ -54,7 +66,9 @@ def warn_or_err(msg: str) -> None:
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Any:
-    """Every param of every group of ``optimizer``: the fp32 masters once amp created them (O2),
+    """Every param of every group of ``optimizer`` (the fp32 masters once amp created them, at O2).
+
+    Every param of every group of ``optimizer``: the fp32 masters once amp created them (O2),
     the model params before (frozen ones included). Clip these after ``scale_loss``."""
     for group in optimizer.param_groups:
         yield from group["params"]

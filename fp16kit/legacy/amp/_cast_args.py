@@ -1,5 +1,6 @@
-"""apex's argument rule for O1 casts (apex/amp/utils.py ``casted_args``), shared by the
-decorators of :mod:`.casts` and the op lists of :mod:`.o1_lists`.
+"""apex's argument rule for O1 casts (apex/amp/utils.py ``casted_args``).
+
+Shared by the decorators of :mod:`.casts` and the op lists of :mod:`.o1_lists`.
 
 Top-level positional and keyword arguments only; a list or tuple counts as one unit when all its
 items (recursively) are floating tensors, and is then rebuilt with every item converted (RNN
@@ -56,7 +57,9 @@ def float_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def cast_args(args: tuple, kwargs: dict, convert: Convert, keep: tuple[str, ...] = ()) -> tuple[list, dict]:
-    """``(args, kwargs)`` with ``convert`` applied to every floating tensor of the rule (keyword
+    """Return ``(args, kwargs)`` with ``convert`` applied to every floating tensor of the rule.
+
+    ``(args, kwargs)`` with ``convert`` applied to every floating tensor of the rule (keyword
     arguments named in ``keep`` pass as they are)."""
     new_args = [_convert(a, convert) for a in args]
     new_kwargs = {k: (v if k in keep else _convert(v, convert)) for k, v in kwargs.items()} if kwargs else {}

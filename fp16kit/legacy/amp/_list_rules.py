@@ -110,7 +110,9 @@ def _entries() -> list[tuple[Any, str, str]]:
 
 
 def read() -> Rules:
-    """The lists as they stand now, as rules (see the module docstring); TypeError, naming the
+    """Return the lists as they stand now, as rules (see the module docstring).
+
+    The lists as they stand now, as rules (see the module docstring); TypeError, naming the
     list and the fix, for an entry that is not a name."""
     entries = _entries()
     banned = _check(lists.functional_overrides, "BANNED_FUNCS", lists.functional_overrides.BANNED_FUNCS)

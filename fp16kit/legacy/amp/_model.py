@@ -1,6 +1,8 @@
-"""What ``amp.initialize`` does to models (docs/apex-amp.md §2.7-8, §4): the incoming checks, the
-cast (``convert_network`` keeps affine BatchNorm in fp32), the forward casting of inputs and
-outputs, and the state-dict hook that makes ``model.state_dict()`` fp32.
+"""What ``amp.initialize`` does to models (docs/apex-amp.md §2.7-8, §4).
+
+The incoming checks, the cast (``convert_network`` keeps affine BatchNorm in fp32), the
+forward casting of inputs and outputs, and the state-dict hook that makes
+``model.state_dict()`` fp32.
 
 Forward casting: the model's class becomes a subclass of its own class (same name, qualname
 and module; ``isinstance`` holds) whose ``forward`` casts around the user's ``forward``. apex
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import collections.abc
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -29,7 +32,9 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def to_type(dtype: torch.dtype, x: Any) -> Any:
-    """apex's ``applier(x, to_type(dtype))``: floating tensors -> ``dtype``; strings and
+    """apex's ``applier(x, to_type(dtype))``: cast floating tensors (walking containers) to ``dtype``.
+
+    apex's ``applier(x, to_type(dtype))``: floating tensors -> ``dtype``; strings and
     numpy arrays untouched; objects with ``.to`` -> ``x.to(dtype)``; Mappings and other
     iterables walked, keeping their type (namedtuples too); anything else untouched."""
     if isinstance(x, torch.Tensor):
@@ -44,7 +49,8 @@ def to_type(dtype: torch.dtype, x: Any) -> Any:
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
         return type(x)(*(to_type(dtype, v) for v in x))
     if isinstance(x, collections.abc.Iterable) and not isinstance(x, collections.abc.Iterator):
-        return type(x)(to_type(dtype, v) for v in x)
+        rebuild: Callable[..., Any] = type(x)  # a concrete iterable class, built from its items
+        return rebuild(to_type(dtype, v) for v in x)
     return x
 
 
@@ -61,7 +67,9 @@ _AMP_CLASSES: dict[tuple[type, Any, Any], type] = {}
 
 
 def amp_class(base: type, in_dtype: torch.dtype | None, out_dtype: torch.dtype) -> type:
-    """The subclass of ``base`` (same name and qualname) whose ``forward`` casts floating inputs
+    """The subclass of ``base`` whose ``forward`` casts its inputs and output around ``base.forward``.
+
+    The subclass of ``base`` (same name and qualname) whose ``forward`` casts floating inputs
     to ``in_dtype`` (None: no input cast) and the output to ``out_dtype`` around ``base.forward``.
     Made once per (base, dtypes)."""
     key = (base, in_dtype, out_dtype)
@@ -83,14 +91,22 @@ def amp_class(base: type, in_dtype: torch.dtype | None, out_dtype: torch.dtype) 
     return cls
 
 
-def _amp_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+if TYPE_CHECKING:
+
+    class _AmpModule(nn.Module):
+        """What the classes :func:`amp_class` makes have beyond their base (for the type checker)."""
+
+        _amp_cast_types: tuple[torch.dtype | None, torch.dtype]
+
+
+def _amp_forward(self: _AmpModule, *args: Any, **kwargs: Any) -> Any:
     in_dtype, out_dtype = type(self)._amp_cast_types
     if in_dtype is not None:
         args, kwargs = to_type(in_dtype, args), to_type(in_dtype, kwargs)
     return to_type(out_dtype, super(type(self), self).forward(*args, **kwargs))
 
 
-def _amp_reduce_ex(self: nn.Module, protocol: int) -> Any:
+def _amp_reduce_ex(self: _AmpModule, protocol: int) -> Any:
     # pickle and deepcopy rebuild the amp class from the user's class (found by its name)
     # (the state is applied after the object exists: references back to it are kept)
     base = type(self).__bases__[0]
@@ -98,7 +114,7 @@ def _amp_reduce_ex(self: nn.Module, protocol: int) -> Any:
 
 
 def _rebuild(base: type, cast_types: tuple[Any, Any]) -> nn.Module:
-    cls = amp_class(base, *cast_types)
+    cls = cast("type[nn.Module]", amp_class(base, *cast_types))  # a subclass of the user's module class
     return cls.__new__(cls)
 
 
@@ -110,8 +126,9 @@ def _set_casts(model: nn.Module, in_dtype: torch.dtype | None, out_dtype: torch.
 
 
 def fp32_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """This module's own fp16/bf16 params and buffers in ``state_dict`` -> fp32 (apex walked
-    the whole dict once per module)."""
+    """This module's own fp16/bf16 params and buffers in ``state_dict`` -> fp32.
+
+    apex walked the whole dict once per module."""
     for name in (*module._parameters, *module._buffers):
         key = prefix + name
         v = state_dict.get(key)
@@ -120,7 +137,9 @@ def fp32_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: 
 
 
 class RefreshMastersHook:
-    """``model.load_state_dict`` post hook: masters of the amp optimizers that no longer round
+    """A ``model.load_state_dict`` post hook that rebuilds stale amp masters from the loaded fp16 weights.
+
+    ``model.load_state_dict`` post hook: masters of the amp optimizers that no longer round
     to the loaded fp16 weights are rebuilt from them (§12 FIX; apex left them stale). Holds
     weak references; a copy or pickle of the model is tied to no optimizer."""
 

@@ -1,8 +1,10 @@
-"""What ``amp.initialize`` does to optimizers (docs/apex-amp.md §5, §8): the SAME optimizer object
-(its class kept) gets ``_amp_stash`` and apex's instance methods; with master weights (O2) its
-param groups hold fp32 masters after the lazy init, made by :class:`fp16kit.master_weights.groups.
-MasterGroups` / :class:`fp16kit.core.master.MasterParams` (the code FP16_Optimizer and
-MixedPrecisionOptimizer use). All tensor math runs in :mod:`fp16kit.core.kernels`.
+"""What ``amp.initialize`` does to optimizers (docs/apex-amp.md §5, §8).
+
+The SAME optimizer object (its class kept) gets ``_amp_stash`` and apex's instance methods; with
+master weights (O2) its param groups hold fp32 masters after the lazy init, made by
+:class:`fp16kit.master_weights.groups.MasterGroups` / :class:`fp16kit.core.master.MasterParams`
+(the code FP16_Optimizer and MixedPrecisionOptimizer use). All tensor math runs in
+:mod:`fp16kit.core.kernels`.
 
 Grad flow per non-delayed ``scale_loss`` (S = the loss scale of that backward)::
 
@@ -49,6 +51,10 @@ from .._messages import apex_logger, float_or_half
 from ._amp_state import _amp_state
 from .scaler import refuse_if_broken
 
+#: An optimizer amp.initialize patches: ``_amp_stash`` and apex's methods are instance attributes
+#: added at run time, which no static type of torch's describes.
+AmpOptimizer = Any
+
 __all__ = ["AmpOptimizerState", "process_optimizer", "unprepare", "unscale_into_stash", "MASTERS_KEY", "AMP_METHODS"]
 
 MASTERS_KEY = "amp_fp32_masters"
@@ -67,7 +73,9 @@ _ALLOWED = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class AmpOptimizerState:
-    """``optimizer._amp_stash``: apex's attribute names (``lazy_init_called``,
+    """``optimizer._amp_stash``: apex's attribute names plus the masters and the pending skips.
+
+    ``optimizer._amp_stash``: apex's attribute names (``lazy_init_called``,
     ``params_have_scaled_gradients``, ``all_fp16_params``, ``all_fp32_from_fp16_params``,
     ``all_fp32_from_fp32_params``, ...) plus the masters and the pending skips."""
 
@@ -102,7 +110,7 @@ def _all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- lazy init
-def _lazy_init(optimizer: torch.optim.Optimizer, master_weights: bool) -> None:
+def _lazy_init(optimizer: AmpOptimizer, master_weights: bool) -> None:
     stash = optimizer._amp_stash
     if stash.built:
         return
@@ -123,6 +131,7 @@ def _lazy_init(optimizer: torch.optim.Optimizer, master_weights: bool) -> None:
 
 def _record_master_lists(stash: AmpOptimizerState) -> None:
     groups = stash.master_groups
+    assert groups is not None  # _lazy_init set them just before
     stash.fp16_groups = [g.model_params for g in groups]
     stash.fp32_from_fp16_groups = [g.masters for g in groups]
     stash.fp32_from_fp32_groups = [g.direct for g in groups]
@@ -131,14 +140,14 @@ def _record_master_lists(stash: AmpOptimizerState) -> None:
     stash.all_fp32_from_fp32_params = [p for g in stash.fp32_from_fp32_groups for p in g]
 
 
-def _record_plain_lists(optimizer: torch.optim.Optimizer) -> None:
+def _record_plain_lists(optimizer: AmpOptimizer) -> None:
     stash = optimizer._amp_stash
     params = _all_params(optimizer)
     stash.all_fp16_params = [p for p in params if p.dtype in (torch.float16, torch.bfloat16)]
     stash.all_fp32_params = [p for p in params if p.dtype == torch.float32]
 
 
-def _stashed_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def _stashed_params(optimizer: AmpOptimizer) -> list[torch.Tensor]:
     """The params whose grads go through the stash: O2's fp32 params, else every param."""
     stash = optimizer._amp_stash
     if stash.master_groups is not None:
@@ -147,7 +156,7 @@ def _stashed_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- backward
-def _prepare(optimizer: torch.optim.Optimizer) -> None:
+def _prepare(optimizer: AmpOptimizer) -> None:
     optimizer._amp_lazy_init()
     stash = optimizer._amp_stash
     if stash.grads_at_entry:
@@ -166,8 +175,10 @@ def _prepare(optimizer: torch.optim.Optimizer) -> None:
     stash.grad_stash = {id(p): g for p, g in stash.grads_at_entry[len(cleared) - len(stashed) :]}
 
 
-def unprepare(optimizer: torch.optim.Optimizer) -> None:
-    """Undo the last ``_prepare_amp_backward``: every grad it changed as it was (a scale_loss
+def unprepare(optimizer: AmpOptimizer) -> None:
+    """Undo the last ``_prepare_amp_backward``, restoring every grad it changed.
+
+    Undo the last ``_prepare_amp_backward``: every grad it changed as it was (a scale_loss
     block that failed, or was interrupted, leaves the grads as before the ``with``)."""
     stash = optimizer._amp_stash
     for p, g in stash.grads_at_entry:
@@ -176,7 +187,7 @@ def unprepare(optimizer: torch.optim.Optimizer) -> None:
     stash.grad_stash = {}
 
 
-def _post(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+def _post(optimizer: AmpOptimizer, scaler: Any) -> None:
     optimizer._amp_lazy_init()
     stash = optimizer._amp_stash
     inv = scaler.inv_scale()
@@ -199,7 +210,7 @@ def _post(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
     stash.grads_at_entry = []
 
 
-def _post_stashed(optimizer: torch.optim.Optimizer, scaler: Any, inv: torch.Tensor) -> None:
+def _post_stashed(optimizer: AmpOptimizer, scaler: Any, inv: torch.Tensor) -> None:
     stash = optimizer._amp_stash
     params = _stashed_params(optimizer)
     new = unscale_into_stash(params, [stash.grad_stash.get(id(p)) for p in params], scaler, inv)
@@ -215,7 +226,9 @@ def _post_stashed(optimizer: torch.optim.Optimizer, scaler: Any, inv: torch.Tens
 def unscale_into_stash(
     params: list[torch.Tensor], stashed: list[torch.Tensor | None], scaler: Any, inv: torch.Tensor
 ) -> list[torch.Tensor]:
-    """After a scaled backward, for each param and its grad from before it (``stashed``):
+    """Unscale a backward's new grads into the stashed ones (apex's "unscale with stash").
+
+    After a scaled backward, for each param and its grad from before it (``stashed``):
     ``grad = new * inv + stashed`` -- ``new * inv`` with no stash, the stash with no new grad
     (apex's "unscale with stash"). The flags go to ``scaler``; returns the new grads."""
     alone: list[torch.Tensor] = []
@@ -240,7 +253,7 @@ def unscale_into_stash(
 
 
 # ---------------------------------------------------------------------- step and friends
-def _take_skip(optimizer: torch.optim.Optimizer) -> tuple[int, Any] | None:
+def _take_skip(optimizer: AmpOptimizer) -> tuple[int, Any] | None:
     """The first pending overflow since the last step (one host read), or None."""
     stash = optimizer._amp_stash
     if not stash.pending:
@@ -251,13 +264,13 @@ def _take_skip(optimizer: torch.optim.Optimizer) -> tuple[int, Any] | None:
     return first
 
 
-def _clear_master_grads(optimizer: torch.optim.Optimizer) -> None:
+def _clear_master_grads(optimizer: AmpOptimizer) -> None:
     stash = optimizer._amp_stash
     if stash.master_groups is not None:
         kernels.clear_grads_(stash.master_groups.masters.masters, set_to_none=True)
 
 
-def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: Any) -> Callable[..., Any]:
+def _make_step(optimizer: AmpOptimizer, master_weights: bool, casts: Any) -> Callable[..., Any]:
     old_step = optimizer.step
 
     @commit("optimizer.step()")  # one commit, torch's step hooks included
@@ -302,7 +315,7 @@ def _make_step(optimizer: torch.optim.Optimizer, master_weights: bool, casts: An
     return types.MethodType(step, optimizer)
 
 
-def _make_zero_grad(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
+def _make_zero_grad(optimizer: AmpOptimizer) -> Callable[..., None]:
     def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
         """apex zeroed the fp16 and fp32 grads in place and set the master grads to None;
         ``set_to_none=True`` sets them all to None (FIX: apex took no argument)."""
@@ -314,7 +327,7 @@ def _make_zero_grad(optimizer: torch.optim.Optimizer) -> Callable[..., None]:
     return types.MethodType(commit("optimizer.zero_grad()")(zero_grad), optimizer)
 
 
-def _make_add_param_group(optimizer: torch.optim.Optimizer, master_weights: bool) -> Callable[..., None]:
+def _make_add_param_group(optimizer: AmpOptimizer, master_weights: bool) -> Callable[..., None]:
     old_add = optimizer.add_param_group
 
     @commit("optimizer.add_param_group()")
@@ -350,7 +363,7 @@ def _make_add_param_group(optimizer: torch.optim.Optimizer, master_weights: bool
 
 
 def _make_checkpointing(
-    optimizer: torch.optim.Optimizer, master_weights: bool
+    optimizer: AmpOptimizer, master_weights: bool
 ) -> tuple[Callable[..., Any], Callable[..., None]]:
     """``state_dict`` / ``load_state_dict``, each one commit of the optimizer: ``state_dict``
     refuses after a second Ctrl-C broke a commit off (a checkpoint of half a change would be
@@ -388,7 +401,7 @@ def _make_checkpointing(
     )
 
 
-def _recovered_from_interrupt(optimizer: torch.optim.Optimizer) -> None:
+def _recovered_from_interrupt(optimizer: AmpOptimizer) -> None:
     """After ``load_state_dict`` recovered the optimizer from a commit a second Ctrl-C broke off:
     no backward in progress and no skip pending, as in a run resumed from that checkpoint (the
     model's grads are the next ``zero_grad()``'s, as there)."""
@@ -400,7 +413,9 @@ def _recovered_from_interrupt(optimizer: torch.optim.Optimizer) -> None:
 
 
 def within_commits(what: str, optimizers: list[Any], body: Callable[[], Any]) -> Any:
-    """``body()`` as one commit (:func:`fp16kit.core.interrupts.commit`) of each of ``optimizers``,
+    """Run ``body()`` as one commit of each of ``optimizers``, nested.
+
+    ``body()`` as one commit (:func:`fp16kit.core.interrupts.commit`) of each of ``optimizers``,
     nested: each refuses first if a second Ctrl-C broke one of its commits off (before ``body``
     changes anything), and a second Ctrl-C during ``body`` marks them all."""
     run = _commit_running(what)
@@ -450,7 +465,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             raise RuntimeError(f"Incoming optimizer already has {name} defined.")
 
 
-def process_optimizer(optimizer: torch.optim.Optimizer, properties: Any, casts: Any) -> torch.optim.Optimizer:
+def process_optimizer(optimizer: AmpOptimizer, properties: Any, casts: Any) -> torch.optim.Optimizer:
     """Give ``optimizer`` amp's stash and methods (in place; returns it)."""
     check_optimizer(optimizer)
     master_weights = bool(properties.master_weights)

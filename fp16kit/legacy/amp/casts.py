@@ -109,7 +109,9 @@ def _device_types() -> tuple[str, ...]:
 
 
 def read_lists() -> _list_rules.Rules:
-    """apex's op lists (``amp.lists``) as they stand now, ready for :func:`enable_o1`; TypeError,
+    """Return apex's op lists (``amp.lists``) as they stand now, ready for :func:`enable_o1`.
+
+    apex's op lists (``amp.lists``) as they stand now, ready for :func:`enable_o1`; TypeError,
     naming the list and the fix, for an entry that is not a function name."""
     return _list_rules.read()
 
@@ -121,8 +123,10 @@ def enable_o1(
     verbose: bool = False,
     rules: _list_rules.Rules | None = None,
 ) -> None:
-    """Switch O1 on for ``device_type`` on the calling thread, for good: autocast (float16) and
-    apex's op lists (:class:`.o1_lists.ApexLists`) for that device type.
+    """Switch O1 on for ``device_type`` on the calling thread, for good.
+
+    Autocast (float16) and apex's op lists (:class:`.o1_lists.ApexLists`) for that device
+    type.
 
     Every call reads ``amp.lists`` anew (or takes ``rules``, from :func:`read_lists`): the lists
     as edited up to now apply from here on, on every thread with O1 on; later edits wait for the
@@ -226,7 +230,9 @@ def _cast_call(fn: Callable, args: tuple, kwargs: dict, dtype_for: Callable[[tor
 
 
 def half_function(fn: Callable) -> Callable:
-    """``fn``'s floating tensor arguments go to autocast's low-precision dtype (float16 under
+    """Decorate ``fn`` to run in autocast's low-precision dtype while autocast is on.
+
+    ``fn``'s floating tensor arguments go to autocast's low-precision dtype (float16 under
     O1) while autocast is on for their device type; otherwise ``fn`` runs unchanged."""
 
     def dtype_for(t: torch.Tensor) -> torch.dtype | None:
@@ -241,7 +247,9 @@ def half_function(fn: Callable) -> Callable:
 
 
 def float_function(fn: Callable) -> Callable:
-    """``fn``'s floating tensor arguments go to float32 while autocast is on for their device
+    """Decorate ``fn`` to run in float32 while autocast is on for its arguments' device type.
+
+    ``fn``'s floating tensor arguments go to float32 while autocast is on for their device
     type; otherwise ``fn`` runs unchanged."""
 
     def dtype_for(t: torch.Tensor) -> torch.dtype | None:
@@ -255,7 +263,9 @@ def float_function(fn: Callable) -> Callable:
 
 
 def promote_function(fn: Callable) -> Callable:
-    """While autocast is on for their device type, ``fn``'s floating tensor arguments go to the
+    """Decorate ``fn`` to run in the widest floating dtype of its arguments while autocast is on.
+
+    While autocast is on for their device type, ``fn``'s floating tensor arguments go to the
     widest floating dtype among them (half + float -> float); otherwise ``fn`` runs unchanged."""
 
     @functools.wraps(fn)

@@ -1,5 +1,6 @@
-"""apex.amp.frontend: ``initialize``, ``state_dict``, ``load_state_dict`` and the opt levels
-(docs/apex-amp.md §2, §3, §9).
+"""apex.amp.frontend: ``initialize``, ``state_dict``, ``load_state_dict`` and the opt levels.
+
+See docs/apex-amp.md §2, §3, §9.
 
 ``initialize`` checks everything (levels, overrides, models, optimizers, the scaler settings)
 before it changes anything: an error leaves the models, the optimizers and ``_amp_state`` as they
@@ -197,7 +198,9 @@ def initialize(
     *,
     on_min_scale: str = "ignore",
 ) -> Any:
-    """apex's ``amp.initialize`` (docs/apex-amp.md §2): cast the models for ``opt_level``, give the
+    """apex's ``amp.initialize`` (docs/apex-amp.md §2): cast the models, patch the optimizers, create the scalers.
+
+    apex's ``amp.initialize`` (docs/apex-amp.md §2): cast the models for ``opt_level``, give the
     optimizers amp's methods, create ``num_losses`` loss scalers. Returns the same objects in
     the structure given.
 
@@ -303,7 +306,9 @@ def _check_num_losses(num_losses: Any) -> None:
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}`` (plain data); ``{}``
+    """Return the amp loss scalers' state as plain data (``{}`` before ``initialize``).
+
+    ``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}`` (plain data); ``{}``
     before ``initialize`` (FIX: apex raised AttributeError).
 
     A second Ctrl-C that breaks off one of amp's commits (fp16kit.core.interrupts) marks what it
@@ -352,10 +357,12 @@ def _as_number(kind: Any, value: Any) -> Any:
 
 
 def load_state_dict(state_dict: dict[str, Any]) -> None:
-    """Restore the scalers from ``amp.state_dict()``. Each ``loss_scaler{i}`` goes to scaler
-    ``i`` (FIX: apex matched by key order); an entry may also be a saved apex scaler (its
-    scale and clean-step count are taken). Everything is checked before anything changes
-    (FIX: apex applied the first entries, then raised)."""
+    """Restore the scalers from ``amp.state_dict()``.
+
+    Each ``loss_scaler{i}`` goes to scaler ``i`` (FIX: apex matched by key order); an
+    entry may also be a saved apex scaler (its scale and clean-step count are taken).
+    Everything is checked before anything changes (FIX: apex applied the first entries,
+    then raised)."""
     scalers = getattr(_amp_state, "loss_scalers", [])
     if len(state_dict) != len(scalers):
         apex_logger.warning(
@@ -391,7 +398,12 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
             ) from e
         updates.append((scalers[i], *entry))
     what = "amp.load_state_dict()"
-    with hold_interrupts(what, on_abandon=lambda: [scaler.mark_broken(what) for scaler, _, _ in updates]):
+
+    def abandon() -> None:  # a second Ctrl-C broke this off: each scaler may be half restored
+        for scaler, _, _ in updates:
+            scaler.mark_broken(what)
+
+    with hold_interrupts(what, on_abandon=abandon):
         for scaler, scale, unskipped in updates:  # all checked: now every scaler or none
             scaler._loss_scale = scale
             scaler._unskipped = unskipped

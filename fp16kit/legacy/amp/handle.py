@@ -1,5 +1,6 @@
-"""apex.amp.handle: ``scale_loss`` (docs/apex-amp.md §6), ``disable_casts``, and the 2018 handle
-API (§11): ``init``, ``AmpHandle`` / ``NoOpHandle`` and the ``wrap_optimizer`` wrapper.
+"""apex.amp.handle: ``scale_loss`` (docs/apex-amp.md §6), ``disable_casts``, and the 2018 handle API (§11).
+
+``init``, ``AmpHandle`` / ``NoOpHandle`` and the ``wrap_optimizer`` wrapper.
 
 The overflow check and the scale update run on the device at every non-delayed exit; the
 skip is applied (and apex's line logged) when ``optimizer.step()`` runs, which reads the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -50,7 +51,9 @@ def scale_loss(
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
 ) -> ScaleLoss:
-    """Yield ``loss.float() * S``; on exit unscale this backward's grads into what the
+    """Yield the scaled loss; on exit, unscale this backward's grads and update the scale.
+
+    Yield ``loss.float() * S``; on exit unscale this backward's grads into what the
     optimizers step (the masters at O2) and update the scale (see the module docstring and
     :class:`ScaleLoss`, what this returns)."""
     return ScaleLoss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
@@ -62,9 +65,10 @@ _FAILED = "amp.scale_loss's exit after an error in its block (the grads put back
 
 
 class ScaleLoss:
-    """The context manager :func:`scale_loss` returns; each side of the ``with`` is all or
-    nothing under Ctrl-C (a class, not a generator: contextlib's lines after the generator's
-    end would run after the exit's commit, outside it).
+    """The context manager :func:`scale_loss` returns; each side of the ``with`` is all or nothing under Ctrl-C.
+
+    A class, not a generator: contextlib's lines after the generator's end would run after
+    the exit's commit, outside it.
 
     * entry: the grads are put aside under :func:`~fp16kit.core.interrupts.hold_interrupts`;
       a SIGINT there is raised after they are put back, so the block never started (repeat
@@ -115,7 +119,8 @@ class ScaleLoss:
         except BaseException as e:
             self._put_back()  # the block never runs: nothing was changed
             if COMPLETED.format(what=_ENTRY) in getattr(e, "__notes__", ()):
-                e.__notes__.remove(COMPLETED.format(what=_ENTRY))  # it was not: repeat the with
+                # it was not: repeat the with (__notes__: Python 3.11's, found just above)
+                e.__notes__.remove(COMPLETED.format(what=_ENTRY))  # type: ignore[attr-defined]
             raise
 
     def _enter(self, scaler: LossScaler) -> torch.Tensor:
@@ -128,7 +133,7 @@ class ScaleLoss:
         self.mode = "scaled"
         return scaled
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if self.mode == "off":
             return False
         if self.mode == "float":
@@ -142,7 +147,8 @@ class ScaleLoss:
                     return False
             except KeyboardInterrupt as e:
                 if COMPLETED.format(what=_FAILED) in getattr(e, "__notes__", ()):
-                    e.__notes__.remove(COMPLETED.format(what=_FAILED))  # the with failed: repeat it
+                    # the with failed: repeat it (__notes__: Python 3.11's, found just above)
+                    e.__notes__.remove(COMPLETED.format(what=_FAILED))  # type: ignore[attr-defined]
                 raise
         # a second Ctrl-C marks the scaler this exit updates (the optimizers: within_commits)
         scaler = _amp_state.loss_scalers[self.loss_id]
@@ -182,7 +188,9 @@ class ScaleLoss:
 
 
 def disable_casts() -> Any:
-    """O1's casts off for the block (exception-safe); a no-op context at other levels (FIX:
+    """Turn O1's casts off for the block (exception-safe); a no-op context at other levels.
+
+    O1's casts off for the block (exception-safe); a no-op context at other levels (FIX:
     apex raised AttributeError without O1)."""
     properties = getattr(_amp_state, "opt_properties", None)
     handle = getattr(_amp_state, "handle", None)
@@ -237,7 +245,9 @@ def init(
 
 
 class AmpHandle:
-    """apex's ``AmpHandle``: ``is_active()``, ``wrap_optimizer()``, ``_disable_casts()``,
+    """apex's ``AmpHandle`` (the 2018 handle API).
+
+    apex's ``AmpHandle``: ``is_active()``, ``wrap_optimizer()``, ``_disable_casts()``,
     ``_deactivate()``; ``scale_loss`` raises apex's "old API" error."""
 
     def __init__(self, loss_scale: float | str = "dynamic", enable_caching: bool = True, verbose: bool = False) -> None:
@@ -292,7 +302,9 @@ class AmpHandle:
 
 
 class NoOpHandle:
-    """apex's ``NoOpHandle`` (``amp.init(enabled=False)``): inactive, so ``scale_loss`` yields the
+    """apex's ``NoOpHandle`` (``amp.init(enabled=False)``): inactive, so nothing is scaled.
+
+    apex's ``NoOpHandle`` (``amp.init(enabled=False)``): inactive, so ``scale_loss`` yields the
     loss as it is and wrapped optimizers step as they are."""
 
     def is_active(self) -> bool:
@@ -320,8 +332,9 @@ class NoOpHandle:
 
 
 class OptimWrapper:
-    """apex's ``handle.wrap_optimizer(optimizer, num_loss)``: one dynamic :class:`LossScaler` per
-    loss (apex amp's rule), used in order, ``num_loss`` losses per step::
+    """apex's ``handle.wrap_optimizer(optimizer, num_loss)``: one dynamic :class:`LossScaler` per loss.
+
+    apex amp's rule, the scalers used in order, ``num_loss`` losses per step::
 
         with opt.scale_loss(loss) as scaled:   # loss * S_k, k = the loss's index since the step
             scaled.backward()                  # (entry: the grads before this loss kept aside)
@@ -430,7 +443,9 @@ class OptimWrapper:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The optimizer's state, and the loss scalers if the checkpoint holds them (all checked
+        """Load the optimizer's state, and the loss scalers if the checkpoint holds them.
+
+        The optimizer's state, and the loss scalers if the checkpoint holds them (all checked
         first: an error loads nothing)."""
         saved = state_dict.get(SCALERS_KEY) if isinstance(state_dict, dict) else None
         scalers = None if saved is None else _saved_scalers(saved, self._num_loss)
@@ -507,12 +522,13 @@ _WRAPPER_FAILED = "the wrapped optimizer's scale_loss exit after an error in its
 
 
 class WrapperScaleLoss:
-    """The context manager ``OptimWrapper.scale_loss`` returns: each side of the ``with`` is one
-    commit of the wrapper, as :class:`ScaleLoss`'s -- a Ctrl-C at the entry is raised after the
-    grads are back (repeat the ``with``); an error in the block (a Ctrl-C in the backward
-    included) puts them back; a Ctrl-C at the exit's first line, before its commit, is raised
-    with nothing changed (the next entry puts the grads back first); one during the exit's
-    commit is raised after it, saying it was completed (go on with the next loss or ``step()``)."""
+    """The context manager ``OptimWrapper.scale_loss`` returns: each side of the ``with`` is one commit of the wrapper.
+
+    As :class:`ScaleLoss`'s -- a Ctrl-C at the entry is raised after the grads
+    are back (repeat the ``with``); an error in the block (a Ctrl-C in the backward included)
+    puts them back; a Ctrl-C at the exit's first line, before its commit, is raised with nothing
+    changed (the next entry puts the grads back first); one during the exit's commit is raised
+    after it, saying it was completed (go on with the next loss or ``step()``)."""
 
     def __init__(self, wrapper: OptimWrapper, loss: torch.Tensor) -> None:
         self.wrapper = wrapper
@@ -539,7 +555,7 @@ class WrapperScaleLoss:
             _drop_note(e, _WRAPPER_ENTRY)  # it was not completed: repeat the with
             raise
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if not self.active:
             return False
         if exc_type is not None:
@@ -557,4 +573,4 @@ class WrapperScaleLoss:
 
 def _drop_note(error: BaseException, what: str) -> None:
     if COMPLETED.format(what=what) in getattr(error, "__notes__", ()):
-        error.__notes__.remove(COMPLETED.format(what=what))
+        error.__notes__.remove(COMPLETED.format(what=what))  # type: ignore[attr-defined]  # 3.11's, found above

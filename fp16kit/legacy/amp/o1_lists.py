@@ -62,8 +62,9 @@ _RULES = _list_rules.Rules()  # replaced by install() at every O1 initialize
 
 
 def install(rules: _list_rules.Rules) -> None:
-    """Apply ``rules`` (:func:`._list_rules.read`) from now on, on every thread with O1 on
-    (apex's patches were process-wide)."""
+    """Apply ``rules`` (:func:`._list_rules.read`) from now on, on every thread with O1 on.
+
+    apex's patches were process-wide."""
     global _RULES
     _RULES = rules
 

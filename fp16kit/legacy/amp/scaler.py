@@ -42,9 +42,10 @@ _PICKLED = ("dynamic", "_loss_scale", "_max_loss_scale", "_scale_seq_len", "_uns
 
 
 class LossScaler(AmpLossScaler):
-    """apex's ``apex.amp.scaler.LossScaler`` (see the module docstring). Attributes scripts use:
-    ``loss_scale()``, ``_loss_scale`` (read and write), ``_unskipped``, ``_scale_seq_len``
-    (read and write), ``dynamic``, ``_min_loss_scale``, ``_max_loss_scale``,
+    """apex's ``apex.amp.scaler.LossScaler`` (see the module docstring).
+
+    Attributes scripts use: ``loss_scale()``, ``_loss_scale`` (read and write), ``_unskipped``,
+    ``_scale_seq_len`` (read and write), ``dynamic``, ``_min_loss_scale``, ``_max_loss_scale``,
     ``update_scale()``, ``clear_overflow_state()``, ``_overflow_buf`` (read and write; see below).
     ``_min_loss_scale`` / ``_max_loss_scale`` (read and write) take what ``amp.initialize``
     takes (FIX: apex took NaN, negative or 0 bounds, which reached the scale at the next
@@ -81,7 +82,7 @@ class LossScaler(AmpLossScaler):
             min_loss_scale,
             max_loss_scale,
             device=None,
-            on_min_scale=on_min_scale,  # type: ignore[arg-type]
+            on_min_scale=on_min_scale,
         )
         self._flags: list[dict[torch.device, torch.Tensor]] = []  # this backward's found-inf flags
         self._static_scale = None if self.dynamic else float(loss_scale)  # host copy (never updated)
@@ -104,7 +105,7 @@ class LossScaler(AmpLossScaler):
         self._overflow_buf_tensor = value
 
     # ------------------------------------------------------------------ apex's attributes
-    @property  # type: ignore[override]
+    @property
     def _loss_scale(self) -> float:
         return self._state.get_scale()
 
@@ -118,7 +119,7 @@ class LossScaler(AmpLossScaler):
         """A static scale of exactly 1.0 (scale_loss's short-circuit), without a device read."""
         return not self.dynamic and self._static_scale == 1.0
 
-    @property  # type: ignore[override]
+    @property
     def _unskipped(self) -> int:
         return self._state.get_growth_tracker() if self.dynamic else self._static_unskipped
 
@@ -129,7 +130,7 @@ class LossScaler(AmpLossScaler):
         else:
             self._static_unskipped = int(value)
 
-    @property  # type: ignore[override]
+    @property
     def _scale_seq_len(self) -> int:
         return self._state.growth_interval
 
@@ -138,7 +139,7 @@ class LossScaler(AmpLossScaler):
         check_window("_scale_seq_len", value)
         self._state.growth_interval = int(value)
 
-    @property  # type: ignore[override]
+    @property
     def _min_loss_scale(self) -> float | None:
         return self._state.min_scale
 
@@ -147,7 +148,7 @@ class LossScaler(AmpLossScaler):
         self._check_bounds(value, self._max_loss_scale)
         self._state.min_scale = float(value) if value else None
 
-    @property  # type: ignore[override]
+    @property
     def _max_loss_scale(self) -> float | None:
         return self._state.max_scale
 
@@ -194,7 +195,9 @@ class LossScaler(AmpLossScaler):
             kernels.clear_overflow_buf_(self._overflow_buf_tensor)
 
     def take_found(self) -> torch.Tensor | None:
-        """This backward's found-inf flag (a device tensor, no host read) when dynamic, None
+        """Return this backward's found-inf flag (a device tensor) when dynamic, None when static.
+
+        This backward's found-inf flag (a device tensor, no host read) when dynamic, None
         when static (never skips); the recorded flags are consumed. Pass it to :meth:`update`."""
         flags = [f for per in self._flags for f in per.values()]
         self._flags = []
@@ -212,8 +215,9 @@ class LossScaler(AmpLossScaler):
         return found
 
     def update_scale(self) -> bool:
-        """apex's ``update_scale()``: apply the rule; return whether the step must be skipped
-        (reads the flag on the host). Flags deferred by ``scale_loss(...,
+        """apex's ``update_scale()``: apply the rule; return whether the step must be skipped.
+
+        Reads the flag on the host. Flags deferred by ``scale_loss(...,
         delay_overflow_check=True)`` count here, once: they are consumed (zeroed in place, so the
         optimizer's next ``step()`` does not skip for them again) -- the script that delayed the
         check decided with this call (NVIDIA's BERT: no ``step()`` on overflow). One commit
@@ -230,14 +234,17 @@ class LossScaler(AmpLossScaler):
             return found is not None and bool(found.item())
 
     def defer(self, found: torch.Tensor) -> None:
-        """A ``scale_loss(..., delay_overflow_check=True)`` exit: keep its found flag for the
+        """Keep the found flag of a ``scale_loss(..., delay_overflow_check=True)`` exit for a later update.
+
+        A ``scale_loss(..., delay_overflow_check=True)`` exit: keep its found flag for the
         script's own ``update_scale()`` (apex: no update at that exit), or, if the script calls
         ``step()`` first, for :meth:`apply_deferred` there (FIX: apex never updated then)."""
         self._deferred.append(found)
 
     def apply_deferred(self) -> None:
-        """At ``optimizer.step()``: one scale update for the flags deferred since the last update
-        (the step itself skips on them through the optimizer's pending flags)."""
+        """At ``optimizer.step()``: one scale update for the flags deferred since the last update.
+
+        The step itself skips on them through the optimizer's pending flags."""
         if self._deferred:  # (inside the step's commit: a second Ctrl-C from here on marks this scaler)
             with hold_interrupts(
                 "optimizer.step()", on_abandon=functools.partial(self.mark_broken, "optimizer.step()")
@@ -247,7 +254,9 @@ class LossScaler(AmpLossScaler):
 
     # ------------------------------------------------------------------ a second Ctrl-C
     def mark_broken(self, what: str) -> None:
-        """A second Ctrl-C broke off ``what`` (an amp commit that changes this scaler) half way:
+        """Mark this scaler broken: a second Ctrl-C broke off ``what`` half way.
+
+        A second Ctrl-C broke off ``what`` (an amp commit that changes this scaler) half way:
         the scale and its counters are part old, part new. Until ``amp.load_state_dict`` restores
         this scaler (:meth:`restored`), amp's calls refuse (:func:`refuse_if_broken`)."""
         self.broken_by = what
@@ -268,7 +277,7 @@ class LossScaler(AmpLossScaler):
         :func:`fp16kit.legacy.load_checkpoint` and every ``load_state_dict``. Overflow flags of
         a backward in progress are not kept (apex cleared its own at the next backward)."""
         buf = self._overflow_buf_tensor
-        state = {
+        state: dict[str, Any] = {
             "dynamic": self.dynamic,
             "_loss_scale": self._loss_scale,
             "_max_loss_scale": self._max_loss_scale,
@@ -327,7 +336,9 @@ BROKEN = (
 
 
 def refuse_if_broken(scalers: list[LossScaler]) -> None:
-    """RuntimeError naming the fix if one of ``scalers`` was broken off by a second Ctrl-C
+    """Raise RuntimeError naming the fix if one of ``scalers`` was broken off by a second Ctrl-C.
+
+    RuntimeError naming the fix if one of ``scalers`` was broken off by a second Ctrl-C
     (:meth:`LossScaler.mark_broken`); changes nothing."""
     for scaler in scalers:
         if getattr(scaler, "broken_by", None) is not None:

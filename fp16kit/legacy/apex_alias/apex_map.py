@@ -1,5 +1,7 @@
-"""The one table of apex (and Megatron-LM v1) import paths fp16kit covers, shared by
-``fp16kit migrate`` (the codemod) and ``install_apex_alias()`` / ``fp16kit run`` (the import hook).
+"""The one table of apex (and Megatron-LM v1) import paths fp16kit covers.
+
+Shared by ``fp16kit migrate`` (the codemod) and ``install_apex_alias()`` / ``fp16kit run`` (the
+import hook).
 
 Contract::
 
@@ -228,8 +230,10 @@ def module_map(*, megatron: bool = False) -> Mapping[str, str]:
 
 
 def is_handled(path: str, *, megatron: bool = False, extensions: bool = False) -> bool:
-    """Whether ``path`` is under a name this table speaks for (``apex``, ``amp_C``; ``fp16`` and
-    ``megatron.fp16`` with ``megatron``; apex's other CUDA extension modules with ``extensions``)."""
+    """Whether ``path`` is under a name this table speaks for.
+
+    ``apex``, ``amp_C``; ``fp16`` and ``megatron.fp16`` with ``megatron``; apex's other CUDA
+    extension modules with ``extensions``."""
     root = path.partition(".")[0]
     if root in ROOTS or (extensions and root in EXTENSION_ROOTS):
         return True

@@ -1,5 +1,6 @@
-"""The ``apex`` distribution the apex alias reports while it stands in for all of apex, so that
-checks of apex's package metadata see it installed, as they saw NVIDIA apex::
+"""The ``apex`` distribution the apex alias reports while it stands in for all of apex.
+
+So that checks of apex's package metadata see it installed, as they saw NVIDIA apex::
 
     importlib.metadata.version("apex")            -> "0.1"   (NVIDIA apex's setup.py never changed
                                                               it: every build reported 0.1)
@@ -13,6 +14,7 @@ away with the alias. ``pkg_resources`` scans ``sys.path`` folders instead and do
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import sys
@@ -41,13 +43,15 @@ class ApexDistribution(Distribution):
             return "apex\n"
         return None
 
-    def locate_file(self, path: str | pathlib.PurePath) -> pathlib.Path:
+    def locate_file(self, path: str | os.PathLike[str]) -> pathlib.Path:
         # where fp16kit is installed: the folder its own distribution's files are relative to
         return pathlib.Path(__file__).resolve().parents[2] / path
 
 
 def find_apex_distribution(context: DistributionFinder.Context) -> Iterator[Distribution]:
-    """``ApexDistribution`` when ``context`` asks for ``apex`` (any spelling PEP 503 equates) or for
+    """Return ``ApexDistribution`` when ``context`` asks for ``apex`` (or for all) on the interpreter's own path.
+
+    ``ApexDistribution`` when ``context`` asks for ``apex`` (any spelling PEP 503 equates) or for
     all, on the interpreter's own path: a search of other folders (``distributions(path=[...])``,
     an installer looking at a target directory) must not find it there."""
     if list(context.path) != sys.path:

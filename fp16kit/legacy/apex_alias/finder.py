@@ -1,5 +1,6 @@
-"""An opt-in import hook: ``import apex`` (and every apex module fp16kit covers) resolves to
-fp16kit.legacy, for running apex-era code unmodified -- or, beside a real apex that lacks apex.amp /
+"""An opt-in import hook: ``import apex`` (and every apex module fp16kit covers) resolves to fp16kit.legacy.
+
+For running apex-era code unmodified -- or, beside a real apex that lacks apex.amp /
 apex.fp16_utils (NVIDIA apex >= 25.x, as NGC containers ship it), only what that apex lacks does.
 
 Contract::
@@ -137,7 +138,7 @@ class _RealPackageLoader(importlib.abc.Loader):
         try:
             self._real.exec_module(module)
         except Exception as e:
-            if module.__name__ == "apex":
+            if module.__name__ == "apex" and sys.version_info >= (3, 11):  # add_note is 3.11's
                 e.add_note(
                     "(fp16kit's apex alias left `import apex` to the installed apex, which failed; to use fp16kit.legacy "
                     "for all of apex instead: install_apex_alias(shadow=True) or `fp16kit run --shadow`)"
@@ -275,7 +276,7 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         )
         module.__path__ = []  # a package, so `import apex.amp` looks for apex.amp
         children = sorted(k.rpartition(".")[2] for k in self.table if k.rpartition(".")[0] == name)
-        module.__all__ = children  # `from apex import *` imports the covered submodules, as apex's did
+        module.__dict__["__all__"] = children  # `from apex import *` imports the covered submodules, as apex's did
         megatron = self.megatron
 
         def __getattr__(attr: str) -> Any:
@@ -291,7 +292,7 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
                 )
             return importlib.import_module(full)
 
-        module.__getattr__ = __getattr__  # type: ignore[attr-defined]
+        module.__dict__["__getattr__"] = __getattr__  # PEP 562: the module's own __getattr__
         return module
 
     def loaded(self, fullname: str, module: types.ModuleType) -> None:
@@ -504,7 +505,8 @@ def install_apex_alias(*, megatron: bool = False, shadow: bool = False) -> None:
 
 
 def uninstall_apex_alias() -> None:
-    """Undo install_apex_alias(): the finder and every ``apex`` entry it put in sys.modules go;
+    """Undo install_apex_alias(): the finder and every ``apex`` entry it put in sys.modules go.
+
     fp16kit's own modules stay imported; modules hidden by ``shadow=True`` come back."""
     global _installed
     with _LOCK:

@@ -1,5 +1,7 @@
-"""Turning an apex-era checkpoint into plain data, once: a file ``torch.load(weights_only=True)``
-reads, and fp16kit's loaders too (``fp16kit convert-checkpoint IN OUT``).
+"""Turning an apex-era checkpoint into plain data, once.
+
+A file ``torch.load(weights_only=True)`` reads, and fp16kit's loaders too (``fp16kit
+convert-checkpoint IN OUT``).
 
 :func:`convert_checkpoint` works on what :func:`fp16kit.legacy.load_checkpoint` returned;
 :func:`convert_file` reads, converts, checks and writes. What becomes what
@@ -68,7 +70,9 @@ MAX_DEPTH = 200
 
 
 class ConversionError(pickle.UnpicklingError, ValueError):
-    """An item of a loaded checkpoint :func:`convert_checkpoint` cannot convert: at ``where``
+    """An item of a loaded checkpoint that :func:`convert_checkpoint` cannot convert.
+
+    An item of a loaded checkpoint :func:`convert_checkpoint` cannot convert: at ``where``
     (e.g. ``optimizer.loss_scaler``), ``why``. A ValueError, and a ``pickle.UnpicklingError`` as
     every other refusal of a file :func:`convert_file` reads (one ``except`` for "not converted";
     from :func:`convert_file` the message names the file)."""
@@ -79,8 +83,10 @@ class ConversionError(pickle.UnpicklingError, ValueError):
 
 
 class OutputRefused(FileExistsError):
-    """:func:`convert_file` will not write ``dst`` (nothing written); ``reason`` is "exists",
-    "is_input" (both allowed by ``overwrite=True``), "is_directory" or "not_regular" (a FIFO, a device)."""
+    """:func:`convert_file` will not write ``dst`` (nothing written).
+
+    ``reason`` is "exists", "is_input" (both allowed by ``overwrite=True``), "is_directory" or
+    "not_regular" (a FIFO, a device)."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -89,8 +95,10 @@ class OutputRefused(FileExistsError):
 
 @dataclass(frozen=True)
 class Conversion:
-    """One item of a conversion report: at ``path`` in the checkpoint, ``before`` became
-    ``after`` (``changed`` False: kept as it was, with why in ``after``)."""
+    """One item of a conversion report.
+
+    At ``path`` in the checkpoint, ``before`` became ``after`` (``changed`` False: kept as
+    it was, with why in ``after``)."""
 
     path: str
     before: str
@@ -183,10 +191,10 @@ class _Converter:
             if hasattr(obj, "_metadata"):
                 out._metadata = obj._metadata  # type: ignore[attr-defined]
             return out
-        items = [self.convert(v, (*path, i)) for i, v in enumerate(obj)]
-        if all(a is b for a, b in zip(items, obj)):
+        converted = [self.convert(v, (*path, i)) for i, v in enumerate(obj)]
+        if all(a is b for a, b in zip(converted, obj)):
             return obj
-        return items if isinstance(obj, list) else tuple(items)
+        return converted if isinstance(obj, list) else tuple(converted)
 
     def _scaler(self, record: dict[str, Any], path: tuple[Any, ...]) -> Any:
         cls = record[CLASS_KEY]
@@ -345,7 +353,9 @@ def _describe_value(value: Any) -> str:
 
 
 def convert_checkpoint(obj: Any, *, torch_optimizer_state: bool = False) -> tuple[Any, list[Conversion]]:
-    """The plain-data form of ``obj`` (what :func:`fp16kit.legacy.load_checkpoint` returned),
+    """Return the plain-data form of ``obj`` and the report of what changed.
+
+    The plain-data form of ``obj`` (what :func:`fp16kit.legacy.load_checkpoint` returned),
     and the report of what changed. ``obj`` itself is not modified. See the module docstring.
     Raises :class:`ConversionError` (a ValueError) for a scaler record whose attributes do not
     match its class, and for a cycle or containers nested deeper than :data:`MAX_DEPTH`."""
@@ -382,7 +392,9 @@ def convert_file(
     torch_optimizer_state: bool = False,
     overwrite: bool = False,
 ) -> list[Conversion]:
-    """Read ``src`` with :func:`fp16kit.legacy.load_checkpoint`, convert it
+    """Convert the checkpoint ``src`` and write the result to ``dst``, atomically.
+
+    Read ``src`` with :func:`fp16kit.legacy.load_checkpoint`, convert it
     (:func:`convert_checkpoint`) and write ``dst`` (zip format), which is checked to load with
     ``torch.load(weights_only=True)`` before it replaces anything: ``dst`` is written to a
     temporary file beside it and renamed, so a failure leaves no partial file.

@@ -1,7 +1,8 @@
-"""What :func:`fp16kit.legacy.load_checkpoint` says when ``torch.load`` fails: one
-:class:`CheckpointRefused` (a ``pickle.UnpicklingError``) per kind of file it will not load, each
-naming the fix, and carrying its ``kind`` and ``subject`` for callers that word their own message
-(``fp16kit convert-checkpoint``).
+"""What :func:`fp16kit.legacy.load_checkpoint` says when ``torch.load`` fails.
+
+One :class:`CheckpointRefused` (a ``pickle.UnpicklingError``) per kind of file it will not load,
+each naming the fix, and carrying its ``kind`` and ``subject`` for callers that word their own
+message (``fp16kit convert-checkpoint``).
 
 =========================  ==========================================================
 the file (``kind``)        how it is told
@@ -53,8 +54,10 @@ _HEAD_BYTES = 512  # enough for a tar header's "ustar" at offset 257
 
 
 class CheckpointRefused(pickle.UnpicklingError):
-    """A file :func:`fp16kit.legacy.load_checkpoint` will not load. Beside the message (which
-    names the fix), for callers that word their own (the command line):
+    """A file :func:`fp16kit.legacy.load_checkpoint` will not load.
+
+    Beside the message (which names the fix), for callers that word their own (the command
+    line):
 
     ``kind``     ``subject``
     ===========  ==============================================================
@@ -81,7 +84,9 @@ _TORCH_ADVICE = re.compile(
 
 
 def torch_words(e: BaseException) -> str:
-    """torch's error ``e`` without its terminal colour codes and without its advice (re-run with
+    """torch's error ``e`` in one line, without its terminal colour codes and its advice.
+
+    torch's error ``e`` without its terminal colour codes and without its advice (re-run with
     ``weights_only=False``, ``add_safe_globals``): what it found, in one line."""
     text = _ANSI.sub("", str(e))
     _, found, after = text.partition("WeightsUnpickler error:")
@@ -354,7 +359,9 @@ def _size_after_start(opened: Any) -> str:
 
 
 def damaged(f: Any, start: int | None, *, records: str = "pickle", name: Any = None) -> CheckpointRefused | None:
-    """The error for a zip checkpoint whose records fail their CRC check (torch reads them
+    """The error for a zip checkpoint whose records fail their CRC check, or None.
+
+    The error for a zip checkpoint whose records fail their CRC check (torch reads them
     unchecked), or None: ``records="pickle"`` checks ``data.pkl`` only (cheap: what a flipped
     bit would silently change is the structure), ``"all"`` every record (reads the whole file).
     ``name``: how the message names the file (default: as ``f``)."""
@@ -412,8 +419,10 @@ def raw_name(info: zipfile.ZipInfo) -> bytes:
 
 
 def torch_folder(infos: list[zipfile.ZipInfo]) -> bytes | None:
-    """The folder torch's zip reader reads every record from: the first record's name up to and
-    including its first ``/`` (None: no records, or the first is in no folder -- torch refuses it)."""
+    """The folder torch's zip reader reads every record from.
+
+    The first record's name up to and including its first ``/`` (None: no records, or the first is
+    in no folder -- torch refuses it)."""
     if not infos:
         return None
     first = raw_name(infos[0])
@@ -422,8 +431,9 @@ def torch_folder(infos: list[zipfile.ZipInfo]) -> bytes | None:
 
 def torch_record(infos: list[zipfile.ZipInfo], name: str) -> zipfile.ZipInfo | None:
     """The record torch's reader finds for ``name`` (e.g. "data.pkl") in its folder, or None.
-    torch's reader (miniz) looks names up ignoring ASCII case, so a name is compared lower-cased
-    (the scan refuses archives with two records of one such name)."""
+
+    torch's reader (miniz) looks names up ignoring ASCII case, so a name is compared
+    lower-cased (the scan refuses archives with two records of one such name)."""
     folder = torch_folder(infos)
     if folder is None:
         return None
@@ -435,7 +445,9 @@ def torch_record(infos: list[zipfile.ZipInfo], name: str) -> zipfile.ZipInfo | N
 
 
 def apex_object_refused(path: str, kind: str, why: str) -> pickle.UnpicklingError:
-    """What one of fp16kit's classes of an apex name raises when ``pickle`` (``torch.load(...,
+    """The error an fp16kit class of an apex name raises for a whole apex object it cannot rebuild.
+
+    What one of fp16kit's classes of an apex name raises when ``pickle`` (``torch.load(...,
     weights_only=False)`` under fp16kit's apex alias) hands it a whole object apex pickled that
     it cannot be rebuilt from as it was: ``why``, and how to resume instead."""
     return pickle.UnpicklingError(

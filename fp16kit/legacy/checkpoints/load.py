@@ -86,7 +86,9 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 def load_checkpoint(f: Any, map_location: Any = None) -> Any:
-    """``torch.load`` for files written by apex-era code (e.g. ``torch.save({"model": ...,
+    """``torch.load`` for files written by apex-era code, without apex installed.
+
+    ``torch.load`` for files written by apex-era code (e.g. ``torch.save({"model": ...,
     "optimizer": fp16_optimizer.state_dict()}, f)``, Megatron-LM v1's checkpoints), without
     apex installed.
 
@@ -111,9 +113,11 @@ def load_checkpoint(f: Any, map_location: Any = None) -> Any:
 def read_checkpoint(
     f: Any, map_location: Any = None, *, plain_numpy: bool | None = None
 ) -> tuple[Any, list[tuple[tuple[Any, ...], Record, Any]]]:
-    """:func:`load_checkpoint`, also returning what each record became: ``(path, record,
-    value)`` per record, ``path`` the keys from the root. ``plain_numpy`` (default: whether
-    numpy is missing) turns numpy objects into tensors and Python numbers."""
+    """:func:`load_checkpoint`, also returning what each record became.
+
+    ``(path, record, value)`` per record, ``path`` the keys from the root. ``plain_numpy``
+    (default: whether numpy is missing) turns numpy objects into tensors and Python
+    numbers."""
     if map_location is None and not torch.cuda.is_available():
         map_location = "cpu"
     if plain_numpy is None:
@@ -298,7 +302,7 @@ def _plain(root: Any, finish: Callable[[Record, dict[str, Any] | None, tuple[Any
                 frame[3] = True
         else:
             obj = frame[0]
-            if isinstance(obj, Record):  # its path, while its frame is still on the stack
+            if isinstance(obj, (ScalerRecord, NamespaceRecord)):  # its path, while its frame is still on the stack
                 out = finish(obj, dict(zip(obj.attributes, plain)), path(None)[:-1])
             else:
                 out = _rebuilt(obj, plain) if frame[3] else obj
@@ -338,7 +342,9 @@ def _attributes(saved: Any) -> tuple[str, dict[str, Any]]:
 
 
 def scaler_state(saved: Any, *, current: dict[str, Any]) -> dict[str, Any]:
-    """The plain scaler state (fp16kit's form, see ``AmpLossScaler.state_dict``) of any saved
+    """The plain scaler state (fp16kit's form) of any saved scaler form.
+
+    The plain scaler state (fp16kit's form, see ``AmpLossScaler.state_dict``) of any saved
     form: fp16kit's dict, an apex era-2 ``apex.amp.scaler.LossScaler`` or an era-1
     ``apex.fp16_utils.loss_scaler.LossScaler``/``DynamicLossScaler`` (apex's object, the
     fp16kit object of that name ``torch.load(..., weights_only=False)`` makes of it under

@@ -1,4 +1,6 @@
-"""The non-tensor objects apex-era checkpoints pickle, and the inert stand-ins
+"""The non-tensor objects apex-era checkpoints pickle, and the inert stand-ins they load as.
+
+The non-tensor objects apex-era checkpoints pickle, and the inert stand-ins
 :func:`fp16kit.legacy.load_checkpoint` unpickles them into (docs/apex-others.md §6).
 
 torch's weights-only unpickler resolves a pickle's globals through an allow-list. For each path
@@ -81,8 +83,9 @@ CLASS_KEY = "__apex_class__"
 
 
 def saved_scaler(obj: Any) -> dict[str, Any] | None:
-    """What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler
-    (``{CLASS_KEY: path, attributes...}``), for a live object of one of
+    """What :func:`fp16kit.legacy.load_checkpoint` makes of a pickled apex or Megatron scaler.
+
+    That is ``{CLASS_KEY: path, attributes...}``, here made for a live object of one of
     :data:`FP16KIT_SCALER_CLASSES` (e.g. what ``torch.load(..., weights_only=False)`` returned
     under ``fp16kit run``); None for anything else. The object is only read. ValueError if it
     holds none of its attributes: a pickle may build one without its state (NEWOBJ with no
@@ -160,8 +163,10 @@ class _AttributeRecord(Record):
 
 
 class ScalerRecord(_AttributeRecord):
-    """An apex or Megatron loss scaler: its attributes, exactly as pickled. ``reads_as`` is the
-    class it stands for (its own path, or for one of fp16kit's classes the apex one)."""
+    """An apex or Megatron loss scaler: its attributes, exactly as pickled.
+
+    ``reads_as`` is the class it stands for (its own path, or for one of fp16kit's classes
+    the apex one)."""
 
     reads_as = ""
 
@@ -215,7 +220,9 @@ _LITTLE = sys.byteorder == "little"
 
 
 class DtypeRecord(Record):
-    """``numpy.dtype(obj, align, copy)`` then ``BUILD (version, byteorder, subarray, names,
+    """A pickled simple ``numpy.dtype``.
+
+    ``numpy.dtype(obj, align, copy)`` then ``BUILD (version, byteorder, subarray, names,
     fields, elsize, alignment, flags[, metadata])``. Simple dtypes only: a kind in "biufcSU",
     no fields, no sub-array."""
 
@@ -283,6 +290,9 @@ class ScalarRecord(Record):
     """A numpy number (``numpy.core.multiarray.scalar(dtype, raw bytes)``)."""
 
     _path = "numpy.core.multiarray.scalar"
+    # set by _scalar; annotated only, so a record unpickled without them has neither in __dict__
+    dtype: DtypeRecord
+    raw: bytes
 
 
 def _reconstruct(cls: Any, shape: Any, typecode: Any) -> NdarrayRecord:
@@ -368,7 +378,7 @@ def _plain_array(shape: tuple[int, ...], dtype: DtypeRecord, raw: bytes, fortran
         if fortran and len(dims) > 1:
             raise pickle.UnpicklingError("a Fortran-ordered text array is read only with numpy installed")
         n = dtype.itemsize
-        items = [data[i : i + n] for i in range(0, len(data), n)]
+        items: list[Any] = [data[i : i + n] for i in range(0, len(data), n)]
         if dtype.kind == "U":
             items = [it.decode("utf-32-le" if _LITTLE else "utf-32-be").rstrip("\0") for it in items]
         else:
@@ -413,7 +423,9 @@ def _numpy_dtype(np: Any, dtype: DtypeRecord) -> Any:
 
 
 def decode(record: Record, *, plain: bool) -> Any:
-    """A numpy record's value: a numpy object when numpy is installed and ``plain`` is False;
+    """A numpy record's value, as a numpy object or as plain data.
+
+    A numpy record's value: a numpy object when numpy is installed and ``plain`` is False;
     otherwise a tensor (arrays of numbers), a Python number (scalars), nested lists (text
     arrays) or numpy's ``dtype.str`` (a dtype)."""
     np = None if plain else _numpy()

@@ -1,7 +1,8 @@
-"""torch's weights-only allow-list while fp16kit's apex alias is installed: ``torch.load(f)`` (torch
->= 2.6's default, ``weights_only=True``) reads the loss scalers apex-era optimizer checkpoints pickle,
-as fp16kit's own scaler classes -- the only non-plain objects in an apex ``FP16_Optimizer`` (or
-Megatron-LM v1 optimizer) state dict.
+"""torch's weights-only allow-list while fp16kit's apex alias is installed.
+
+``torch.load(f)`` (torch >= 2.6's default, ``weights_only=True``) reads the loss scalers apex-era
+optimizer checkpoints pickle, as fp16kit's own scaler classes -- the only non-plain objects in an apex
+``FP16_Optimizer`` (or Megatron-LM v1 optimizer) state dict.
 
 Contract::
 
@@ -54,8 +55,9 @@ _ASIDE: list[list[Any]] = []  # the entries each replacing() in progress will pu
 
 
 def entry_path(entry: Any) -> str:
-    """The path an allow-list entry answers to (torch's rule: a tuple's string, else the object's
-    ``__module__.__qualname__``)."""
+    """The path an allow-list entry answers to.
+
+    torch's rule: a tuple's string, else the object's ``__module__.__qualname__``."""
     if isinstance(entry, tuple):
         return entry[1] if len(entry) == 2 and isinstance(entry[1], str) else ""  # torch refuses it at load
     return f"{getattr(entry, '__module__', '')}.{getattr(entry, '__qualname__', '')}"
@@ -83,7 +85,9 @@ def _scaler_entries(fp16kit_module: Callable[[str], str | None]) -> list[tuple[t
         if target is None:
             continue
         cls = getattr(importlib.import_module(target), name, None)
-        own = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else None
+        if not isinstance(cls, type):
+            continue
+        own = f"{cls.__module__}.{cls.__qualname__}"
         if own not in FP16KIT_SCALER_CLASSES:
             continue  # only fp16kit's scaler classes, whatever a table says
         entries += [(cls, path), (cls, own)]
@@ -91,7 +95,9 @@ def _scaler_entries(fp16kit_module: Callable[[str], str | None]) -> list[tuple[t
 
 
 def allow(fp16kit_module: Callable[[str], str | None]) -> list[Any]:
-    """Put fp16kit's scaler classes on torch's allow-list under the apex (and Megatron) paths the
+    """Put fp16kit's scaler classes on torch's allow-list under the apex paths and their own.
+
+    Put fp16kit's scaler classes on torch's allow-list under the apex (and Megatron) paths the
     alias maps to them, and under their own (see the module docstring). Returns what was added."""
     wanted = _scaler_entries(fp16kit_module)
     with _LOCK:
@@ -110,7 +116,7 @@ def allow(fp16kit_module: Callable[[str], str | None]) -> list[Any]:
                 )
                 continue
             added.append(entry)
-        torch.serialization.add_safe_globals(added)
+        torch.serialization.add_safe_globals(list(added))  # a copy typed as torch's parameter
     return added
 
 
@@ -125,7 +131,9 @@ def disallow(entries: Iterable[Any]) -> None:
 
 @contextlib.contextmanager
 def replacing(entries: Iterable[Any]) -> Iterator[None]:
-    """``entries`` on torch's allow-list for the duration, in place of every other entry of one of
+    """Put ``entries`` on torch's allow-list for the duration, in place of others of their paths.
+
+    ``entries`` on torch's allow-list for the duration, in place of every other entry of one of
     their paths (restored afterwards, unless :func:`disallow` took it off meanwhile)."""
     entries = list(entries)
     paths = {entry_path(e) for e in entries}

@@ -1,4 +1,6 @@
-"""What a checkpoint file may make :func:`fp16kit.legacy.load_checkpoint` do, checked before any
+"""Bounds on what a checkpoint file may make :func:`fp16kit.legacy.load_checkpoint` do, checked first.
+
+What a checkpoint file may make :func:`fp16kit.legacy.load_checkpoint` do, checked before any
 of it is inflated or handed to torch: work and memory bounded by a constant times the file's size.
 
 torch's weights-only reader bounds *which* code a pickle reaches, not how much work or memory it
@@ -97,7 +99,9 @@ _SMALL_RECORDS = (
 
 
 def open_regular(f: Any) -> tuple[Any, bool]:
-    """``(file object to read, whether we opened it)`` for a path or file object ``f``;
+    """Open ``f`` for reading, refusing anything that is not a regular file.
+
+    ``(file object to read, whether we opened it)`` for a path or file object ``f``;
     CheckpointRefused (kind ``not_file``) when it is not a regular file. A path is opened with
     O_NONBLOCK and checked with fstat before anything is read (a FIFO would wait for a writer
     forever); a file object with a descriptor is checked the same way."""
@@ -143,7 +147,9 @@ def _check_regular(f: Any, mode: int) -> None:
 
 
 def scan(f: Any, opened: Any) -> Scanned | None:
-    """Check the file ``opened`` (``f`` as the caller named it) as the module docstring says,
+    """Check the file ``opened`` as the module docstring says, leaving its position where it was.
+
+    Check the file ``opened`` (``f`` as the caller named it) as the module docstring says,
     leaving its position where it was. Raises CheckpointRefused; returns what was scanned (hand
     torch :func:`bounded` of it), or None for a file object that reads text. torch may read it
     (or it is no checkpoint format at all: torch and the error messages say so)."""
@@ -179,8 +185,10 @@ _RECORDED_CHUNK = 1 << 12  # what the scan reads at a time past what it needs (k
 
 
 class Scanned:
-    """What :func:`scan` checked: where the file ended then, and every byte it read (the zip's
-    directory and headers, data.pkl; the legacy format's pickles and storage headers)."""
+    """What :func:`scan` checked: where the file ended then, and every byte it read.
+
+    The zip's directory and headers, data.pkl; the legacy format's pickles and storage
+    headers."""
 
     def __init__(self, end: int, snapshot: _Snapshot) -> None:
         self.end, self.snapshot = end, snapshot
@@ -299,11 +307,13 @@ class _Window(io.RawIOBase):
 
 
 def bounded(opened: Any, scanned: Scanned) -> io.BufferedReader:
-    """``opened`` as :func:`scan` checked it, for torch to read: nothing past where the file
-    ended then, and the bytes the scan read as it read them. A zip's directory is read from the
-    end of the file: appended to while it is loaded (another process saving into it), the file
-    would point torch at records the scan never saw; rewritten in place (the same size), at a
-    pickle the scan never saw. Tensor data the scan did not read is read as the file holds it."""
+    """``opened`` as :func:`scan` checked it, for torch to read.
+
+    Nothing past where the file ended then, and the bytes the scan read as it read them. A
+    zip's directory is read from the end of the file: appended to while it is loaded (another
+    process saving into it), the file would point torch at records the scan never saw;
+    rewritten in place (the same size), at a pickle the scan never saw. Tensor data the scan
+    did not read is read as the file holds it."""
     return io.BufferedReader(_Window(opened, scanned), 1 << 16)
 
 
@@ -331,11 +341,11 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
                     "damaged",
                 )
         for small in _SMALL_RECORDS:
-            info = records.get((folder + small.encode()).lower())
-            if info is not None and info.file_size > 64:
+            small_info = records.get((folder + small.encode()).lower())
+            if small_info is not None and small_info.file_size > 64:
                 raise refused(
                     f,
-                    f"its record {info.filename!r} holds {info.file_size:,} bytes; torch.save writes a few",
+                    f"its record {small_info.filename!r} holds {small_info.file_size:,} bytes; torch.save writes a few",
                     "damaged",
                 )
         try:
@@ -353,14 +363,14 @@ def _scan_zip(f: Any, opened: Any, budget: Budget) -> None:
     prefix = folder.decode("cp437")
     for key, nbytes in scanner.storages.items():
         name = f"{prefix}data/{key}"
-        info = records.get((folder + b"data/" + key.encode("utf-8", "surrogatepass")).lower())
-        if info is None:
+        stored = records.get((folder + b"data/" + key.encode("utf-8", "surrogatepass")).lower())
+        if stored is None:
             raise refused(f, f"its pickle names storage {key!r}, but the archive holds no record {name!r}", "damaged")
-        if info.file_size != nbytes:
+        if stored.file_size != nbytes:
             raise refused(
                 f,
-                f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {info.filename!r} "
-                f"holds {info.file_size:,}",
+                f"its pickle claims {nbytes:,} bytes for storage {key!r}, but record {stored.filename!r} "
+                f"holds {stored.file_size:,}",
                 "damaged",
             )
 
@@ -494,7 +504,9 @@ def _scan_legacy(f: Any, opened: Any, end: int, budget: Budget) -> None:
 
 
 def check_regular(f: Any) -> None:
-    """CheckpointRefused (kind ``not_file``) when the path ``f`` exists and is not a regular file
+    """Refuse the path ``f`` when it exists and is not a regular file.
+
+    CheckpointRefused (kind ``not_file``) when the path ``f`` exists and is not a regular file
     (nothing is opened)."""
     try:
         mode = os.stat(f).st_mode
@@ -504,11 +516,12 @@ def check_regular(f: Any) -> None:
 
 
 def check_file(f: Any, *, crc: bool = False) -> None:
-    """:func:`open_regular` and :func:`scan` for the path or file object ``f``, under the allow-list
-    :func:`fp16kit.legacy.load_checkpoint` reads with (a caller that looks at a file before loading
-    it); with ``crc``, then every record of a zip checkpoint CRC-checked (``convert_file``), read
-    from the same open file as scanned (the path could name another by then, or the file have
-    grown a directory the scan never saw)."""
+    """:func:`open_regular` and :func:`scan` for the path or file object ``f``.
+
+    Under the allow-list :func:`fp16kit.legacy.load_checkpoint` reads with (a caller that looks at
+    a file before loading it); with ``crc``, then every record of a zip checkpoint CRC-checked
+    (``convert_file``), read from the same open file as scanned (the path could name another by
+    then, or the file have grown a directory the scan never saw)."""
     from .errors import damaged
     from .records import SAFE_GLOBALS
     from .safe_globals import replacing

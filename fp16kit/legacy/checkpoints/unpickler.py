@@ -1,6 +1,7 @@
-"""The opcode simulation behind :mod:`fp16kit.legacy.checkpoints.scan`: one pickle, opcode by
-opcode, the way torch's weights-only reader runs it, knowing of each value only its kind, size
-and nesting depth -- never building it.
+"""The opcode simulation behind :mod:`fp16kit.legacy.checkpoints.scan`.
+
+One pickle, opcode by opcode, the way torch's weights-only reader runs it, knowing of each
+value only its kind, size and nesting depth -- never building it.
 
 The scan stops (returns False) where torch's reader refuses the file on its own, cleanly: at an
 opcode outside its set (protocol 3+), at a global it does not allow; everything before was
@@ -33,7 +34,7 @@ checked. Per call it knows what the callee builds::
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -202,8 +203,9 @@ def _hash(v: _V) -> int | None:
         return None
     if v.hashed is _UNHASHED:  # worked out once: a shared tuple is a key many times over
         items = [_hash(i) for i in v.value]
-        v.hashed = None if None in items else hash(tuple(_Hash(h) for h in items))
-    return v.hashed
+        known = [h for h in items if h is not None]
+        v.hashed = None if len(known) < len(items) else hash(tuple(_Hash(h) for h in known))
+    return cast("int | None", v.hashed)  # no longer _UNHASHED: worked out just above
 
 
 def _stand_in_paths() -> frozenset[str]:
@@ -248,8 +250,10 @@ class _Stop(Exception):
 
 
 class Scanner:
-    """One file's pickles, simulated (see the module docstring). ``storages``: storage key ->
-    bytes its pickle claims; ``itemsizes``: key -> element size."""
+    """One file's pickles, simulated (see the module docstring).
+
+    ``storages``: storage key -> bytes its pickle claims; ``itemsizes``: key -> element
+    size."""
 
     def __init__(self, f: Any, stream: Any, size: int, budget: Budget, *, legacy: bool) -> None:
         self.f, self.stream, self.size, self.budget, self.legacy = f, stream, size, budget, legacy
@@ -282,7 +286,9 @@ class Scanner:
 
     # ----------------------------------------------------------------- the loop
     def run(self, expect: int | None = None) -> bool:
-        """Scan one pickle up to its STOP; False where torch refuses it by itself (stop), or
+        """Scan one pickle up to its STOP; False where torch would refuse it.
+
+        Scan one pickle up to its STOP; False where torch refuses it by itself (stop), or
         where it is not the int ``expect`` (torch refuses such a file after reading it)."""
         out = self._pickle()
         return out is not None and (expect is None or out.kind == "int" and out.value == expect)
@@ -422,7 +428,7 @@ class Scanner:
             raise _Stop  # torch: "Can only append to lists" / "Can only SETITEM for dict"
         self._grow(target, items, f"an item of a {kind}")
         if kind == "dict":
-            self._keys(target, items[::2])
+            self._keys(cast(_Keyed, target), items[::2])  # a "dict" value is made as a _Keyed
 
     def _keys(self, target: _Keyed, keys: list[_V], copied: _V | None = None) -> None:
         """``keys`` hashed into the dict or set ``target`` (or all the keys of ``copied``): Python
@@ -434,8 +440,8 @@ class Scanner:
             if copied.counts:
                 if counts is None:
                     counts = target.counts = {}
-                for h, n in copied.counts.items():
-                    counts[h] = counts.get(h, 0) + n
+                for known, n in copied.counts.items():
+                    counts[known] = counts.get(known, 0) + n
             steps = copied.steps
         for key in keys:
             h = _hash(key)

@@ -1,5 +1,6 @@
-"""apex.contrib -> fp16kit.legacy.contrib: the parts of apex.contrib that BERT-era fp16 scripts
-import (``apex.contrib.optimizers``)."""
+"""apex.contrib -> fp16kit.legacy.contrib: the parts of apex.contrib that BERT-era fp16 scripts import.
+
+``apex.contrib.optimizers``."""
 
 from . import optimizers
 

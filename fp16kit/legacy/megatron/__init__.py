@@ -1,4 +1,6 @@
-"""Megatron-LM v1's ``fp16`` package (``fp16/`` 2019-03 to 10, ``megatron/fp16/`` to 2020-12, and
+"""Megatron-LM v1's ``fp16`` package, as ``fp16kit.legacy.megatron``.
+
+Megatron-LM v1's ``fp16`` package (``fp16/`` 2019-03 to 10, ``megatron/fp16/`` to 2020-12, and
 the forks that copied it: THUDM/GLM, sentiment-discovery): ``from fp16 import ...`` and
 ``from megatron.fp16 import ...`` become ``from fp16kit.legacy.megatron import ...``.
 

@@ -1,4 +1,6 @@
-"""Megatron-LM v1 ``fp16/fp16.py`` (``megatron/fp16/fp16.py``): ``FP16_Module`` and the
+"""Megatron-LM v1 ``fp16/fp16.py``: ``FP16_Module`` and Megatron's ``FP16_Optimizer``.
+
+Megatron-LM v1 ``fp16/fp16.py`` (``megatron/fp16/fp16.py``): ``FP16_Module`` and the
 ``FP16_Optimizer`` Megatron copied from apex's era-1 ``fp16_utils`` and extended.
 
 Megatron's training loop, which this optimizer reproduces::
@@ -51,13 +53,17 @@ MODEL_PARALLEL_ATTRIBUTES = ("model_parallel", "tensor_model_parallel", "partiti
 
 
 class FP16_Module(nn.Module):
-    """Megatron's FP16_Module: ``module.half()`` behind fp32 inputs and outputs (kwargs never
-    cast; integer inputs unchanged). ``state_dict``/``load_state_dict`` are the child's (keys
-    without a ``module.`` prefix), as is ``state_dict_for_save_checkpoint``; inside another
-    module, the keys its wrapper saved load back (FIX, see :meth:`_load_from_state_dict`).
+    """Megatron's FP16_Module: ``module.half()`` behind fp32 inputs and outputs.
+
+    Kwargs never cast; integer inputs unchanged. ``state_dict``/``load_state_dict`` are the
+    child's (keys without a ``module.`` prefix), as is ``state_dict_for_save_checkpoint``;
+    inside another module, the keys its wrapper saved load back (FIX, see
+    :meth:`_load_from_state_dict`).
 
     ``pipeline_first_stage`` / ``pipeline_last_stage`` (keyword only; Megatron asked its
     ``mpu``): only the first pipeline stage casts its inputs and only the last its outputs."""
+
+    module: nn.Module  # registered by add_module: a submodule, not what nn.Module.__getattr__ may return
 
     def __init__(
         self, module: nn.Module, *, pipeline_first_stage: bool = True, pipeline_last_stage: bool = True
@@ -77,18 +83,17 @@ class FP16_Module(nn.Module):
         outputs = self.module(*inputs, **kwargs)
         return fp16_to_fp32(outputs) if self.pipeline_last_stage else outputs
 
-    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def state_dict_for_save_checkpoint(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """The child's ``state_dict_for_save_checkpoint`` (a MegatronModule's), else its
-        ``state_dict``."""
+        """The child's ``state_dict_for_save_checkpoint`` (a MegatronModule's), else its ``state_dict``."""
         child = getattr(self.module, "state_dict_for_save_checkpoint", None)
         if child is None:
             return self.state_dict(destination, prefix, keep_vars)
         return child(destination, prefix, keep_vars)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
@@ -166,10 +171,10 @@ class FP16_Optimizer(_FP16_Optimizer):
         )
         super().__init__(
             init_optimizer,
-            static_loss_scale,
+            static_loss_scale,  # type: ignore[arg-type]  # None is Megatron's; only its _new_loss_scaler reads it
             dynamic_loss_scale,
             dynamic_loss_args,
-            verbose,  # type: ignore[arg-type]
+            verbose,
         )
         self._copy_model_parallel_attributes(self.all_fp16_params, self.all_fp32_from_fp16_params)
 
@@ -182,8 +187,9 @@ class FP16_Optimizer(_FP16_Optimizer):
         return _megatron_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, self._model_parallel_group)
 
     def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2) -> float:
-        """Megatron's :func:`~fp16kit.legacy.megatron.clip_grad_norm` over ``model_parallel_group``
-        (what :meth:`clip_master_grads` calls); returns the total norm, a Python float."""
+        """Megatron's :func:`~fp16kit.legacy.megatron.clip_grad_norm` over ``model_parallel_group``.
+
+        What :meth:`clip_master_grads` calls; returns the total norm, a Python float."""
         return clip_grad_norm(parameters, max_norm, norm_type, model_parallel_group=self._model_parallel_group)
 
     @staticmethod
@@ -216,14 +222,16 @@ class FP16_Optimizer(_FP16_Optimizer):
         apex_logger.log(logging.WARNING if self.verbose else logging.DEBUG, message)
 
     # ------------------------------------------------------------------ the loop
-    def backward(  # type: ignore[override]
+    def backward(
         self,
         loss: Any,
         update_master_grads: bool = True,
         retain_graph: bool = False,
         output_tensor_grad: Any = None,
     ) -> None:
-        """``(loss.float() * loss_scale).backward(retain_graph=...)``, then
+        """Backward the scaled loss, then :meth:`update_master_grads` unless told not to.
+
+        ``(loss.float() * loss_scale).backward(retain_graph=...)``, then
         :meth:`update_master_grads` unless told not to. With ``output_tensor_grad`` (a pipeline
         middle stage): ``torch.autograd.backward(loss, output_tensor_grad)``, unscaled (the
         later stage scaled those grads already)."""
@@ -234,7 +242,9 @@ class FP16_Optimizer(_FP16_Optimizer):
             self.update_master_grads()
 
     def update_master_grads(self) -> None:
-        """fp16 model grads -> fp32 master grads * 1/scale (None where the model grad is None),
+        """Unscale the fp16 model grads into the fp32 master grads and check them for inf/NaN.
+
+        fp16 model grads -> fp32 master grads * 1/scale (None where the model grad is None),
         fp32 params' grads * 1/scale in place, one non-finite check (max-reduced over the
         model-parallel group if given) setting ``overflow``; only a dynamic scaler checks.
         The scale itself changes in :meth:`step`."""
@@ -252,8 +262,10 @@ class FP16_Optimizer(_FP16_Optimizer):
             flags = kernels.all_reduce_found_inf(flags, self._device, group)
         self._overflow = kernels.combine_found_inf(flags.values(), self._device) != 0
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Update the scale with ``overflow`` (every call); on overflow log Megatron's line and
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update the scale; on overflow skip the step, else step the masters and copy them into the model.
+
+        Update the scale with ``overflow`` (every call); on overflow log Megatron's line and
         return None; else step the masters (with the closure if given) and copy them into the
         fp16 params, returning the inner step's value."""
         if closure is None and not self._grads_since_step:

@@ -1,4 +1,6 @@
-"""Megatron-LM v1 ``fp16/fp16util.py``: apex's fp16util helpers (the same functions as
+"""Megatron-LM v1 ``fp16/fp16util.py``: apex's fp16util helpers with Megatron's ``clip_grad_norm``.
+
+Megatron-LM v1 ``fp16/fp16util.py``: apex's fp16util helpers (the same functions as
 :mod:`fp16kit.legacy.fp16util`) with Megatron's ``clip_grad_norm`` (``mpu.clip_grad_norm``).
 
 ``clip_grad_norm(parameters, max_norm, norm_type=2)``, as Megatron's model-parallel code::
@@ -94,8 +96,9 @@ def clip_grad_norm(
     *,
     model_parallel_group: Any = None,
 ) -> float:
-    """Clip the grads of ``parameters`` by their total norm, Megatron's way (see the module
-    docstring); return the total norm as a Python float."""
+    """Clip the grads of ``parameters`` by their total norm, Megatron's way.
+
+    See the module docstring; returns the total norm as a Python float."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]

@@ -1,4 +1,6 @@
-"""Megatron-LM v1 ``fp16/loss_scaler.py`` (``megatron/fp16/loss_scaler.py``): ``LossScaler`` and
+"""Megatron-LM v1 ``fp16/loss_scaler.py``: ``LossScaler`` and ``DynamicLossScaler``.
+
+Megatron-LM v1 ``fp16/loss_scaler.py`` (``megatron/fp16/loss_scaler.py``): ``LossScaler`` and
 ``DynamicLossScaler`` with Megatron's ``min_scale``, ``delayed_shift`` hysteresis and
 ``consecutive_hysteresis``.
 
@@ -82,9 +84,7 @@ def _backward(scale: Any, output_tensor: Any, retain_graph: bool, output_tensor_
 class LossScaler(_era1.LossScaler):
     """Megatron's static scaler: ``loss * scale`` before backward, never an overflow."""
 
-    def backward(  # type: ignore[override]
-        self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None
-    ) -> None:
+    def backward(self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None) -> None:
         _backward(self.loss_scale, output_tensor, retain_graph, output_tensor_grad)
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,8 +149,8 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
         self.model_parallel_group = model_parallel_group
 
     # ---------------------------------------------------------------- Megatron's attributes
-    @property
-    def scale_window(self) -> float:  # type: ignore[override]
+    @property  # type: ignore[override]  # Megatron's window is a float; apex's is an int attribute
+    def scale_window(self) -> float:
         return self._scale_window
 
     @scale_window.setter
@@ -211,7 +211,9 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
             self._int_scale = self._int_scale and isinstance(self.scale_factor, int)
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
-        """True if any param's grad holds inf or NaN, on this rank or (with a
+        """True if any param's grad holds inf or NaN, on this rank or on any rank of the model-parallel group.
+
+        True if any param's grad holds inf or NaN, on this rank or (with a
         ``model_parallel_group`` and ``torch.distributed`` initialised) on any rank of the group."""
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
@@ -221,9 +223,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
             flags = kernels.all_reduce_found_inf(flags, device, group)
         return bool(kernels.combine_found_inf(flags.values(), device).item())
 
-    def backward(  # type: ignore[override]
-        self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None
-    ) -> None:
+    def backward(self, output_tensor: Any, retain_graph: bool = False, output_tensor_grad: Any = None) -> None:
         _backward(self.loss_scale, output_tensor, retain_graph, output_tensor_grad)
 
     # ---------------------------------------------------------------- checkpoints
@@ -233,7 +233,9 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
     @classmethod
     def from_attributes(cls, attrs: dict[str, Any], *, model_parallel_group: Any = None) -> DynamicLossScaler:
-        """A scaler with the saved attributes; those older code did not pickle take
+        """A scaler with the saved attributes (defaults for those older code did not pickle).
+
+        A scaler with the saved attributes; those older code did not pickle take
         :data:`OLD_PICKLE_DEFAULTS` (``consecutive_hysteresis=True``, unlike the constructor).
         Raises ``ValueError`` naming what is missing or invalid."""
         missing = [k for k in _DYNAMIC_ATTRS[:5] if k not in attrs]
@@ -271,9 +273,10 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
 
 def scaler_from_state(saved: Any, *, model_parallel_group: Any = None) -> LossScaler | DynamicLossScaler:
-    """A Megatron scaler from any saved form: this module's ``state_dict()``, fp16kit's plain
-    apex-scaler state (a converted file's), the dict
-    ``fp16kit.legacy.load_checkpoint`` makes of a pickled ``megatron.fp16.loss_scaler.*`` /
+    """A Megatron scaler from any saved form.
+
+    This module's ``state_dict()``, fp16kit's plain apex-scaler state (a converted file's), the
+    dict ``fp16kit.legacy.load_checkpoint`` makes of a pickled ``megatron.fp16.loss_scaler.*`` /
     ``fp16.loss_scaler.*`` / ``apex.fp16_utils.loss_scaler.*`` object (``{"__apex_class__":
     path, attributes...}``), or a live scaler object (also one fp16kit's apex alias unpickled an
     apex or Megatron scaler as). Raises ``ValueError`` for anything else."""
@@ -344,7 +347,9 @@ def _window(value: Any) -> int:
 
 
 def check_number(name: str, value: Any, *, positive: bool) -> None:
-    """ValueError unless ``value`` is a finite int or float > 0 (``positive``) or >= 0 (an int too
+    """Raise ValueError unless ``value`` is a finite int or float > 0 (or >= 0).
+
+    ValueError unless ``value`` is a finite int or float > 0 (``positive``) or >= 0 (an int too
     large for a float, such as 10**400, is none: no scale Megatron computed)."""
     try:
         ok = (

@@ -1,4 +1,6 @@
-"""apex.normalization: change ``from apex.normalization import ...`` to
+"""apex.normalization as ``fp16kit.legacy.normalization``: apex's fused layer and RMS norms.
+
+apex.normalization: change ``from apex.normalization import ...`` to
 ``from fp16kit.legacy.normalization import ...`` (FusedLayerNorm, MixedFusedLayerNorm,
 FusedRMSNorm, MixedFusedRMSNorm; see :mod:`.fused_layer_norm`)."""
 

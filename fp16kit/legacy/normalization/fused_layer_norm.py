@@ -64,7 +64,9 @@ def _mixed_kwargs(cls: str, kwargs: dict[str, Any]) -> None:
 
 
 class FusedLayerNorm(nn.LayerNorm):
-    """``FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
+    """apex's ``FusedLayerNorm``: ``nn.LayerNorm`` computing :func:`fp16kit.nn.layer_norm`.
+
+    ``FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
     ``nn.LayerNorm`` (weight=1, bias=0) computing :func:`fp16kit.nn.layer_norm`."""
 
     def __init__(
@@ -83,7 +85,9 @@ class FusedLayerNorm(nn.LayerNorm):
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):
-    """``MixedFusedLayerNorm(normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs)``:
+    """apex's ``MixedFusedLayerNorm``: always affine; fp32 math, output in the weight's dtype.
+
+    ``MixedFusedLayerNorm(normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs)``:
     always affine; fp32 math, output in the weight's dtype (:func:`fp16kit.nn.mixed_layer_norm`)."""
 
     def __init__(
@@ -97,8 +101,12 @@ class MixedFusedLayerNorm(FusedLayerNorm):
 
 
 class FusedRMSNorm(nn.RMSNorm):
-    """``FusedRMSNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
+    """apex's ``FusedRMSNorm``: ``nn.RMSNorm`` computing apex's formula.
+
+    ``FusedRMSNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
     ``nn.RMSNorm`` (weight=1) computing apex's formula (:func:`fp16kit.nn.rms_norm`)."""
+
+    eps: float  # apex's constructor always sets it (nn.RMSNorm's may be None)
 
     def __init__(
         self,
@@ -116,7 +124,9 @@ class FusedRMSNorm(nn.RMSNorm):
 
 
 class MixedFusedRMSNorm(FusedRMSNorm):
-    """``MixedFusedRMSNorm(normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs)``:
+    """apex's ``MixedFusedRMSNorm``: always affine; output in the weight's dtype.
+
+    ``MixedFusedRMSNorm(normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs)``:
     always affine; output in the weight's dtype (:func:`fp16kit.nn.mixed_rms_norm`)."""
 
     def __init__(

@@ -1,5 +1,6 @@
-"""apex.optimizers -> fp16kit.legacy.optimizers: apex's fused optimizers as facades over
-:mod:`fp16kit.optim` (CPU and CUDA, no extension), and the fused-era ``FP16_Optimizer``.
+"""apex.optimizers -> fp16kit.legacy.optimizers: apex's fused optimizers as facades over :mod:`fp16kit.optim`.
+
+The facades run on CPU and CUDA, with no extension; the fused-era ``FP16_Optimizer`` is here too.
 
 ``FusedMixedPrecisionLamb`` (2022) is not provided: importing it raises ImportError naming
 ``FusedLAMB`` inside ``fp16kit.MixedPrecisionOptimizer``.

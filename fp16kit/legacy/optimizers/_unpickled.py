@@ -1,4 +1,6 @@
-"""apex's fused optimizers pickled whole (``torch.save(optimizer)``) and loaded under fp16kit's
+"""apex's fused optimizers pickled whole and loaded under fp16kit's apex alias.
+
+apex's fused optimizers pickled whole (``torch.save(optimizer)``) and loaded under fp16kit's
 apex alias (``torch.load(..., weights_only=False)`` in ``fp16kit run``): what fp16kit's class of
 the same name rebuilds, or refuses.
 
@@ -45,7 +47,9 @@ def decays(state: dict[str, Any], *, with_momentum: bool = False) -> bool:
 
 
 def settings_or_refusal(cls: type[torch.optim.Optimizer], state: dict[str, Any], lost: list[str]) -> dict[str, Any]:
-    """The settings of ``cls`` built with apex's defaults (its constructor's), for ``state``
+    """The settings of ``cls`` built with apex's defaults, for ``state`` unpickled without them.
+
+    The settings of ``cls`` built with apex's defaults (its constructor's), for ``state``
     unpickled without them; refused when one of ``lost`` (apex's argument names) would have
     changed the updates."""
     if lost:

@@ -1,5 +1,6 @@
-"""apex.optimizers.fused_adagrad: ``FusedAdagrad``, a facade over :class:`fp16kit.optim.Adagrad`
-(L2 mode = ``torch.optim.Adagrad(lr, eps=1e-10, weight_decay=wd)``; W mode has no torch twin)."""
+"""apex.optimizers.fused_adagrad: ``FusedAdagrad``, a facade over :class:`fp16kit.optim.Adagrad`.
+
+L2 mode = ``torch.optim.Adagrad(lr, eps=1e-10, weight_decay=wd)``; W mode has no torch twin."""
 
 from __future__ import annotations
 

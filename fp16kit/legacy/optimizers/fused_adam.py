@@ -1,4 +1,6 @@
-"""apex.optimizers.fused_adam: ``FusedAdam``, a facade over :class:`fp16kit.optim.Adam`
+"""apex.optimizers.fused_adam: ``FusedAdam``, a facade over :class:`fp16kit.optim.Adam` and ``LegacyAdam``.
+
+apex.optimizers.fused_adam: ``FusedAdam``, a facade over :class:`fp16kit.optim.Adam`
 (the rule since 2019-08) and :class:`fp16kit.optim.LegacyAdam` (the 2018-12 to 2019-08 rule).
 
 * Built as apex's current class, it is Adam/AdamW with one step per param group and refuses
@@ -31,9 +33,11 @@ UPDATED = (
 
 
 class FusedAdam(StepWithGrads, Adam):
-    """apex.optimizers.FusedAdam (see the module docstring). ``capturable`` is accepted and
-    changes nothing (same numbers as unscale-then-step); ``master_weights`` needs it, as in
-    apex, and is not provided: wrap the optimizer in ``fp16kit.MixedPrecisionOptimizer``."""
+    """apex.optimizers.FusedAdam (see the module docstring).
+
+    ``capturable`` is accepted and changes nothing (same numbers as unscale-then-step);
+    ``master_weights`` needs it, as in apex, and is not provided: wrap the optimizer in
+    ``fp16kit.MixedPrecisionOptimizer``."""
 
     display_name = "FusedAdam"
     supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
@@ -101,7 +105,7 @@ class FusedAdam(StepWithGrads, Adam):
         return settings_or_refusal(FusedAdam, state, lost)
 
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self,
         closure: Callable[[], Any] | None = None,
         grads: Any = None,

@@ -1,5 +1,6 @@
-"""apex.optimizers.fused_lamb: ``FusedLAMB``, a facade over :class:`fp16kit.optim.LAMB`
-(apex's 2020-04 rule; FIX: ``max_grad_norm <= 0`` disables clipping instead of zeroing grads)."""
+"""apex.optimizers.fused_lamb: ``FusedLAMB``, a facade over :class:`fp16kit.optim.LAMB`.
+
+apex's 2020-04 rule; FIX: ``max_grad_norm <= 0`` disables clipping instead of zeroing grads."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ __all__ = ["FusedLAMB"]
 
 
 class FusedLAMB(LAMB):
-    """apex.optimizers.FusedLAMB: apex's signature and defaults (eps 1e-6, weight_decay 0.01,
+    """apex.optimizers.FusedLAMB, with apex's signature and defaults.
+
+    apex.optimizers.FusedLAMB: apex's signature and defaults (eps 1e-6, weight_decay 0.01,
     clipping at a global grad norm of 1.0)."""
 
     display_name = "FusedLAMB"

@@ -13,7 +13,9 @@ __all__ = ["FusedNovoGrad"]
 
 
 class FusedNovoGrad(NovoGrad):
-    """apex.optimizers.FusedNovoGrad: apex's signature, defaults and layout
+    """apex.optimizers.FusedNovoGrad, with apex's signature, defaults and layout.
+
+    apex.optimizers.FusedNovoGrad: apex's signature, defaults and layout
     (``group['exp_avg_sq']`` = [fp16 norms, fp32 norms])."""
 
     display_name = "FusedNovoGrad"

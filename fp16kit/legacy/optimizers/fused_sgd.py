@@ -1,5 +1,6 @@
-"""apex.optimizers.fused_sgd: ``FusedSGD``, a facade over :class:`fp16kit.optim.SGD`
-(``torch.optim.SGD`` plus ``wd_after_momentum``; momentum buffers start per param, torch's rule)."""
+"""apex.optimizers.fused_sgd: ``FusedSGD``, a facade over :class:`fp16kit.optim.SGD`.
+
+``torch.optim.SGD`` plus ``wd_after_momentum``; momentum buffers start per param, torch's rule."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ __all__ = ["FusedSGD"]
 
 
 class FusedSGD(SGD):
-    """apex.optimizers.FusedSGD: apex's signature (``lr`` required) and defaults;
+    """apex.optimizers.FusedSGD, with apex's signature (``lr`` required) and defaults.
+
+    apex.optimizers.FusedSGD: apex's signature (``lr`` required) and defaults;
     ``materialize_master_grads`` is accepted (it only mattered under apex amp O2)."""
 
     display_name = "FusedSGD"

@@ -40,14 +40,18 @@ ReduceOp = dist.ReduceOp
 def convert_syncbn_model(
     module: nn.Module, process_group: dist.ProcessGroup | None = None, channel_last: bool = False
 ) -> nn.Module:
-    """Every ``_BatchNorm`` in ``module`` (never InstanceNorm) becomes a :class:`SyncBatchNorm`
+    """Convert every ``_BatchNorm`` in ``module`` into a :class:`SyncBatchNorm` sharing its state.
+
+    Every ``_BatchNorm`` in ``module`` (never InstanceNorm) becomes a :class:`SyncBatchNorm`
     sharing its Parameters, running statistics, ``num_batches_tracked`` and train/eval mode.
     Returns the converted module; use the return value (a top-level BatchNorm is replaced)."""
     return convert_sync_batchnorm(module, process_group, channel_last)
 
 
 def create_syncbn_process_group(group_size: int) -> dist.ProcessGroup | None:
-    """``group_size`` 0: None (the whole world). Else every rank creates all groups of
+    """Create the process groups of ``group_size`` consecutive ranks; return this rank's (None: the world).
+
+    ``group_size`` 0: None (the whole world). Else every rank creates all groups of
     ``group_size`` consecutive ranks (a collective: call it on every rank) and gets its own."""
     if group_size == 0:
         return None

@@ -228,8 +228,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._apex_hook_state.allreduce_always_fp32 = value
 
     def disable_allreduce(self) -> None:
-        """Skip the all-reduce of the grads of the following forward/backward (torch's
-        ``no_sync()``); grads accumulate locally until :meth:`enable_allreduce`."""
+        """Skip the all-reduce of the grads of the following forward/backward (torch's ``no_sync()``).
+
+        Grads accumulate locally until :meth:`enable_allreduce`."""
         self.require_backward_grad_sync = False
 
     def enable_allreduce(self) -> None:
@@ -283,7 +284,9 @@ def _extract_tensors(maybe_tensor: Any, tensor_list: list[torch.Tensor]) -> None
 
 
 def apply_flat_dist_call(bucket: list[torch.Tensor], call: Any, extra_args: Any = None) -> None:
-    """apex's: ``call(flat, *extra_args)`` on the flattened ``bucket`` (one type), ÷ world size
+    """apex's: ``call(flat, *extra_args)`` on the flattened ``bucket``, copied back.
+
+    apex's: ``call(flat, *extra_args)`` on the flattened ``bucket`` (one type), ÷ world size
     when ``call is dist.all_reduce``, copied back."""
     call_coalesced(bucket, call, extra_args, one_bucket=True)
 
@@ -297,8 +300,9 @@ def split_by_type(tensors: Any) -> dict[str, list[torch.Tensor]]:
 
 
 def split_half_float_double(tensors: Any) -> list[list[torch.Tensor]]:
-    """apex's: the half, float and double tensors, as up to three lists in that order (apex matched
-    CUDA type names only; CPU tensors count here too)."""
+    """apex's: the half, float and double tensors, as up to three lists in that order.
+
+    apex matched CUDA type names only; CPU tensors count here too."""
     tensors = list(tensors)
     buckets = []
     for dtype in (torch.float16, torch.float32, torch.float64):

@@ -1,4 +1,6 @@
-"""apex.parallel.multiproc, apex's launcher (``python -m apex.parallel.multiproc train.py ARGS``),
+"""apex.parallel.multiproc, apex's launcher, is not provided: torch's ``torchrun`` replaces it.
+
+apex.parallel.multiproc, apex's launcher (``python -m apex.parallel.multiproc train.py ARGS``),
 is not provided: torch's ``torchrun`` replaces it. Running this module says how, naming the
 script and arguments it was given."""
 
@@ -24,8 +26,9 @@ def _message(argv: list[str] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Refuse to launch (RuntimeError), naming the torchrun command for ``argv`` (apex's
-    ``sys.argv[1:]`` by default: the script and its arguments)."""
+    """Refuse to launch (RuntimeError), naming the torchrun command for ``argv``.
+
+    apex's ``sys.argv[1:]`` by default: the script and its arguments."""
     raise RuntimeError(_message(argv))
 
 

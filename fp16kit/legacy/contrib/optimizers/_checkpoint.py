@@ -1,5 +1,6 @@
-"""Checkpoints of the fused-era FP16_Optimizer (docs/apex-others.md §1.5): checks, and the two
-master layouts apex wrote.
+"""Checkpoints of the fused-era FP16_Optimizer (docs/apex-others.md §1.5): checks and master layouts.
+
+The checks, and the two master layouts apex wrote:
 
 * per-param (2019-12+): ``fp32_groups`` = one list of fp32 tensors per group; the inner
   optimizer's state has one entry per param.
@@ -114,7 +115,9 @@ def _whole(sd: dict[str, Any], key: str, low: int) -> int:
 
 
 def dynamic_settings(sd: dict[str, Any]) -> tuple[float, int, int]:
-    """``(scale_factor, scale_window, last_overflow_iter)`` of a dynamic-scale checkpoint as
+    """The dynamic-scale settings of a checkpoint as Python numbers, checked.
+
+    ``(scale_factor, scale_window, last_overflow_iter)`` of a dynamic-scale checkpoint as
     Python numbers (apex's defaults 2.0, 1000, -1 where absent); ValueError for values the
     scale rule cannot use (a factor that is not a finite number > 1, a window < 1, ...)."""
     factor = _number(sd.get("scale_factor", 2.0))
@@ -146,8 +149,10 @@ def masters_from_state(
 
 
 def optimizer_state_from(sd: dict[str, Any], fp16_groups: list[list[torch.Tensor]]) -> dict[str, Any]:
-    """The inner optimizer's state dict in the per-param layout: as saved, or (flat layout)
-    each group's one flat state split into one state per current param."""
+    """The inner optimizer's state dict in the per-param layout.
+
+    As saved, or (flat layout) each group's one flat state split into one state per
+    current param."""
     osd = sd["optimizer_state_dict"]
     # apex's flat version stepped one flat master per group: its state is flat (even for a
     # group of one param, whose state then has the param's numel but not its shape)
@@ -174,8 +179,10 @@ def optimizer_state_from(sd: dict[str, Any], fp16_groups: list[list[torch.Tensor
 
 
 def check_unpickled_settings(opt: torch.optim.Optimizer, state: dict[str, Any], settings: tuple[str, ...]) -> None:
-    """Refuse, in ``__setstate__``, an optimizer apex pickled whole (what ``torch.load(...,
-    weights_only=False)`` hands fp16kit's class under the apex alias): torch's pickling kept its
+    """Refuse, in ``__setstate__``, an optimizer apex pickled whole.
+
+    That is what ``torch.load(..., weights_only=False)`` hands fp16kit's class under the apex
+    alias: torch's pickling kept its
     param groups and state but not the settings the step reads, which nothing can recover (apex's
     own unpickled optimizer failed at its first step). torch's ``load_state_dict`` also goes
     through ``__setstate__``, on a built optimizer: left alone."""

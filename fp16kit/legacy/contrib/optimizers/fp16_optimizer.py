@@ -1,6 +1,7 @@
-"""apex.contrib.optimizers.fp16_optimizer (and apex.optimizers.fp16_optimizer): the fused-era
-``FP16_Optimizer`` that BERT-era scripts (HF pytorch-pretrained-BERT, NVIDIA BERT, SpanBERT,
-OpenNMT-py ``-optim fusedadam``) wrap around the legacy ``FusedAdam``::
+"""apex.contrib.optimizers.fp16_optimizer (and apex.optimizers.fp16_optimizer): the fused-era ``FP16_Optimizer``.
+
+That BERT-era scripts (HF pytorch-pretrained-BERT, NVIDIA BERT, SpanBERT, OpenNMT-py
+``-optim fusedadam``) wrap around the legacy ``FusedAdam``::
 
     optimizer = FusedAdam(groups, lr, bias_correction=False, max_grad_norm=1.0)
     optimizer = FP16_Optimizer(optimizer, dynamic_loss_scale=True)   # or static_loss_scale=S
@@ -162,7 +163,8 @@ class FP16_Optimizer(WrappingOptimizer):
 
     # ------------------------------------------------------------------ the loop
     def zero_grad(self, set_grads_to_None: bool = True, *, set_to_none: bool | None = None) -> None:  # type: ignore[override]
-        """Clear the fp16 model grads (to None by default, unlike apex.fp16_utils);
+        """Clear the fp16 model grads (to None by default, unlike apex.fp16_utils).
+
         ``set_to_none`` is torch's name for ``set_grads_to_None`` and wins when given."""
         if set_to_none is not None:
             set_grads_to_None = set_to_none
@@ -172,7 +174,9 @@ class FP16_Optimizer(WrappingOptimizer):
         """``(loss.float() * cur_scale).backward()``."""
         if self._scale is not None:
             self._scale.materialize(self._device)  # no-op unless unpickled
-            scaled = kernels.scale_outputs(loss.float(), lambda device: self._scale.scale)  # type: ignore[union-attr]
+            live = self._scale.scale
+            assert live is not None  # materialized just above
+            scaled = kernels.scale_outputs(loss.float(), lambda device: live)
         else:
             scaled = kernels.scale_outputs(loss.float(), lambda device: self._static_scale)
         scaled.backward()  # type: ignore[union-attr]
@@ -222,7 +226,7 @@ class FP16_Optimizer(WrappingOptimizer):
             )
         self.__dict__.update(state)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {
             "dynamic_loss_scale": self.dynamic_loss_scale,
             "cur_scale": self.cur_scale,
@@ -236,9 +240,11 @@ class FP16_Optimizer(WrappingOptimizer):
         sd["fp32_groups"] = [[m.detach() for m in group] for group in self.fp32_groups]
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore :meth:`state_dict` (or apex's, flat or per-param masters). Everything is
-        checked before anything changes; masters are copied, model params left alone (apex)."""
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (or apex's, flat or per-param masters).
+
+        Everything is checked before anything changes; masters are copied, model params left
+        alone (apex)."""
         check_state_dict(state_dict, self.fp16_groups)
         pairs = masters_from_state(state_dict, self.fp32_groups)
         self.optimizer.load_state_dict(optimizer_state_from(state_dict, self.fp16_groups))

@@ -1,4 +1,6 @@
-"""apex.contrib.optimizers.fused_adam: the legacy ``FusedAdam`` (2018 rule, docs/apex-others.md §1.4), a
+"""apex.contrib.optimizers.fused_adam: the legacy ``FusedAdam``, a facade over :class:`fp16kit.optim.LegacyAdam`.
+
+apex.contrib.optimizers.fused_adam: the legacy ``FusedAdam`` (2018 rule, docs/apex-others.md §1.4), a
 facade over :class:`fp16kit.optim.LegacyAdam`."""
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ __all__ = ["FusedAdam"]
 
 
 class FusedAdam(StepWithGrads, LegacyAdam):
-    """apex.contrib.optimizers.FusedAdam: apex's signature; ``use_mt`` (a kernel choice) is
+    """apex.contrib.optimizers.FusedAdam, with apex's signature.
+
+    apex.contrib.optimizers.FusedAdam: apex's signature; ``use_mt`` (a kernel choice) is
     accepted; ``amp_scale_adjustment`` is kept (apex applied it only under apex amp)."""
 
     display_name = "FusedAdam"

@@ -1,4 +1,6 @@
-"""apex.contrib.optimizers.fused_sgd: the wrapper-only ``FusedSGD`` (it must be driven by the
+"""apex.contrib.optimizers.fused_sgd: the wrapper-only ``FusedSGD``, a facade over :func:`fp16kit.optim.sgd.sgd_step`.
+
+apex.contrib.optimizers.fused_sgd: the wrapper-only ``FusedSGD`` (it must be driven by the
 fused-era ``FP16_Optimizer``, which supplies the fp16 grads, the fp16 output params and the
 scale), a facade over :func:`fp16kit.optim.sgd.sgd_step`."""
 
@@ -19,7 +21,9 @@ __all__ = ["FusedSGD"]
 
 
 class FusedSGD(StepWithGrads, SGD):
-    """apex.contrib.optimizers.FusedSGD: ``step(closure=None, grads=None, output_params=None,
+    """apex.contrib.optimizers.FusedSGD, driven by the fused-era ``FP16_Optimizer``.
+
+    apex.contrib.optimizers.FusedSGD: ``step(closure=None, grads=None, output_params=None,
     scale=1., grad_norms=None)``; grads are multiplied by ``1/scale``, ``grad_norms`` ignored."""
 
     display_name = "FusedSGD"
@@ -53,7 +57,7 @@ class FusedSGD(StepWithGrads, SGD):
         super().__setstate__(state)
 
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self,
         closure: Callable[[], Any] | None = None,
         grads: Any = None,
