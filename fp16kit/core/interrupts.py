@@ -148,11 +148,12 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
 
 
 def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
-    """Decorate a method so that each call is one commit: its whole body runs under
-    :func:`hold_interrupts`. If a second SIGINT breaks it, the object is marked, and every
-    later commit of it raises RuntimeError naming the broken call -- except one with
-    ``recovers`` (``load_state_dict``), which clears the mark and then calls the object's
-    ``_recovered_from_interrupt()`` if it has one (to drop what the broken call left mid-way)."""
+    """Decorate a method so that each call is one commit: its whole body runs under :func:`hold_interrupts`.
+
+    If a second SIGINT breaks it, the object is marked, and every later commit of it raises RuntimeError
+    naming the broken call -- except one with ``recovers`` (``load_state_dict``), which clears the mark and
+    then calls the object's ``_recovered_from_interrupt()`` if it has one (to drop what the broken call left
+    mid-way)."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -193,8 +194,9 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
 
 
 def commit_methods(cls: type, commits: dict[str, str], *, recovers: tuple[str, ...] = ()) -> None:
-    """Make each method ``name`` of ``cls`` one :func:`commit` described by ``commits[name]``
-    (``recovers``: the methods that clear a broken commit's mark)."""
+    """Make each method ``name`` of ``cls`` one :func:`commit` described by ``commits[name]``.
+
+    ``recovers``: the methods that clear a broken commit's mark."""
     for name, what in commits.items():
         setattr(cls, name, commit(what, recovers=name in recovers)(getattr(cls, name)))
 
@@ -220,9 +222,10 @@ def _deliver(handler: Callable[[int, Any], Any], held: _Held, done: bool) -> Non
 
 
 def completed(error: BaseException) -> str | None:
-    """What a KeyboardInterrupt held by fp16kit says was completed before it was raised (the
-    call it came from did its work: go on with the next one), or None (nothing was changed by
-    the interrupted call, which may be repeated)."""
+    """Say what a KeyboardInterrupt held by fp16kit reports as completed before it was raised.
+
+    A string: the call it came from did its work (go on with the next one); or None: nothing was changed by
+    the interrupted call, which may be repeated."""
     seen: BaseException | None = error
     while isinstance(seen, KeyboardInterrupt):
         for note in getattr(seen, "__notes__", ()):

@@ -20,9 +20,10 @@ __all__ = ["WrappingOptimizer"]
 
 
 class WrappingOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` whose param groups and state are those of a wrapped
-    optimizer (``self.optimizer``): LR schedulers, step hooks and ``isinstance`` checks work on
-    the wrapper, and changes to ``param_groups`` (e.g. the lr) reach the wrapped optimizer."""
+    """A ``torch.optim.Optimizer`` whose param groups and state are those of a wrapped optimizer.
+
+    The wrapped one is ``self.optimizer``: LR schedulers, step hooks and ``isinstance`` checks work on the
+    wrapper, and changes to ``param_groups`` (e.g. the lr) reach the wrapped optimizer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         # torch.optim.Optimizer.__init__ minus the param groups, which live in the wrapped

@@ -216,11 +216,13 @@ class SyncBatchNorm(_BatchNorm):
 def convert_sync_batchnorm(
     module: nn.Module, process_group: dist.ProcessGroup | None = None, channel_last: bool = False
 ) -> nn.Module:
-    """Replace every ``_BatchNorm`` in ``module`` by a :class:`SyncBatchNorm`, torch's way
-    (``nn.SyncBatchNorm.convert_sync_batchnorm``): the new module reuses the old one's
-    Parameters (an optimizer built before conversion still updates them) and buffers, and
-    copies its ``training`` flag. InstanceNorm is never converted. Returns the converted
-    module (``module`` itself is changed in place where it is not a batch norm)."""
+    """Replace every ``_BatchNorm`` in ``module`` by a :class:`SyncBatchNorm`, torch's way.
+
+    Replace every ``_BatchNorm`` in ``module`` by a :class:`SyncBatchNorm`, torch's way
+    (``nn.SyncBatchNorm.convert_sync_batchnorm``): the new module reuses the old one's Parameters (an
+    optimizer built before conversion still updates them) and buffers, and copies its ``training`` flag.
+    InstanceNorm is never converted. Returns the converted module (``module`` itself is changed in place where
+    it is not a batch norm)."""
     if isinstance(module, _InstanceNorm) or not isinstance(module, _BatchNorm):
         converted = module
     else:

@@ -1,5 +1,6 @@
-"""Weight normalisation ``w = g * v / ||v||`` (Salimans & Kingma 2016) as one autograd Function,
-the arithmetic of apex's 2018 ``Fused_Weight_Norm`` (docs/apex-others.md §4.6).
+"""Weight normalisation ``w = g * v / ||v||`` (Salimans & Kingma 2016) as one autograd Function.
+
+The arithmetic of apex's 2018 ``Fused_Weight_Norm`` (docs/apex-others.md §4.6).
 
     dim = 0:       ||v|| over every dim but the first,  norms shaped (v.size(0), 1, ..., 1)
     dim = last:    ||v|| over every dim but the last,   norms shaped (1, ..., 1, v.size(-1))
@@ -23,7 +24,8 @@ __all__ = ["WeightNorm", "norm_dims", "weight_norm"]
 
 
 def norm_dims(input: torch.Tensor, dim: int) -> tuple[tuple[int, ...], list[int]]:
-    """``(shape of the per-slice norms, dims reduced)`` for ``dim`` (0, the last dim or -1);
+    """Return ``(shape of the per-slice norms, dims reduced)`` for ``dim`` (0, the last dim or -1).
+
     ValueError for any other dim."""
     if input.dim() == 0:
         raise ValueError("weight_norm needs a tensor with at least one dimension, got a 0-D tensor.")
@@ -74,6 +76,7 @@ class WeightNorm(torch.autograd.Function):
 
 
 def weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """``g * v / ||v||`` with the norm over every dim of ``v`` but ``dim`` (0 or last), in fp32,
-    returned in ``v``'s dtype; differentiable in ``v`` and ``g``."""
+    """Return ``g * v / ||v||`` with the norm over every dim of ``v`` but ``dim`` (0 or last).
+
+    Computed in fp32, returned in ``v``'s dtype; differentiable in ``v`` and ``g``."""
     return WeightNorm.apply(v, g, dim)

@@ -105,9 +105,10 @@ def adam_update_(
     bias_correction: bool,
     weight_decay: float,
 ) -> None:
-    """One step of the module docstring's rule at step count ``step``, in place, on lists of
-    params (fp16/bf16/fp32: fp32 math, one rounding) and their moments (in the work dtype:
-    float32 for fp16/bf16/fp32 params). Also apex's ``amp_C.multi_tensor_adam``."""
+    """Apply one step of the module docstring's rule at step count ``step``, in place, on lists of tensors.
+
+    The params may be fp16/bf16/fp32 (fp32 math, one rounding), their moments are in the work dtype (float32
+    for fp16/bf16/fp32 params). Also apex's ``amp_C.multi_tensor_adam``."""
     bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
     wd = weight_decay
     for b, (m, v) in buckets(params, grads, (exp_avgs, exp_avg_sqs)):
