@@ -152,8 +152,7 @@ class MasterParams:
     ) -> dict[torch.device, torch.Tensor]:
         """Set ``master.grad = float(model.grad) * inv_scale`` for every pair with a model grad.
 
-        ``master.grad = float(model.grad) * inv_scale`` for every pair with a model grad (master grads are
-        allocated on first use). Pairs without a model grad get ``master.grad = None`` (the optimizer then
+        Master grads are allocated on first use. Pairs without a model grad get ``master.grad = None`` (the optimizer then
         skips them), or keep their master grad with ``clear_missing=False`` (apex's FP16_Optimizer did).
         ``grads`` replaces the model params' ``.grad`` (grads handed off to another thread). Returns
         ``{device: found_inf}`` for the master devices (see kernels.unscale_to_). ``unscale=False`` only

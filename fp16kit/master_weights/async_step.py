@@ -340,8 +340,7 @@ class AsyncSteps:
     ) -> Flags:
         """Run a mode-1 step from the main thread, by ``step()`` or ``scaler.step(opt)``.
 
-        A mode-1 step from the main thread, by ``step()`` or ``scaler.step(opt)`` (``scale``: the scale this
-        iteration's loss was multiplied by; None without a scaler). ``state`` is the main thread's step state:
+        ``scale``: the scale this iteration's loss was multiplied by; None without a scaler. ``state`` is the main thread's step state:
         when the masters already hold this step's unscaled grads (``scaler.unscale_(opt)``,
         ``clip_grad_norm_``), only the skip decision and the step are left (``flags``: the scaler's, reduced
         over its process group; default: the state's; ``missing_grads``: see :meth:`submit`). Returns this

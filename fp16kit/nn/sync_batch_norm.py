@@ -218,8 +218,7 @@ def convert_sync_batchnorm(
 ) -> nn.Module:
     """Replace every ``_BatchNorm`` in ``module`` by a :class:`SyncBatchNorm`, torch's way.
 
-    Replace every ``_BatchNorm`` in ``module`` by a :class:`SyncBatchNorm`, torch's way
-    (``nn.SyncBatchNorm.convert_sync_batchnorm``): the new module reuses the old one's Parameters (an
+    As ``nn.SyncBatchNorm.convert_sync_batchnorm``: the new module reuses the old one's Parameters (an
     optimizer built before conversion still updates them) and buffers, and copies its ``training`` flag.
     InstanceNorm is never converted. Returns the converted module (``module`` itself is changed in place where
     it is not a batch norm)."""

@@ -94,9 +94,8 @@ class LegacyAdam(FusedStyleOptimizer):
 class StepWithGrads:
     """``step_with_grads(grads, output_params, scale, grad_norms)``: the step apex's fused-era FP16_Optimizer calls.
 
-    ``step_with_grads(grads, output_params, scale, grad_norms)``: the step apex's fused-era ``FP16_Optimizer``
-    calls (the legacy inner optimizers: apex.contrib FusedAdam and FusedSGD, apex.optimizers.FusedAdam). It
-    goes through ``step`` with the legacy keywords, as apex's wrapper did, so that an LR scheduler or step
+    FP16_Optimizer calls it on the legacy inner optimizers (apex.contrib FusedAdam and FusedSGD,
+    apex.optimizers.FusedAdam). It goes through ``step`` with the legacy keywords, as apex's wrapper did, so that an LR scheduler or step
     hooks on the inner optimizer see the step. While it runs, ``_driven_by_wrapper`` is True
     (apex.optimizers.FusedAdam accepts the legacy keywords then). A flag, not a keyword of ``step``:
     subclasses that override ``step`` with apex's fixed signature (fairseq's FusedAdamV2) keep working under

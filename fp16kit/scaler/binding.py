@@ -242,8 +242,7 @@ class ThreadBinding:
     def resume(self, next_scale: float) -> None:
         """Restore the lag after a load of a checkpoint saved mid-lag (main thread).
 
-        Main thread, after a load of a checkpoint saved mid-lag (see :meth:`ScalerThreads.saved`): the loaded
-        scale stays the forward one; ``next_scale`` -- what the update queued before the save computed -- is
+        See :meth:`ScalerThreads.saved`. The loaded scale stays the forward one; ``next_scale`` -- what the update queued before the save computed -- is
         the one the next ``update()`` publishes, and the one its job starts from. (Not written into the scale
         now: this iteration's loss may have been multiplied by that very tensor, and autograd refuses it
         changed before backward.)"""

@@ -204,8 +204,7 @@ class GradScaler(torch.amp.GradScaler):
     def bind(self, thread: OptimizerThread, *, step_of: Any = None) -> None:
         """Run this scaler's steps on ``thread`` (docs/async.md §4, mode 2).
 
-        Run this scaler's steps on ``thread`` (docs/async.md §4, mode 2): ``scale()`` and ``update()`` stay on
-        the main thread, ``step()`` runs in the jobs there, each side seeing its own scale (see
+        ``scale()`` and ``update()`` stay on the main thread, ``step()`` runs in the jobs there, each side seeing its own scale (see
         :mod:`fp16kit.scaler.binding`). ``opt.submit_step(fn, scaler=scaler)`` calls this with ``step_of=opt``
         before it hands anything off: a second submitted step of ``opt`` with no ``update()`` since its last
         one raises RuntimeError. Before the first ``scale()`` the binding is made there. Binding to the same
