@@ -44,9 +44,11 @@ Contract:
 
 from __future__ import annotations
 
-import _signal  # the C functions: signal.signal's Python wrapper runs lines after the restore
+# the C functions: signal.signal's Python wrapper runs lines after the restore (typeshed has no stub)
+import _signal  # type: ignore[import-not-found]
 import functools
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -94,7 +96,7 @@ class _Held:
             abandon()
         torch._C._set_grad_enabled(self.grad_mode)
         error = KeyboardInterrupt()
-        error.add_note(ABANDONED.format(what=self.what))
+        _add_note(error, ABANDONED.format(what=self.what))
         raise error
 
 
@@ -143,8 +145,17 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
             if _signal.signal(signal.SIGINT, self.previous) is held and held.count and (held.count == 1 or not held.escalates): _deliver(self.previous, held, exc_type is None)  # noqa: E701  # fmt: skip
         except KeyboardInterrupt as e:
             if completed(e) is None:
-                e.add_note((COMPLETED if exc_type is None else RAISED).format(what=held.what))
+                _add_note(e, (COMPLETED if exc_type is None else RAISED).format(what=held.what))
             raise
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    # BaseException.add_note is Python 3.11+; before, keep the note where 3.11 would
+    # (__notes__), which completed() and the legacy amp handle read
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        setattr(error, "__notes__", [*getattr(error, "__notes__", ()), note])  # noqa: B010 (not in 3.10's stubs)
 
 
 def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
@@ -185,7 +196,7 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
                 # A SIGINT after the restore's last signal check is raised here, when the
                 # hold's exit returns: the call is done, say so (the caller cannot tell).
                 if ended and completed(e) is None:
-                    e.add_note(COMPLETED.format(what=what))
+                    _add_note(e, COMPLETED.format(what=what))
                 raise
 
         return call  # type: ignore[return-value]
@@ -217,7 +228,7 @@ def _deliver(handler: Callable[[int, Any], Any], held: _Held, done: bool) -> Non
         for _ in range(held.count):  # (more than one only for a handler that does not raise)
             handler(signal.SIGINT, held.frame)
     except KeyboardInterrupt as e:
-        e.add_note((COMPLETED if done else RAISED).format(what=held.what))
+        _add_note(e, (COMPLETED if done else RAISED).format(what=held.what))
         raise
 
 

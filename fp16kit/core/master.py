@@ -180,6 +180,7 @@ class MasterParams:
         if not unscale:
             kernels.copy_to_(srcs, dsts)
             return {}
+        assert inv_scale is not None and found_inf is not None  # checked on entry
         if not self.flat:
             return kernels.unscale_to_(srcs, dsts, inv_scale, found_inf)
         # Flat: copy per param, then check-and-unscale each block whose every master grad is

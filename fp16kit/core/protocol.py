@@ -31,12 +31,18 @@ together: ``scaler.scale(loss).backward()`` followed by ``opt.step()`` instead o
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+if sys.version_info >= (3, 10):
+    from typing import TypeGuard
+else:  # a dependency of torch
+    from typing_extensions import TypeGuard
 
 __all__ = ["MasterWeightOptimizer", "ScaledIterations", "scaled_iterations", "speaks_master_protocol"]
 
@@ -83,7 +89,7 @@ class MasterWeightOptimizer(Protocol):
 _SPEAKS: dict[type, bool] = {}
 
 
-def speaks_master_protocol(optimizer: Any) -> bool:
+def speaks_master_protocol(optimizer: object) -> TypeGuard[MasterWeightOptimizer]:
     """Return ``isinstance(optimizer, MasterWeightOptimizer)``, cached per type.
 
     A runtime-checkable Protocol check looks up every method (tens of microseconds), and GradScaler asks

@@ -73,7 +73,9 @@ class SteppedOptimizer(Protocol):
 
     optimizer: torch.optim.Optimizer
     async_step: bool
-    _step_supports_amp_scaling: bool  # torch's GradScaler's flag: the step takes grad_scale
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool: ...  # torch's GradScaler's flag: the step takes grad_scale
 
     def inner_step(
         self,
@@ -229,7 +231,8 @@ class AsyncSteps:
         event = None
         if crossing:
             staging = self._staging_buffers(params)
-            kernels.copy_to_([grads[i] for i in crossing], [staging[i] for i in crossing], non_blocking=True)
+            sources = [g for g in (grads[i] for i in crossing) if g is not None]  # all are: see crossing
+            kernels.copy_to_(sources, [staging[i] for i in crossing], non_blocking=True)
             for i in crossing:
                 grads[i] = staging[i]
         if any(m.device != p.device for p, m in zip(params, masters)) and torch.cuda.is_available():

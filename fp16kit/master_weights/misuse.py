@@ -144,7 +144,7 @@ _WRAPPER_DEPTH = 4  # third-party wrappers (tracers, profilers) allowed between 
 
 def _calling_frame(code: types.CodeType) -> types.FrameType | None:
     """The frame running ``code`` among the check's few nearest callers, if any."""
-    frame = sys._getframe(2)  # (1 is the check itself)
+    frame: types.FrameType | None = sys._getframe(2)  # (1 is the check itself)
     for _ in range(_WRAPPER_DEPTH):
         if frame is None or frame.f_code is code:
             return frame

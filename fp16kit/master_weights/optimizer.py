@@ -154,7 +154,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     # ------------------------------------------------------------------ torch.optim surface
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's param groups; inside a step job, the snapshot it steps.
 
         See :mod:`fp16kit.master_weights.snapshot`. Read by torch's GradScaler: TypeError (optimizer_misuse)."""
@@ -323,7 +323,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale (if no scaler did), step the masters, copy them into the model.
 
         Returns the wrapped optimizer's return value, or None when the step was skipped for non-finite gradients -- and
@@ -465,7 +465,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             state.reset()
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """Return ``{"optimizer": wrapped optimizer's state dict, "masters": [[master, ...] per group]}``.
 
         Plain data, exact fp32 masters (no fp16 round trip). Waits for a step in flight but does not write the model
@@ -476,7 +476,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             "masters": [[m.detach() for m in g.masters] for g in self._groups],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the wrapped optimizer's state and the masters exactly.
 
         The model params are not touched: load them with ``model.load_state_dict``, before or after this (but before the

@@ -40,7 +40,7 @@ class WrappingOptimizer(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -48,7 +48,7 @@ class WrappingOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -56,7 +56,7 @@ class WrappingOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter

@@ -49,7 +49,7 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def _shape(normalized_shape: _Shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
+    if isinstance(normalized_shape, (int, numbers.Integral)):
         return (int(normalized_shape),)
     return tuple(int(s) for s in normalized_shape)
 
@@ -172,6 +172,8 @@ class RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` (same parameters and state-dict keys) computing apex's formula (:func:`rms_norm`).
 
     ``eps=1e-5`` by default as apex (torch's default None means the dtype's machine epsilon)."""
+
+    eps: float  # nn.RMSNorm allows None; __init__ here takes a float
 
     def __init__(
         self, normalized_shape: _Shape, eps: float = 1e-5, elementwise_affine: bool = True, *, device=None, dtype=None

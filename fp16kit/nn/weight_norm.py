@@ -17,8 +17,9 @@ flat); its gradient has ``g``'s own shape. ``torch._weight_norm(v, g, dim)`` com
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.autograd.function import FunctionCtx
 
 __all__ = ["WeightNorm", "norm_dims", "weight_norm"]
 
@@ -43,8 +44,9 @@ def norm_dims(input: torch.Tensor, dim: int) -> tuple[tuple[int, ...], list[int]
 class WeightNorm(torch.autograd.Function):
     """``WeightNorm.apply(v, g, dim=0)``: see the module docstring."""
 
+    # ctx: Any -- forward keeps shape and reduce on it, which FunctionCtx's stub does not declare
     @staticmethod
-    def forward(ctx: FunctionCtx, input: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def forward(ctx: Any, input: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
         shape, reduce = norm_dims(input, dim)
         slices = input.size(0) if dim == 0 else input.size(-1)
         if g.numel() != slices:
@@ -61,7 +63,7 @@ class WeightNorm(torch.autograd.Function):
         return (v * (g32 / norms)).to(input.dtype)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad_output: torch.Tensor):
+    def backward(ctx: Any, grad_output: torch.Tensor):
         input, g = ctx.saved_tensors
         shape, reduce = ctx.shape, ctx.reduce
         acc = torch.promote_types(input.dtype, torch.float32)

@@ -75,7 +75,7 @@ class LegacyAdam(FusedStyleOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self,
         closure: Callable[[], Any] | None = None,
         grads: Any = None,
@@ -95,8 +95,8 @@ class StepWithGrads:
     """``step_with_grads(grads, output_params, scale, grad_norms)``: the step apex's fused-era FP16_Optimizer calls.
 
     FP16_Optimizer calls it on the legacy inner optimizers (apex.contrib FusedAdam and FusedSGD,
-    apex.optimizers.FusedAdam). It goes through ``step`` with the legacy keywords, as apex's wrapper did, so that an LR scheduler or step
-    hooks on the inner optimizer see the step. While it runs, ``_driven_by_wrapper`` is True
+    apex.optimizers.FusedAdam). It goes through ``step`` with the legacy keywords, as apex's wrapper did,
+    so that an LR scheduler or step hooks on the inner optimizer see the step. While it runs, ``_driven_by_wrapper`` is True
     (apex.optimizers.FusedAdam accepts the legacy keywords then). A flag, not a keyword of ``step``:
     subclasses that override ``step`` with apex's fixed signature (fairseq's FusedAdamV2) keep working under
     the wrapper."""
@@ -112,11 +112,12 @@ class StepWithGrads:
     ) -> None:
         self._driven_by_wrapper = True
         try:
-            self.step(
+            # a mixin: the optimizer it is mixed into (before a FusedStyleOptimizer) defines step
+            self.step(  # type: ignore[attr-defined]
                 None,
                 grads=grads,
                 output_params=output_params,
-                scale=scale,  # type: ignore[attr-defined]
+                scale=scale,
                 grad_norms=grad_norms,
             )
         finally:
@@ -162,7 +163,7 @@ def legacy_adam_step(
     ]
     for group, (params, found, outs), c in zip(groups, work, combined):  # all checked: now step
         _adopt_group_step(opt, group)
-        if params:
+        if c is not None:  # None exactly for a group without params to step
             _step_group(opt, group, params, found, outs, c, eps_inside_sqrt)
 
 

@@ -66,7 +66,7 @@ class SGD(ApexConventions, torch.optim.SGD):
         self.set_grad_none = set_grad_none
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if not self._needs_own_path():
             # torch's step changes group 0 before it reads group 1's buffers: check them first
             self.check_state(
@@ -146,7 +146,9 @@ def _group_step(
     bufs = [_buffer(opt, p) for p in params] if momentum != 0 else [None] * len(params)
     for b, (buf, new, out) in buckets(params, found, (bufs, is_new, outs)):
         factor = inv_scale if not isinstance(inv_scale, torch.Tensor) else inv_scale.to(b.params[0].device, b.dtype)
-        g = torch._foreach_mul(b.g32, -factor if group.get("maximize") else factor)
+        g: tuple[torch.Tensor, ...] | list[torch.Tensor] = torch._foreach_mul(
+            b.g32, -factor if group.get("maximize") else factor
+        )
         if wd != 0 and not wd_after_momentum:
             torch._foreach_add_(g, b.p32, alpha=wd)
         if momentum != 0:
