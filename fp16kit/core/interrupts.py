@@ -149,12 +149,14 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
             raise
 
 
-def _add_note(error: BaseException, note: str) -> None:
-    # BaseException.add_note is Python 3.11+; before, keep the note where 3.11 would
-    # (__notes__), which completed() and the legacy amp handle read
-    if sys.version_info >= (3, 11):
-        error.add_note(note)
-    else:
+# BaseException.add_note is Python 3.11+. There it is called as it is: a C method, no Python
+# frame in which a second SIGINT could replace the noted interrupt. Before, the note goes where
+# 3.11 keeps it (__notes__), which completed() and the legacy amp handle read.
+if sys.version_info >= (3, 11):
+    _add_note = BaseException.add_note
+else:
+
+    def _add_note(error: BaseException, note: str) -> None:
         setattr(error, "__notes__", [*getattr(error, "__notes__", ()), note])  # noqa: B010 (not in 3.10's stubs)
 
 
