@@ -44,9 +44,11 @@ Contract:
 
 from __future__ import annotations
 
-import _signal  # the C functions: signal.signal's Python wrapper runs lines after the restore
+# the C functions: signal.signal's Python wrapper runs lines after the restore (typeshed has no stub)
+import _signal  # type: ignore[import-not-found]
 import functools
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -94,7 +96,7 @@ class _Held:
             abandon()
         torch._C._set_grad_enabled(self.grad_mode)
         error = KeyboardInterrupt()
-        error.add_note(ABANDONED.format(what=self.what))
+        _add_note(error, ABANDONED.format(what=self.what))
         raise error
 
 
@@ -143,16 +145,28 @@ class hold_interrupts:  # noqa: N801 - used as a context manager, named like one
             if _signal.signal(signal.SIGINT, self.previous) is held and held.count and (held.count == 1 or not held.escalates): _deliver(self.previous, held, exc_type is None)  # noqa: E701  # fmt: skip
         except KeyboardInterrupt as e:
             if completed(e) is None:
-                e.add_note((COMPLETED if exc_type is None else RAISED).format(what=held.what))
+                _add_note(e, (COMPLETED if exc_type is None else RAISED).format(what=held.what))
             raise
 
 
+# BaseException.add_note is Python 3.11+. There it is called as it is: a C method, no Python
+# frame in which a second SIGINT could replace the noted interrupt. Before, the note goes where
+# 3.11 keeps it (__notes__), which completed() and the legacy amp handle read.
+if sys.version_info >= (3, 11):
+    _add_note = BaseException.add_note
+else:
+
+    def _add_note(error: BaseException, note: str) -> None:
+        setattr(error, "__notes__", [*getattr(error, "__notes__", ()), note])  # noqa: B010 (not in 3.10's stubs)
+
+
 def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
-    """Decorate a method so that each call is one commit: its whole body runs under
-    :func:`hold_interrupts`. If a second SIGINT breaks it, the object is marked, and every
-    later commit of it raises RuntimeError naming the broken call -- except one with
-    ``recovers`` (``load_state_dict``), which clears the mark and then calls the object's
-    ``_recovered_from_interrupt()`` if it has one (to drop what the broken call left mid-way)."""
+    """Decorate a method so that each call is one commit: its whole body runs under :func:`hold_interrupts`.
+
+    If a second SIGINT breaks it, the object is marked, and every later commit of it raises RuntimeError
+    naming the broken call -- except one with ``recovers`` (``load_state_dict``), which clears the mark and
+    then calls the object's ``_recovered_from_interrupt()`` if it has one (to drop what the broken call left
+    mid-way)."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -184,7 +198,7 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
                 # A SIGINT after the restore's last signal check is raised here, when the
                 # hold's exit returns: the call is done, say so (the caller cannot tell).
                 if ended and completed(e) is None:
-                    e.add_note(COMPLETED.format(what=what))
+                    _add_note(e, COMPLETED.format(what=what))
                 raise
 
         return call  # type: ignore[return-value]
@@ -193,8 +207,9 @@ def commit(what: str, *, recovers: bool = False) -> Callable[[F], F]:
 
 
 def commit_methods(cls: type, commits: dict[str, str], *, recovers: tuple[str, ...] = ()) -> None:
-    """Make each method ``name`` of ``cls`` one :func:`commit` described by ``commits[name]``
-    (``recovers``: the methods that clear a broken commit's mark)."""
+    """Make each method ``name`` of ``cls`` one :func:`commit` described by ``commits[name]``.
+
+    ``recovers``: the methods that clear a broken commit's mark."""
     for name, what in commits.items():
         setattr(cls, name, commit(what, recovers=name in recovers)(getattr(cls, name)))
 
@@ -215,14 +230,15 @@ def _deliver(handler: Callable[[int, Any], Any], held: _Held, done: bool) -> Non
         for _ in range(held.count):  # (more than one only for a handler that does not raise)
             handler(signal.SIGINT, held.frame)
     except KeyboardInterrupt as e:
-        e.add_note((COMPLETED if done else RAISED).format(what=held.what))
+        _add_note(e, (COMPLETED if done else RAISED).format(what=held.what))
         raise
 
 
 def completed(error: BaseException) -> str | None:
-    """What a KeyboardInterrupt held by fp16kit says was completed before it was raised (the
-    call it came from did its work: go on with the next one), or None (nothing was changed by
-    the interrupted call, which may be repeated)."""
+    """Say what a KeyboardInterrupt held by fp16kit reports as completed before it was raised.
+
+    A string: the call it came from did its work (go on with the next one); or None: nothing was changed by
+    the interrupted call, which may be repeated."""
     seen: BaseException | None = error
     while isinstance(seen, KeyboardInterrupt):
         for note in getattr(seen, "__notes__", ()):

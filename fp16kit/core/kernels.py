@@ -98,15 +98,18 @@ class PerDevice:
 def move(
     t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None, *, copy: bool = False
 ) -> torch.Tensor:
-    """``t.to(device, dtype)``, non-blocking unless the target is the CPU (a non-blocking copy
-    from an accelerator into host memory may still be in flight when the CPU reads it)."""
+    """Return ``t.to(device, dtype)``, non-blocking unless the target is the CPU.
+
+    A non-blocking copy from an accelerator into host memory may still be in flight when the CPU reads it."""
     device = torch.device(device)
     return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu", copy=copy)
 
 
 def inv_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Return float32 ``1/scale``, the reciprocal taken in float64 (fp32 division can be inexact
-    under some compile options); on MPS, which has no float64, in float32 as torch does."""
+    """Return float32 ``1/scale``, the reciprocal taken in float64.
+
+    fp32 division can be inexact under some compile options; on MPS, which has no float64, the reciprocal is
+    taken in float32 as torch does."""
     if scale.device.type == "mps":
         return scale.float().reciprocal()
     return scale.double().reciprocal().float()
@@ -118,8 +121,9 @@ def new_found_inf(device: torch.device | str) -> torch.Tensor:
 
 
 def new_overflow_buf(device: torch.device | str) -> torch.Tensor:
-    """apex amp's ``LossScaler._overflow_buf``: a cleared int32 ``[0]`` on ``device`` (the
-    ``noop_flag`` amp_C kernels set to 1 on inf/NaN)."""
+    """Return apex amp's ``LossScaler._overflow_buf``: a cleared int32 ``[0]`` on ``device``.
+
+    It is the ``noop_flag`` amp_C kernels set to 1 on inf/NaN."""
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
@@ -130,8 +134,9 @@ def clear_overflow_buf_(buf: torch.Tensor) -> None:
 
 
 def overflow_buf_as_found_inf(buf: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """An apex ``noop_flag`` / ``_overflow_buf`` (any dtype, any shape) as a found-inf flag on
-    ``device``: float32 0-dim, 1.0 when any element is nonzero."""
+    """Read an apex ``noop_flag`` / ``_overflow_buf`` as a found-inf flag on ``device``.
+
+    The buffer may have any dtype and shape; the flag is float32 0-dim, 1.0 when any element is nonzero."""
     return (buf != 0).any().to(device=device, dtype=torch.float32)
 
 
@@ -214,9 +219,10 @@ _ONES: dict[Any, torch.Tensor] = {}
 
 
 def one(device: torch.device) -> torch.Tensor:
-    """A float32 0-dim 1.0 on ``device`` (read it, never write it): a scale of 1 with no
-    device op per use. Made once per device -- on CUDA once per stream, since it is first
-    written on the stream that asks for it and read there."""
+    """A float32 0-dim 1.0 on ``device`` (read it, never write it): a scale of 1 with no device op per use.
+
+    Made once per device -- on CUDA once per stream, since it is first written on the stream that asks for it
+    and read there."""
     key: Any = device
     if device.type == "cuda":
         key = (device, torch.cuda.current_stream(device).cuda_stream)
@@ -271,11 +277,11 @@ def unscale_add_to_(
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
 ) -> dict[torch.device, torch.Tensor]:
-    """``dst += float(src) * inv_scale`` for each pair, flagging non-finite values of the
-    sources: gradient accumulation across backward passes that were scaled differently (apex
-    amp's "unscale with stash": the product is rounded to ``dst``'s dtype, then added, one
-    rounding each, as apex's Python path). Returns ``{device: found_inf}`` keyed by the
-    destinations' devices."""
+    """Compute ``dst += float(src) * inv_scale`` for each pair, flagging non-finite values of the sources.
+
+    This is gradient accumulation across backward passes that were scaled differently (apex amp's "unscale
+    with stash": the product is rounded to ``dst``'s dtype, then added, one rounding each, as apex's Python
+    path). Returns ``{device: found_inf}`` keyed by the destinations' devices."""
     if not srcs and not dsts:
         return {}
     with torch.no_grad():
@@ -293,18 +299,19 @@ def unscale_add_to_(
 
 
 def stack_flags(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Found-inf flags from any devices as one 1-D float32 tensor on ``device`` (so that a
-    caller that must decide on the host reads them all at once)."""
+    """Return found-inf flags from any devices as one 1-D float32 tensor on ``device``.
+
+    A caller that must decide on the host then reads them all at once."""
     if not flags:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return torch.stack([move(f, device, torch.float32) for f in flags])
 
 
 def refresh_stale_masters_(model_params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
-    """Where a master no longer rounds to its model param's value (the model was loaded or
-    edited in place), ``master = float(param)``; masters that still round to the param keep
-    their extra precision (an exact checkpoint restore, the state after a step). Elementwise,
-    on the device."""
+    """Set ``master = float(param)`` where a master no longer rounds to its model param's value.
+
+    That happens when the model was loaded or edited in place. Masters that still round to the param keep
+    their extra precision (an exact checkpoint restore, the state after a step). Elementwise, on the device."""
     with torch.no_grad():
         for p, m in zip(model_params, masters):
             src = p.detach().to(device=m.device)
@@ -318,9 +325,10 @@ def copy_to_(
     *,
     non_blocking: bool = False,
 ) -> None:
-    """``dst.copy_(src)`` for each pair (casting dtype, crossing devices), one multi-tensor copy
-    per (src device, src dtype, dst device, dst dtype) group. This is also the
-    masters -> model params path (fp32 -> fp16/bf16 rounds to nearest even, as ``copy_``).
+    """Do ``dst.copy_(src)`` for each pair (casting dtype, crossing devices), one multi-tensor copy per group.
+
+    A group is one (src device, src dtype, dst device, dst dtype). This is also the masters -> model params
+    path (fp32 -> fp16/bf16 rounds to nearest even, as ``copy_``).
 
     ``non_blocking=True`` lets copies between pinned host memory and a device overlap; the
     caller then owns the ordering (an event before the host reads or rewrites either side)."""
@@ -349,8 +357,9 @@ def copy_pairs_(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, non_block
 def combine_found_inf(
     found_infs: Iterable[torch.Tensor], device: torch.device, *, into_first: bool = False
 ) -> torch.Tensor:
-    """Combine found-inf flags from any devices onto ``device``: 1.0 if any is set
-    (with ``into_first``, their sum, as torch's ``update()``).
+    """Combine found-inf flags from any devices onto ``device``: 1.0 if any is set.
+
+    With ``into_first``, their sum, as torch's ``update()``.
 
     The result is a new tensor, unless ``into_first=True``: then the sum accumulates into the
     first flag when it already lives on ``device`` (torch's ``update()`` sums into it; it saves
@@ -376,8 +385,9 @@ def flatten(
     device: torch.device | str | None = None,
     pin_memory: bool = False,
 ) -> torch.Tensor:
-    """A new 1-D tensor holding the values of ``tensors`` one after another (converted to
-    ``dtype``/``device``; by default those of the first tensor)."""
+    """Return a new 1-D tensor holding the values of ``tensors`` one after another.
+
+    The values are converted to ``dtype``/``device``; by default those of the first tensor."""
     if not tensors:
         raise ValueError("flatten needs at least one tensor.")
     dtype = tensors[0].dtype if dtype is None else dtype
@@ -400,8 +410,9 @@ def flat_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
 
 
 def clear_grads_(params: Iterable[torch.Tensor], *, set_to_none: bool) -> None:
-    """Clear the params' grads as ``torch.optim.Optimizer.zero_grad`` does: set them to None,
-    or detach and zero them (one multi-tensor zero per (device, dtype) group)."""
+    """Clear the params' grads as ``torch.optim.Optimizer.zero_grad`` does.
+
+    Set them to None, or detach and zero them (one multi-tensor zero per (device, dtype) group)."""
     dense: list[torch.Tensor] = []
     with torch.no_grad():
         for p in params:
@@ -427,8 +438,9 @@ def clear_grads_(params: Iterable[torch.Tensor], *, set_to_none: bool) -> None:
 def merge_found_inf(
     *per_device: dict[torch.device, torch.Tensor],
 ) -> dict[torch.device, torch.Tensor]:
-    """Merge ``{device: found_inf}`` dicts from several unscale calls: flags of the same device
-    are combined (their maximum, a new tensor: still 0.0 or 1.0), others kept."""
+    """Merge ``{device: found_inf}`` dicts from several unscale calls.
+
+    Flags of the same device are combined (their maximum, a new tensor: still 0.0 or 1.0), others kept."""
     out: dict[torch.device, torch.Tensor] = {}
     for flags in per_device:
         for device, f in flags.items():
@@ -443,6 +455,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Clip the grads of ``params`` by their total norm; return the norm (a device tensor).
+
     torch's own multi-tensor implementation, kept here so every face clips the same way."""
     return torch.nn.utils.clip_grad_norm_(
         list(params), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
@@ -452,8 +465,9 @@ def clip_grad_norm_(
 def all_reduce_found_inf(
     found_inf_per_device: dict[torch.device, torch.Tensor], device: torch.device, group: Any
 ) -> dict[torch.device, torch.Tensor]:
-    """Combine the flags onto ``device`` and max-reduce them over the ranks of ``group``
-    (``torch.distributed``; asynchronous on the device with NCCL). Returns ``{device: flag}``."""
+    """Combine the flags onto ``device`` and max-reduce them over the ranks of ``group``.
+
+    Uses ``torch.distributed``; asynchronous on the device with NCCL. Returns ``{device: flag}``."""
     combined = combine_found_inf(found_inf_per_device.values(), device)
     torch.distributed.all_reduce(combined, op=torch.distributed.ReduceOp.MAX, group=group)
     return {combined.device: combined}
@@ -503,11 +517,12 @@ def _as_multiplier(scale: Any) -> Any:
 
 
 def norms(tensors: Sequence[torch.Tensor], ord: float = 2.0, *, fp32_accumulate: bool = False) -> list[torch.Tensor]:
-    """The ``ord``-norm of each tensor (``inf``: the max-abs norm), as 0-dim tensors on the
-    tensors' devices, in order: one multi-tensor norm per (device, dtype) group. By default each
-    norm has its tensor's dtype and equals ``torch.linalg.vector_norm(t, ord)`` bit for bit;
-    ``fp32_accumulate=True`` accumulates and returns float32 (float64 for float64 tensors).
-    Non-finite values give a non-finite norm."""
+    """Return the ``ord``-norm of each tensor (``inf``: the max-abs norm), as 0-dim tensors.
+
+    The norms are on the tensors' devices, in order: one multi-tensor norm per (device, dtype) group. By
+    default each norm has its tensor's dtype and equals ``torch.linalg.vector_norm(t, ord)`` bit for bit;
+    ``fp32_accumulate=True`` accumulates and returns float32 (float64 for float64 tensors). Non-finite values
+    give a non-finite norm."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     index: dict[tuple[Any, ...], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -526,15 +541,17 @@ def norms(tensors: Sequence[torch.Tensor], ord: float = 2.0, *, fp32_accumulate:
 
 
 def l2_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, accumulated in float32 (float64 for float64 tensors), as
-    0-dim tensors on the tensors' devices, in order (:func:`norms`)."""
+    """Return the L2 norm of each tensor, accumulated in float32 (float64 for float64 tensors).
+
+    They are 0-dim tensors on the tensors' devices, in order (:func:`norms`)."""
     return norms(tensors, 2.0, fp32_accumulate=True)
 
 
 def l2_norm(tensors: Sequence[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
-    """``sqrt(sum over tensors of ||t||^2)``: one float32 0-dim tensor on ``device`` (default:
-    the first tensor's; CPU when there are none), 0.0 for no tensors. Non-finite values give a
-    non-finite result (the overflow test of apex's fused-era FP16_Optimizer)."""
+    """Return ``sqrt(sum over tensors of ||t||^2)`` as one float32 0-dim tensor on ``device``.
+
+    ``device`` defaults to the first tensor's (CPU when there are none); 0.0 for no tensors. Non-finite values
+    give a non-finite result (the overflow test of apex's fused-era FP16_Optimizer)."""
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
     found = l2_norms(tensors)
@@ -551,10 +568,11 @@ def scale_to_(
     scale: float | torch.Tensor,
     flag: torch.Tensor,
 ) -> None:
-    """``dst = src * scale`` for each pair (``dst`` may be ``src``: in place), setting ``flag``
-    (any dtype and shape, e.g. apex's int32 ``overflow_buf``) to 1 where a source holds inf or
-    NaN; never clearing it. The arithmetic of apex's ``amp_C.multi_tensor_scale``: the product
-    in float32 (float64 for float64 data), rounded once into ``dst``."""
+    """Compute ``dst = src * scale`` for each pair, setting ``flag`` where a source holds inf or NaN.
+
+    ``dst`` may be ``src``: in place. ``flag`` may have any dtype and shape (e.g. apex's int32
+    ``overflow_buf``); it is set to 1, never cleared. The arithmetic of apex's ``amp_C.multi_tensor_scale``:
+    the product in float32 (float64 for float64 data), rounded once into ``dst``."""
     if len(srcs) != len(dsts):
         raise ValueError(
             f"scale_to_ needs one destination per source; got {len(srcs)} sources and {len(dsts)} destinations."
@@ -583,8 +601,9 @@ def scale_to_(
 
 
 def raise_flag_(flag: torch.Tensor, found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
-    """Set ``flag`` (any dtype and shape; e.g. apex's int32 ``overflow_buf``) to 1 where any of
-    the found-inf flags is set; never clear it. A device op, no host read."""
+    """Set ``flag`` to 1 where any of the found-inf flags is set; never clear it.
+
+    ``flag`` may have any dtype and shape (e.g. apex's int32 ``overflow_buf``). A device op, no host read."""
     if not found_inf_per_device:
         return
     with torch.no_grad():
@@ -595,10 +614,11 @@ def raise_flag_(flag: torch.Tensor, found_inf_per_device: dict[torch.device, tor
 def l2_norm_and_flag_(
     tensors: Sequence[torch.Tensor], flag: torch.Tensor, *, per_tensor: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """apex's ``amp_C.multi_tensor_l2norm``: ``(total, per_tensor_norms)`` -- the total L2 norm
-    as a 1-element float32 tensor on ``flag``'s device, and the norm of each tensor as a 1-D
-    float32 tensor (empty unless ``per_tensor``) -- setting ``flag`` when the total is not
-    finite. Accumulation in float32 (apex: per chunk; the last bits may differ)."""
+    """Do apex's ``amp_C.multi_tensor_l2norm``: return ``(total, per_tensor_norms)``, flagging a non-finite total.
+
+    ``total`` is the total L2 norm as a 1-element float32 tensor on ``flag``'s device, ``per_tensor_norms``
+    the norm of each tensor as a 1-D float32 tensor (empty unless ``per_tensor``); ``flag`` is set when the
+    total is not finite. Accumulation in float32 (apex: per chunk; the last bits may differ)."""
     device = flag.device
     found = [move(n, device, torch.float32) for n in l2_norms(tensors)]
     with torch.no_grad():

@@ -150,14 +150,14 @@ class MasterParams:
         grads: Sequence[torch.Tensor | None] | None = None,
         unscale: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
-        """``master.grad = float(model.grad) * inv_scale`` for every pair with a model grad
-        (master grads are allocated on first use). Pairs without a model grad get
-        ``master.grad = None`` (the optimizer then skips them), or keep their master grad with
-        ``clear_missing=False`` (apex's FP16_Optimizer did). ``grads`` replaces the model
-        params' ``.grad`` (grads handed off to another thread). Returns ``{device: found_inf}``
-        for the master devices (see kernels.unscale_to_). ``unscale=False`` only copies (for
-        a fused optimizer that unscales in its kernel; the grads were checked already) and
-        returns ``{}``."""
+        """Set ``master.grad = float(model.grad) * inv_scale`` for every pair with a model grad.
+
+        Master grads are allocated on first use. Pairs without a model grad get ``master.grad = None`` (the optimizer then
+        skips them), or keep their master grad with ``clear_missing=False`` (apex's FP16_Optimizer did).
+        ``grads`` replaces the model params' ``.grad`` (grads handed off to another thread). Returns
+        ``{device: found_inf}`` for the master devices (see kernels.unscale_to_). ``unscale=False`` only
+        copies (for a fused optimizer that unscales in its kernel; the grads were checked already) and returns
+        ``{}``."""
         if unscale and (inv_scale is None or found_inf is None):
             raise TypeError("grads_to_masters needs inv_scale and found_inf unless unscale=False.")
         srcs: list[torch.Tensor] = []
@@ -180,6 +180,7 @@ class MasterParams:
         if not unscale:
             kernels.copy_to_(srcs, dsts)
             return {}
+        assert inv_scale is not None and found_inf is not None  # checked on entry
         if not self.flat:
             return kernels.unscale_to_(srcs, dsts, inv_scale, found_inf)
         # Flat: copy per param, then check-and-unscale each block whose every master grad is
@@ -205,8 +206,9 @@ class MasterParams:
 
     def masters_to_model(self, *, non_blocking: bool = False) -> None:
         """Copy the masters into the model params (rounding to the params' dtype).
-        ``non_blocking``: from pinned host masters, let the copies overlap (the caller orders
-        any later write to the masters after an event)."""
+
+        ``non_blocking``: from pinned host masters, let the copies overlap (the caller orders any later write
+        to the masters after an event)."""
         if self.masters:
             kernels.copy_to_(self.masters, self.model_params, non_blocking=non_blocking)
 

@@ -31,12 +31,18 @@ together: ``scaler.scale(loss).backward()`` followed by ``opt.step()`` instead o
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+if sys.version_info >= (3, 10):
+    from typing import TypeGuard
+else:  # a dependency of torch
+    from typing_extensions import TypeGuard
 
 __all__ = ["MasterWeightOptimizer", "ScaledIterations", "scaled_iterations", "speaks_master_protocol"]
 
@@ -48,18 +54,21 @@ class MasterWeightOptimizer(Protocol):
     """An optimizer that steps master copies of the model params (see the module docstring)."""
 
     def unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> Flags:
-        """Put this iteration's gradients, multiplied by ``inv_scale``, where the optimizer
-        steps them, flagging inf/NaN; return ``{device: found_inf}``. No host sync."""
+        """Put this iteration's grads, times ``inv_scale``, where the optimizer steps them.
+
+        Flags inf/NaN; returns ``{device: found_inf}``. No host sync."""
         ...
 
     def skip_decided(self) -> None:
-        """The scaler read this iteration's flags and found them clean: the next ``step()``
-        steps without reading them again."""
+        """Record that the scaler read this iteration's flags and found them clean.
+
+        The next ``step()`` steps without reading them again."""
         ...
 
     def submits_steps(self) -> bool:
-        """True when ``step()`` called from here hands the step to an optimizer thread (then the
-        scaler calls :meth:`submit_scaled_step` instead of reading any flag on the host)."""
+        """Say whether ``step()`` called from here hands the step to an optimizer thread.
+
+        When True, the scaler calls :meth:`submit_scaled_step` instead of reading any flag on the host."""
         ...
 
     def submit_scaled_step(
@@ -69,21 +78,23 @@ class MasterWeightOptimizer(Protocol):
         unscaled_flags: Flags | None,
         reduce: Callable[[Flags], Flags],
     ) -> Flags:
-        """Check this iteration's grads on their device (``reduce`` may all-reduce the flags),
-        hand them to the optimizer thread to be unscaled with ``scale`` and stepped unless a
-        flag is set; return the flags. ``unscaled_flags``: ``unscale_grads_`` ran already
-        (they are its flags). No host sync."""
+        """Check this iteration's grads on their device and hand them to the optimizer thread; return the flags.
+
+        ``reduce`` may all-reduce the flags. On the thread the grads are unscaled with ``scale`` and stepped
+        unless a flag is set. ``unscaled_flags``: ``unscale_grads_`` ran already (they are its flags). No host
+        sync."""
         ...
 
 
 _SPEAKS: dict[type, bool] = {}
 
 
-def speaks_master_protocol(optimizer: Any) -> bool:
-    """``isinstance(optimizer, MasterWeightOptimizer)``, cached per type: a runtime-checkable
-    Protocol check looks up every method (tens of microseconds), and GradScaler asks several
-    times per step. (The protocol's methods are the class's; an instance that gains them as
-    attributes later is not seen.)"""
+def speaks_master_protocol(optimizer: object) -> TypeGuard[MasterWeightOptimizer]:
+    """Return ``isinstance(optimizer, MasterWeightOptimizer)``, cached per type.
+
+    A runtime-checkable Protocol check looks up every method (tens of microseconds), and GradScaler asks
+    several times per step. (The protocol's methods are the class's; an instance that gains them as attributes
+    later is not seen.)"""
     kind = type(optimizer)
     speaks = _SPEAKS.get(kind)
     if speaks is None:

@@ -51,8 +51,10 @@ _STATE_DEFAULTS = {"consecutive_hysteresis": False}
 
 @dataclass
 class ScaleState:
-    """Everything a :class:`LossScale` keeps on the device. :meth:`LossScale.materialize`
-    builds it whole from the host values; pickling drops it whole (``ScaleState()``).
+    """Everything a :class:`LossScale` keeps on the device.
+
+    :meth:`LossScale.materialize` builds it whole from the host values; pickling drops it whole
+    (``ScaleState()``).
 
     The three tensors are also LossScale attributes that code written for torch's GradScaler
     assigns one by one, before the first ``scale()`` too, so each may be None or a tensor
@@ -180,8 +182,9 @@ class LossScale:
         return None if self.scale is None else self.scale.device
 
     def materialize(self, device: torch.device | str) -> None:
-        """Build the device state on ``device`` from the host values (once: a no-op while a
-        scale exists, also one assigned from outside)."""
+        """Build the device state on ``device`` from the host values.
+
+        Once: a no-op while a scale exists, also one assigned from outside."""
         if self.scale is not None:
             return
         self._device_state = ScaleState(
@@ -206,8 +209,10 @@ class LossScale:
         return rule_named(self.rule)
 
     def update(self, found_inf: torch.Tensor | bool, *, used_scale: torch.Tensor | None = None) -> None:
-        """Apply one step of the rule. ``found_inf``: a tensor (any device, nonzero means the
-        step overflowed) or a Python bool. Device ops only; see the class docstring.
+        """Apply one step of the rule.
+
+        ``found_inf``: a tensor (any device, nonzero means the step overflowed) or a Python bool. Device ops
+        only; see the class docstring.
 
         ``used_scale``: the scale the overflowing loss was actually multiplied by, when that
         can differ from the current one (steps that lag the scale, on the optimizer thread).
@@ -245,8 +250,9 @@ class LossScale:
 
     # ------------------------------------------------------------------ reads and writes
     def snapshot(self) -> torch.Tensor:
-        """A copy of the scale tensor as it is now (a device op, no sync): a later update does
-        not change it, so another thread can read it afterwards."""
+        """Return a copy of the scale tensor as it is now (a device op, no sync).
+
+        A later update does not change it, so another thread can read it afterwards."""
         return self._require("snapshot").clone()
 
     def get_scale(self) -> float:
@@ -260,8 +266,9 @@ class LossScale:
         return int(self.growth_tracker.item())
 
     def get_hysteresis_tracker(self) -> int:
-        """Overflows still absorbed before the next back-off (a host read; before
-        materialize(), the value as it was set)."""
+        """Return the overflows still absorbed before the next back-off.
+
+        A host read; before materialize(), the value as it was set."""
         if self.hysteresis_tracker is None:
             return self.init_hysteresis_tracker
         return int(self.hysteresis_tracker.item())
@@ -288,8 +295,9 @@ class LossScale:
             self.hysteresis_tracker.fill_(value)
 
     def last_found_inf(self) -> torch.Tensor | None:
-        """0-dim bool device tensor: did the last :meth:`update` see an overflow? (no sync);
-        None before the first update."""
+        """0-dim bool device tensor: did the last :meth:`update` see an overflow?
+
+        (no sync); None before the first update."""
         skips = self._device_state.skips
         return None if skips is None else skips.last_found_inf()
 
@@ -315,8 +323,10 @@ class LossScale:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output. Everything is checked before anything changes:
-        a missing or unknown key or a bad setting raises ``ValueError`` naming it."""
+        """Restore :meth:`state_dict`'s output.
+
+        Everything is checked before anything changes: a missing or unknown key or a bad setting raises
+        ``ValueError`` naming it."""
         _check_state_dict(state_dict, self.rule)
         state_dict = {**_STATE_DEFAULTS, **state_dict}
         for key in _SETTINGS:

@@ -42,10 +42,11 @@ Rule = Literal["torch", "apex", "apex_amp"]
 
 
 class ScaleSettings(Protocol):
-    """The knobs a rule reads, at each update: a :class:`~fp16kit.core.scale.LossScale` itself
-    (so assigning e.g. its ``growth_factor`` takes effect at the next update), or
-    :class:`FixedSettings` to use a rule on its own. ``consecutive_hysteresis`` may be absent
-    (objects written before it existed): it then counts as False."""
+    """The knobs a rule reads at each update.
+
+    A :class:`~fp16kit.core.scale.LossScale` itself (so assigning e.g. its ``growth_factor`` takes effect at
+    the next update), or :class:`FixedSettings` to use a rule on its own. ``consecutive_hysteresis`` may be
+    absent (objects written before it existed): it then counts as False."""
 
     growth_factor: float
     backoff_factor: float
@@ -59,8 +60,10 @@ class ScaleSettings(Protocol):
 
 @dataclass(frozen=True)
 class FixedSettings:
-    """A :class:`ScaleSettings` that does not change. ``consecutive_hysteresis`` comes last, so
-    positional arguments written before it existed keep their meaning."""
+    """A :class:`ScaleSettings` that does not change.
+
+    ``consecutive_hysteresis`` comes last, so positional arguments written before it existed keep their
+    meaning."""
 
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -91,9 +94,10 @@ class Step(NamedTuple):
 
 
 class ScaleRule:
-    """What all rules share, around the hooks each rule fills in (``backed_off``, ``grows``,
-    ``next_tracker``, ``accepts``). With ``hysteresis = H`` (default 1) and ``used_scale``
-    (default: the scale itself)::
+    """What all rules share, around the hooks each rule fills in.
+
+    The hooks: ``backed_off``, ``grows``, ``next_tracker``, ``accepts``. With ``hysteresis = H`` (default 1)
+    and ``used_scale`` (default: the scale itself)::
 
         hysteresis_tracker = max(hysteresis_tracker - 1, 0) if overflow else hysteresis_tracker
         backing_off = overflow and hysteresis_tracker == 0
@@ -121,8 +125,7 @@ class ScaleRule:
         return min_scale, max_scale
 
     def initial_scale(self, init_scale: float, min_scale: float | None, max_scale: float | None) -> float:
-        """Where the scale starts: inside the bounds (apex's amp scaler took
-        ``min(max_loss_scale, init_scale)``)."""
+        """Where the scale starts: inside the bounds (apex's amp scaler took ``min(max_loss_scale, init_scale)``)."""
         if max_scale is not None and init_scale > max_scale:
             init_scale = max_scale
         if min_scale is not None and init_scale < min_scale:
@@ -134,8 +137,9 @@ class ScaleRule:
 
     # ---------------------------------------------------------------- the update
     def update_fused(self, state: Trackers, found_inf: torch.Tensor, settings: ScaleSettings) -> bool:
-        """Do the whole update in one fused kernel if one exists for these settings (in
-        place); False if not, and :meth:`step` must do it."""
+        """Do the whole update in one fused kernel if one exists for these settings (in place).
+
+        Returns False if not, and :meth:`step` must do it."""
         return False
 
     def step(
@@ -146,8 +150,10 @@ class ScaleRule:
         *,
         used_scale: torch.Tensor | None = None,
     ) -> Step:
-        """One update (see the class docstring). ``found``: 0-dim bool, the step overflowed;
-        ``used_scale``: float64, the scale the overflowing loss was multiplied by."""
+        """One update (see the class docstring).
+
+        ``found``: 0-dim bool, the step overflowed; ``used_scale``: float64, the scale the overflowing loss
+        was multiplied by."""
         assert state.scale is not None and state.growth_tracker is not None
         assert state.hysteresis_tracker is not None
         k = settings
@@ -181,8 +187,7 @@ class ScaleRule:
         raise NotImplementedError
 
     def grows(self, found: torch.Tensor, counted: torch.Tensor, settings: ScaleSettings) -> torch.Tensor:
-        """Whether the scale grows now; ``counted``: the growth tracker with this step
-        counted (0 after an overflow)."""
+        """Whether the scale grows now; ``counted``: the growth tracker with this step counted (0 after an overflow)."""
         raise NotImplementedError
 
     def next_tracker(self, grow: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
@@ -243,10 +248,11 @@ class TorchRule(ScaleRule):
 
 
 class ApexRule(ScaleRule):
-    """apex.fp16_utils.DynamicLossScaler (``growth_factor`` is apex's ``scale_factor``,
-    ``growth_interval`` its ``scale_window``; growth_tracker equals apex's
-    ``cur_iter - last_overflow_iter - 1``; ``min_scale`` defaults to 1; the initial scale is
-    taken as given, even outside the bounds)::
+    """The rule of apex.fp16_utils.DynamicLossScaler.
+
+    ``growth_factor`` is apex's ``scale_factor``, ``growth_interval`` its ``scale_window``; growth_tracker
+    equals apex's ``cur_iter - last_overflow_iter - 1``; ``min_scale`` defaults to 1; the initial scale is
+    taken as given, even outside the bounds::
 
         if overflow:
             growth_tracker = 0
@@ -283,9 +289,10 @@ class ApexRule(ScaleRule):
 
 
 class ApexAmpRule(ScaleRule):
-    """apex.amp.scaler.LossScaler, driven by apex's FP16_Optimizer (``max_scale`` defaults
-    to 2**24 -- ``float("inf")`` for no cap -- and a ``min_scale`` of 0 means none, as in
-    apex)::
+    """The rule of apex.amp.scaler.LossScaler, driven by apex's FP16_Optimizer.
+
+    ``max_scale`` defaults to 2**24 (``float("inf")`` for no cap), and a ``min_scale`` of 0 means none, as in
+    apex::
 
         if overflow:
             growth_tracker = 0

@@ -93,8 +93,9 @@ def step_serial() -> int:
 
 
 def threads_with_steps_since(serial: int) -> list[OptimizerThread]:
-    """The live, not closed threads that received a step after ``step_serial()`` returned
-    ``serial``, oldest last step first."""
+    """Return the live, not closed threads that received a step after ``step_serial()`` returned ``serial``.
+
+    Oldest last step first."""
     with _serial_lock:
         found = [t for t in list(_live) if t._last_step > serial and not t._closed]
         return sorted(found, key=lambda t: t._last_step)
@@ -209,8 +210,9 @@ class OptimizerThread:
 
     # ------------------------------------------------------------------ submitting side
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> JobFuture:
-        """Raise the oldest undelivered error of an earlier job (once), then queue
-        ``fn(*args, **kwargs)`` as :meth:`enqueue` does; return its future."""
+        """Raise the oldest undelivered error of an earlier job (once), then queue ``fn(*args, **kwargs)``.
+
+        Queues as :meth:`enqueue` does; returns its future."""
         if not self.on_optimizer_thread():  # a job must not receive the main thread's errors
             self.raise_pending_error()
         return self.enqueue(fn, args, kwargs)
@@ -223,9 +225,10 @@ class OptimizerThread:
         *,
         step: bool = False,
     ) -> JobFuture:
-        """Queue ``fn(*args, **kwargs)`` without raising pending errors first; return its
-        future. ``step=True`` counts it as an optimizer step. From inside a job, runs ``fn``
-        inline and returns a completed future. Raises RuntimeError after :meth:`shutdown`."""
+        """Queue ``fn(*args, **kwargs)`` without raising pending errors first; return its future.
+
+        ``step=True`` counts it as an optimizer step. From inside a job, runs ``fn`` inline and returns a
+        completed future. Raises RuntimeError after :meth:`shutdown`."""
         inline = self.on_optimizer_thread()
         # ready: what the caller enqueued on its CUDA stream so far, for the worker stream
         item = _WorkItem(fn, tuple(args), dict(kwargs or {}), step, None if inline else _record_event())
@@ -258,9 +261,10 @@ class OptimizerThread:
         self.raise_pending_error()
 
     def wait_idle(self) -> None:
-        """Wait for every job submitted so far, leaving their errors to the next call that
-        raises them, and order the caller's CUDA stream after the worker's. For reads of
-        state the jobs write (a bound scaler's counters)."""
+        """Wait for every job submitted so far, leaving their errors to the next call that raises them.
+
+        Also orders the caller's CUDA stream after the worker's. For reads of state the jobs write (a bound
+        scaler's counters)."""
         if self.on_optimizer_thread():
             return  # the jobs before this one are done (FIFO); later ones cannot be awaited
         with self._lock:
@@ -271,8 +275,10 @@ class OptimizerThread:
             torch.cuda.current_stream().wait_stream(self._stream)
 
     def wait(self, fut: Future) -> Any:
-        """Wait for one job and return its result. Its error is raised if no caller received
-        it yet (then it counts as delivered); an error delivered before gives None."""
+        """Wait for one job and return its result.
+
+        Its error is raised if no caller received it yet (then it counts as delivered); an error delivered
+        before gives None."""
         if not isinstance(fut, JobFuture):
             return fut.result()
         if self.on_optimizer_thread():
@@ -291,8 +297,9 @@ class OptimizerThread:
         return None
 
     def raise_pending_error(self) -> None:
-        """Raise the exception of the oldest failed job whose error was not delivered yet,
-        marking it delivered. Returns when there is none."""
+        """Raise the exception of the oldest failed job whose error was not delivered yet, marking it delivered.
+
+        Returns when there is none."""
         with self._lock:
             while self._undelivered:
                 fut = self._undelivered.popleft()
@@ -305,16 +312,18 @@ class OptimizerThread:
         raise exc
 
     def wait_stream(self, fut: Future, stream: Any = None) -> None:
-        """Make ``stream`` (default: the caller's current CUDA stream) wait for the device
-        work a finished job enqueued on the worker stream. A no-op without CUDA."""
+        """Make ``stream`` wait for the device work a finished job enqueued on the worker stream.
+
+        ``stream`` defaults to the caller's current CUDA stream. A no-op without CUDA."""
         event = getattr(fut, "done_event", None)
         if event is not None:
             (stream or torch.cuda.current_stream()).wait_event(event)
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self, wait: bool = True, timeout: float | None = None) -> None:
-        """Stop accepting jobs; with ``wait``, drain the queue and join the worker (at most
-        ``timeout`` seconds). Idempotent."""
+        """Stop accepting jobs; with ``wait``, drain the queue and join the worker (at most ``timeout`` seconds).
+
+        Idempotent."""
         with self._lock:  # the same lock as the enqueue: the marker is the last item
             if not self._closed:
                 self._closed = True

@@ -1,5 +1,6 @@
-"""Collectives over lists of tensors, one flat buffer per (device, dtype) group: apex's
-``flat_dist_call`` (apex.parallel.distributed), which ``apex.parallel.Reducer`` used.
+"""Collectives over lists of tensors, one flat buffer per (device, dtype) group.
+
+apex's ``flat_dist_call`` (apex.parallel.distributed), which ``apex.parallel.Reducer`` used.
 
     for each (device, dtype) group of tensors (kernels.group_by_device_and_dtype: devices in
     first-seen order, then dtypes in first-seen order within a device):
@@ -58,9 +59,10 @@ def all_reduce_mean_coalesced(tensors: Iterable[torch.Tensor], group: dist.Proce
 
 @torch.no_grad()
 def call_coalesced(tensors: Iterable[torch.Tensor], call, extra_args=None, *, one_bucket: bool = False) -> None:
-    """apex's ``flat_dist_call(tensors, call, extra_args)`` (``one_bucket``: its
-    ``apply_flat_dist_call(bucket, ...)``, the tensors already of one type): per (device, dtype)
-    group, ``call(flat, *extra_args)`` on the flattened group; when ``call is dist.all_reduce`` the
+    """apex's ``flat_dist_call(tensors, call, extra_args)``: one collective per (device, dtype) group.
+
+    ``one_bucket``: its ``apply_flat_dist_call(bucket, ...)``, the tensors already of one type. Per (device,
+    dtype) group, ``call(flat, *extra_args)`` on the flattened group; when ``call is dist.all_reduce`` the
     result is divided by the world size (apex's averaging); then copied back into the tensors."""
     tensors = list(tensors)
     extra = () if extra_args is None else tuple(extra_args)

@@ -1,5 +1,4 @@
-"""A DDP communication hook with apex.parallel.DistributedDataParallel's gradient arithmetic
-(docs/apex-others.md §4.1).
+"""A DDP communication hook with apex.parallel.DistributedDataParallel's gradient arithmetic (docs/apex-others.md §4.1).
 
 Per bucket (apex's ``allreduce_bucket``):
 

@@ -66,13 +66,16 @@ MISSING_GRADS = ("none", "zero", "keep")
 
 
 class SteppedOptimizer(Protocol):
-    """What :class:`AsyncSteps` needs of the optimizer whose steps it runs (the optimizer is
-    :class:`~fp16kit.MixedPrecisionOptimizer`; naming it here would make the two modules import
-    each other): the wrapped optimizer, the mode, and the step on the masters."""
+    """What :class:`AsyncSteps` needs of the optimizer whose steps it runs.
+
+    The wrapped optimizer, the mode, and the step on the masters. (The optimizer is
+    :class:`~fp16kit.MixedPrecisionOptimizer`; naming it here would make the two modules import each other.)"""
 
     optimizer: torch.optim.Optimizer
     async_step: bool
-    _step_supports_amp_scaling: bool  # torch's GradScaler's flag: the step takes grad_scale
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool: ...  # torch's GradScaler's flag: the step takes grad_scale
 
     def inner_step(
         self,
@@ -93,8 +96,9 @@ class Handoff:
 
 @dataclass
 class StepJob:
-    """What a running step job owns: its step state and the param groups (hyperparameters) it
-    was submitted with (None: the optimizer steps its live groups, see StepView.applies_to)."""
+    """What a running step job owns: its step state and the param groups it was submitted with.
+
+    The groups carry the hyperparameters; None: the optimizer steps its live groups, see StepView.applies_to."""
 
     state: StepState = field(default_factory=StepState)
     groups: list[dict[str, Any]] | None = None
@@ -146,8 +150,9 @@ class AsyncSteps:
 
     # ------------------------------------------------------------------ waiting and landing
     def wait(self) -> None:
-        """Wait for the job in flight (re-raising its error); the masters then are newer than
-        the model params until :meth:`land`. Then apply the deferred copies."""
+        """Wait for the job in flight (re-raising its error), then apply the deferred copies.
+
+        The masters then are newer than the model params until :meth:`land`."""
         self.land_end()
         fut = self.inflight
         if fut is not None:
@@ -161,15 +166,16 @@ class AsyncSteps:
         self.apply_deferred()
 
     def masters_changed(self) -> None:
-        """The masters were written on the main thread (a checkpoint load): the next landing
-        copies them into the model."""
+        """Record that the masters were written on the main thread (a checkpoint load).
+
+        The next landing copies them into the model."""
         self._land_pending = True
 
     def defer_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy ``source -> target`` for each pair just before the masters or the model are
-        next used (the next wait, landing or step), not now: a checkpoint whose values come
-        from the model, or go into it, then does not depend on whether the user loads the
-        model before or after the optimizer."""
+        """Copy ``source -> target`` for each pair just before the masters or the model are next used.
+
+        That is at the next wait, landing or step, not now: a checkpoint whose values come from the model, or
+        go into it, then does not depend on whether the user loads the model before or after the optimizer."""
         self._deferred = list(pairs)
 
     def apply_deferred(self) -> None:
@@ -181,8 +187,7 @@ class AsyncSteps:
         self.land_begin(overlap=False)
 
     def land_begin(self, *, overlap: bool = True) -> None:
-        """Start :meth:`land`; the main thread may do other work (not touching the model
-        params) until :meth:`land_end`.
+        """Start :meth:`land`; the main thread may do other work (not touching the model params) until :meth:`land_end`.
 
         Copying host masters into host params is real work for whichever thread does it, so
         with ``overlap`` and an optimizer thread that has nothing else queued, the copy runs
@@ -226,7 +231,8 @@ class AsyncSteps:
         event = None
         if crossing:
             staging = self._staging_buffers(params)
-            kernels.copy_to_([grads[i] for i in crossing], [staging[i] for i in crossing], non_blocking=True)
+            sources = [g for g in (grads[i] for i in crossing) if g is not None]  # all are: see crossing
+            kernels.copy_to_(sources, [staging[i] for i in crossing], non_blocking=True)
             for i in crossing:
                 grads[i] = staging[i]
         if any(m.device != p.device for p, m in zip(params, masters)) and torch.cuda.is_available():
@@ -243,15 +249,17 @@ class AsyncSteps:
     # torch.nn.utils.clip_grad_norm_(model.parameters()) finds no grad after a hand-off
     # (fp16kit.master_weights.misuse watches it).
     def grads_cleared(self) -> None:
-        """``zero_grad()`` on the main thread: the model params hold no grads by the user's
-        doing now, as in torch, not because they were handed off."""
+        """Record ``zero_grad()`` on the main thread.
+
+        The model params hold no grads by the user's doing now, as in torch, not because they were handed off."""
         self.handed_off = False
 
     def clip_finds_none(self, params: Sequence[torch.Tensor]) -> str | None:
-        """The warning for ``torch.nn.utils.clip_grad_norm_(params)`` now, if it misses this
-        optimizer's grads: on the main thread when none of ``params`` has a grad and some are
-        model params whose grads were handed off (it returns 0); in this optimizer's step
-        job when any is a model param (the model grads belong to the main thread)."""
+        """Return the warning for ``torch.nn.utils.clip_grad_norm_(params)`` now, if it misses this optimizer's grads.
+
+        On the main thread when none of ``params`` has a grad and some are model params whose grads were
+        handed off (it returns 0); in this optimizer's step job when any is a model param (the model grads
+        belong to the main thread)."""
         if self.on_optimizer_thread():
             if self.running is None:
                 return None
@@ -310,8 +318,9 @@ class AsyncSteps:
 
     # ------------------------------------------------------------------ mode 1, main thread
     def check_grads(self, *, reduce: Reduce | None = None, land: bool = True) -> Flags:
-        """Check this step's model grads for inf/NaN on their device (``reduce`` may all-reduce
-        the flags). With ``land``, land the previous step meanwhile. No host sync."""
+        """Check this step's model grads for inf/NaN on their device (``reduce`` may all-reduce the flags).
+
+        With ``land``, land the previous step meanwhile. No host sync."""
         grads = [p.grad for p in self._masters.model_params if p.grad is not None]
         if any(g.is_sparse for g in grads):
             raise TypeError(SPARSE_GRADS)
@@ -332,13 +341,13 @@ class AsyncSteps:
         flags: Flags | None = None,
         missing_grads: str = "none",
     ) -> Flags:
-        """A mode-1 step from the main thread, by ``step()`` or ``scaler.step(opt)`` (``scale``:
-        the scale this iteration's loss was multiplied by; None without a scaler). ``state``
-        is the main thread's step state: when the masters already hold this step's unscaled
-        grads (``scaler.unscale_(opt)``, ``clip_grad_norm_``), only the skip decision and the
-        step are left (``flags``: the scaler's, reduced over its process group; default: the
-        state's; ``missing_grads``: see :meth:`submit`). Returns this step's flags (for the
-        scaler's update); reads none."""
+        """Run a mode-1 step from the main thread, by ``step()`` or ``scaler.step(opt)``.
+
+        ``scale``: the scale this iteration's loss was multiplied by; None without a scaler. ``state`` is the main thread's step state:
+        when the masters already hold this step's unscaled grads (``scaler.unscale_(opt)``,
+        ``clip_grad_norm_``), only the skip decision and the step are left (``flags``: the scaler's, reduced
+        over its process group; default: the state's; ``missing_grads``: see :meth:`submit`). Returns this
+        step's flags (for the scaler's update); reads none."""
         if state.in_masters:
             on_skip = log_skipped_step if scale is None else None
             flags = state.flags if flags is None else flags
@@ -365,8 +374,7 @@ class AsyncSteps:
         missing_grads: str = "none",
         on_skip: Callable[[], Any] | None = None,
     ) -> Future:
-        """The second half of a step after :meth:`check_grads` (see
-        ``MixedPrecisionOptimizer.async_submit``)."""
+        """The second half of a step after :meth:`check_grads` (see ``MixedPrecisionOptimizer.async_submit``)."""
         if missing_grads not in MISSING_GRADS:
             raise ValueError(f"missing_grads must be one of {MISSING_GRADS}, got {missing_grads!r}.")
         self._refresh()
@@ -404,8 +412,9 @@ class AsyncSteps:
 
     # ------------------------------------------------------------------ mode 2, main thread
     def submit_step(self, fn: Callable[[], Any], *, scaler: Any, missing_grads: str = "none") -> Future:
-        """Mode 2 (see ``MixedPrecisionOptimizer.submit_step``). Everything is checked, and
-        pending errors raised, before anything is handed off."""
+        """Mode 2 (see ``MixedPrecisionOptimizer.submit_step``).
+
+        Everything is checked, and pending errors raised, before anything is handed off."""
         if not callable(fn):
             raise TypeError(
                 f"submit_step expects a callable, got {type(fn).__name__}: e.g. "

@@ -56,8 +56,9 @@ def _state_shape(name: str, shape: torch.Size) -> tuple[int, ...] | None:
 
 
 def validate_optimizer_groups(saved: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Check a saved torch optimizer state dict against the live optimizer's param groups
-    (torch's own check does not say which group differs). Raises ValueError; changes nothing."""
+    """Check a saved torch optimizer state dict against the live optimizer's param groups.
+
+    torch's own check does not say which group differs. Raises ValueError; changes nothing."""
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or "state" not in saved:
         raise ValueError(
@@ -93,16 +94,19 @@ def validate_optimizer_groups(saved: Any, optimizer: torch.optim.Optimizer) -> N
 
 
 class MatchedMasters(NamedTuple):
-    """Saved masters matched to what they restore: ``(source, target)`` copies to make now,
-    and ones to make at the next step (values that come from, or go into, the model)."""
+    """Saved masters matched to what they restore.
+
+    ``(source, target)`` copies to make now, and ones to make at the next step (values that come from, or go
+    into, the model)."""
 
     now: list[tuple[torch.Tensor, torch.Tensor]]
     deferred: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def match_saved_masters(saved: Any, groups: list[MasterGroup], param_groups: list[dict[str, Any]]) -> MatchedMasters:
-    """Match saved masters (a list per group) to what they restore. Checks counts and shapes
-    first; raises ValueError naming the group; changes nothing.
+    """Match saved masters (a list per group) to what they restore.
+
+    Checks counts and shapes first; raises ValueError naming the group; changes nothing.
 
     A checkpoint written with and one written without ``async_step``/``master_device`` differ
     in the fp32 params: with them every trainable param has a master (saved in group order),
@@ -157,9 +161,10 @@ def match_saved_masters(saved: Any, groups: list[MasterGroup], param_groups: lis
 
 
 def check_state_dict(state_dict: Any, optimizer: torch.optim.Optimizer, groups: list[MasterGroup]) -> MatchedMasters:
-    """Check a ``MixedPrecisionOptimizer.state_dict()`` against the live optimizer (keys, the
-    wrapped optimizer's groups and state shapes, the masters); return the matched masters.
-    Raises ValueError naming what differs; changes nothing."""
+    """Check a ``MixedPrecisionOptimizer.state_dict()`` against the live optimizer; return the matched masters.
+
+    Checks the keys, the wrapped optimizer's groups and state shapes, the masters. Raises ValueError naming
+    what differs; changes nothing."""
     if not isinstance(state_dict, dict) or set(state_dict) != set(STATE_KEYS):
         got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
         raise ValueError(

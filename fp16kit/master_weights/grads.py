@@ -59,11 +59,11 @@ class MasterGrads:
         self.missing = "none"  # main thread only: see zeroed()
 
     def zeroed(self, set_to_none: bool) -> None:
-        """``zero_grad(set_to_none)`` on the main thread, for model grads that are handed off
-        (asynchronous steps, submit_step): applied to the masters at the next transfer -- with
-        ``set_to_none=False`` a master whose param gets no grad keeps a zero grad and is
-        stepped (momentum, weight decay), as torch steps a zeroed grad; with True it has none
-        and is skipped."""
+        """Record ``zero_grad(set_to_none)`` on the main thread, for model grads that are handed off.
+
+        Handed off: asynchronous steps, submit_step. Applied to the masters at the next transfer -- with
+        ``set_to_none=False`` a master whose param gets no grad keeps a zero grad and is stepped (momentum,
+        weight decay), as torch steps a zeroed grad; with True it has none and is skipped."""
         self.missing = "none" if set_to_none else "zero"
 
     def transfer(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool | None = None) -> Flags:

@@ -53,8 +53,10 @@ LatePolicy = Literal["adopt", "refuse"]
 
 @dataclass
 class MasterGroup:
-    """One param group's params, by role: ``model_params[i]`` is mastered by ``masters[i]``;
-    ``direct`` params are optimized as they are; ``watched`` were frozen when adopted."""
+    """One param group's params, by role.
+
+    ``model_params[i]`` is mastered by ``masters[i]``; ``direct`` params are optimized as they are;
+    ``watched`` were frozen when adopted."""
 
     model_params: list[torch.Tensor] = field(default_factory=list)
     masters: list[torch.Tensor] = field(default_factory=list)
@@ -63,8 +65,9 @@ class MasterGroup:
 
 
 def check_master_dtypes(params: Any, master_dtype: torch.dtype, *, where: str = "") -> None:
-    """With a master for every trainable param, each must be fp16, bf16 or fp32. Raises
-    TypeError naming the param and the fix; changes nothing."""
+    """With a master for every trainable param, each must be fp16, bf16 or fp32.
+
+    Raises TypeError naming the param and the fix; changes nothing."""
     for i, p in enumerate([params] if isinstance(params, torch.Tensor) else list(params)):
         if p.requires_grad and p.dtype not in (*LOW_PRECISION, torch.float32):
             raise TypeError(
@@ -75,9 +78,10 @@ def check_master_dtypes(params: Any, master_dtype: torch.dtype, *, where: str = 
 
 
 def check_not_sharded(params: Any, all_masters: bool, master_dtype: torch.dtype, *, where: str = "") -> None:
-    """A sharded param (a DTensor, e.g. FSDP2's) that would get a master: TypeError naming the
-    rule (its kernels cannot copy into one, and FSDP2 keeps fp32 sharded params itself); changes
-    nothing. Free when torch.distributed.tensor was never imported: then no param is a DTensor."""
+    """Refuse a sharded param (a DTensor, e.g. FSDP2's) that would get a master.
+
+    TypeError naming the rule (its kernels cannot copy into one, and FSDP2 keeps fp32 sharded params itself);
+    changes nothing. Free when torch.distributed.tensor was never imported: then no param is a DTensor."""
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
         return
@@ -100,10 +104,11 @@ def check_not_sharded(params: Any, all_masters: bool, master_dtype: torch.dtype,
 
 
 def check_floating(params: Any, *, where: str = "") -> None:
-    """Refuse a param that is not a floating-point tensor, in torch.optim's words: an integer or
-    bool tensor (a buffer, an index) never has a gradient, so listing it is a mistake (the wrong
-    tensors were passed); a complex one cannot be unscaled (torch's unscale kernel, which
-    torch.amp.GradScaler uses too, has no complex version). TypeError; changes nothing."""
+    """Refuse a param that is not a floating-point tensor, in torch.optim's words.
+
+    An integer or bool tensor (a buffer, an index) never has a gradient, so listing it is a mistake (the wrong
+    tensors were passed); a complex one cannot be unscaled (torch's unscale kernel, which torch.amp.GradScaler
+    uses too, has no complex version). TypeError; changes nothing."""
     for i, p in enumerate([params] if isinstance(params, torch.Tensor) else list(params)):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}")
@@ -122,9 +127,11 @@ def check_floating(params: Any, *, where: str = "") -> None:
 
 
 def check_params(params: Any, all_masters: bool, master_dtype: torch.dtype, *, where: str = "") -> None:
-    """Every check a param that may get a master must pass (at construction, in
-    add_param_group, when unfrozen later): :func:`check_floating`, :func:`check_master_dtypes`
-    when every trainable param gets a master, and :func:`check_not_sharded`. Changes nothing."""
+    """Run every check a param that may get a master must pass.
+
+    At construction, in add_param_group, when unfrozen later: :func:`check_floating`,
+    :func:`check_master_dtypes` when every trainable param gets a master, and :func:`check_not_sharded`.
+    Changes nothing."""
     check_floating(params, where=where)
     if all_masters:
         check_master_dtypes(params, master_dtype, where=where)
@@ -132,10 +139,11 @@ def check_params(params: Any, all_masters: bool, master_dtype: torch.dtype, *, w
 
 
 def check_distinct_groups(param_groups: list[dict[str, Any]]) -> None:
-    """Refuse a param listed in two param groups, with torch.optim's error (torch checks each
-    group it adds against the ones before; groups edited by hand since reach here). Each would
-    get a master, stepped with its group's settings, and the last copied back would win.
-    Changes nothing."""
+    """Refuse a param listed in two param groups, with torch.optim's error.
+
+    torch checks each group it adds against the ones before; groups edited by hand since reach here. Each
+    would get a master, stepped with its group's settings, and the last copied back would win. Changes
+    nothing."""
     seen: dict[int, int] = {}
     for gi, group in enumerate(param_groups):
         for p in {id(p): p for p in group["params"]}.values():  # (a repeat in one group: drop_repeats)
@@ -149,9 +157,10 @@ def check_distinct_groups(param_groups: list[dict[str, Any]]) -> None:
 
 
 def drop_repeats(params: list[torch.Tensor]) -> list[int]:
-    """Remove the later listings of a param listed more than once in ``params``, in place
-    (LBFGS caches the list); return their positions. One master per param: torch.optim
-    would step such a param at every listing."""
+    """Remove the later listings of a param listed more than once in ``params``, in place.
+
+    In place because LBFGS caches the list; returns their positions. One master per param: torch.optim would
+    step such a param at every listing."""
     seen: set[int] = set()
     repeats = []
     for i, p in enumerate(params):
@@ -165,9 +174,10 @@ def drop_repeats(params: list[torch.Tensor]) -> list[int]:
 
 
 def check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an inner optimizer another MixedPrecisionOptimizer wrapped already
-    (:func:`mark_wrapped`): its groups hold that one's fp32 masters, so a second wrapper would
-    make none and step nothing of the model."""
+    """Refuse an inner optimizer another MixedPrecisionOptimizer wrapped already.
+
+    See :func:`mark_wrapped`: its groups hold that one's fp32 masters, so a second wrapper would make none and
+    step nothing of the model."""
     if optimizer in _wrapped:
         raise TypeError(
             "This optimizer is already wrapped by a MixedPrecisionOptimizer (its param groups hold "
@@ -199,9 +209,10 @@ class MasterGroups:
         self.groups: list[MasterGroup] = []
 
     def check_assignment(self, groups: Any) -> None:
-        """``optimizer.param_groups = groups`` may rearrange or edit the groups of the params
-        stepped already (the masters), not bring new ones: a new fp16/bf16 param would be
-        stepped directly with its scaled 16-bit grad. Changes nothing."""
+        """Check ``optimizer.param_groups = groups``: it may rearrange the masters' groups, not add params.
+
+        It may rearrange or edit the groups of the params stepped already (the masters), not bring new ones: a
+        new fp16/bf16 param would be stepped directly with its scaled 16-bit grad. Changes nothing."""
         known = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         new = [
             p
@@ -229,8 +240,9 @@ class MasterGroups:
         return p.requires_grad and (p.dtype in LOW_PRECISION or (self.all_masters and p.dtype == torch.float32))
 
     def check(self, params: list[torch.Tensor], *, new_group: bool = False) -> None:
-        """Validate params before adopting them (nothing changes on error). ``new_group``:
-        they must not be optimized already, nor listed twice (torch compares against the
+        """Validate params before adopting them (nothing changes on error).
+
+        ``new_group``: they must not be optimized already, nor listed twice (torch compares against the
         masters, which are not the params the user holds)."""
         check_params(params, self.all_masters, self.masters.master_dtype)
         if not new_group:
@@ -243,8 +255,9 @@ class MasterGroups:
             raise ValueError("The new param group holds a param twice: list each param once.")
 
     def adopt(self, group: dict[str, Any]) -> MasterGroup:
-        """Master the trainable fp16/bf16 params of ``group`` (a dict of the wrapped optimizer's
-        ``param_groups``), in place."""
+        """Master the trainable fp16/bf16 params of ``group``, in place.
+
+        ``group``: a dict of the wrapped optimizer's ``param_groups``."""
         params = group["params"]
         info = MasterGroup()
         chosen = [i for i, p in enumerate(params) if self._wants_master(p)]
@@ -288,8 +301,9 @@ class MasterGroups:
 
     def refresh(self, before_change: Callable[[], None]) -> None:
         """Adopt the watched params that became trainable (see the module docstring).
-        ``before_change`` runs once before the groups change (waits for a step in flight that
-        reads them). Everything is checked before anything changes."""
+
+        ``before_change`` runs once before the groups change (waits for a step in flight that reads them).
+        Everything is checked before anything changes."""
         if not self.unfrozen():
             return
         found = [(gi, p) for gi, g in enumerate(self.groups) for p in g.watched if p.requires_grad]
@@ -346,8 +360,9 @@ class MasterGroups:
         info.direct[:] = direct
 
     def flag_device(self) -> torch.device:
-        """Where the found-inf flags of the stepped grads live: the first master's device (or
-        direct param's); the CPU for an optimizer with no params."""
+        """Return where the found-inf flags of the stepped grads live.
+
+        The first master's device (or direct param's); the CPU for an optimizer with no params."""
         for p in (*self.masters.masters, *self.direct_params()):
             return p.device
         return torch.device("cpu")

@@ -56,9 +56,10 @@ TORCH_STEP_READER = torch.amp.GradScaler.step.__code__
 
 
 def torch_scaler_error(frame: types.FrameType, call: str, model_params: Sequence[torch.Tensor]) -> TypeError:
-    """The error for torch's GradScaler (``frame``: the frame of its function reading the
-    optimizer) driving, in ``scaler.<call>(optimizer)``, a MixedPrecisionOptimizer that keeps
-    masters of ``model_params``."""
+    """Build the error for torch's GradScaler driving a MixedPrecisionOptimizer.
+
+    The call is ``scaler.<call>(optimizer)``; ``frame``: the frame of torch's function reading the optimizer;
+    the optimizer keeps masters of ``model_params``."""
     scaler = frame.f_locals.get("self")
     cls = type(scaler)
     name = "torch.amp.GradScaler" if cls is torch.amp.GradScaler else f"{cls.__module__}.{cls.__qualname__}"
@@ -89,8 +90,9 @@ class ClipWatched(Protocol):
     """What :func:`watch_clips` asks of an optimizer whose steps hand its model grads off."""
 
     def clip_finds_none(self, params: Sequence[torch.Tensor]) -> str | None:
-        """The warning for ``torch.nn.utils.clip_grad_norm_(params)`` called now, when
-        ``params`` hold this optimizer's handed-off grads (None: no mistake)."""
+        """Return the warning for ``torch.nn.utils.clip_grad_norm_(params)`` called now.
+
+        A warning when ``params`` hold this optimizer's handed-off grads; None: no mistake."""
         ...
 
     def warned_clip(self) -> bool:
@@ -104,8 +106,9 @@ _lock = threading.Lock()
 
 
 def watch_clips(owner: ClipWatched) -> None:
-    """Check every later ``torch.nn.utils.clip_grad_norm_`` call against ``owner`` (weakly
-    held) -- installing the check into torch on the first call of the process."""
+    """Check every later ``torch.nn.utils.clip_grad_norm_`` call against ``owner`` (weakly held).
+
+    The check is installed into torch on the first call of the process."""
     with _lock:
         if not _watched:
             _install()
@@ -141,7 +144,7 @@ _WRAPPER_DEPTH = 4  # third-party wrappers (tracers, profilers) allowed between 
 
 def _calling_frame(code: types.CodeType) -> types.FrameType | None:
     """The frame running ``code`` among the check's few nearest callers, if any."""
-    frame = sys._getframe(2)  # (1 is the check itself)
+    frame: types.FrameType | None = sys._getframe(2)  # (1 is the check itself)
     for _ in range(_WRAPPER_DEPTH):
         if frame is None or frame.f_code is code:
             return frame

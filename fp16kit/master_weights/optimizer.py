@@ -86,31 +86,28 @@ logger = logging.getLogger("fp16kit")
 
 
 class MixedPrecisionOptimizer(WrappingOptimizer):
-    """Wrap ``optimizer`` (built on the model's params) so it steps fp32 masters of the model's
-    fp16/bf16 params. See the module docstring for the algorithm and the contract.
+    """Wrap ``optimizer`` (built on the model's params) so it steps fp32 masters of the model's fp16/bf16 params.
+
+    See the module docstring for the algorithm and the contract; :meth:`submit_step` (mode 2) runs a function of yours
+    -- typically ``scaler.step(opt); opt.zero_grad()`` -- on the optimizer thread.
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
-        master_dtype: dtype of the masters (default ``torch.float32``; a name such as
-            ``"float32"`` is accepted).
-        master_device: device of the masters (default: each param's own device); e.g.
-            ``"cpu"`` keeps masters and optimizer state in host memory for a CUDA model. Then
-            fp32 params get masters too: everything the optimizer touches lives there.
+        master_dtype: dtype of the masters (default ``torch.float32``; a name such as ``"float32"`` is accepted).
+        master_device: device of the masters (default: each param's own device); e.g. ``"cpu"`` keeps masters and
+            optimizer state in host memory for a CUDA model. Then fp32 params get masters too: everything the optimizer
+            touches lives there.
         flat: keep each device's masters in one contiguous buffer (per-param views).
-        async_step: run each step on the optimizer thread beside the next forward/backward,
-            a one-step delayed update (:mod:`fp16kit.master_weights.async_step`; every trainable param gets a
-            master). ``step()`` hands the model grads to the thread (``p.grad`` is None after
-            it). Call :meth:`synchronize` before evaluating or exporting. Each step uses the
-            hyperparameters it was submitted with (:mod:`fp16kit.master_weights.snapshot`).
-        thread: the :class:`~fp16kit.core.thread.OptimizerThread` for asynchronous steps
-            (default: the process-wide ``fp16kit.optimizer_thread()``).
-        unfrozen: params frozen when wrapped and trainable later: ``"adopt"`` them at the next
-            step (default), or ``"refuse"`` to step them (apex's construction-time rule).
-        apex_groups: take the groups as apex's FP16_Optimizer did (the legacy face): a master
-            per listing of a repeated param, and no warning about the groups.
-
-    :meth:`submit_step` (mode 2) runs a function of yours -- typically
-    ``scaler.step(opt); opt.zero_grad()`` -- on the optimizer thread.
+        async_step: run each step on the optimizer thread beside the next forward/backward, a one-step delayed update
+            (:mod:`fp16kit.master_weights.async_step`; every trainable param gets a master). ``step()`` hands the model
+            grads to the thread (``p.grad`` is None after it). Call :meth:`synchronize` before evaluating or exporting.
+            Each step uses the hyperparameters it was submitted with (:mod:`fp16kit.master_weights.snapshot`).
+        thread: the :class:`~fp16kit.core.thread.OptimizerThread` for asynchronous steps (default: the process-wide
+            ``fp16kit.optimizer_thread()``).
+        unfrozen: params frozen when wrapped and trainable later: ``"adopt"`` them at the next step (default), or
+            ``"refuse"`` to step them (apex's construction-time rule).
+        apex_groups: take the groups as apex's FP16_Optimizer did (the legacy face): a master per listing of a repeated
+            param, and no warning about the groups.
     """
 
     def __init__(
@@ -157,9 +154,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     # ------------------------------------------------------------------ torch.optim surface
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The wrapped optimizer's param groups; inside a step job, the snapshot it steps
-        (:mod:`fp16kit.master_weights.snapshot`). Read by torch's GradScaler: TypeError (optimizer_misuse)."""
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups; inside a step job, the snapshot it steps.
+
+        See :mod:`fp16kit.master_weights.snapshot`. Read by torch's GradScaler: TypeError (optimizer_misuse)."""
         if sys._getframe(1).f_code is TORCH_UNSCALE_READER:
             raise torch_scaler_error(sys._getframe(1), "unscale_", self._masters.model_params)
         # running first: set only while a job runs, it is cheaper to test than the thread
@@ -183,8 +181,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer; its fp16/bf16 params get masters. The params
-        are checked as in the constructor before anything changes."""
+        """Add a group to the wrapped optimizer; its fp16/bf16 params get masters.
+
+        The params are checked as in the constructor before anything changes."""
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise TypeError("add_param_group expects a dict with a 'params' entry.")
         params = param_group["params"]
@@ -229,11 +228,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     def grads_to_masters(
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, clear_missing: bool = True
     ) -> Flags:
-        """Unscale this iteration's grads onto what the optimizer steps: fp16/bf16 model grads
-        into fp32 master grads, fp32 params' grads in place; one non-finite check over all.
-        A master whose model param has no grad loses its grad (``clear_missing=False`` keeps
-        it, as apex did). Returns ``{device: found_inf}``. No host sync. (The building block;
-        it records nothing in the step state.)"""
+        """Unscale this iteration's grads onto what the optimizer steps, with one non-finite check over all.
+
+        fp16/bf16 model grads go into fp32 master grads, fp32 params' grads are unscaled in place. A master whose model
+        param has no grad loses its grad (``clear_missing=False`` keeps it, as apex did). Returns
+        ``{device: found_inf}``. No host sync. (The building block; it records nothing in the step state.)"""
         return self._grads.transfer(inv_scale, found_inf, clear_missing=clear_missing)
 
     def _before_grads(self) -> None:  # MasterGrads' before_write
@@ -262,8 +261,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     def submit_scaled_step(
         self, scale: torch.Tensor, *, unscaled_flags: Flags | None, reduce: Callable[[Flags], Flags]
     ) -> Flags:
-        """``scaler.step(opt)`` with ``async_step=True``: check the grads on their device,
-        submit the step, return its flags (the scaler's update uses them on the device)."""
+        """Do ``scaler.step(opt)`` with ``async_step=True``: check the grads on their device, submit the step.
+
+        Returns its flags (the scaler's update uses them on the device)."""
         return self._submit_async(self._step, scale=scale, reduce=reduce, unscaled_flags=unscaled_flags)
 
     def _submit_async(
@@ -279,8 +279,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     # ------------------------------------------------------------------ zero_grad, clipping
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of the model's fp16/bf16 params, their masters and the other params.
-        With asynchronous steps each thread clears its own: on the main thread the model's
-        grads (the job in flight owns the master grads), on the optimizer thread the masters'."""
+
+        With asynchronous steps each thread clears its own: on the main thread the model's grads (the job in flight owns
+        the master grads), on the optimizer thread the masters'."""
         if self._async.on_optimizer_thread():
             # the masters' and direct params' only: a watched (frozen-when-wrapped) param's
             # grad belongs to the main thread's next step
@@ -303,14 +304,13 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         *,
         params: Iterable[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Clip the unscaled grads the optimizer will use (masters and fp32 params) by their
-        total norm, as ``torch.nn.utils.clip_grad_norm_``; returns the total norm. Call after
-        ``scaler.unscale_(optimizer)`` (or with no scaler, at any point after backward).
+        """Clip the unscaled grads the optimizer will use (masters and fp32 params) by their total norm.
 
-        ``params`` (default: everything this optimizer steps) restricts the clip to those
-        tensors, each model param standing for its master: ``params=model.parameters()``
-        clips what ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would under
-        torch.amp (tensors this optimizer does not step are clipped as they are)."""
+        As ``torch.nn.utils.clip_grad_norm_``; returns the total norm. Call after ``scaler.unscale_(optimizer)`` (or
+        with no scaler, at any point after backward). ``params`` (default: everything this optimizer steps) restricts
+        the clip to those tensors, each model param standing for its master: ``params=model.parameters()`` clips what
+        ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would under torch.amp (tensors this optimizer does not
+        step are clipped as they are)."""
         state = self._state()
         self._refresh()
         self._grads.ensure(state)
@@ -323,12 +323,12 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale (if no scaler did), step the masters, copy them into the model.
 
-        Returns the wrapped optimizer's return value, or None when the step was skipped for
-        non-finite gradients -- and None with ``async_step=True``, whose step runs later on the
-        optimizer thread (its errors surface at the next call that waits for it)."""
+        Returns the wrapped optimizer's return value, or None when the step was skipped for non-finite gradients -- and
+        None with ``async_step=True``, whose step runs later on the optimizer thread (its errors surface at the next
+        call that waits for it)."""
         state = self._state()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -376,11 +376,11 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> Any:
-        """Step the wrapped optimizer on the master grads as they are, then copy the masters
-        into the model (in a step job of this optimizer, the next landing does; a step run on
-        the thread for a waiting main thread -- a bound scaler's -- copies them there). ``grad_scale`` /
-        ``found_inf`` go to a fused optimizer (which unscales and skips on the device). No
-        unscale, no check: the building block of :meth:`step`."""
+        """Step the wrapped optimizer on the master grads as they are, then copy the masters into the model.
+
+        In a step job of this optimizer, the next landing copies them; a step run on the thread for a waiting main
+        thread -- a bound scaler's -- copies them there. ``grad_scale`` / ``found_inf`` go to a fused optimizer (which
+        unscales and skips on the device). No unscale, no check: the building block of :meth:`step`."""
         on_thread = self._async.on_optimizer_thread()
         if not on_thread:  # (a job's were applied before it was submitted)
             self._async.apply_deferred()
@@ -394,13 +394,12 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
     # ------------------------------------------------------------------ asynchronous steps
     # The work is AsyncSteps' (fp16kit.master_weights.async_step); these are the public entry points.
     def async_check_grads(self, *, reduce: Callable[[Flags], Flags] | None = None, land: bool = True) -> Flags:
-        """First half of an asynchronous step (``async_step=True``), on the main thread: check
-        this step's model grads for inf/NaN on their device (``reduce`` may all-reduce the
-        flags); returns ``{device: found_inf}``. No host sync. Then call :meth:`async_submit`.
+        """Check this step's model grads for inf/NaN on their device: the first half of an asynchronous step.
 
-        With ``land`` it also waits for the step in flight (re-raising its error) and lands
-        its masters in the model meanwhile -- only when nothing (a retained autograd graph, a
-        second loss) still needs the current weights; otherwise :meth:`async_submit` lands."""
+        On the main thread, with ``async_step=True``; ``reduce`` may all-reduce the flags. Returns
+        ``{device: found_inf}``. No host sync. Then call :meth:`async_submit`. With ``land`` it also waits for the step
+        in flight (re-raising its error) and lands its masters in the model meanwhile -- only when nothing (a retained
+        autograd graph, a second loss) still needs the current weights; otherwise :meth:`async_submit` lands."""
         self._async.require_main("async_check_grads", async_step=True)
         self._refresh()
         return self._async.check_grads(reduce=reduce, land=land)
@@ -413,47 +412,46 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         missing_grads: str = "none",
         on_skip: Callable[[], Any] | None = None,
     ) -> Future:
-        """Second half of an asynchronous step, after :meth:`async_check_grads`: land the
-        previous step (if that did not), hand this step's model grads to the optimizer thread
-        (the model grads are cleared) and queue the job. There it skips the step -- calling
-        ``on_skip()`` -- if ``found_inf`` is set, and otherwise unscales the grads by
-        ``inv_scale`` into the master grads and steps. ``missing_grads`` says what a master
-        whose param got no grad holds: ``"none"`` (no grad: the optimizer skips it),
-        ``"zero"``, or ``"keep"`` (its previous grad, as apex's FP16_Optimizer). Pending errors
-        are raised before anything is handed off: the call can be repeated."""
+        """Queue this step's job on the optimizer thread: the second half of an asynchronous step.
+
+        After :meth:`async_check_grads`: land the previous step (if that did not), hand this step's model grads to the
+        optimizer thread (the model grads are cleared) and queue the job. There it skips the step -- calling
+        ``on_skip()`` -- if ``found_inf`` is set, and otherwise unscales the grads by ``inv_scale`` into the master
+        grads and steps. ``missing_grads`` says what a master whose param got no grad holds: ``"none"`` (no grad: the
+        optimizer skips it), ``"zero"``, or ``"keep"`` (its previous grad, as apex's FP16_Optimizer). Pending errors are
+        raised before anything is handed off: the call can be repeated."""
         self._async.require_main("async_submit", async_step=True)
         fut = self._async.submit(inv_scale, found_inf, missing_grads=missing_grads, on_skip=on_skip)
         self._step.reset()
         return fut
 
     def submit_step(self, fn: Callable[[], Any], *, scaler: Any = None) -> Future:
-        """Mode 2 (docs/async.md): run ``fn`` -- e.g. ``lambda: (scaler.step(opt), opt.zero_grad())``
-        -- on the optimizer thread, beside the next forward/backward.
+        """Mode 2 (docs/async.md): run ``fn`` on the optimizer thread, beside the next forward/backward.
 
-        On the main thread: wait for the previous submitted step (re-raising its error), copy
-        the masters it produced into the model, move this step's raw (still scaled) model grads
-        into the master grads -- the model grads are cleared, so the next backward starts from
-        zero -- and submit ``fn``. Returns its Future; call :meth:`synchronize` before
-        evaluating or exporting the model.
+        ``fn`` is e.g. ``lambda: (scaler.step(opt), opt.zero_grad())``. On the main thread: wait for the previous
+        submitted step (re-raising its error), copy the masters it produced into the model, move this step's raw (still
+        scaled) model grads into the master grads -- the model grads are cleared, so the next backward starts from zero
+        -- and submit ``fn``. Returns its Future; call :meth:`synchronize` before evaluating or exporting the model.
 
-        ``scaler``: the :class:`fp16kit.GradScaler` whose ``step`` ``fn`` calls; it is bound
-        to this optimizer's thread now (``scaler.bind(opt.thread)``), so ``scaler.update()``
-        right after this call knows its step runs there. Without it the scaler binds itself
-        when that is unambiguous (see :mod:`fp16kit.scaler.binding`)."""
+        ``scaler``: the :class:`fp16kit.GradScaler` whose ``step`` ``fn`` calls; it is bound to this optimizer's thread
+        now (``scaler.bind(opt.thread)``), so ``scaler.update()`` right after this call knows its step runs there.
+        Without it the scaler binds itself when that is unambiguous (see :mod:`fp16kit.scaler.binding`)."""
         fut = self._async.submit_step(fn, scaler=scaler, missing_grads=self._grads.missing)
         self._step.reset()
         return fut
 
     def synchronize(self) -> None:
-        """Wait for the step in flight and copy the final masters into the model (call before
-        evaluating or exporting an asynchronously trained model). A no-op otherwise, and
-        inside a step job (which cannot wait for itself)."""
+        """Wait for the step in flight and copy the final masters into the model.
+
+        Call it before evaluating or exporting an asynchronously trained model. A no-op otherwise, and inside a step job
+        (which cannot wait for itself)."""
         if not self._async.on_optimizer_thread():
             self._async.land()
 
     def wait_for_step(self) -> None:
-        """Wait for the step in flight (re-raising its error) without landing its masters in
-        the model. A no-op on the optimizer thread and with no step in flight."""
+        """Wait for the step in flight (re-raising its error) without landing its masters in the model.
+
+        A no-op on the optimizer thread and with no step in flight."""
         if not self._async.on_optimizer_thread():
             self._async.wait()
 
@@ -467,23 +465,23 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             state.reset()
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """``{"optimizer": wrapped optimizer's state dict, "masters": [[master, ...] per group]}``:
-        plain data, exact fp32 masters (no fp16 round trip). Waits for a step in flight but
-        does not write the model params (their own state dict holds what the next forward
-        uses)."""
+    def state_dict(self) -> dict[str, Any]:
+        """Return ``{"optimizer": wrapped optimizer's state dict, "masters": [[master, ...] per group]}``.
+
+        Plain data, exact fp32 masters (no fp16 round trip). Waits for a step in flight but does not write the model
+        params (their own state dict holds what the next forward uses)."""
         self.wait_for_step()
         return {
             "optimizer": self.optimizer.state_dict(),
             "masters": [[m.detach() for m in g.masters] for g in self._groups],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore the wrapped optimizer's state and the masters exactly. The model params are
-        not touched: load them with ``model.load_state_dict``, before or after this (but before
-        the optimizer is next used: see :func:`~fp16kit.master_weights.checkpoint.match_saved_masters`).
-        Structure and shapes are checked before anything changes: a mismatch raises ValueError
-        naming the group and the index."""
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the wrapped optimizer's state and the masters exactly.
+
+        The model params are not touched: load them with ``model.load_state_dict``, before or after this (but before the
+        optimizer is next used: see :func:`~fp16kit.master_weights.checkpoint.match_saved_masters`). Structure and
+        shapes are checked before anything changes: a mismatch raises ValueError naming the group and the index."""
         matched = check_state_dict(state_dict, self.optimizer, self._groups.groups)
         self.wait_for_step()
         self.optimizer.load_state_dict(state_dict["optimizer"])
@@ -492,9 +490,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def restore_masters(self, matched: MatchedMasters) -> None:
         """Copy checkpointed masters in (see :func:`~fp16kit.master_weights.checkpoint.match_saved_masters`).
-        Asynchronously trained (``async_step`` or ``submit_step``), they are a step ahead of the
-        saved model params: the next asynchronous step lands them, exactly as in the
-        uninterrupted run. (A synchronous step never lands: there the model already holds them.)"""
+
+        Asynchronously trained (``async_step`` or ``submit_step``), they are a step ahead of the saved model params: the
+        next asynchronous step lands them, exactly as in the uninterrupted run. (A synchronous step never lands: there
+        the model already holds them.)"""
         kernels.copy_pairs_(matched.now)
         self._async.defer_copies(matched.deferred)
         self._async.masters_changed()

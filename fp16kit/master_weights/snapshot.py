@@ -29,10 +29,11 @@ __all__ = ["StepView", "snapshot", "write_back"]
 
 
 def snapshot(groups: list[dict[str, Any]], *, leave_out: Collection[int] = ()) -> list[dict[str, Any]]:
-    """The param groups' values now: tensor values (an lr tensor, which LR schedulers update in
-    place) are copied; the params lists stay shared -- or, when ``leave_out`` names params (by
-    id), are copied without them (params frozen at submit time: unfrozen while the job runs,
-    they belong to the next step)."""
+    """Return the param groups' values now, tensor values copied.
+
+    Tensor values (an lr tensor, which LR schedulers update in place) are copied; the params lists stay shared
+    -- or, when ``leave_out`` names params (by id), are copied without them (params frozen at submit time:
+    unfrozen while the job runs, they belong to the next step)."""
     return [{k: _params(v, leave_out) if k == "params" else _frozen(v) for k, v in g.items()} for g in groups]
 
 
@@ -51,10 +52,11 @@ def _frozen(value: Any) -> Any:
 
 
 class StepView:
-    """The wrapped optimizer stepping a snapshot of its param groups (taken when the step was
-    submitted), so the live groups stay the main thread's: an LR scheduler there already sets
-    the next step's values. A shallow copy of the optimizer object (same state dict, same
-    hooks); attributes the step sets on itself (counters) are written back afterwards."""
+    """The wrapped optimizer stepping a snapshot of its param groups (taken when the step was submitted).
+
+    So the live groups stay the main thread's: an LR scheduler there already sets the next step's values. A
+    shallow copy of the optimizer object (same state dict, same hooks); attributes the step sets on itself
+    (counters) are written back afterwards."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
         self.original = optimizer
@@ -68,9 +70,10 @@ class StepView:
 
     @staticmethod
     def applies_to(optimizer: torch.optim.Optimizer) -> bool:
-        """Can ``optimizer`` step a snapshot? Not when its groups are a property (they live
-        elsewhere) or its ``step`` was replaced on the object (bound to it): those step with
-        their live groups, read when the step runs."""
+        """Can ``optimizer`` step a snapshot?
+
+        Not when its groups are a property (they live elsewhere) or its ``step`` was replaced on the object
+        (bound to it): those step with their live groups, read when the step runs."""
         if isinstance(getattr(type(optimizer), "param_groups", None), property):
             return False
         step = optimizer.__dict__.get("step")
@@ -88,8 +91,9 @@ class StepView:
 
 
 def write_back(before: list[dict[str, Any]], stepped: list[dict[str, Any]], live: list[dict[str, Any]]) -> None:
-    """Write what a job changed in its snapshot of the param groups into the live groups: a
-    new value, or new contents of a tensor value (copied into the live tensor)."""
+    """Write what a job changed in its snapshot of the param groups into the live groups.
+
+    A new value, or new contents of a tensor value (copied into the live tensor)."""
     for old, new, target in zip(before, stepped, live):
         for key, value in new.items():
             if key == "params":

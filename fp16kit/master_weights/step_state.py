@@ -42,8 +42,9 @@ class Stage(enum.Enum):
 
 
 class TransferRecord:
-    """Which grad tensors (identity and version) an unscale read, so a later step can tell
-    whether the model grads changed since (a new backward, an in-place edit)."""
+    """Which grad tensors (identity and version) an unscale read.
+
+    So a later step can tell whether the model grads changed since (a new backward, an in-place edit)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.entries: list[tuple[Any, int]] = []
@@ -85,9 +86,11 @@ class StepState:
         self.spent = False
 
     def stepped(self) -> None:
-        """After a synchronous step: the masters keep the grads read from the model, as a
-        plain optimizer's params keep theirs -- a second ``step()`` with no new backward
-        applies them again (as torch) -- but no scaler's check or decision carries over."""
+        """Record a synchronous step: the masters keep their grads, no check or decision carries over.
+
+        The masters keep the grads read from the model, as a plain optimizer's params keep theirs -- a second
+        ``step()`` with no new backward applies them again (as torch) -- but no scaler's check or decision
+        carries over."""
         if self.in_masters:
             self.stage = Stage.UNSCALED
             self.by_scaler = False
@@ -124,8 +127,9 @@ class StepState:
         return self.stage in (Stage.UNSCALED, Stage.SKIP_DECIDED)
 
     def current(self, params: Iterable[torch.Tensor]) -> bool:
-        """Were the grads in the masters read from the model grads ``params`` hold now? (True
-        when they were never read from the model: handed off.)"""
+        """Were the grads in the masters read from the model grads ``params`` hold now?
+
+        (True when they were never read from the model: handed off.)"""
         return self.transfer is None or self.transfer.matches(params)
 
     def found_inf(self, device: torch.device) -> torch.Tensor | None:

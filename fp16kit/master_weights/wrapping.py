@@ -20,9 +20,10 @@ __all__ = ["WrappingOptimizer"]
 
 
 class WrappingOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` whose param groups and state are those of a wrapped
-    optimizer (``self.optimizer``): LR schedulers, step hooks and ``isinstance`` checks work on
-    the wrapper, and changes to ``param_groups`` (e.g. the lr) reach the wrapped optimizer."""
+    """A ``torch.optim.Optimizer`` whose param groups and state are those of a wrapped optimizer.
+
+    The wrapped one is ``self.optimizer``: LR schedulers, step hooks and ``isinstance`` checks work on the
+    wrapper, and changes to ``param_groups`` (e.g. the lr) reach the wrapped optimizer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         # torch.optim.Optimizer.__init__ minus the param groups, which live in the wrapped
@@ -39,7 +40,7 @@ class WrappingOptimizer(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -47,7 +48,7 @@ class WrappingOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -55,7 +56,7 @@ class WrappingOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter

@@ -49,7 +49,7 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def _shape(normalized_shape: _Shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
+    if isinstance(normalized_shape, (int, numbers.Integral)):
         return (int(normalized_shape),)
     return tuple(int(s) for s in normalized_shape)
 
@@ -115,24 +115,25 @@ def layer_norm(
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> torch.Tensor:
-    """``F.layer_norm`` (fp32 statistics, output in the input's dtype), with apex's CUDA
-    autocast rule: input and params cast to the autocast dtype first."""
+    """``F.layer_norm`` (fp32 statistics, output in the input's dtype), with apex's CUDA autocast rule.
+
+    The rule: input and params cast to the autocast dtype first."""
     return _dispatch(_layer_norm, input, normalized_shape, (weight, bias), eps, False)
 
 
 def mixed_layer_norm(
     input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5
 ) -> torch.Tensor:
-    """Layer norm computed in fp32 whatever the dtypes; the output takes the weight's dtype
-    (apex's MixedFusedLayerNorm: fp16/bf16 activations with fp32 params give fp32)."""
+    """Layer norm computed in fp32 whatever the dtypes; the output takes the weight's dtype.
+
+    As apex's MixedFusedLayerNorm: fp16/bf16 activations with fp32 params give fp32."""
     return _dispatch(_layer_norm, input, normalized_shape, (weight, bias), eps, True)
 
 
 def rms_norm(
     input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None = None, eps: float = 1e-5
 ) -> torch.Tensor:
-    """apex's RMS norm formula (module docstring); on CUDA the output takes the input's dtype
-    as apex's kernel did."""
+    """apex's RMS norm formula (module docstring); on CUDA the output takes the input's dtype as apex's kernel did."""
     return _dispatch(_rms_norm, input, normalized_shape, (weight,), eps, False)
 
 
@@ -146,15 +147,17 @@ def mixed_rms_norm(
 def manual_rms_norm(
     input: torch.Tensor, normalized_shape: _Shape, weight: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
-    """apex's ``manual_rms_norm``: the plain formula of the module docstring on every device, with
-    no autocast cast and no CUDA output cast (without a weight the result is fp32)."""
+    """apex's ``manual_rms_norm``: the plain formula of the module docstring on every device.
+
+    No autocast cast and no CUDA output cast (without a weight the result is fp32)."""
     return _rms_formula(input, _shape(normalized_shape), weight, eps)
 
 
 class MixedLayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (same parameters and state-dict keys, always affine) whose forward is
-    :func:`mixed_layer_norm`: fp32 math, output in the parameters' dtype. Keep the params in
-    fp32 and feed fp16/bf16 activations to get fp32 out."""
+    """``nn.LayerNorm`` whose forward is :func:`mixed_layer_norm`: fp32 math, output in the parameters' dtype.
+
+    Same parameters and state-dict keys, always affine. Keep the params in fp32 and feed fp16/bf16 activations
+    to get fp32 out."""
 
     def __init__(
         self, normalized_shape: _Shape, eps: float = 1e-5, *, bias: bool = True, device=None, dtype=None
@@ -166,9 +169,11 @@ class MixedLayerNorm(nn.LayerNorm):
 
 
 class RMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` (same parameters and state-dict keys) computing apex's formula
-    (:func:`rms_norm`), with ``eps=1e-5`` by default as apex (torch's default None means
-    the dtype's machine epsilon)."""
+    """``nn.RMSNorm`` (same parameters and state-dict keys) computing apex's formula (:func:`rms_norm`).
+
+    ``eps=1e-5`` by default as apex (torch's default None means the dtype's machine epsilon)."""
+
+    eps: float  # nn.RMSNorm allows None; __init__ here takes a float
 
     def __init__(
         self, normalized_shape: _Shape, eps: float = 1e-5, elementwise_affine: bool = True, *, device=None, dtype=None

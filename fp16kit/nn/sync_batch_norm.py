@@ -157,7 +157,8 @@ class SyncBatchNorm(_BatchNorm):
             # F.batch_norm refuses some dtype mixes; compute in fp32 as apex's kernel did
             x = x.float()
             tensors = [None if t is None else t.float() for t in tensors]
-        out = F.batch_norm(x, *tensors, False, 0.0, self.eps)
+        running_mean, running_var, weight, bias = tensors
+        out = F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, self.eps)
         out = out.movedim(1, -1) if last and input.dim() > 2 else out
         return out.to(input.dtype)
 
@@ -197,13 +198,17 @@ class SyncBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
-        self.num_batches_tracked += 1
+        tracked, running_mean, running_var = self.num_batches_tracked, self.running_mean, self.running_var
+        # the caller checked track_running_stats: the buffers exist
+        assert tracked is not None and running_mean is not None and running_var is not None
+        tracked += 1  # in place, as ``self.num_batches_tracked += 1`` on the buffer
+        m: float | torch.Tensor
         if self.momentum is None:  # 1 / n in double on the device: no host read of the count
-            m = 1.0 / self.num_batches_tracked.to(_stats_dtype(self.num_batches_tracked.device))
+            m = 1.0 / tracked.to(_stats_dtype(tracked.device))
         else:
             m = self.momentum
         unbiased = var * n / (n - 1)
-        for buf, new in ((self.running_mean, mean), (self.running_var, unbiased)):
+        for buf, new in ((running_mean, mean), (running_var, unbiased)):
             # each product rounded to the buffer's dtype, with m and 1 - m in the op-math dtype
             # (what multiplying by a Python float does, so a tensor m gives the same bits)
             op = torch.promote_types(buf.dtype, torch.float32)
@@ -216,11 +221,12 @@ class SyncBatchNorm(_BatchNorm):
 def convert_sync_batchnorm(
     module: nn.Module, process_group: dist.ProcessGroup | None = None, channel_last: bool = False
 ) -> nn.Module:
-    """Replace every ``_BatchNorm`` in ``module`` by a :class:`SyncBatchNorm`, torch's way
-    (``nn.SyncBatchNorm.convert_sync_batchnorm``): the new module reuses the old one's
-    Parameters (an optimizer built before conversion still updates them) and buffers, and
-    copies its ``training`` flag. InstanceNorm is never converted. Returns the converted
-    module (``module`` itself is changed in place where it is not a batch norm)."""
+    """Replace every ``_BatchNorm`` in ``module`` by a :class:`SyncBatchNorm`, torch's way.
+
+    As ``nn.SyncBatchNorm.convert_sync_batchnorm``: the new module reuses the old one's Parameters (an
+    optimizer built before conversion still updates them) and buffers, and copies its ``training`` flag.
+    InstanceNorm is never converted. Returns the converted module (``module`` itself is changed in place where
+    it is not a batch norm)."""
     if isinstance(module, _InstanceNorm) or not isinstance(module, _BatchNorm):
         converted = module
     else:

@@ -1,5 +1,6 @@
-"""Weight normalisation ``w = g * v / ||v||`` (Salimans & Kingma 2016) as one autograd Function,
-the arithmetic of apex's 2018 ``Fused_Weight_Norm`` (docs/apex-others.md §4.6).
+"""Weight normalisation ``w = g * v / ||v||`` (Salimans & Kingma 2016) as one autograd Function.
+
+The arithmetic of apex's 2018 ``Fused_Weight_Norm`` (docs/apex-others.md §4.6).
 
     dim = 0:       ||v|| over every dim but the first,  norms shaped (v.size(0), 1, ..., 1)
     dim = last:    ||v|| over every dim but the last,   norms shaped (1, ..., 1, v.size(-1))
@@ -16,14 +17,16 @@ flat); its gradient has ``g``'s own shape. ``torch._weight_norm(v, g, dim)`` com
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.autograd.function import FunctionCtx
 
 __all__ = ["WeightNorm", "norm_dims", "weight_norm"]
 
 
 def norm_dims(input: torch.Tensor, dim: int) -> tuple[tuple[int, ...], list[int]]:
-    """``(shape of the per-slice norms, dims reduced)`` for ``dim`` (0, the last dim or -1);
+    """Return ``(shape of the per-slice norms, dims reduced)`` for ``dim`` (0, the last dim or -1).
+
     ValueError for any other dim."""
     if input.dim() == 0:
         raise ValueError("weight_norm needs a tensor with at least one dimension, got a 0-D tensor.")
@@ -41,8 +44,9 @@ def norm_dims(input: torch.Tensor, dim: int) -> tuple[tuple[int, ...], list[int]
 class WeightNorm(torch.autograd.Function):
     """``WeightNorm.apply(v, g, dim=0)``: see the module docstring."""
 
+    # ctx: Any -- forward keeps shape and reduce on it, which FunctionCtx's stub does not declare
     @staticmethod
-    def forward(ctx: FunctionCtx, input: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def forward(ctx: Any, input: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
         shape, reduce = norm_dims(input, dim)
         slices = input.size(0) if dim == 0 else input.size(-1)
         if g.numel() != slices:
@@ -59,7 +63,7 @@ class WeightNorm(torch.autograd.Function):
         return (v * (g32 / norms)).to(input.dtype)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad_output: torch.Tensor):
+    def backward(ctx: Any, grad_output: torch.Tensor):
         input, g = ctx.saved_tensors
         shape, reduce = ctx.shape, ctx.reduce
         acc = torch.promote_types(input.dtype, torch.float32)
@@ -74,6 +78,7 @@ class WeightNorm(torch.autograd.Function):
 
 
 def weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """``g * v / ||v||`` with the norm over every dim of ``v`` but ``dim`` (0 or last), in fp32,
-    returned in ``v``'s dtype; differentiable in ``v`` and ``g``."""
+    """Return ``g * v / ||v||`` with the norm over every dim of ``v`` but ``dim`` (0 or last).
+
+    Computed in fp32, returned in ``v``'s dtype; differentiable in ``v`` and ``g``."""
     return WeightNorm.apply(v, g, dim)

@@ -40,7 +40,7 @@ class Adagrad(FusedStyleOptimizer):
         self.adagrad_w_mode = adagrad_w_mode
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -53,7 +53,7 @@ class Adagrad(FusedStyleOptimizer):
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             sums = [self.work_state(p, "sum") for p in params]
             for b, (s,) in buckets(params, grads, (sums,)):
-                g = b.g32
+                g: tuple[torch.Tensor, ...] | list[torch.Tensor] = b.g32
                 if not self.adagrad_w_mode and wd != 0:
                     g = torch._foreach_add(g, b.p32, alpha=wd)
                 torch._foreach_addcmul_(s, g, g)

@@ -57,7 +57,7 @@ class Adam(FusedStyleOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -105,13 +105,14 @@ def adam_update_(
     bias_correction: bool,
     weight_decay: float,
 ) -> None:
-    """One step of the module docstring's rule at step count ``step``, in place, on lists of
-    params (fp16/bf16/fp32: fp32 math, one rounding) and their moments (in the work dtype:
-    float32 for fp16/bf16/fp32 params). Also apex's ``amp_C.multi_tensor_adam``."""
+    """Apply one step of the module docstring's rule at step count ``step``, in place, on lists of tensors.
+
+    The params may be fp16/bf16/fp32 (fp32 math, one rounding), their moments are in the work dtype (float32
+    for fp16/bf16/fp32 params). Also apex's ``amp_C.multi_tensor_adam``."""
     bc1, bc2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
     wd = weight_decay
     for b, (m, v) in buckets(params, grads, (exp_avgs, exp_avg_sqs)):
-        g = b.g32
+        g: tuple[torch.Tensor, ...] | list[torch.Tensor] = b.g32
         if not adam_w_mode and wd != 0:
             g = torch._foreach_add(g, b.p32, alpha=wd)
         torch._foreach_mul_(m, beta1)
@@ -125,5 +126,6 @@ def adam_update_(
         torch._foreach_div_(u, denom)
         if adam_w_mode and wd != 0:
             torch._foreach_add_(u, b.p32, alpha=wd)
-        torch._foreach_add_(b.p32, u, alpha=-lr)
+        # a tensor lr (set by an LR scheduler) is read as a Scalar: torch's stubs say Number only
+        torch._foreach_add_(b.p32, u, alpha=-lr)  # type: ignore[arg-type]
         b.write_back()

@@ -1,5 +1,6 @@
-"""What every optimizer of :mod:`fp16kit.optim` shares: buckets of params, fp32 working copies,
-state kept in the working dtype, apex's ``zero_grad`` and error texts.
+"""What every optimizer of :mod:`fp16kit.optim` shares.
+
+Buckets of params, fp32 working copies, state kept in the working dtype, apex's ``zero_grad`` and error texts.
 
 Arithmetic contract (apex's fused kernels: fp32 math on fp16/bf16 data)::
 
@@ -59,8 +60,9 @@ class Bucket:
         self.g32 = [g.to(self.dtype) for g in grads]
 
     def write_back(self, outputs: Sequence[torch.Tensor] | None = None) -> None:
-        """Round the working copies into the params (low precision), and into ``outputs``
-        when given (apex's ``output_params``: any dtype, one rounding)."""
+        """Round the working copies into the params (low precision), and into ``outputs`` when given.
+
+        ``outputs``: apex's ``output_params``, any dtype, one rounding."""
         if self.low_precision:
             kernels.copy_to_(self.p32, [p.detach() for p in self.params])
         if outputs is not None:
@@ -73,8 +75,9 @@ def buckets(
     grads: Sequence[torch.Tensor],
     extra: Sequence[Sequence[Any]] = (),
 ) -> list[tuple[Bucket, list[list[Any]]]]:
-    """Group ``params`` and their ``grads`` (and parallel lists ``extra``) by the params'
-    (device, dtype), keeping their order: one :class:`Bucket` per group."""
+    """Group ``params`` and their ``grads`` (and parallel lists ``extra``) by the params' (device, dtype).
+
+    Keeps their order: one :class:`Bucket` per group."""
     index: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         index.setdefault((p.device, p.dtype), []).append(i)
@@ -86,8 +89,10 @@ def buckets(
 
 
 class ApexConventions:
-    """apex's conventions shared by every optimizer of :mod:`fp16kit.optim` (a mixin before a
-    ``torch.optim.Optimizer`` base: :class:`FusedStyleOptimizer`, :class:`~fp16kit.optim.SGD`).
+    """apex's conventions shared by every optimizer of :mod:`fp16kit.optim`.
+
+    A mixin before a ``torch.optim.Optimizer`` base: :class:`FusedStyleOptimizer`,
+    :class:`~fp16kit.optim.SGD`.
 
     * ``display_name`` appears in the error texts (apex's "Fused<Name> does not support ...");
       ``sparse_error`` is the text for a sparse grad (``{name}``: the display name).
@@ -145,10 +150,11 @@ class ApexConventions:
         grads: Sequence[torch.Tensor | None] | None = None,
         outputs: Sequence[Any] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]:
-        """The group's params that have a grad (``grads[i]`` when given and not None, else
-        ``p.grad``), those grads (detached) and their ``outputs[i]`` (None when not given).
-        Supplied lists are zipped with the params, as apex did: the shortest one decides, and
-        params past its end are not stepped. Sparse grads raise ``sparse_error``; params of an
+        """Return the group's params that have a grad, those grads (detached) and their outputs.
+
+        A param's grad is ``grads[i]`` when given and not None, else ``p.grad``; its output ``outputs[i]``
+        (None when not given). Supplied lists are zipped with the params, as apex did: the shortest one
+        decides, and params past its end are not stepped. Sparse grads raise ``sparse_error``; params of an
         unsupported dtype apex's error (:meth:`check_dtype`)."""
         n = len(group["params"])
         for supplied in (grads, outputs):
@@ -175,8 +181,9 @@ class ApexConventions:
         return params, found
 
     def check_state(self, params: Iterable[torch.Tensor], keys: Sequence[str]) -> None:
-        """Before a step changes anything: each state tensor ``keys`` of ``params`` (those of
-        every group) has its param's shape, else the RuntimeError :meth:`work_state` raises."""
+        """Check, before a step changes anything, that each state tensor ``keys`` of ``params`` has its param's shape.
+
+        ``params``: those of every group. Else the RuntimeError :meth:`work_state` raises."""
         for p in params:
             state = self.state.get(p)
             if not state:
@@ -196,9 +203,9 @@ def _shape_error(name: str, key: str, t: torch.Tensor, p: torch.Tensor) -> str:
 
 
 class FusedStyleOptimizer(ApexConventions, torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` with apex's conventions for its fused optimizers
-    (:class:`ApexConventions`); ``supported_dtypes`` (None: any floating dtype) is checked at
-    each step."""
+    """A ``torch.optim.Optimizer`` with apex's conventions for its fused optimizers (:class:`ApexConventions`).
+
+    ``supported_dtypes`` (None: any floating dtype) is checked at each step."""
 
     supported_dtypes: tuple[torch.dtype, ...] | None = None
     dtype_error = ""
@@ -214,8 +221,9 @@ class FusedStyleOptimizer(ApexConventions, torch.optim.Optimizer):
             raise RuntimeError(self.dtype_error or f"{self.display_name} only support fp16 and fp32.")
 
     def work_state(self, p: torch.Tensor, key: str, *, init: str = "zeros") -> torch.Tensor:
-        """``state[p][key]`` in the work dtype, created as zeros on first use (a state loaded
-        in another dtype -- torch's load_state_dict casts to the param's -- is converted once)."""
+        """Return ``state[p][key]`` in the work dtype, created as zeros on first use.
+
+        A state loaded in another dtype (torch's load_state_dict casts to the param's) is converted once."""
         state = self.state[p]
         dtype = work_dtype(p.dtype)
         t = state.get(key)
@@ -237,10 +245,11 @@ class FusedStyleOptimizer(ApexConventions, torch.optim.Optimizer):
                 group.setdefault(key, value)
 
     def advance_group_step(self, group: dict[str, Any]) -> int:
-        """apex's group step: one count per param group, advanced at every ``step()`` (also
-        for params without a grad, and groups without any). A group without a count whose
-        params carry torch's per-param ``state[p]['step']`` (a torch Adam(W) checkpoint)
-        continues from the most steps any of them took; those per-param counts are dropped."""
+        """Advance apex's group step: one count per param group, at every ``step()``.
+
+        Also for params without a grad, and groups without any. A group without a count whose params carry
+        torch's per-param ``state[p]['step']`` (a torch Adam(W) checkpoint) continues from the most steps any
+        of them took; those per-param counts are dropped."""
         if "step" not in group:
             group["step"] = self._adopt_param_steps(group)
         group["step"] = int(group["step"]) + 1
@@ -253,8 +262,9 @@ class FusedStyleOptimizer(ApexConventions, torch.optim.Optimizer):
 
 
 def check_hyper(lr: float, betas: tuple[float, float] | None, eps: float, weight_decay: float) -> None:
-    """torch's checks and texts for the hyper-parameters, before anything is built (``betas``
-    None: an optimizer without them, Adagrad)."""
+    """Check the hyper-parameters with torch's checks and texts, before anything is built.
+
+    ``betas`` None: an optimizer without them, Adagrad."""
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
@@ -268,8 +278,9 @@ def check_hyper(lr: float, betas: tuple[float, float] | None, eps: float, weight
 
 
 def check_state_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Before loading: every saved per-param state tensor (but a 0-dim ``step``) has its
-    param's shape, else ``ValueError`` naming the group, the param and the key (torch's
+    """Check, before loading, that every saved per-param state tensor has its param's shape.
+
+    Except a 0-dim ``step``. Else ``ValueError`` naming the group, the param and the key (torch's
     ``load_state_dict`` checks only the group sizes)."""
     for gi, (saved, group) in enumerate(zip(state_dict.get("param_groups", []), opt.param_groups)):
         for pi, (pid, p) in enumerate(zip(saved["params"], group["params"])):
@@ -283,9 +294,10 @@ def check_state_shapes(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -
 
 
 def keep_state_precision(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """After ``torch.optim.Optimizer.load_state_dict`` (which casts floating-point state to
-    each param's dtype: fp16 moments for fp16 params), put back the saved values in the work
-    dtype, so that a save/load round trip is exact."""
+    """Put back the saved state values in the work dtype after ``torch.optim.Optimizer.load_state_dict``.
+
+    torch's load casts floating-point state to each param's dtype (fp16 moments for fp16 params); this puts
+    back the saved values, so that a save/load round trip is exact."""
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in opt.param_groups for p in g["params"]]
     for pid, p in zip(saved_ids, params):
@@ -295,14 +307,16 @@ def keep_state_precision(opt: torch.optim.Optimizer, state_dict: dict[str, Any])
 
 
 def public_settings(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer-wide settings kept as public attributes (``adam_w_mode``, ``set_grad_none``,
-    ...): not torch's ``defaults`` / ``state`` / ``param_groups``, nor functions others patch onto
-    the instance (an LR scheduler's ``step`` wrapper is bound to *this* optimizer)."""
+    """Return the optimizer-wide settings kept as public attributes (``adam_w_mode``, ``set_grad_none``, ...).
+
+    Not torch's ``defaults`` / ``state`` / ``param_groups``, nor functions others patch onto the instance (an
+    LR scheduler's ``step`` wrapper is bound to *this* optimizer)."""
     return {k: v for k, v in vars(opt).items() if not k.startswith("_") and k not in _TORCH_STATE and not callable(v)}
 
 
 def with_settings(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """torch's ``Optimizer.__getstate__`` keeps only defaults, state and param groups; add the
-    :func:`public_settings` so that pickling and ``copy.deepcopy`` keep them (a copy that kept a
-    scheduler's ``step`` wrapper would step the original)."""
+    """Add the :func:`public_settings` to torch's ``Optimizer.__getstate__``.
+
+    torch keeps only defaults, state and param groups; with the settings, pickling and ``copy.deepcopy`` keep
+    them (a copy that kept a scheduler's ``step`` wrapper would step the original)."""
     return {**public_settings(opt), **state}

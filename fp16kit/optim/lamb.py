@@ -68,7 +68,7 @@ class LAMB(FusedStyleOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,5 +1,6 @@
-"""LARC: layer-wise adaptive rate control around any optimizer (You et al. 2017; apex.parallel.LARC,
-docs/apex-others.md §4.4).
+"""LARC: layer-wise adaptive rate control around any optimizer (You et al. 2017).
+
+apex.parallel.LARC, docs/apex-others.md §4.4.
 
     step():
         for each group:
@@ -152,8 +153,9 @@ class LARC(WrappingOptimizer):
         return torch.where((param_norm != 0) & (grad_norm != 0), scaled, g)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Rescale every grad (module docstring), then step the wrapped optimizer. A
-        ``closure`` (not in apex) is evaluated first, with grad enabled, and its loss returned."""
+        """Rescale every grad (module docstring), then step the wrapped optimizer.
+
+        A ``closure`` (not in apex) is evaluated first, with grad enabled, and its loss returned."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

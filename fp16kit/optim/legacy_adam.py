@@ -42,8 +42,10 @@ __all__ = ["LegacyAdam", "StepWithGrads", "legacy_adam_step", "per_group"]
 
 
 class LegacyAdam(FusedStyleOptimizer):
-    """The 2018-2019 FusedAdam rule (see the module docstring). State per param: ``step``
-    (int), ``exp_avg``, ``exp_avg_sq``; groups carry ``max_grad_norm`` and ``bias_correction``."""
+    """The 2018-2019 FusedAdam rule (see the module docstring).
+
+    State per param: ``step`` (int), ``exp_avg``, ``exp_avg_sq``; groups carry ``max_grad_norm`` and
+    ``bias_correction``."""
 
     display_name = "FusedAdam"
 
@@ -73,7 +75,7 @@ class LegacyAdam(FusedStyleOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
     @torch.no_grad()
-    def step(  # type: ignore[override]
+    def step(
         self,
         closure: Callable[[], Any] | None = None,
         grads: Any = None,
@@ -90,13 +92,14 @@ class LegacyAdam(FusedStyleOptimizer):
 
 
 class StepWithGrads:
-    """``step_with_grads(grads, output_params, scale, grad_norms)``: the step apex's fused-era
-    ``FP16_Optimizer`` calls (the legacy inner optimizers: apex.contrib FusedAdam and FusedSGD,
-    apex.optimizers.FusedAdam). It goes through ``step`` with the legacy keywords, as apex's
-    wrapper did, so that an LR scheduler or step hooks on the inner optimizer see the step.
-    While it runs, ``_driven_by_wrapper`` is True (apex.optimizers.FusedAdam accepts the legacy
-    keywords then). A flag, not a keyword of ``step``: subclasses that override ``step`` with
-    apex's fixed signature (fairseq's FusedAdamV2) keep working under the wrapper."""
+    """``step_with_grads(grads, output_params, scale, grad_norms)``: the step apex's fused-era FP16_Optimizer calls.
+
+    FP16_Optimizer calls it on the legacy inner optimizers (apex.contrib FusedAdam and FusedSGD,
+    apex.optimizers.FusedAdam). It goes through ``step`` with the legacy keywords, as apex's wrapper did,
+    so that an LR scheduler or step hooks on the inner optimizer see the step. While it runs, ``_driven_by_wrapper`` is True
+    (apex.optimizers.FusedAdam accepts the legacy keywords then). A flag, not a keyword of ``step``:
+    subclasses that override ``step`` with apex's fixed signature (fairseq's FusedAdamV2) keep working under
+    the wrapper."""
 
     _driven_by_wrapper = False
 
@@ -109,11 +112,12 @@ class StepWithGrads:
     ) -> None:
         self._driven_by_wrapper = True
         try:
-            self.step(
+            # a mixin: the optimizer it is mixed into (before a FusedStyleOptimizer) defines step
+            self.step(  # type: ignore[attr-defined]
                 None,
                 grads=grads,
                 output_params=output_params,
-                scale=scale,  # type: ignore[attr-defined]
+                scale=scale,
                 grad_norms=grad_norms,
             )
         finally:
@@ -121,8 +125,10 @@ class StepWithGrads:
 
 
 def per_group(value: Any, n_groups: int) -> list[Any]:
-    """apex's reading of ``grads`` / ``output_params``: None -> one None per group; a
-    generator or a list whose first item is not a list -> one group; else per-group lists."""
+    """Read ``grads`` / ``output_params`` as apex did: one list (or None) per group.
+
+    None -> one None per group; a generator or a list whose first item is not a list -> one group; else
+    per-group lists."""
     if value is None:
         return [None] * n_groups
     if isinstance(value, types.GeneratorType):
@@ -142,8 +148,9 @@ def legacy_adam_step(
     *,
     eps_inside_sqrt: bool = False,
 ) -> None:
-    """One step of the rule over ``opt``'s param groups and state (the optimizer's own
-    ``step``, and apex.optimizers.FusedAdam's when driven with the legacy keywords)."""
+    """Apply one step of the rule over ``opt``'s param groups and state.
+
+    The optimizer's own ``step``, and apex.optimizers.FusedAdam's when driven with the legacy keywords."""
     groups = opt.param_groups
     grads_per = per_group(grads, len(groups))
     outs_per = per_group(output_params, len(groups))
@@ -156,7 +163,7 @@ def legacy_adam_step(
     ]
     for group, (params, found, outs), c in zip(groups, work, combined):  # all checked: now step
         _adopt_group_step(opt, group)
-        if params:
+        if c is not None:  # None exactly for a group without params to step
             _step_group(opt, group, params, found, outs, c, eps_inside_sqrt)
 
 

@@ -1,5 +1,6 @@
-"""``fp16kit.optim.NovoGrad``: layer-wise second moments (Ginsburg et al., 2019), apex
-FusedNovoGrad's rule. torch has no NovoGrad. Rule::
+"""``fp16kit.optim.NovoGrad``: layer-wise second moments (Ginsburg et al., 2019), apex FusedNovoGrad's rule.
+
+torch has no NovoGrad. Rule::
 
     t = group['step'] += 1 ; bc1 = 1-b1**t ; bc2 = sqrt(1-b2**t)   (1, 1 without bias_correction)
     b3 = 1-b1 if grad_averaging else 1
@@ -67,7 +68,7 @@ class NovoGrad(FusedStyleOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,5 +1,4 @@
-"""``fp16kit.optim.SGD``: torch's SGD, plus apex FusedSGD's ``wd_after_momentum`` and fp32 math
-on fp16/bf16 params.
+"""``fp16kit.optim.SGD``: torch's SGD, plus apex FusedSGD's ``wd_after_momentum`` and fp32 math on fp16/bf16 params.
 
 Rule (torch's, with apex's option; ``inv_scale`` is 1 unless a wrapper supplies scaled grads)::
 
@@ -31,8 +30,9 @@ __all__ = ["SGD", "sgd_step"]
 
 
 class SGD(ApexConventions, torch.optim.SGD):
-    """``torch.optim.SGD`` with ``wd_after_momentum`` (apex FusedSGD) and fp32 math for
-    low-precision params. ``zero_grad(set_to_none=None)`` follows ``set_grad_none``."""
+    """``torch.optim.SGD`` with ``wd_after_momentum`` (apex FusedSGD) and fp32 math for low-precision params.
+
+    ``zero_grad(set_to_none=None)`` follows ``set_grad_none``."""
 
     display_name = "SGD"
     sparse_error = (
@@ -66,7 +66,7 @@ class SGD(ApexConventions, torch.optim.SGD):
         self.set_grad_none = set_grad_none
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if not self._needs_own_path():
             # torch's step changes group 0 before it reads group 1's buffers: check them first
             self.check_state(
@@ -109,12 +109,12 @@ def sgd_step(
     scale: float | torch.Tensor = 1.0,
 ) -> None:
     """One step of the rule over every group of ``opt`` (state: ``momentum_buffer``).
-    ``grads[i]`` (one list per group, or None) replace group i's params' ``.grad``;
-    ``outputs[i]`` receive the updated params (rounded to their dtype), as apex's contrib
-    FusedSGD's ``output_params``; ``scale``: the grads are scaled by it (they are multiplied by
-    ``1/scale``, the reciprocal taken in float64). Supplied lists are zipped with the groups and
-    each group's params, as apex did (the shortest decides). Every group is checked (sparse
-    grads, buffer shapes) before any param or buffer changes."""
+
+    ``grads[i]`` (one list per group, or None) replace group i's params' ``.grad``; ``outputs[i]`` receive the
+    updated params (rounded to their dtype), as apex's contrib FusedSGD's ``output_params``; ``scale``: the
+    grads are scaled by it (they are multiplied by ``1/scale``, the reciprocal taken in float64). Supplied
+    lists are zipped with the groups and each group's params, as apex did (the shortest decides). Every group
+    is checked (sparse grads, buffer shapes) before any param or buffer changes."""
     groups = opt.param_groups
     grads = [None] * len(groups) if grads is None else list(grads)
     outputs = [None] * len(groups) if outputs is None else list(outputs)
@@ -146,7 +146,9 @@ def _group_step(
     bufs = [_buffer(opt, p) for p in params] if momentum != 0 else [None] * len(params)
     for b, (buf, new, out) in buckets(params, found, (bufs, is_new, outs)):
         factor = inv_scale if not isinstance(inv_scale, torch.Tensor) else inv_scale.to(b.params[0].device, b.dtype)
-        g = torch._foreach_mul(b.g32, -factor if group.get("maximize") else factor)
+        g: tuple[torch.Tensor, ...] | list[torch.Tensor] = torch._foreach_mul(
+            b.g32, -factor if group.get("maximize") else factor
+        )
         if wd != 0 and not wd_after_momentum:
             torch._foreach_add_(g, b.p32, alpha=wd)
         if momentum != 0:

@@ -102,8 +102,9 @@ class ThreadBinding:
         return self.head().scale if self.on_thread() else self.forward_scale
 
     def states_for_caller(self) -> Any:
-        """On the optimizer thread, the per-optimizer states of the step being run; None
-        elsewhere (the scaler's own)."""
+        """On the optimizer thread, the per-optimizer states of the step being run.
+
+        None elsewhere (the scaler's own)."""
         return self.head().states if self.on_thread() else None
 
     # ------------------------------------------------------------------ records
@@ -139,8 +140,9 @@ class ThreadBinding:
             self.records.popleft()
 
     def mid_iteration(self) -> bool:
-        """Main thread, after waiting for the thread: was a step submitted or recorded that no
-        ``update()`` has consumed yet? (Then the scaler may not be pickled, as torch's.)"""
+        """Say whether a step was submitted or recorded that no ``update()`` has consumed yet.
+
+        Main thread, after waiting for the thread. (Then the scaler may not be pickled, as torch's.)"""
         with self.lock:
             return bool(self.submitted) or any(len(r.states) for r in self.records)
 
@@ -157,8 +159,9 @@ class ThreadBinding:
 
     # ------------------------------------------------------------------ main-thread calls
     def run_there(self, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any) -> None:
-        """Main thread: run ``fn`` on the optimizer thread, behind the queued work, and wait
-        (raising a pending error first; ``step``: it is an optimizer step)."""
+        """Run ``fn`` on the optimizer thread, behind the queued work, and wait (main thread).
+
+        Raises a pending error first; ``step``: it is an optimizer step."""
         self.thread.raise_pending_error()
         self.thread.wait(self.thread.enqueue(fn, args, kwargs, step=step))
 
@@ -167,8 +170,9 @@ class ThreadBinding:
         self.thread.submit(fn, *args)
 
     def submitting(self, optimizer: Any) -> None:
-        """Main thread, before ``submit_step(fn, scaler=)`` hands anything off: refuse a
-        second submitted step of ``optimizer`` with no ``update()`` since its last one."""
+        """Refuse a second submitted step of ``optimizer`` with no ``update()`` since its last one.
+
+        Main thread, before ``submit_step(fn, scaler=)`` hands anything off."""
         if id(optimizer) in self.submitted:
             raise RuntimeError(
                 "This optimizer already submitted a step since the last scaler.update(): call "
@@ -177,8 +181,9 @@ class ThreadBinding:
         self.submitted.add(id(optimizer))
 
     def update(self, is_async: bool) -> None:
-        """Main thread: ``scaler.update()`` (see the module docstring). The waits come before
-        anything changes, so a Ctrl-C in one leaves the records as they were."""
+        """Main thread: ``scaler.update()`` (see the module docstring).
+
+        The waits come before anything changes, so a Ctrl-C in one leaves the records as they were."""
         if self.mark is not None and self.thread.steps <= self.mark:
             raise RuntimeError("scaler.update() was called before this iteration's step. " + _ORDER)
         self.thread.raise_pending_error()
@@ -235,11 +240,12 @@ class ThreadBinding:
             self.thread.synchronize()
 
     def resume(self, next_scale: float) -> None:
-        """Main thread, after a load of a checkpoint saved mid-lag (see :meth:`ScalerThreads.saved`):
-        the loaded scale stays the forward one; ``next_scale`` -- what the update queued before
-        the save computed -- is the one the next ``update()`` publishes, and the one its job
-        starts from. (Not written into the scale now: this iteration's loss may have been
-        multiplied by that very tensor, and autograd refuses it changed before backward.)"""
+        """Restore the lag after a load of a checkpoint saved mid-lag (main thread).
+
+        See :meth:`ScalerThreads.saved`. The loaded scale stays the forward one; ``next_scale`` -- what the update queued before the save computed -- is
+        the one the next ``update()`` publishes, and the one its job starts from. (Not written into the scale
+        now: this iteration's loss may have been multiplied by that very tensor, and autograd refuses it
+        changed before backward.)"""
         scale = self.loss_scale.scale
         assert scale is not None
         self.resumed_scale = next_scale
@@ -252,10 +258,11 @@ class ThreadBinding:
 
 
 class ScalerThreads:
-    """A GradScaler's side of the optimizer threads: its :class:`ThreadBinding` once bound, a
-    binding asked for before the first ``scale()`` (made there), and the step serial at this
-    iteration's ``scale()`` (for the unambiguous lazy binding in ``update()``). A copy or an
-    unpickled scaler starts with a fresh one: unbound."""
+    """A GradScaler's side of the optimizer threads.
+
+    Its :class:`ThreadBinding` once bound, a binding asked for before the first ``scale()`` (made there), and
+    the step serial at this iteration's ``scale()`` (for the unambiguous lazy binding in ``update()``). A copy
+    or an unpickled scaler starts with a fresh one: unbound."""
 
     def __init__(self) -> None:
         self.binding: ThreadBinding | None = None
@@ -294,8 +301,9 @@ class ScalerThreads:
             return binding
 
     def for_caller(self, loss_scale: LossScale) -> ThreadBinding | None:
-        """The binding; made when the scaler is first used from inside an optimizer job (it
-        steps there, unambiguously). ``loss_scale`` must be materialized then."""
+        """The binding; made when the scaler is first used from inside an optimizer job (it steps there, unambiguously).
+
+        ``loss_scale`` must be materialized then."""
         owner = current_optimizer_thread()
         if owner is not None:
             return self.bind(owner, loss_scale, mark=None)
@@ -320,8 +328,10 @@ class ScalerThreads:
             self._serial = step_serial()
 
     def for_update(self, loss_scale: LossScale, *, has_checks: bool) -> ThreadBinding | None:
-        """``update()`` on the main thread: the binding, or -- with no inf checks recorded here
-        and exactly one thread that received steps since ``scale()`` -- a lazy one to it."""
+        """Return the binding for ``update()`` on the main thread, binding lazily where that is unambiguous.
+
+        The binding, or -- with no inf checks recorded here and exactly one thread that received steps since
+        ``scale()`` -- a lazy one to it."""
         if self.binding is not None or has_checks or self._serial is None or loss_scale.scale is None:
             if self.binding is None:
                 self._next_scale = None  # an update without a thread: a loaded lag is over
@@ -342,8 +352,9 @@ class ScalerThreads:
     def route(
         self, loss_scale: LossScale, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any
     ) -> bool:
-        """Main thread of a bound scaler: run ``fn`` on the optimizer thread and wait; False
-        when not bound or already there (the caller runs it inline)."""
+        """Run ``fn`` on the optimizer thread and wait, from the main thread of a bound scaler.
+
+        Returns False when not bound or already there (the caller runs it inline)."""
         binding = self.for_caller(loss_scale) if loss_scale.scale is not None else self.binding
         if binding is None or binding.on_thread():
             return False
@@ -362,14 +373,13 @@ class ScalerThreads:
 
     # ------------------------------------------------------------------ checkpoints
     def saved(self, loss_scale: LossScale, unbound_scale: float) -> tuple[float, dict[str, Any]]:
-        """``state_dict()``'s scale entries, after :meth:`synchronize`: ``"scale"``, and the
-        entries that go last. Unbound, ``"scale"`` is ``unbound_scale`` (``get_scale()``); on
-        the optimizer thread, the thread's. On the main thread between an ``update()`` and the
-        next, it is the forward scale -- what the next loss is multiplied with -- and the newer
-        one the queued update computed, which the next ``update()`` publishes (the lag), is
-        saved as ``"next_scale"``: a run resumed from the checkpoint in mode 2 goes on bit for
-        bit. (torch's ``load_state_dict`` ignores the key; a resume without a thread starts
-        from ``"scale"``.)"""
+        """``state_dict()``'s scale entries, after :meth:`synchronize`: ``"scale"``, and the entries that go last.
+
+        Unbound, ``"scale"`` is ``unbound_scale`` (``get_scale()``); on the optimizer thread, the thread's. On
+        the main thread between an ``update()`` and the next, it is the forward scale -- what the next loss is
+        multiplied with -- and the newer one the queued update computed, which the next ``update()`` publishes
+        (the lag), is saved as ``"next_scale"``: a run resumed from the checkpoint in mode 2 goes on bit for
+        bit. (torch's ``load_state_dict`` ignores the key; a resume without a thread starts from ``"scale"``.)"""
         binding = self.binding
         if binding is None:  # (a lag loaded for the binding made next is kept)
             return unbound_scale, ({} if self._next_scale is None else {"next_scale": self._next_scale})
@@ -396,8 +406,9 @@ class ScalerThreads:
         return float(value)
 
     def loaded(self, loss_scale: LossScale, next_scale: float | None) -> None:
-        """After ``load_state_dict``: restart a binding from the loaded scale, and restore a
-        saved lag now (bound) or at the binding made next."""
+        """Restart a binding from the loaded scale after ``load_state_dict``.
+
+        Also restores a saved lag now (bound) or at the binding made next."""
         self._next_scale = next_scale
         binding = self.binding
         if binding is not None and loss_scale.scale is not None:

@@ -88,8 +88,9 @@ class _ScaleField(_LossScaleField):
 
 
 class GradScaler(torch.amp.GradScaler):
-    """Scales losses and unscales gradients for mixed-precision training, like
-    ``torch.amp.GradScaler`` (see its documentation: the behaviour is the same).
+    """Scale losses and unscale gradients for mixed-precision training, like ``torch.amp.GradScaler``.
+
+    See torch's documentation: the behaviour is the same.
 
     ::
 
@@ -201,14 +202,14 @@ class GradScaler(torch.amp.GradScaler):
 
     # -------------------------------------------------------------- the optimizer thread
     def bind(self, thread: OptimizerThread, *, step_of: Any = None) -> None:
-        """Run this scaler's steps on ``thread`` (docs/async.md §4, mode 2): ``scale()`` and
-        ``update()`` stay on the main thread, ``step()`` runs in the jobs there, each side
-        seeing its own scale (see :mod:`fp16kit.scaler.binding`). ``opt.submit_step(fn,
-        scaler=scaler)`` calls this with ``step_of=opt`` before it hands anything off: a second
-        submitted step of ``opt`` with no ``update()`` since its last one raises RuntimeError.
-        Before the first ``scale()`` the binding is made there. Binding to the same thread
-        again does nothing; to another raises RuntimeError -- unless the bound thread was
-        shut down: then the scaler moves to the new one."""
+        """Run this scaler's steps on ``thread`` (docs/async.md §4, mode 2).
+
+        ``scale()`` and ``update()`` stay on the main thread, ``step()`` runs in the jobs there, each side seeing its own scale (see
+        :mod:`fp16kit.scaler.binding`). ``opt.submit_step(fn, scaler=scaler)`` calls this with ``step_of=opt``
+        before it hands anything off: a second submitted step of ``opt`` with no ``update()`` since its last
+        one raises RuntimeError. Before the first ``scale()`` the binding is made there. Binding to the same
+        thread again does nothing; to another raises RuntimeError -- unless the bound thread was shut down:
+        then the scaler moves to the new one."""
         if not isinstance(thread, OptimizerThread):
             raise TypeError(f"bind() takes an fp16kit.OptimizerThread, got {type(thread).__name__}.")
         binding = self._threads.bind(thread, self._loss_scale, mark=thread.steps)
@@ -256,8 +257,9 @@ class GradScaler(torch.amp.GradScaler):
     def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
-        """Multiply a tensor or (nested) iterable of tensors by the scale factor; returned
-        unmodified when disabled. The scale is created on the device of the first tensor."""
+        """Multiply a tensor or (nested) iterable of tensors by the scale factor; returned unmodified when disabled.
+
+        The scale is created on the device of the first tensor."""
         if not self._enabled:
             return outputs
         scaled_iterations.opened(self)
@@ -303,15 +305,17 @@ class GradScaler(torch.amp.GradScaler):
             )
 
     def set_process_group(self, process_group: Any) -> None:
-        """Set (or, with None, remove) the group over which ``found_inf`` is all-reduced; e.g.
-        after unpickling a scaler that had one."""
+        """Set (or, with None, remove) the group over which ``found_inf`` is all-reduced.
+
+        E.g. after unpickling a scaler that had one."""
         self._process_group = _check_process_group(process_group)
         self._process_group_lost = False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide ("unscale") the optimizer's gradients by the scale factor, in place, and record
-        whether any is inf/NaN. Optional: :meth:`step` unscales if you have not. Call it at
-        most once per optimizer per iteration, after all grads are accumulated. No host sync."""
+        """Divide ("unscale") the optimizer's gradients by the scale factor, in place.
+
+        Records whether any is inf/NaN. Optional: :meth:`step` unscales if you have not. Call it at most once
+        per optimizer per iteration, after all grads are accumulated. No host sync."""
         if not self._enabled:
             return
         if self._threads.route(self._loss_scale, self.unscale_, optimizer):
@@ -369,11 +373,11 @@ class GradScaler(torch.amp.GradScaler):
         return retval
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
-        """Unscale the optimizer's grads (unless :meth:`unscale_` already did) and run
-        ``optimizer.step(*args, **kwargs)`` if none of them is inf/NaN; return its value (None
-        when skipped). Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD)
-        receive ``grad_scale``/``found_inf`` and skip on the device. Closures are not supported
-        while enabled."""
+        """Unscale the optimizer's grads and run ``optimizer.step(*args, **kwargs)`` if none is inf/NaN.
+
+        Grads already unscaled by :meth:`unscale_` are not unscaled again. Returns the step's value (None when
+        skipped). Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD) receive
+        ``grad_scale``/``found_inf`` and skip on the device. Closures are not supported while enabled."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
 
@@ -459,11 +463,12 @@ class GradScaler(torch.amp.GradScaler):
 
     # -------------------------------------------------------------- update
     def update(self, new_scale: float | torch.Tensor | None = None, *, is_async: bool = True) -> None:
-        """Update the scale: back off if any optimizer step this iteration was skipped, grow
-        after ``growth_interval`` clean iterations (see :class:`LossScale` for the rule), or
-        set ``new_scale`` (a float, or a 1-element tensor on this scaler's device that does
-        not require grad; it is copied). Call once per iteration, after every ``step()``.
-        No host sync.
+        """Update the scale: back off after a skipped step, grow after clean ones, or set ``new_scale``.
+
+        Backs off if any optimizer step this iteration was skipped, grows after ``growth_interval`` clean
+        iterations (see :class:`LossScale` for the rule), or sets ``new_scale`` (a float, or a 1-element
+        tensor on this scaler's device that does not require grad; it is copied). Call once per iteration,
+        after every ``step()``. No host sync.
 
         When the steps run on an optimizer thread (``opt.submit_step``), call it from the main
         thread: it publishes the scale the previous iteration's update computed (the next
@@ -600,10 +605,10 @@ class GradScaler(torch.amp.GradScaler):
         return bool(self.last_step_skipped_tensor().item())
 
     def skipped_steps(self) -> int:
-        """Iterations whose update() saw an overflow, since construction (a host sync; with
-        steps on the optimizer thread it also waits for the queued jobs: read it to log, not
-        every iteration).
-        Not part of the state dict (torch's keys only); carried through pickling."""
+        """Return the iterations whose update() saw an overflow, since construction.
+
+        A host sync; with steps on the optimizer thread it also waits for the queued jobs: read it to log, not
+        every iteration. Not part of the state dict (torch's keys only); carried through pickling."""
         return self._threads.after(self._loss_scale.skipped_steps) if self._enabled else 0
 
     def consecutive_skipped_steps(self) -> int:
@@ -637,9 +642,10 @@ class GradScaler(torch.amp.GradScaler):
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        r"""Load the scaler state (from this class or from ``torch.amp.GradScaler``). A no-op
-        when disabled. Extras missing from the dict keep their current settings, with the
-        hysteresis tracker full."""
+        r"""Load the scaler state (from this class or from ``torch.amp.GradScaler``).
+
+        A no-op when disabled. Extras missing from the dict keep their current settings, with the hysteresis
+        tracker full."""
         if not self._enabled:
             return
 
