@@ -40,6 +40,9 @@ def public_packages() -> list[str]:
 
 
 def _first_line(obj: object) -> str:
+    module = getattr(obj, "__module__", None) or ""
+    if (inspect.isclass(obj) or inspect.isfunction(obj)) and not module.startswith("fp16kit"):
+        return f"re-exported from `{module}.{obj.__qualname__}`."  # its docstring is not ours
     doc = inspect.getdoc(obj) or ""
     return doc.strip().splitlines()[0] if doc.strip() else "(undocumented)"
 

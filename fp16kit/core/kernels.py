@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import abc, defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Union
+from typing import Any, Union, overload
 
 import torch
 
@@ -473,7 +473,15 @@ def all_reduce_found_inf(
     return {combined.device: combined}
 
 
-def scale_outputs(outputs: TensorOrIterable, get_scale: Callable[[torch.device], torch.Tensor]) -> TensorOrIterable:
+#: ``get_scale(device)`` of :func:`scale_outputs`: the scale as a 0-dim tensor or a Python number
+ScaleFn = Callable[[torch.device], Union[torch.Tensor, float]]
+
+
+@overload
+def scale_outputs(outputs: torch.Tensor, get_scale: ScaleFn) -> torch.Tensor: ...
+@overload
+def scale_outputs(outputs: TensorOrIterable, get_scale: ScaleFn) -> TensorOrIterable: ...
+def scale_outputs(outputs: TensorOrIterable, get_scale: ScaleFn) -> TensorOrIterable:
     """Multiply a tensor, or a (nested) list/tuple/iterable of tensors, by the loss scale.
 
     ``get_scale(device)`` is called once, with the device of the first tensor met (the place

@@ -34,3 +34,17 @@ def test_api_page_is_current():
     assert (DOCS / "api.md").read_text() == gen.render(), (
         "docs/api.md is stale: run `python docs/make_api.py` and commit the result"
     )
+
+
+def test_no_entry_stops_mid_sentence():
+    # Each entry is a docstring's first line, so every public docstring must open with a
+    # one-line summary (PEP 257): a whole sentence, then a blank line.
+    page = (DOCS / "api.md").read_text()
+    cut = [
+        line.strip()
+        for line in page.splitlines()
+        if " — " in line
+        and not line.endswith("(undocumented)")
+        and not line.rstrip().endswith((".", "?", "!", ":", ")", "`"))
+    ]
+    assert not cut, f"{len(cut)} entries stop mid-sentence, e.g.:\n" + "\n".join(cut[:15])

@@ -179,7 +179,7 @@ class FP16_Optimizer(WrappingOptimizer):
             scaled = kernels.scale_outputs(loss.float(), lambda device: live)
         else:
             scaled = kernels.scale_outputs(loss.float(), lambda device: self._static_scale)
-        scaled.backward()  # type: ignore[union-attr]
+        scaled.backward()
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """One step (the closure is ignored, as apex); returns None. See the module docstring."""
