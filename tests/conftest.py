@@ -35,3 +35,19 @@ def gloo_world(tmp_path):
         # process ("terminate called after throwing an instance of 'std::system_error'")
         gc.collect()
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def threads():
+    """``threads()`` makes an OptimizerThread that is shut down (drained) after the test."""
+    from fp16kit import OptimizerThread
+
+    made = []
+
+    def make():
+        made.append(OptimizerThread())
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.shutdown(wait=True, timeout=10)

@@ -36,7 +36,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp16kit import GradScaler, MixedPrecisionOptimizer, OptimizerThread
+from fp16kit import GradScaler, MixedPrecisionOptimizer
 from fp16kit.core.interrupts import ABANDONED
 
 
@@ -48,19 +48,6 @@ def _net():
 def _loss(model, i):
     g = torch.Generator().manual_seed(100 + i)
     return model(torch.randn(3, 4, generator=g).to(torch.float16)).float().pow(2).mean()
-
-
-@pytest.fixture
-def threads():
-    made = []
-
-    def make():
-        made.append(OptimizerThread())
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.shutdown(wait=True, timeout=10)
 
 
 def _world(threads):

@@ -14,7 +14,7 @@ from torch import nn
 import fp16kit.master_weights.optimizer
 import fp16kit.scaler.grad_scaler
 from _helpers import seeded_loss, small_mlp
-from fp16kit import GradScaler, MixedPrecisionOptimizer, OptimizerThread
+from fp16kit import GradScaler, MixedPrecisionOptimizer
 from fp16kit.core import protocol
 from fp16kit.core.protocol import MasterWeightOptimizer
 from fp16kit.legacy import FP16_Optimizer
@@ -33,19 +33,6 @@ def _own_scaled_iterations(monkeypatch):
     fresh = protocol.ScaledIterations()
     monkeypatch.setattr(fp16kit.scaler.grad_scaler, "scaled_iterations", fresh)
     monkeypatch.setattr(fp16kit.master_weights.optimizer, "scaled_iterations", fresh)
-
-
-@pytest.fixture
-def threads():
-    made = []
-
-    def make():
-        made.append(OptimizerThread())
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.shutdown(wait=True, timeout=10)
 
 
 def _mode2(model, opt, scaler, iters, *, explicit=True, inject=()):
