@@ -42,6 +42,7 @@ from ..core import kernels
 from ..core.interrupts import commit_methods
 from ..core.scale import LossScale
 from ..master_weights.optimizer import MixedPrecisionOptimizer
+from ..master_weights.step_state import Stage, StepState
 from ..master_weights.wrapping import WrappingOptimizer
 from ._messages import apex_logger, float_or_half
 from .checkpoints.load import scaler_state
@@ -268,12 +269,13 @@ class _MasterProtocolByDelegation:
     ``FP16_Optimizer`` driven by ``fp16kit.GradScaler`` instead of its own loss scaler."""
 
     _mpo: MixedPrecisionOptimizer
-    _grads_since_step: bool
+    _step: StepState
 
     def unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
         """The masters' :meth:`~MixedPrecisionOptimizer.unscale_grads_`; a step is now pending."""
-        self._grads_since_step = True
-        return self._mpo.unscale_grads_(inv_scale, found_inf)
+        flags = self._mpo.unscale_grads_(inv_scale, found_inf)
+        self._step.unscaled(flags, by_scaler=True)
+        return flags
 
     def skip_decided(self) -> None:
         """The masters' :meth:`~MixedPrecisionOptimizer.skip_decided`."""
@@ -354,13 +356,10 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         if isinstance(scaler, AmpLossScaler):
             scaler.place(self._device)
         self.loss_scaler = scaler
-        self._overflow: bool | torch.Tensor = False
-        # async_step: what update_master_grads prepared for step() -- (1/scale, found_inf, the
-        # scale after the update) -- and what zero_grad asked of the masters' grads
-        self._prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
-        self._master_grads_reset = "keep"
-        self.first_closure_call_this_step = True
-        self._grads_since_step = False  # an update_master_grads() since the last step()
+        # apex's overflow, first_closure_call_this_step, and the step in progress: whether grads
+        # were read since the last step(), what update_master_grads prepared for an asynchronous
+        # step() -- (1/scale, found_inf, the scale after the update) -- and how zero_grad cleared
+        self._step = StepState()
         self._warned_no_backward = False
 
     def _new_loss_scaler(
@@ -412,13 +411,20 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         """Did the last ``update_master_grads`` see inf/NaN?
 
         Reading it syncs with the device, once per iteration; the flag itself is computed on the device."""
-        if isinstance(self._overflow, torch.Tensor):
-            self._overflow = bool(self._overflow.item())
-        return self._overflow
+        return self._step.verdict
 
     @overflow.setter
     def overflow(self, value: bool) -> None:
-        self._overflow = bool(value)
+        self._step.verdict = bool(value)
+
+    @property
+    def first_closure_call_this_step(self) -> bool:
+        """apex's flag: True except inside ``step(closure)`` after the closure's first evaluation."""
+        return self._step.evaluations == 0
+
+    @first_closure_call_this_step.setter
+    def first_closure_call_this_step(self, value: bool) -> None:
+        self._step.evaluations = 0 if value else max(1, self._step.evaluations)
 
     @property
     def loss_scale(self) -> float:
@@ -440,8 +446,8 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             set_grads_to_None = set_to_none
         if self.async_step:
             kernels.clear_grads_(self.all_fp16_params, set_to_none=set_grads_to_None)
-            self._master_grads_reset = "none" if set_grads_to_None else "zero"
-            self._prepared = None  # those grads are gone: step() needs a new backward
+            # those grads are gone (step() needs a new backward); the job clears the masters' so
+            self._step.reset(cleared="none" if set_grads_to_None else "zero")
             return
         owned = [p for group in self.optimizer.param_groups for p in group["params"]]
         kernels.clear_grads_(owned + self.all_fp16_params, set_to_none=set_grads_to_None)
@@ -470,7 +476,6 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         transfer into the master grads runs in the step's job. (The model keeps its weights
         until ``step()``, as in apex: a second loss may still backpropagate through them.)"""
         scale = self.loss_scaler.scale_tensor()
-        self._grads_since_step = True
         if self.async_step:
             self._prepare_async_step(scale)
             return
@@ -480,10 +485,10 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         if self.dynamic_loss_scale:
             found_inf = kernels.combine_found_inf(flags.values(), scale.device)
             self.loss_scaler.update(found_inf)
-            self._overflow = found_inf != 0
+            self._step.unscaled(flags, by_scaler=False, verdict=found_inf != 0)
         else:
             self.loss_scaler.update(None)
-            self._overflow = False  # apex never checked with a static scale
+            self._step.unscaled(flags, by_scaler=False, verdict=False)  # apex never checked with a static scale
 
     def _prepare_async_step(self, scale: torch.Tensor) -> None:
         inv = kernels.inv_scale(scale)
@@ -491,12 +496,13 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             flags = self._mpo.async_check_grads(land=False)
             found_inf = kernels.combine_found_inf(flags.values(), scale.device)
             self.loss_scaler.update(found_inf)
-            self._overflow = found_inf != 0
-            self._prepared = (inv, found_inf, self.loss_scaler.scale_snapshot())
+            self._step.checked(
+                flags, prepared=(inv, found_inf, self.loss_scaler.scale_snapshot()), verdict=found_inf != 0
+            )
         else:
             self.loss_scaler.update(None)
-            self._overflow = False  # apex never checked with a static scale
-            self._prepared = (inv, kernels.new_found_inf(scale.device), None)
+            # apex never checked with a static scale
+            self._step.checked({}, prepared=(inv, kernels.new_found_inf(scale.device), None), verdict=False)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Skip the step if the last backward overflowed; else step the masters and copy them into the model.
@@ -508,9 +514,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         at the next call that waits for it."""
         if self.async_step:
             return self._submit_step(closure)
-        if closure is None and not self._grads_since_step:
+        if closure is None and not self._step.read_since_step:
             self._warn_no_backward()
-        self._grads_since_step = False
+        self._step.stepped()
         if self.overflow:
             _log_overflow(self.loss_scaler.loss_scale())
             return None
@@ -532,27 +538,25 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
                 "optimizer thread, but a closure must re-evaluate the model now. Build the "
                 "FP16_Optimizer with async_step=False for LBFGS-style optimizers."
             )
-        if self._prepared is None:
+        if self._step.stage is not Stage.CHECKED:
             raise RuntimeError(
                 "FP16_Optimizer(async_step=True).step() found no prepared gradients: call "
                 "optimizer.backward(loss) (or, after backward(loss, update_master_grads=False), "
                 "optimizer.update_master_grads()) before each step()."
             )
-        inv, found_inf, scale_after = self._prepared
+        inv, found_inf, scale_after = self._step.prepared
         on_skip = None if scale_after is None else functools.partial(_log_overflow, scale_after)
         # (raises the previous step's error, if any, before anything changes: call step() again)
-        self._mpo.async_submit(inv, found_inf, missing_grads=self._master_grads_reset, on_skip=on_skip)
-        self._prepared = None
-        self._master_grads_reset = "keep"
+        self._mpo.async_submit(inv, found_inf, missing_grads=self._step.cleared or "keep", on_skip=on_skip)
+        self._step.submitted()
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         def wrapped_closure() -> Any:
-            if self.first_closure_call_this_step:
-                self.first_closure_call_this_step = False
-            else:
+            if not self.first_closure_call_this_step:
                 # The optimizer may re-evaluate at new points (LBFGS): the fp16 model must
                 # see the masters it moved.
                 self._mpo.masters_to_model()
+            self._step.evaluations += 1
             temp_loss = closure()
             retries = 0
             while self.overflow:
@@ -572,7 +576,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         try:
             return self._mpo.inner_step(wrapped_closure)
         finally:
-            self.first_closure_call_this_step = True
+            self._step.evaluations = 0
 
     def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """apex's ``clip_grad_norm`` (:mod:`fp16kit.legacy.fp16util`), what :meth:`clip_master_grads` calls."""
@@ -681,9 +685,9 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         )
         self.loss_scaler = new_scaler
         self.dynamic_loss_scale = dynamic
+        self._step.reset(cleared=self._step.cleared)  # nothing prepared survives the load
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
-        self._prepared = None
 
     def _loaded_scaler(self, state_dict: dict[str, Any]) -> tuple[Any, bool]:
         """The scaler a checkpoint's ``loss_scaler`` entry describes, and whether it is dynamic

@@ -1,23 +1,52 @@
-"""Where one training step's gradients are: the stage of a MixedPrecisionOptimizer's step.
+"""Where one training step's gradients are: the step-state machine of a master-weight optimizer.
 
 One :class:`StepState` per side: the main thread's (the iteration being built) is owned by the
-optimizer, and a step job running on the optimizer thread owns one of its own (created by the
-job, see :mod:`fp16kit.master_weights.async_step`), so no field is ever written by both threads. Only the
-methods below write the fields::
+optimizer, and a step job running on the optimizer thread owns one of its own (created with the
+job, see :mod:`fp16kit.master_weights.async_step`), so no field is ever written by both threads.
+The legacy ``FP16_Optimizer`` keeps its step in one too.
 
-    MODEL_GRADS ---- unscaled(flags) ----> UNSCALED ---- skip_decided() ----> SKIP_DECIDED
-         |                                  ^     (a scaler read the flags: clean)
-         +-- handed_off() --> HANDED_OFF ---+
-             (submit_step: the raw, still scaled grads are in the masters)
+Stages and events. Every change of stage goes through :meth:`StepState._move`, which looks the
+edge up in this table (``TRANSITIONS``); an edge that is not there raises ``RuntimeError("internal:
+...")`` -- a bug of ours, never a user's misuse (misuse is refused before the state is touched)::
 
-    stepped(): SKIP_DECIDED/UNSCALED -> UNSCALED by the optimizer (a second step() applies
-               the same unscaled grads, as torch's; a new backward is read again)
-    reset(): back to MODEL_GRADS (zero_grad(), a hand-off to a job, a checkpoint load)
+    event            from                                                  to
+    ---------------  ----------------------------------------------------  ------------
+    reset            any                                                   MODEL_GRADS
+    handed_off       MODEL_GRADS                                           HANDED_OFF
+    checked          MODEL_GRADS, CHECKED, STEPPED                         CHECKED
+    unscaled         MODEL_GRADS, HANDED_OFF, CHECKED, UNSCALED, STEPPED   UNSCALED
+    skip_decided     UNSCALED                                              SKIP_DECIDED
+    stepped          UNSCALED, SKIP_DECIDED, STEPPED                       STEPPED
+                     MODEL_GRADS, HANDED_OFF                               MODEL_GRADS
+    submitted        CHECKED                                               STEPPED
 
-``UNSCALED`` records who unscaled (``by_scaler``: a GradScaler with its scale, or the optimizer
-itself at scale 1) and which model grads were read (a :class:`TransferRecord`), so a step can
-tell that the model grads changed since -- a new backward after ``scaler.unscale_(opt)``, or
-clipping ``model.parameters()`` instead of the masters.
+    MODEL_GRADS --handed_off--> HANDED_OFF --unscaled--+
+        |  +----------------------unscaled-------------+--> UNSCALED --skip_decided--> SKIP_DECIDED
+        |                                                      |                         |
+        +--checked--> CHECKED --submitted--> STEPPED <--stepped+-------------------------+
+                                             (a new backward: unscaled or checked again)
+    reset (zero_grad, a hand-off, a checkpoint load): any stage --> MODEL_GRADS
+
+* ``reset``: ``zero_grad()`` (``cleared=`` says how), a hand-off to a job, a checkpoint load.
+* ``handed_off``: in a ``submit_step`` job, the raw (still scaled) grads are in the masters.
+* ``checked``: the model grads were checked for inf/NaN where they are and nothing moved yet
+  (the legacy ``update_master_grads`` with ``async_step``); ``prepared`` holds what the step
+  will submit.
+* ``unscaled``: the unscaled grads are in the masters, checked. It records who unscaled
+  (``by_scaler``: a GradScaler with its scale, or the optimizer itself at scale 1) and which
+  model grads were read (a :class:`TransferRecord`), so a step can tell that the model grads
+  changed since -- a new backward after ``scaler.unscale_(opt)``, or clipping
+  ``model.parameters()`` instead of the masters.
+* ``skip_decided``: a scaler read the flags and found them clean; the step reads none.
+* ``stepped``: a synchronous step ran. The masters keep the grads it read, as a plain
+  optimizer's params keep theirs -- a second ``step()`` with no new backward applies them
+  again (as torch) -- but no scaler's check or decision carries over. ``submitted``: a checked
+  step went to the optimizer thread.
+
+Two values outlive the stage, as apex's attributes do: ``verdict`` (the last check's inf/NaN
+result, apex's ``overflow``, read from the device once) and ``cleared`` (how ``zero_grad()``
+cleared the grads since the last step, until that step is taken). ``evaluations`` counts a
+closure step's evaluations (apex's ``first_closure_call_this_step``).
 """
 
 from __future__ import annotations
@@ -31,14 +60,39 @@ import torch
 
 from ..core import kernels
 
-__all__ = ["Stage", "StepState", "TransferRecord"]
+__all__ = ["Stage", "StepState", "TransferRecord", "TRANSITIONS"]
 
 
 class Stage(enum.Enum):
+    """The stages of a step (see the module docstring)."""
+
     MODEL_GRADS = "the grads are in the model params"
     HANDED_OFF = "the raw (still scaled) grads are in the masters"
+    CHECKED = "the model grads were checked where they are; nothing moved yet"
     UNSCALED = "the unscaled grads are in the masters, checked"
     SKIP_DECIDED = "checked, and a scaler found them clean"
+    STEPPED = "a step applied the grads in the masters"
+
+
+_ANY = frozenset(Stage)
+_M, _H, _C, _U, _S, _T = (
+    Stage.MODEL_GRADS,
+    Stage.HANDED_OFF,
+    Stage.CHECKED,
+    Stage.UNSCALED,
+    Stage.SKIP_DECIDED,
+    Stage.STEPPED,
+)
+TRANSITIONS: dict[str, dict[Stage, Stage]] = {
+    "reset": dict.fromkeys(_ANY, _M),
+    "handed_off": {_M: _H},
+    "checked": dict.fromkeys((_M, _C, _T), _C),
+    "unscaled": dict.fromkeys((_M, _H, _C, _U, _T), _U),
+    "skip_decided": {_U: _S},
+    "stepped": {**dict.fromkeys((_U, _S, _T), _T), _M: _M, _H: _M},
+    "submitted": {_C: _T},
+}
+"""``event -> {from stage: to stage}``: the machine's every edge (the module docstring's table)."""
 
 
 class TransferRecord:
@@ -53,6 +107,7 @@ class TransferRecord:
             self.entries.append((None, -1) if g is None else (weakref.ref(g), g._version))
 
     def matches(self, params: Iterable[torch.Tensor]) -> bool:
+        """Do ``params`` hold the very grads (same tensors, same versions) this record read?"""
         params = list(params)
         if len(params) != len(self.entries):
             return False
@@ -67,40 +122,48 @@ class TransferRecord:
 
 
 class StepState:
-    """The stage of one step (see the module docstring)."""
+    """The stage of one step and what it carries (see the module docstring)."""
 
-    __slots__ = ("stage", "flags", "by_scaler", "transfer", "spent")
+    __slots__ = ("stage", "flags", "by_scaler", "transfer", "prepared", "cleared", "evaluations", "_verdict")
 
     def __init__(self) -> None:
         self.stage = Stage.MODEL_GRADS
         self.flags: dict[torch.device, torch.Tensor] = {}
         self.by_scaler = False
         self.transfer: TransferRecord | None = None
-        self.spent = False  # the grads in the masters were stepped with already
+        self.prepared: Any = None  # CHECKED: what the step will submit
+        self.cleared: str | None = None  # "none" / "zero": how zero_grad() cleared the grads since the last step
+        self.evaluations = 0  # a closure's evaluations in the step being taken
+        self._verdict: bool | torch.Tensor = False
 
-    def reset(self) -> None:
-        self.stage = Stage.MODEL_GRADS
+    def _move(self, event: str) -> None:
+        """Take ``event``'s edge from the current stage (the one place the stage changes)."""
+        to = TRANSITIONS[event].get(self.stage)
+        if to is None:
+            raise RuntimeError(f"internal: step-state event {event!r} is not allowed in stage {self.stage.name}")
+        self.stage = to
+
+    # ------------------------------------------------------------------ events
+    def reset(self, *, cleared: str | None = None) -> None:
+        """Back to MODEL_GRADS: nothing of this step is in the masters (``cleared``: by ``zero_grad()``, how)."""
+        self._move("reset")
         self.flags = {}
         self.by_scaler = False
         self.transfer = None
-        self.spent = False
-
-    def stepped(self) -> None:
-        """Record a synchronous step: the masters keep their grads, no check or decision carries over.
-
-        The masters keep the grads read from the model, as a plain optimizer's params keep theirs -- a second
-        ``step()`` with no new backward applies them again (as torch) -- but no scaler's check or decision
-        carries over."""
-        if self.in_masters:
-            self.stage = Stage.UNSCALED
-            self.by_scaler = False
-            self.spent = True
-        else:
-            self.reset()
+        self.prepared = None
+        self.cleared = cleared
+        self.evaluations = 0
 
     def handed_off(self) -> None:
-        self.reset()
-        self.stage = Stage.HANDED_OFF
+        """The raw, still scaled grads were moved into the masters (a ``submit_step`` job)."""
+        self._move("handed_off")
+
+    def checked(self, flags: dict[torch.device, torch.Tensor], *, prepared: Any, verdict: Any) -> None:
+        """The model grads were checked where they are (``flags``); ``prepared`` is what the step will submit."""
+        self._move("checked")
+        self.flags = flags
+        self.prepared = prepared
+        self._verdict = verdict
 
     def unscaled(
         self,
@@ -108,23 +171,69 @@ class StepState:
         *,
         by_scaler: bool,
         transfer: TransferRecord | None = None,
+        verdict: Any = None,
     ) -> None:
-        self.stage = Stage.UNSCALED
+        """The unscaled grads are in the masters, checked (``flags``); see the module docstring."""
+        self._move("unscaled")
         self.flags = flags
         self.by_scaler = by_scaler
-        self.spent = False
         if transfer is not None:
             self.transfer = transfer
+        if verdict is not None:
+            self._verdict = verdict
 
     def skip_decided(self) -> None:
-        if self.stage is not Stage.UNSCALED:
-            raise RuntimeError(f"internal: a skip was decided for grads that were not unscaled ({self.stage.name})")
-        self.stage = Stage.SKIP_DECIDED
+        """A scaler read the flags and found them clean."""
+        self._move("skip_decided")
 
+    def stepped(self) -> None:
+        """Record a synchronous step (see the module docstring); from MODEL_GRADS or HANDED_OFF, a reset."""
+        if self.stage in (Stage.MODEL_GRADS, Stage.HANDED_OFF):
+            self.reset()
+            self._move("stepped")
+            return
+        self._move("stepped")
+        self.by_scaler = False
+        self._end_of_step()
+
+    def submitted(self) -> None:
+        """A CHECKED step went to the optimizer thread; its verdict stays readable."""
+        self._move("submitted")
+        self.flags = {}
+        self.transfer = None
+        self._end_of_step()
+
+    def _end_of_step(self) -> None:
+        self.prepared = None
+        self.cleared = None
+        self.evaluations = 0
+
+    # ------------------------------------------------------------------ reading
     @property
     def in_masters(self) -> bool:
         """Do the masters hold this step's unscaled, checked grads?"""
-        return self.stage in (Stage.UNSCALED, Stage.SKIP_DECIDED)
+        return self.stage in (Stage.UNSCALED, Stage.SKIP_DECIDED, Stage.STEPPED)
+
+    @property
+    def spent(self) -> bool:
+        """Were the grads in the masters stepped with already?"""
+        return self.stage is Stage.STEPPED
+
+    @property
+    def read_since_step(self) -> bool:
+        """Were grads read (checked or unscaled) since the last step?"""
+        return self.stage in (Stage.CHECKED, Stage.UNSCALED, Stage.SKIP_DECIDED)
+
+    @property
+    def verdict(self) -> bool:
+        """The last check's result (True: inf/NaN), read from the device once."""
+        if isinstance(self._verdict, torch.Tensor):
+            self._verdict = bool(self._verdict.item())
+        return self._verdict
+
+    @verdict.setter
+    def verdict(self, value: bool) -> None:
+        self._verdict = bool(value)
 
     def current(self, params: Iterable[torch.Tensor]) -> bool:
         """Were the grads in the masters read from the model grads ``params`` hold now?
@@ -139,5 +248,5 @@ class StepState:
         return kernels.combine_found_inf(self.flags.values(), device)
 
     def __repr__(self) -> str:
-        who = " by the scaler" if self.by_scaler else ""
-        return f"StepState({self.stage.name}{who if self.in_masters else ''})"
+        who = " by the scaler" if self.by_scaler and self.in_masters else ""
+        return f"StepState({self.stage.name}{who})"

@@ -661,3 +661,37 @@ def test_clip_grad_norm_is_a_method_a_subclass_can_override():
     assert calls == [(0.5, 2)] and float(total) > 0.5
     assert abs(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) - 0.5) < 1e-3
     assert "clip_grad_norm" not in vars(opt)
+
+
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_the_step_lives_in_one_step_state_and_apex_flags_read_it(async_step):
+    """apex's overflow / first_closure_call_this_step are properties over the one step state;
+    no loose per-step flag is left on the object."""
+    from fp16kit.master_weights.step_state import Stage
+
+    model = make_model(torch.float16, 0)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, async_step=async_step)
+    assert {
+        "_overflow",
+        "_prepared",
+        "_master_grads_reset",
+        "_grads_since_step",
+        "first_closure_call_this_step",
+    }.isdisjoint(vars(opt))
+    x, y = batch(0, torch.float16)
+    opt.zero_grad()
+    opt.backward((model(x) - y).pow(2).mean() * float("inf"))
+    assert opt._step.stage is (Stage.CHECKED if async_step else Stage.UNSCALED)
+    assert opt.overflow is True
+    opt.step()
+    assert opt._step.stage is Stage.STEPPED and opt.overflow is True  # apex's overflow outlives the step
+    opt.zero_grad()
+    assert opt.overflow is True
+    opt.overflow = False
+    opt.first_closure_call_this_step = False
+    sd = opt.state_dict()
+    assert sd["overflow"] is False and sd["first_closure_call_this_step"] is False
+    opt.first_closure_call_this_step = True
+    opt.load_state_dict(sd)
+    assert opt.first_closure_call_this_step is False and opt.overflow is False
+    opt.synchronize()

@@ -248,19 +248,20 @@ class FP16_Optimizer(_FP16_Optimizer):
         fp32 params' grads * 1/scale in place, one non-finite check (max-reduced over the
         model-parallel group if given) setting ``overflow``; only a dynamic scaler checks.
         The scale itself changes in :meth:`step`."""
-        self._grads_since_step = True
         # Megatron's scale is a Python number: filled in on the device, no host tensor copied
         scale = torch.full((), float(self.loss_scaler.loss_scale), dtype=torch.float64, device=self._device)
         flags = self._mpo.grads_to_masters(
             kernels.inv_scale(scale), kernels.new_found_inf(self._device), clear_missing=True
         )
         if not self._checks_overflow():
-            self._overflow = False  # Megatron never checked a static scale
+            self._step.unscaled(flags, by_scaler=False, verdict=False)  # Megatron never checked a static scale
             return
         group = self._model_parallel_group
         if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             flags = kernels.all_reduce_found_inf(flags, self._device, group)
-        self._overflow = kernels.combine_found_inf(flags.values(), self._device) != 0
+        self._step.unscaled(
+            flags, by_scaler=False, verdict=kernels.combine_found_inf(flags.values(), self._device) != 0
+        )
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update the scale; on overflow skip the step, else step the masters and copy them into the model.
@@ -268,9 +269,9 @@ class FP16_Optimizer(_FP16_Optimizer):
         Update the scale with ``overflow`` (every call); on overflow log Megatron's line and
         return None; else step the masters (with the closure if given) and copy them into the
         fp16 params, returning the inner step's value."""
-        if closure is None and not self._grads_since_step:
+        if closure is None and not self._step.read_since_step:
             self._warn_no_backward()
-        self._grads_since_step = False
+        self._step.stepped()
         attempted = self.loss_scaler.loss_scale
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
@@ -284,10 +285,9 @@ class FP16_Optimizer(_FP16_Optimizer):
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         def wrapped_closure() -> Any:
-            if self.first_closure_call_this_step:
-                self.first_closure_call_this_step = False
-            else:
+            if not self.first_closure_call_this_step:
                 self._mpo.masters_to_model()  # LBFGS re-evaluates where it moved the masters
+            self._step.evaluations += 1
             temp_loss = closure()
             retries = 0
             # the hysteresis absorbs delayed_shift - 1 overflows before the first reduction
@@ -311,8 +311,7 @@ class FP16_Optimizer(_FP16_Optimizer):
         try:
             return self._mpo.inner_step(wrapped_closure)
         finally:
-            self.first_closure_call_this_step = True
-            self._grads_since_step = False
+            self._step.stepped()  # (the closure's backwards were this step's)
 
     # ------------------------------------------------------------------ checkpoints
     def _loaded_scaler(self, state_dict: dict[str, Any]) -> tuple[Any, bool]:
