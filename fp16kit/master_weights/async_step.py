@@ -24,12 +24,13 @@ So forward k+1 sees the weights of step k-1: a one-step delayed update. Every de
 is ordered by events (the thread's submit event, the hand-off event); the main thread never
 waits for the device, only for the previous job.
 
-Ownership: the main thread's fields (``inflight``, the landing, the deferred copies) are
-written on the main thread only. A job owns a :class:`StepJob` -- its own
-:class:`~fp16kit.master_weights.step_state.StepState` and the param groups it was submitted with -- published
-as ``running`` for the code it runs (``scaler.step(opt)`` in a ``submit_step`` function), and
-written on the optimizer thread only. A job is forgotten only after it finished: a Ctrl-C
-while waiting leaves it tracked, so ``state_dict()`` and ``synchronize()`` still wait for it.
+Ownership (:mod:`fp16kit.master_weights.sides`): the main thread's fields (the step being
+built, ``inflight``, the landing, the deferred copies) are one :class:`MainSide`, written on the
+main thread only; a job is a frozen :class:`StepJob` -- its arguments as one record, its own
+:class:`~fp16kit.master_weights.step_state.StepState` and the param groups it was submitted
+with -- whose state only the optimizer thread moves. :meth:`AsyncSteps.side` says which side a
+call runs on. A job is forgotten only after it finished: a Ctrl-C while waiting leaves it
+tracked, so ``state_dict()`` and ``synchronize()`` still wait for it.
 
 Mode 1 (``async_step=True``): :meth:`AsyncSteps.step` -- the grads are checked on their device
 on the main thread (the scale updates with no lag), then unscaled and stepped by the job.
@@ -43,7 +44,6 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -53,10 +53,11 @@ from ..core.master import SPARSE_GRADS, MasterParams
 from ..core.thread import OptimizerThread, current_optimizer_thread, optimizer_thread
 from .groups import MasterGroups
 from .misuse import watch_clips
+from .sides import Handoff, MainSide, MasterStep, StepJob, SubmittedCall, running, running_job
 from .snapshot import StepView, snapshot, write_back
 from .step_state import StepState
 
-__all__ = ["AsyncSteps", "Handoff", "StepJob", "SteppedOptimizer", "MISSING_GRADS", "log_skipped_step"]
+__all__ = ["AsyncSteps", "SteppedOptimizer", "MISSING_GRADS", "log_skipped_step"]
 
 logger = logging.getLogger("fp16kit")
 
@@ -86,24 +87,6 @@ class SteppedOptimizer(Protocol):
     ) -> Any: ...
 
 
-@dataclass
-class Handoff:
-    """This step's gradients, owned by the job: per model param a tensor or None."""
-
-    grads: list[torch.Tensor | None]
-    event: Any = None  # CUDA event after the copies into pinned buffers (CPU offload)
-
-
-@dataclass
-class StepJob:
-    """What a running step job owns: its step state and the param groups it was submitted with.
-
-    The groups carry the hyperparameters; None: the optimizer steps its live groups, see StepView.applies_to."""
-
-    state: StepState = field(default_factory=StepState)
-    groups: list[dict[str, Any]] | None = None
-
-
 class AsyncSteps:
     """One optimizer's asynchronous steps (see the module docstring)."""
 
@@ -122,31 +105,32 @@ class AsyncSteps:
         self._groups = groups
         self._thread = thread
         self._default_thread = thread is None  # follow fp16kit.optimizer_thread() when it is re-made
-        # main thread only
-        self.inflight: Future | None = None
-        self._land_pending = False  # the masters are newer than the model params
-        self._landing: Future | None = None  # land_begin's copy on the optimizer thread
-        self._staging: list[torch.Tensor] | None = None
-        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # see defer_copies()
-        self.handed_off = False  # the model grads went to a job; no zero_grad() since
+        self.main = MainSide()
+        self._standing = StepJob(self)  # this optimizer's calls on the thread outside its own jobs
         self._warned_clip = threading.Event()  # set once, from either thread
-        # optimizer thread only
-        self.running: StepJob | None = None
-        self._idle_job = StepJob()  # for this optimizer's calls from other jobs on the thread
 
     @property
     def thread(self) -> OptimizerThread:
-        if self._thread is None or (self._default_thread and self._thread.closed and self.inflight is None):
+        if self._thread is None or (self._default_thread and self._thread.closed and self.main.inflight is None):
             self._thread = optimizer_thread()  # the default one, made anew after a shutdown
         return self._thread
 
-    @staticmethod
-    def on_optimizer_thread() -> bool:
-        return current_optimizer_thread() is not None
+    def side(self) -> MainSide | StepJob:
+        """The side the calling code runs on (the one place that decides it; see :mod:`~fp16kit.master_weights.sides`).
 
-    def job(self) -> StepJob:
-        """On the optimizer thread: the running job of this optimizer (or a standing one)."""
-        return self.running if self.running is not None else self._idle_job
+        This optimizer's running job; on the optimizer thread outside such a job, its standing job; else the main
+        side."""
+        job = running_job()
+        if job is not None and job.owner is self:
+            return job
+        if current_optimizer_thread() is not None:
+            return self._standing
+        return self.main
+
+    def running(self) -> StepJob | None:
+        """This optimizer's step job the calling code runs in, or None (a cheap test: no thread lookup)."""
+        job = running_job()
+        return job if job is not None and job.owner is self else None
 
     # ------------------------------------------------------------------ waiting and landing
     def wait(self) -> None:
@@ -154,14 +138,15 @@ class AsyncSteps:
 
         The masters then are newer than the model params until :meth:`land`."""
         self.land_end()
-        fut = self.inflight
+        main = self.main
+        fut = main.inflight
         if fut is not None:
-            self._land_pending = True  # whatever happens now, the masters may have moved
+            main.land_pending = True  # whatever happens now, the masters may have moved
             try:
                 self.thread.wait(fut)
             finally:
                 if fut.done():  # not on a KeyboardInterrupt: the job is still running
-                    self.inflight = None
+                    main.inflight = None
                     self.thread.wait_stream(fut)
         self.apply_deferred()
 
@@ -169,17 +154,19 @@ class AsyncSteps:
         """Record that the masters were written on the main thread (a checkpoint load).
 
         The next landing copies them into the model."""
-        self._land_pending = True
+        self.main.land_pending = True
 
     def defer_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy ``source -> target`` for each pair just before the masters or the model are next used.
 
         That is at the next wait, landing or step, not now: a checkpoint whose values come from the model, or
         go into it, then does not depend on whether the user loads the model before or after the optimizer."""
-        self._deferred = list(pairs)
+        self.main.deferred = list(pairs)
 
     def apply_deferred(self) -> None:
-        pairs, self._deferred = self._deferred, []
+        """Do the copies :meth:`defer_copies` recorded (main thread)."""
+        main = self.main
+        pairs, main.deferred = main.deferred, []
         kernels.copy_pairs_(pairs)
 
     def land(self) -> None:
@@ -195,17 +182,19 @@ class AsyncSteps:
         device copy, which the main thread merely enqueues, or a busy shared thread whose
         queue the copy would wait behind -- it runs here, before returning."""
         self.wait()
-        if not self._land_pending:
+        main = self.main
+        if not main.land_pending:
             return
         if overlap and self._landing_on_host() and self.thread.idle():
-            self._landing = self.thread.enqueue(self._masters.masters_to_model)
+            main.landing = self.thread.enqueue(self._masters.masters_to_model)
         else:
             self._masters.masters_to_model(non_blocking=True)
-            self._land_pending = False
+            main.land_pending = False
 
     def land_end(self) -> None:
         """Wait for the copy :meth:`land_begin` started (re-raising its error)."""
-        fut = self._landing
+        main = self.main
+        fut = main.landing
         if fut is None:
             return
         landed = False
@@ -214,8 +203,8 @@ class AsyncSteps:
             landed = True
         finally:
             if fut.done():
-                self._landing = None
-                self._land_pending = self._land_pending and not landed
+                main.landing = None
+                main.land_pending = main.land_pending and not landed
 
     def _landing_on_host(self) -> bool:
         return all(p.device.type == "cpu" for p in self._masters.model_params)
@@ -241,7 +230,7 @@ class AsyncSteps:
             event.record()
         for p in params:
             p.grad = None  # the next backward starts from zero
-        self.handed_off = True
+        self.main.handed_off = True
         watch_clips(self)
         return Handoff(grads, event)
 
@@ -252,7 +241,7 @@ class AsyncSteps:
         """Record ``zero_grad()`` on the main thread.
 
         The model params hold no grads by the user's doing now, as in torch, not because they were handed off."""
-        self.handed_off = False
+        self.main.handed_off = False
 
     def clip_finds_none(self, params: Sequence[torch.Tensor]) -> str | None:
         """Return the warning for ``torch.nn.utils.clip_grad_norm_(params)`` now, if it misses this optimizer's grads.
@@ -260,11 +249,12 @@ class AsyncSteps:
         On the main thread when none of ``params`` has a grad and some are model params whose grads were
         handed off (it returns 0); in this optimizer's step job when any is a model param (the model grads
         belong to the main thread)."""
-        if self.on_optimizer_thread():
-            if self.running is None:
+        side = self.side()
+        if not side.on_main:
+            if not side.in_job:
                 return None
             message = _CLIP_IN_JOB
-        elif not self.handed_off or any(p.grad is not None for p in params):
+        elif not self.main.handed_off or any(p.grad is not None for p in params):
             return None
         else:
             message = _CLIP_AFTER_HANDOFF
@@ -278,24 +268,27 @@ class AsyncSteps:
 
     def _staging_buffers(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # Reused every step: the job of the previous step has finished with them (land()).
-        if self._staging is None or len(self._staging) != len(params):
-            self._staging = [
+        main = self.main
+        if main.staging is None or len(main.staging) != len(params):
+            main.staging = [
                 torch.empty(p.shape, dtype=p.dtype, device=m.device, pin_memory=m.device.type == "cpu")
                 for p, m in zip(params, self._masters.masters)
             ]
-        return self._staging
+        return main.staging
 
-    def _enqueue(self, job: Callable[..., Any], *args: Any, step: bool = False) -> Future:
-        """Queue ``job(StepJob's state, *args)`` as this optimizer's job. Never raises a pending
-        error: callers raised those before handing anything off."""
-        if self.inflight is not None:
+    def _enqueue(self, work: MasterStep | SubmittedCall) -> Future:
+        """Queue ``work`` as this optimizer's step job. Never raises a pending error: callers
+        raised those before handing anything off."""
+        main = self.main
+        if main.inflight is not None:
             raise RuntimeError("internal: a step job is already in flight; call land() first")
         groups = None
         if StepView.applies_to(self._opt.optimizer):
             groups = snapshot(self._opt.optimizer.param_groups, leave_out=self._groups.watched_ids())
         _note_step_taken(self._opt)
-        self.inflight = self.thread.enqueue(self._run, (StepJob(groups=groups), job, args), step=step)
-        return self.inflight
+        job = StepJob(self, work, groups)
+        main.inflight = self.thread.enqueue(self._run, (job,), step=isinstance(work, SubmittedCall))
+        return main.inflight
 
     def _prepare(self) -> None:
         """Before a hand-off: raise any pending error -- this optimizer's last job's (by
@@ -353,7 +346,7 @@ class AsyncSteps:
             flags = state.flags if flags is None else flags
             self._prepare()
             self._masters.zero_grad(model=True, masters=False)
-            self._enqueue(self._step_job, None, self._found(flags), "none", on_skip, None)
+            self._enqueue(MasterStep(None, self._found(flags), on_skip=on_skip))
             return flags
         self._prepare()
         flags = self.check_grads(reduce=reduce)
@@ -361,9 +354,9 @@ class AsyncSteps:
             flags = kernels.flag_nonfinite_scale_(flags, kernels.inv_scale(scale))
         found = self._found(flags)
         if scale is None:  # no scaler: the grads as they are
-            self._submit(kernels.one(self._groups.grad_device()), found, missing_grads, log_skipped_step)
+            self._submit(found, missing_grads, log_skipped_step, inv=kernels.one(self._groups.grad_device()))
         else:  # the update after this step changes the scale in place: keep its value
-            self._submit(None, found, missing_grads, scale=scale.clone())
+            self._submit(found, missing_grads, scale=scale.clone())
         return flags
 
     def submit(
@@ -379,28 +372,27 @@ class AsyncSteps:
             raise ValueError(f"missing_grads must be one of {MISSING_GRADS}, got {missing_grads!r}.")
         self._refresh()
         self._prepare()
-        return self._submit(inv_scale, found_inf, missing_grads, on_skip)
+        return self._submit(found_inf, missing_grads, on_skip, inv=inv_scale)
 
     def _submit(
         self,
-        inv: torch.Tensor | None,
         found: torch.Tensor,
         missing_grads: str = "none",
         on_skip: Callable[[], Any] | None = None,
         *,
+        inv: torch.Tensor | None = None,
         scale: torch.Tensor | None = None,
     ) -> Future:
         # ``scale`` instead of ``inv``: the job takes the reciprocal (off the main thread).
         self.land()
-        handoff = self._hand_off()
-        return self._enqueue(self._step_job, handoff, found, missing_grads, on_skip, (inv, scale))
+        return self._enqueue(MasterStep(self._hand_off(), found, missing_grads, on_skip, inv=inv, scale=scale))
 
     def _found(self, flags: Flags) -> torch.Tensor:
         return kernels.combine_found_inf(flags.values(), self._groups.grad_device())
 
     def require_main(self, name: str, *, async_step: bool) -> None:
         """``name()`` needs the main thread and ``async_step`` as given (else RuntimeError)."""
-        if self.on_optimizer_thread():
+        if not self.side().on_main:
             raise RuntimeError(f"{name}() must be called from the main thread, not from a step job.")
         if async_step and not self._opt.async_step:
             raise RuntimeError(f"{name}() is part of an asynchronous step; build the optimizer with async_step=True.")
@@ -435,45 +427,37 @@ class AsyncSteps:
         if scaler is not None:
             scaler.bind(self.thread, step_of=self._opt)
         self.land()
-        handoff = self._hand_off()
-        return self._enqueue(self._submitted_job, handoff, fn, missing_grads, step=True)
+        return self._enqueue(SubmittedCall(self._hand_off(), fn, missing_grads))
 
     # ------------------------------------------------------------------ optimizer thread
-    def _run(self, job: StepJob, fn: Callable[..., Any], args: tuple) -> Any:
-        """Run ``fn(job.state, *args)`` as the running job, stepping with the param groups as
-        they were when the step was submitted; write back what the step changed in them."""
+    def _run(self, job: StepJob) -> Any:
+        """Run ``job`` as the running one, stepping with the param groups as they were when the
+        step was submitted; write back what the step changed in them."""
         before = None if job.groups is None else snapshot(job.groups)  # in-place edits show
-        self.running = job
         try:
-            return fn(job.state, *args)
+            with running(job):
+                if isinstance(job.work, SubmittedCall):
+                    return self._submitted_job(job.state, job.work)
+                assert job.work is not None
+                return self._step_job(job.work)
         finally:
-            self.running = None
             if before is not None:
                 assert job.groups is not None
                 write_back(before, job.groups, self._opt.optimizer.param_groups)
 
-    def _step_job(
-        self,
-        state: StepState,
-        handoff: Handoff | None,
-        found: torch.Tensor,
-        missing_grads: str,
-        on_skip: Callable[[], Any] | None,
-        unscale_by: tuple[torch.Tensor | None, torch.Tensor | None] | None,
-    ) -> Any:
-        """Mode 1: receive the grads, skip or step. ``unscale_by``: (1/scale or None, scale or
-        None); None when the masters hold the unscaled grads already."""
-        grads = receive(handoff) if handoff is not None else None
-        if found.item():  # the worker may wait for the device; the main thread never does
-            if on_skip is not None:
-                on_skip()
+    def _step_job(self, work: MasterStep) -> Any:
+        """Mode 1: receive the grads, skip or step (see :class:`~fp16kit.master_weights.sides.MasterStep`)."""
+        grads = receive(work.handoff) if work.handoff is not None else None
+        if work.found.item():  # the worker may wait for the device; the main thread never does
+            if work.on_skip is not None:
+                work.on_skip()
             return None
-        if grads is None or unscale_by is None:
+        if grads is None:
             return self._opt.inner_step()
-        inv, scale = unscale_by
-        if missing_grads == "zero":
+        inv, scale = work.inv, work.scale
+        if work.missing_grads == "zero":
             self._masters.zero_grad(False, model=False)
-        clear = missing_grads == "none"
+        clear = work.missing_grads == "none"
         if inv is None and self._fused_unscale(scale):
             # A fused optimizer unscales in its own pass over the grads: copy them only.
             assert scale is not None
@@ -496,14 +480,15 @@ class AsyncSteps:
             and len({m.device for m in self._masters.masters}) == 1
         )
 
-    def _submitted_job(self, state: StepState, handoff: Handoff, fn: Callable[[], Any], missing_grads: str) -> Any:
+    def _submitted_job(self, state: StepState, work: SubmittedCall) -> Any:
         """Mode 2: the raw grads into the master grads (copied, still scaled), then ``fn``."""
-        grads = receive(handoff)
-        if missing_grads == "zero":
+        grads = receive(work.handoff)
+        if work.missing_grads == "zero":
             self._masters.zero_grad(False, model=False)
-        self._masters.grads_to_masters(None, None, grads=grads, unscale=False, clear_missing=missing_grads == "none")
+        clear = work.missing_grads == "none"
+        self._masters.grads_to_masters(None, None, grads=grads, unscale=False, clear_missing=clear)
         state.handed_off()
-        return fn()
+        return work.fn()
 
 
 _CLIP_FIX = (

@@ -142,7 +142,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._groups = MasterGroups(optimizer, self._masters, all_masters=all_masters, late=unfrozen)
         self._async = AsyncSteps(self, self._masters, self._groups, thread, refresh=self._refresh)
         self._grads = MasterGrads(self._masters, self._groups, self._before_grads, hands_off=async_step)
-        self._step = StepState()  # the main thread's; a step job has its own
         self._warned_unscaled_step = threading.Event()  # set once, from either thread
         for group in optimizer.param_groups:
             self._groups.adopt(group)
@@ -160,11 +159,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         See :mod:`fp16kit.master_weights.snapshot`. Read by torch's GradScaler: TypeError (optimizer_misuse)."""
         if sys._getframe(1).f_code is TORCH_UNSCALE_READER:
             raise torch_scaler_error(sys._getframe(1), "unscale_", self._masters.model_params)
-        # running first: set only while a job runs, it is cheaper to test than the thread
-        if self._async.running is not None and self._async.on_optimizer_thread():
-            groups = self._async.running.groups
-            if groups is not None:
-                return groups
+        job = self._async.running()  # (cheaper than side(): read by torch at every step)
+        if job is not None and job.groups is not None:
+            return job.groups
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -215,13 +212,13 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         return self._async.thread
 
     def _state(self) -> StepState:
-        """The step state of the calling side: the running job's on the optimizer thread."""
-        return self._async.job().state if self._async.on_optimizer_thread() else self._step
+        """The step state of the calling side (:meth:`AsyncSteps.side`): the running job's in a step job."""
+        return self._async.side().state
 
     def _refresh(self) -> None:
         """Adopt params unfrozen since the last step (waits for a step in flight first). On
-        the main thread only: a job steps the params its step was submitted with."""
-        if not self._async.on_optimizer_thread():
+        the main side only: a job steps the params its step was submitted with."""
+        if self._async.side().on_main:
             self._groups.refresh(self.wait_for_step)
 
     # ------------------------------------------------------------------ grads
@@ -237,7 +234,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def _before_grads(self) -> None:  # MasterGrads' before_write
         self._refresh()
-        if self.async_step and not self._async.on_optimizer_thread():
+        if self.async_step and self._async.side().on_main:
             self._async.land()  # the previous step's job must be done with the masters
 
     def masters_to_model(self) -> None:
@@ -256,7 +253,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
     def submits_steps(self) -> bool:
         """True when ``step()`` from the calling thread submits to the optimizer thread."""
-        return self.async_step and not self._async.on_optimizer_thread()
+        return self.async_step and self._async.side().on_main
 
     def submit_scaled_step(
         self, scale: torch.Tensor, *, unscaled_flags: Flags | None, reduce: Callable[[Flags], Flags]
@@ -264,7 +261,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         """Do ``scaler.step(opt)`` with ``async_step=True``: check the grads on their device, submit the step.
 
         Returns its flags (the scaler's update uses them on the device)."""
-        return self._submit_async(self._step, scale=scale, reduce=reduce, unscaled_flags=unscaled_flags)
+        return self._submit_async(self._async.main.state, scale=scale, reduce=reduce, unscaled_flags=unscaled_flags)
 
     def _submit_async(
         self, state: StepState, *, scale: torch.Tensor | None, reduce: Any, unscaled_flags: Flags | None = None
@@ -282,19 +279,20 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
         With asynchronous steps each thread clears its own: on the main thread the model's grads (the job in flight owns
         the master grads), on the optimizer thread the masters'."""
-        if self._async.on_optimizer_thread():
+        side = self._async.side()
+        if not side.on_main:
             # the masters' and direct params' only: a watched (frozen-when-wrapped) param's
             # grad belongs to the main thread's next step
             kernels.clear_grads_([*self._masters.masters, *self._groups.direct_params()], set_to_none=set_to_none)
-        elif self.async_step or self._async.inflight is not None:
+        elif self.async_step or self._async.main.inflight is not None:
             self._masters.zero_grad(set_to_none, masters=False)
         else:
             self._masters.zero_grad(set_to_none)
             self.optimizer.zero_grad(set_to_none)
-        if not self._async.on_optimizer_thread():
+        if side.on_main:
             self._grads.zeroed(set_to_none)  # for grads handed off to a job (master_grads)
             self._async.grads_cleared()
-        self._state().reset()
+        side.state.reset()
 
     def clip_grad_norm_(
         self,
@@ -381,13 +379,12 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         In a step job of this optimizer, the next landing copies them; a step run on the thread for a waiting main
         thread -- a bound scaler's -- copies them there. ``grad_scale`` / ``found_inf`` go to a fused optimizer (which
         unscales and skips on the device). No unscale, no check: the building block of :meth:`step`."""
-        on_thread = self._async.on_optimizer_thread()
-        if not on_thread:  # (a job's were applied before it was submitted)
+        side = self._async.side()
+        if side.on_main:  # (a job's were applied before it was submitted)
             self._async.apply_deferred()
-        groups = self._async.job().groups if on_thread else None
-        with _stepping(self.optimizer, groups, grad_scale, found_inf) as inner:
+        with _stepping(self.optimizer, side.groups, grad_scale, found_inf) as inner:
             ret = inner.step(closure) if closure is not None else inner.step()
-        if not (on_thread and self._async.running is not None):
+        if not side.in_job:
             self._masters.masters_to_model()
         return ret
 
@@ -422,7 +419,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         raised before anything is handed off: the call can be repeated."""
         self._async.require_main("async_submit", async_step=True)
         fut = self._async.submit(inv_scale, found_inf, missing_grads=missing_grads, on_skip=on_skip)
-        self._step.reset()
+        self._async.main.state.reset()
         return fut
 
     def submit_step(self, fn: Callable[[], Any], *, scaler: Any = None) -> Future:
@@ -437,7 +434,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         now (``scaler.bind(opt.thread)``), so ``scaler.update()`` right after this call knows its step runs there.
         Without it the scaler binds itself when that is unambiguous (see :mod:`fp16kit.scaler.binding`)."""
         fut = self._async.submit_step(fn, scaler=scaler, missing_grads=self._grads.missing)
-        self._step.reset()
+        self._async.main.state.reset()
         return fut
 
     def synchronize(self) -> None:
@@ -445,14 +442,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
         Call it before evaluating or exporting an asynchronously trained model. A no-op otherwise, and inside a step job
         (which cannot wait for itself)."""
-        if not self._async.on_optimizer_thread():
+        if self._async.side().on_main:
             self._async.land()
 
     def wait_for_step(self) -> None:
         """Wait for the step in flight (re-raising its error) without landing its masters in the model.
 
         A no-op on the optimizer thread and with no step in flight."""
-        if not self._async.on_optimizer_thread():
+        if self._async.side().on_main:
             self._async.wait()
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
@@ -486,7 +483,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self.wait_for_step()
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.restore_masters(matched)
-        self._step.reset()
+        self._async.main.state.reset()
 
     def restore_masters(self, matched: MatchedMasters) -> None:
         """Copy checkpointed masters in (see :func:`~fp16kit.master_weights.checkpoint.match_saved_masters`).

@@ -13,8 +13,8 @@ edge up in this table (``TRANSITIONS``); an edge that is not there raises ``Runt
     ---------------  ----------------------------------------------------  ------------
     reset            any                                                   MODEL_GRADS
     handed_off       MODEL_GRADS                                           HANDED_OFF
-    checked          MODEL_GRADS, CHECKED, STEPPED                         CHECKED
-    unscaled         MODEL_GRADS, HANDED_OFF, CHECKED, UNSCALED, STEPPED   UNSCALED
+    checked          any                                                   CHECKED
+    unscaled         any                                                   UNSCALED
     skip_decided     UNSCALED                                              SKIP_DECIDED
     stepped          UNSCALED, SKIP_DECIDED, STEPPED                       STEPPED
                      MODEL_GRADS, HANDED_OFF                               MODEL_GRADS
@@ -31,12 +31,14 @@ edge up in this table (``TRANSITIONS``); an edge that is not there raises ``Runt
 * ``handed_off``: in a ``submit_step`` job, the raw (still scaled) grads are in the masters.
 * ``checked``: the model grads were checked for inf/NaN where they are and nothing moved yet
   (the legacy ``update_master_grads`` with ``async_step``); ``prepared`` holds what the step
-  will submit.
+  will submit. From any stage, as ``unscaled``: grads read again replace what was read.
 * ``unscaled``: the unscaled grads are in the masters, checked. It records who unscaled
   (``by_scaler``: a GradScaler with its scale, or the optimizer itself at scale 1) and which
   model grads were read (a :class:`TransferRecord`), so a step can tell that the model grads
   changed since -- a new backward after ``scaler.unscale_(opt)``, or clipping
-  ``model.parameters()`` instead of the masters.
+  ``model.parameters()`` instead of the masters. From any stage: grads read again (a second
+  backward, a closure's evaluation, a new iteration after a step taken around this state by
+  a wrapper that calls ``inner_step`` -- the legacy ``FP16_Optimizer``) replace what was read.
 * ``skip_decided``: a scaler read the flags and found them clean; the step reads none.
 * ``stepped``: a synchronous step ran. The masters keep the grads it read, as a plain
   optimizer's params keep theirs -- a second ``step()`` with no new backward applies them
@@ -86,8 +88,8 @@ _M, _H, _C, _U, _S, _T = (
 TRANSITIONS: dict[str, dict[Stage, Stage]] = {
     "reset": dict.fromkeys(_ANY, _M),
     "handed_off": {_M: _H},
-    "checked": dict.fromkeys((_M, _C, _T), _C),
-    "unscaled": dict.fromkeys((_M, _H, _C, _U, _T), _U),
+    "checked": dict.fromkeys(_ANY, _C),
+    "unscaled": dict.fromkeys(_ANY, _U),
     "skip_decided": {_U: _S},
     "stepped": {**dict.fromkeys((_U, _S, _T), _T), _M: _M, _H: _M},
     "submitted": {_C: _T},

@@ -144,7 +144,7 @@ def test_mode1_a_busy_shared_thread_lands_inline_without_waiting_for_other_work(
         (x, y), (x2, y2) = batches(2, torch.bfloat16)
         mse(model, x, y).backward()
         opt.step()
-        thread.wait(opt._async.inflight)  # the step is done; now the thread gets busy elsewhere
+        thread.wait(opt._async.main.inflight)  # the step is done; now the thread gets busy elsewhere
         release = threading.Event()
         other = thread.submit(release.wait, 30)
         opt.zero_grad()
@@ -208,7 +208,7 @@ def test_mode1_state_dict_during_pending_work_resumes_bit_for_bit(tmp_path):
     model, opt, scaler = build()
     for x, y in data[:5]:
         amp_iteration(model, opt, scaler, x, y, deferred=True)
-    assert opt._async.inflight is not None  # a step is pending while we save
+    assert opt._async.main.inflight is not None  # a step is pending while we save
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()}, tmp_path / "c.pt")
     for i, (x, y) in enumerate(data[5:]):
         amp_iteration(model, opt, scaler, x, y, inject=(i == 2), deferred=True)
@@ -525,7 +525,7 @@ def test_add_param_group_waits_for_the_step_in_flight():
     mse(model, x, y).backward()
     opt.step()
     opt.add_param_group({"params": extra.parameters(), "lr": 0.2})
-    assert opt._async.inflight is None and len(opt.master_params) == 6
+    assert opt._async.main.inflight is None and len(opt.master_params) == 6
     mse(model, x, y).backward()
     extra(torch.ones(1, 3, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
