@@ -82,7 +82,8 @@ def _entry(module_name: str, name: str, obj: object) -> list[str]:
     if inspect.ismodule(obj):
         return [f"- `{name}` (module `{obj.__name__}`) — {_first_line(obj)}"]
     if inspect.isclass(obj):
-        return [f"- class `{name}{_signature(obj)}` — {_first_line(obj)}", *_members(obj)]
+        ours = (obj.__module__ or "").startswith("fp16kit")  # a re-export's members are documented where it lives
+        return [f"- class `{name}{_signature(obj)}` — {_first_line(obj)}", *(_members(obj) if ours else [])]
     if callable(obj):
         return [f"- `{name}{_signature(obj)}` — {_first_line(obj)}"]
     if isinstance(obj, (str, int, float, bool, tuple, type(None))):

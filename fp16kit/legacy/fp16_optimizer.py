@@ -113,6 +113,7 @@ class AmpLossScaler:
         self._static_unskipped = unskipped  # apex counted clean updates even when static
 
     def loss_scale(self) -> float:
+        """The scale now (a host read)."""
         return self._state.get_scale()
 
     def scale_snapshot(self) -> torch.Tensor:
@@ -428,6 +429,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
     @property
     def loss_scale(self) -> float:
+        """The loss scaler's scale now; assignable (a finite number > 0)."""
         return self.loss_scaler.loss_scale()
 
     @loss_scale.setter

@@ -266,6 +266,7 @@ class LossScaler:
         self.cur_scale = pickled(self, pickled_attributes(self, state, ["cur_scale"]), "cur_scale", "scale")
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
+        """Always False: a static scale never checks the grads (apex's)."""
         return False
 
     @staticmethod
@@ -273,13 +274,15 @@ class LossScaler:
         return False
 
     def update_scale(self, overflow: bool) -> None:
-        pass
+        """Nothing: a static scale never changes."""
 
     @property
     def loss_scale(self) -> float:
+        """The scale (``cur_scale``)."""
         return self.cur_scale
 
     def scale_gradient(self, module: Any, grad_in: tuple, grad_out: tuple) -> tuple:
+        """apex's backward hook: ``grad_in`` multiplied by the scale (None entries kept)."""
         return _scale_grads_in(self.loss_scale, grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
@@ -318,6 +321,7 @@ class DynamicLossScaler:
     # apex's attributes, views of the core state
     @property
     def cur_scale(self) -> float:
+        """The scale now (an int when the initial scale was one, as apex's arithmetic kept it); assignable."""
         value = self._state.get_scale()
         return int(value) if self._int_scale else value
 
@@ -329,6 +333,7 @@ class DynamicLossScaler:
 
     @property
     def cur_iter(self) -> int:
+        """Iterations (``update_scale`` calls) so far; assignable."""
         return self._cur_iter
 
     @cur_iter.setter
@@ -339,6 +344,7 @@ class DynamicLossScaler:
 
     @property
     def last_overflow_iter(self) -> int:
+        """The iteration of the last overflow (-1 before any); assignable."""
         # the rule's tracker counts the iterations since the last overflow
         return self._cur_iter - 1 - self._state.get_growth_tracker()
 
@@ -348,6 +354,7 @@ class DynamicLossScaler:
 
     @property
     def scale_factor(self) -> float:
+        """What the scale is divided by on overflow and multiplied by after a clean window; assignable."""
         return self._state.growth_factor
 
     @scale_factor.setter
@@ -357,6 +364,7 @@ class DynamicLossScaler:
 
     @property
     def scale_window(self) -> int:
+        """Clean iterations between two growths (an int >= 1); assignable."""
         return self._state.growth_interval
 
     @scale_window.setter
@@ -366,6 +374,7 @@ class DynamicLossScaler:
 
     @property
     def loss_scale(self) -> float:
+        """The scale (``cur_scale``)."""
         return self.cur_scale
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
@@ -394,6 +403,7 @@ class DynamicLossScaler:
                 self._int_scale = self._int_scale and isinstance(self.scale_factor, int)
 
     def scale_gradient(self, module: Any, grad_in: tuple, grad_out: tuple) -> tuple:
+        """apex's backward hook: ``grad_in`` multiplied by the scale (None entries kept)."""
         return _scale_grads_in(self.loss_scale, grad_in)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:

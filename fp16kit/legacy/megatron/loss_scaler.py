@@ -151,6 +151,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
     # ---------------------------------------------------------------- Megatron's attributes
     @property  # type: ignore[override]  # Megatron's window is a float; apex's is an int attribute
     def scale_window(self) -> float:
+        """Clean iterations between two growths, as given (Megatron allows a float); assignable."""
         return self._scale_window
 
     @scale_window.setter
@@ -160,6 +161,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
     @property
     def min_scale(self) -> float:
+        """The floor an overflow never takes the scale below; assignable."""
         return self._min_scale
 
     @min_scale.setter
@@ -170,6 +172,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
     @property
     def delayed_shift(self) -> int:
+        """Overflows absorbed before the scale is reduced (1: every overflow reduces); assignable."""
         return self._state.hysteresis
 
     @delayed_shift.setter
@@ -179,6 +182,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
     @property
     def cur_hysteresis(self) -> int:
+        """Overflows left to absorb before the next reduction (Megatron's counter, never below 1); assignable."""
         # the core's tracker reaches 0 where Megatron's counter stays at 1; both then reduce
         return max(self._state.get_hysteresis_tracker(), 1)
 
@@ -190,6 +194,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
     @property
     def consecutive_hysteresis(self) -> bool:
+        """Whether a clean iteration refills the hysteresis counter (only overflows in a row reduce); assignable."""
         return self._state.consecutive_hysteresis
 
     @consecutive_hysteresis.setter
@@ -198,6 +203,7 @@ class DynamicLossScaler(_era1.DynamicLossScaler):
 
     # ---------------------------------------------------------------- the rule
     def update_scale(self, overflow: bool) -> None:
+        """One step of Megatron's rule (the module docstring) with this iteration's ``overflow``."""
         before = self.cur_scale
         reduces = bool(overflow) and (self.delayed_shift == 1 or self.cur_hysteresis == 1)
         self._state.update(bool(overflow))

@@ -258,6 +258,7 @@ class Reducer:
             _extract_tensors(module_or_grads_list, self.grads)
 
     def reduce(self) -> None:
+        """All-reduce the grads (of the module's params, or the tensors given) and divide them by the world size."""
         if self.module is not None:
             tensors = [p.grad.data for p in self.module.parameters() if p.grad is not None]
         else:

@@ -110,6 +110,7 @@ class FP16_Optimizer(WrappingOptimizer):
     # ------------------------------------------------------------------ apex's attributes
     @property
     def cur_scale(self) -> float:
+        """The loss scale now; assignable (a finite number > 0)."""
         return self._scale.get_scale() if self._scale is not None else self._static_scale
 
     @cur_scale.setter
@@ -132,6 +133,7 @@ class FP16_Optimizer(WrappingOptimizer):
 
     @property
     def last_overflow_iter(self) -> int:
+        """The iteration of the last overflow (dynamic scale only); assignable."""
         # the apex rule's growth tracker counts the clean steps since the last overflow
         return self.cur_iter - 1 - self._dynamic("last_overflow_iter").get_growth_tracker()
 
@@ -141,6 +143,7 @@ class FP16_Optimizer(WrappingOptimizer):
 
     @property
     def scale_factor(self) -> float:
+        """The dynamic scale's factor (divides on overflow, multiplies after a clean window); assignable."""
         return self._dynamic("scale_factor").growth_factor
 
     @scale_factor.setter
@@ -149,6 +152,7 @@ class FP16_Optimizer(WrappingOptimizer):
 
     @property
     def scale_window(self) -> int:
+        """Clean iterations between two growths of the dynamic scale; assignable."""
         return self._dynamic("scale_window").growth_interval
 
     @scale_window.setter
