@@ -421,11 +421,11 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
     @property
     def first_closure_call_this_step(self) -> bool:
         """apex's flag: True except inside ``step(closure)`` after the closure's first evaluation."""
-        return self._step.evaluations == 0
+        return self._step.first_closure
 
     @first_closure_call_this_step.setter
     def first_closure_call_this_step(self, value: bool) -> None:
-        self._step.evaluations = 0 if value else max(1, self._step.evaluations)
+        self._step.first_closure = bool(value)
 
     @property
     def loss_scale(self) -> float:
@@ -554,11 +554,12 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         def wrapped_closure() -> Any:
-            if not self.first_closure_call_this_step:
+            if self.first_closure_call_this_step:
+                self.first_closure_call_this_step = False
+            else:
                 # The optimizer may re-evaluate at new points (LBFGS): the fp16 model must
                 # see the masters it moved.
                 self._mpo.masters_to_model()
-            self._step.evaluations += 1
             temp_loss = closure()
             retries = 0
             while self.overflow:
@@ -578,7 +579,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         try:
             return self._mpo.inner_step(wrapped_closure)
         finally:
-            self._step.evaluations = 0
+            self.first_closure_call_this_step = True
 
     def clip_grad_norm(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """apex's ``clip_grad_norm`` (:mod:`fp16kit.legacy.fp16util`), what :meth:`clip_master_grads` calls."""
@@ -687,7 +688,8 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         )
         self.loss_scaler = new_scaler
         self.dynamic_loss_scale = dynamic
-        self._step.reset(cleared=self._step.cleared)  # nothing prepared survives the load
+        if self._step.stage is Stage.CHECKED:  # nothing prepared survives the load
+            self._step.reset(cleared=self._step.cleared)
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
 

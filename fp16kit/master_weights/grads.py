@@ -43,7 +43,13 @@ from ..core.protocol import Flags
 from .groups import MasterGroups
 from .step_state import Stage, StepState, TransferRecord
 
-__all__ = ["MasterGrads"]
+__all__ = ["MasterGrads", "RESET_SINCE_UNSCALE"]
+
+RESET_SINCE_UNSCALE = (
+    "scaler.unscale_(optimizer) ran this iteration, but the optimizer's gradients were reset since "
+    "(zero_grad(), load_state_dict(), or a step(closure)). Call zero_grad() before the backward, then "
+    "scaler.unscale_(optimizer) and scaler.step(optimizer)."
+)
 
 
 class MasterGrads:
@@ -159,11 +165,7 @@ class MasterGrads:
     ) -> Flags | None:
         if unscaled_flags is not None:  # the scaler unscaled them: they must still be there
             if not state.in_masters:
-                raise RuntimeError(
-                    "scaler.unscale_(optimizer) ran this iteration, but the optimizer's gradients "
-                    "were reset since (zero_grad() or load_state_dict()). Call zero_grad() before "
-                    "the backward, then scaler.unscale_(optimizer) and scaler.step(optimizer)."
-                )
+                raise RuntimeError(RESET_SINCE_UNSCALE)
             self.ensure(state)  # raises if the model grads changed since
             return unscaled_flags
         if state.in_masters and state.current(self._masters.model_params):

@@ -64,7 +64,7 @@ from ..core.protocol import Flags, scaled_iterations
 from ..core.thread import OptimizerThread
 from .async_step import AsyncSteps, log_skipped_step
 from .checkpoint import MatchedMasters, check_state_dict
-from .grads import MasterGrads
+from .grads import RESET_SINCE_UNSCALE, MasterGrads
 from .groups import (
     LatePolicy,
     MasterGroup,
@@ -248,8 +248,13 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         return self._grads.read(self._state(), inv_scale, found_inf, by_scaler=True)
 
     def skip_decided(self) -> None:
-        """The scaler read the flags and found them clean: the next ``step()`` reads none."""
-        self._state().skip_decided()
+        """The scaler read the flags and found them clean: the next ``step()`` reads none.
+
+        RuntimeError (nothing changes) when the grads the scaler unscaled are gone: reset since."""
+        state = self._state()
+        if not state.in_masters:
+            raise RuntimeError(RESET_SINCE_UNSCALE)
+        state.skip_decided()
 
     def submits_steps(self) -> bool:
         """True when ``step()`` from the calling thread submits to the optimizer thread."""

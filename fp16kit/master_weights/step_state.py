@@ -16,6 +16,7 @@ edge up in this table (``TRANSITIONS``); an edge that is not there raises ``Runt
     checked          any                                                   CHECKED
     unscaled         any                                                   UNSCALED
     skip_decided     UNSCALED                                              SKIP_DECIDED
+                     STEPPED                                               STEPPED
     stepped          UNSCALED, SKIP_DECIDED, STEPPED                       STEPPED
                      MODEL_GRADS, HANDED_OFF                               MODEL_GRADS
     submitted        CHECKED                                               STEPPED
@@ -39,7 +40,9 @@ edge up in this table (``TRANSITIONS``); an edge that is not there raises ``Runt
   ``model.parameters()`` instead of the masters. From any stage: grads read again (a second
   backward, a closure's evaluation, a new iteration after a step taken around this state by
   a wrapper that calls ``inner_step`` -- the legacy ``FP16_Optimizer``) replace what was read.
-* ``skip_decided``: a scaler read the flags and found them clean; the step reads none.
+* ``skip_decided``: a scaler read the flags and found them clean; the step reads none. In
+  STEPPED (``scaler.unscale_(opt)``, ``opt.step()``, then ``scaler.step(opt)``) the grads were
+  stepped with already and stay so: the next step applies them again, as torch's would.
 * ``stepped``: a synchronous step ran. The masters keep the grads it read, as a plain
   optimizer's params keep theirs -- a second ``step()`` with no new backward applies them
   again (as torch) -- but no scaler's check or decision carries over. ``submitted``: a checked
@@ -47,8 +50,9 @@ edge up in this table (``TRANSITIONS``); an edge that is not there raises ``Runt
 
 Two values outlive the stage, as apex's attributes do: ``verdict`` (the last check's inf/NaN
 result, apex's ``overflow``, read from the device once) and ``cleared`` (how ``zero_grad()``
-cleared the grads since the last step, until that step is taken). ``evaluations`` counts a
-closure step's evaluations (apex's ``first_closure_call_this_step``).
+cleared the grads since the last step, until that step is taken). ``first_closure`` is apex's
+``first_closure_call_this_step``: False from a closure's first evaluation to the end of its
+``step(closure)``; no event changes it.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ TRANSITIONS: dict[str, dict[Stage, Stage]] = {
     "handed_off": {_M: _H},
     "checked": dict.fromkeys(_ANY, _C),
     "unscaled": dict.fromkeys(_ANY, _U),
-    "skip_decided": {_U: _S},
+    "skip_decided": {_U: _S, _T: _T},
     "stepped": {**dict.fromkeys((_U, _S, _T), _T), _M: _M, _H: _M},
     "submitted": {_C: _T},
 }
@@ -126,7 +130,7 @@ class TransferRecord:
 class StepState:
     """The stage of one step and what it carries (see the module docstring)."""
 
-    __slots__ = ("stage", "flags", "by_scaler", "transfer", "prepared", "cleared", "evaluations", "_verdict")
+    __slots__ = ("stage", "flags", "by_scaler", "transfer", "prepared", "cleared", "first_closure", "_verdict")
 
     def __init__(self) -> None:
         self.stage = Stage.MODEL_GRADS
@@ -135,7 +139,7 @@ class StepState:
         self.transfer: TransferRecord | None = None
         self.prepared: Any = None  # CHECKED: what the step will submit
         self.cleared: str | None = None  # "none" / "zero": how zero_grad() cleared the grads since the last step
-        self.evaluations = 0  # a closure's evaluations in the step being taken
+        self.first_closure = True  # apex's first_closure_call_this_step (see the module docstring)
         self._verdict: bool | torch.Tensor = False
 
     def _move(self, event: str) -> None:
@@ -154,7 +158,6 @@ class StepState:
         self.transfer = None
         self.prepared = None
         self.cleared = cleared
-        self.evaluations = 0
 
     def handed_off(self) -> None:
         """The raw, still scaled grads were moved into the masters (a ``submit_step`` job)."""
@@ -208,7 +211,6 @@ class StepState:
     def _end_of_step(self) -> None:
         self.prepared = None
         self.cleared = None
-        self.evaluations = 0
 
     # ------------------------------------------------------------------ reading
     @property

@@ -285,9 +285,10 @@ class FP16_Optimizer(_FP16_Optimizer):
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         def wrapped_closure() -> Any:
-            if not self.first_closure_call_this_step:
+            if self.first_closure_call_this_step:
+                self.first_closure_call_this_step = False
+            else:
                 self._mpo.masters_to_model()  # LBFGS re-evaluates where it moved the masters
-            self._step.evaluations += 1
             temp_loss = closure()
             retries = 0
             # the hysteresis absorbs delayed_shift - 1 overflows before the first reduction
@@ -311,6 +312,7 @@ class FP16_Optimizer(_FP16_Optimizer):
         try:
             return self._mpo.inner_step(wrapped_closure)
         finally:
+            self.first_closure_call_this_step = True
             self._step.stepped()  # (the closure's backwards were this step's)
 
     # ------------------------------------------------------------------ checkpoints
