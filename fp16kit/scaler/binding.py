@@ -28,6 +28,17 @@ and publishes R_k at once: torch's trajectory.
 Each side sees its own scale and per-optimizer states (:meth:`ThreadBinding.scale_for_caller`,
 :meth:`ThreadBinding.states_for_caller`): the step being run on the optimizer thread, the next
 forward's on the main thread. The records are shared between the two threads under a lock.
+
+All of a GradScaler's thread routing lives here, so that its methods read like torch's plus one
+call where threads matter: its ``_threads`` (:class:`ThreadSide`) is a :class:`ScalerThreads`, and
+``scale()`` calls :meth:`~ScalerThreads.scaled`; ``unscale_()`` and ``step()``,
+:meth:`~ScalerThreads.route`; ``update()``, :meth:`~ScalerThreads.update`; ``bind()``,
+:meth:`~ScalerThreads.bind_explicitly`; the settings, :meth:`~ScalerThreads.apply` (``set_*``)
+and :meth:`~ScalerThreads.read` (``get_*``);
+the skip counters, :meth:`~ScalerThreads.after`; its checkpoints and copies
+(:mod:`fp16kit.scaler.checkpoint`), :meth:`~ScalerThreads.saved`, :meth:`~ScalerThreads.load`
+and :meth:`~ScalerThreads.pickled`. Its ``_scale`` and ``_per_optimizer_states`` are the
+per-thread views :class:`ScaleField` and :class:`StatesField`.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
@@ -46,8 +57,14 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from ..core import kernels
 from ..core.scale import LossScale
 from ..core.thread import OptimizerThread, current_optimizer_thread, step_serial, threads_with_steps_since
+from .fields import LossScaleField
+from .skips import recorded_flags
 
-__all__ = ["IterationRecord", "ScalerThreads", "ThreadBinding"]
+__all__ = ["IterationRecord", "ScaleField", "ScalerThreads", "StatesField", "ThreadBinding", "ThreadSide"]
+
+# Where a scaler keeps its ScalerThreads (never pickled), and the lag a pickled copy carries.
+THREADS_KEY = "_thread_side"
+LAG_KEY = "_lagged_next_scale"
 
 _ORDER = (
     "With steps on the optimizer thread the order is: loss = scaler.scale(loss); "
@@ -217,7 +234,7 @@ class ThreadBinding:
         """On the optimizer thread, after the iteration's step: the scale update (from
         ``resumed``, the saved ``next_scale``, in the first one after a load)."""
         self._pop(record)
-        found_infs = [f for st in record.states.values() for f in st["found_inf_per_device"].values()]
+        found_infs = recorded_flags(record.states)
         if not found_infs:
             raise RuntimeError(
                 "No inf checks were recorded prior to update(): this iteration's submitted step "
@@ -300,6 +317,16 @@ class ScalerThreads:
             self._pending = None
             return binding
 
+    def bind_explicitly(self, thread: Any, loss_scale: LossScale, *, step_of: Any = None) -> None:
+        """``GradScaler.bind(thread, step_of=)``: check ``thread``, bind to it, and note the submitted step of ``step_of``.
+
+        See :meth:`ThreadBinding.submitting`; with no scale yet the binding, and that check, wait for ``scale()``."""
+        if not isinstance(thread, OptimizerThread):
+            raise TypeError(f"bind() takes an fp16kit.OptimizerThread, got {type(thread).__name__}.")
+        binding = self.bind(thread, loss_scale, mark=thread.steps)
+        if binding is not None and step_of is not None:
+            binding.submitting(step_of)
+
     def for_caller(self, loss_scale: LossScale) -> ThreadBinding | None:
         """The binding; made when the scaler is first used from inside an optimizer job (it steps there, unambiguously).
 
@@ -349,6 +376,36 @@ class ScalerThreads:
             return None
         return self.bind(threads[0], loss_scale, mark=None)
 
+    def update(
+        self,
+        loss_scale: LossScale,
+        new_scale: float | torch.Tensor | None,
+        *,
+        is_async: bool,
+        has_checks: Callable[[], bool],
+        check_new_scale: Callable[[float | torch.Tensor], None],
+    ) -> bool:
+        """``GradScaler.update()``'s thread side. True: the binding did the update; False: the scaler does it.
+
+        Refuses a call from an optimizer thread. Bound -- or bound now by :meth:`for_update`, when
+        ``has_checks()`` (an inf check recorded by the scaler) is False -- it sets ``new_scale``, checked by
+        ``check_new_scale`` first (:meth:`ThreadBinding.set_scale`), or updates (:meth:`ThreadBinding.update`)."""
+        if current_optimizer_thread() is not None:
+            raise RuntimeError(
+                "scaler.update() must be called from the main thread, once per iteration after "
+                "the step: loss = scaler.scale(loss); loss.backward(); "
+                "opt.submit_step(lambda: scaler.step(opt), scaler=scaler); scaler.update()."
+            )
+        binding = self.for_update(loss_scale, has_checks=has_checks())
+        if binding is None:
+            return False
+        if new_scale is not None:
+            check_new_scale(new_scale)
+            binding.set_scale(new_scale)
+        else:
+            binding.update(is_async)
+        return True
+
     def route(
         self, loss_scale: LossScale, fn: Callable[..., Any], *args: Any, step: bool = False, **kwargs: Any
     ) -> bool:
@@ -366,6 +423,23 @@ class ScalerThreads:
         if self.binding is not None:
             self.binding.wait_idle()
         return read()
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)``; from the main thread of a bound scaler, queued behind the pending jobs instead.
+
+        (A setting for the steps still to run there.)"""
+        if (binding := self.main()) is not None:
+            binding.queue(fn, *args)
+        else:
+            fn(*args)
+
+    def read(self, fn: Callable[..., Any], *args: Any, up_to_date: bool) -> Any:
+        """``fn(*args)``; with ``up_to_date``, after the queued work of a bound scaler (a queued setting included).
+
+        Waiting, it raises the queued jobs' errors (:meth:`synchronize`)."""
+        if up_to_date:
+            self.synchronize()
+        return fn(*args)
 
     def synchronize(self) -> None:
         if self.binding is not None:
@@ -391,6 +465,23 @@ class ScalerThreads:
         forward = float(binding.forward_scale.item())
         return forward, ({} if latest == forward else {"next_scale": latest})
 
+    def mid_iteration(self) -> bool:
+        """Bound, :meth:`ThreadBinding.mid_iteration` (after :meth:`synchronize`); False when not bound."""
+        return self.binding is not None and self.binding.mid_iteration()
+
+    def pickled(self, state: dict[str, Any], loss_scale: LossScale, unbound_scale: float | None) -> float | None:
+        """``__getstate__``'s thread side, on a copy of the scaler's ``__dict__`` (after :meth:`synchronize`).
+
+        The copy starts unbound: this side is dropped (a binding holds a thread). Given ``unbound_scale``
+        (enabled: ``get_scale()``), returns the scale the copy starts from, :meth:`saved`'s, and leaves the lag
+        in ``state``, for the copy's :class:`ThreadSide` to restore as a load would."""
+        state.pop(THREADS_KEY, None)
+        if unbound_scale is None:
+            return None
+        scale, lag = self.saved(loss_scale, unbound_scale)
+        state[LAG_KEY] = lag.get("next_scale")
+        return scale
+
     @staticmethod
     def check_loaded(state_dict: dict[str, Any]) -> float | None:
         """The ``"next_scale"`` of a state dict being loaded, checked (before anything changes)."""
@@ -404,6 +495,15 @@ class ScalerThreads:
                 'saved by GradScaler.state_dict(), or drop the key to resume from "scale".'
             )
         return float(value)
+
+    def load(self, loss_scale: LossScale, state_dict: dict[str, Any], load: Callable[[], None]) -> None:
+        """``load_state_dict``'s thread side: after the queued work, check the saved lag, ``load()``, then :meth:`loaded`.
+
+        ``load()`` loads ``state_dict`` into ``loss_scale``, checking it all before it changes anything."""
+        self.synchronize()
+        next_scale = self.check_loaded(state_dict)
+        load()
+        self.loaded(loss_scale, next_scale)
 
     def loaded(self, loss_scale: LossScale, next_scale: float | None) -> None:
         """Restart a binding from the loaded scale after ``load_state_dict``.
@@ -419,3 +519,68 @@ class ScalerThreads:
 
     def __getstate__(self) -> Any:
         raise TypeError("internal: a scaler's thread side is never pickled (copies start unbound)")
+
+
+class ThreadSide:
+    """``GradScaler._threads``: the scaler's :class:`ScalerThreads`, made at its first use.
+
+    Also for a scaler unpickled from an older version. A pickled copy's lag (:meth:`ScalerThreads.pickled`) is
+    restored then, as a loaded state dict's is."""
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> ThreadSide: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> ScalerThreads: ...
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> ThreadSide | ScalerThreads:
+        if obj is None:
+            return self
+        threads = obj.__dict__.get(THREADS_KEY)
+        if threads is None:
+            threads = obj.__dict__[THREADS_KEY] = ScalerThreads()
+            threads.loaded(obj._loss_scale, obj.__dict__.pop(LAG_KEY, None))
+        return threads
+
+
+class ScaleField(LossScaleField):
+    """``_scale``: bound to an optimizer thread, each side sees its own scale -- the step being
+    run on the optimizer thread, the next forward's on the main thread (docs/async.md)."""
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        threads = obj.__dict__.get(THREADS_KEY)
+        if threads is not None and threads.binding is not None:
+            return threads.binding.scale_for_caller()
+        return super().__get__(obj, objtype)
+
+
+class StatesField:
+    """torch's ``_per_optimizer_states``: the scaler's own, except in a job on the optimizer thread it is bound to.
+
+    There a step records into its iteration's states (:meth:`ThreadBinding.states_for_caller`)."""
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> StatesField: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> dict[int, dict[str, Any]]: ...
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> StatesField | dict[int, dict[str, Any]]:
+        if obj is None:
+            return self
+        threads = obj.__dict__.get(THREADS_KEY)
+        if (
+            threads is not None
+            and threads.binding is not None
+            and (states := threads.binding.states_for_caller()) is not None
+        ):
+            return states
+        try:
+            return obj.__dict__["_opt_states"]
+        except KeyError:
+            raise AttributeError(f"'{type(obj).__name__}' object has no attribute '_per_optimizer_states'") from None
+
+    def __set__(self, obj: Any, value: dict[int, dict[str, Any]]) -> None:
+        obj.__dict__["_opt_states"] = value

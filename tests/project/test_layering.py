@@ -181,11 +181,12 @@ def test_legacy_holds_no_tensor_math():
 
 
 def test_classes_stay_readable():
-    # GradScaler no longer than torch's own class (662 lines); every other class ~400.
+    # Every class ~400 lines, GradScaler included: its thread routing, checkpoints and optimizer
+    # kinds live in modules of their own (fp16kit/scaler/).
     for path in PKG.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                limit = 662 if node.name == "GradScaler" else 425
+                limit = 425
                 size = node.end_lineno - node.lineno + 1
                 assert size <= limit, f"{path.relative_to(PKG)}: {node.name} has {size} lines"
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import fp16kit
-from fp16kit.scaler.grad_scaler import FP16_GRADS_HINT
+from fp16kit.scaler.stepping import FP16_GRADS_HINT
 
 TorchGradScaler = torch.amp.GradScaler
 KitGradScaler = fp16kit.GradScaler
