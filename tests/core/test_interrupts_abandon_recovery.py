@@ -18,7 +18,8 @@ recorded"). Both errors stay pending on the thread. Then:
   off optimizer.submit_step() half way ... Restore it from the last checkpoint
   (load_state_dict)" -- and, as a refused load, puts the mark back;
 * ``scaler.load_state_dict(saved)`` re-raises the update job's "No inf checks were recorded
-  prior to update()" (grad_scaler.py ``load_state_dict`` -> ``_threads.synchronize()``).
+  prior to update()" (grad_scaler.py ``load_state_dict`` -> ``ScalerThreads.load``, which
+  waits for the jobs first).
 
 Called a second time each succeeds and training goes on bit for bit, so the errors are only
 ones the recovery should have consumed: the load the message prescribes is refused with
