@@ -1,4 +1,4 @@
-"""``fp16kit bench``: every master-weight path measured against what a user would write instead (DESIGN.md rule 9).
+"""``fp16kit bench``: every master-weight path measured against what a user would write instead.
 
 The method, the same for every timed figure::
 

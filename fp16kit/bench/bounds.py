@@ -1,6 +1,6 @@
 """The memory-bandwidth bound, measured in the run: a large ``copy_`` timed in the same rounds as the variants.
 
-DESIGN.md rule 9 states the bounds in bytes per parameter: the least memory traffic a step can
+The bounds are stated in bytes per parameter: the least memory traffic a step can
 have, each byte read or written once::
 
     master-grad path   6 B/param = read the 16-bit grad (2) + write the fp32 master grad (4)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch
 
 from . import trace
 from .bounds import MASTER_GRAD_BYTES, MASTER_STEP_BYTES, Memcpy, bound_times
-from .loops import HAND, Loop, master_grad_loops, step_loops
+from .loops import HAND, STEP_VARIANTS, Loop, master_grad_loops, step_loops
 from .shapes import MLP_LIST, Shape, async_models, master_grad_shapes, scaler_model, step_shapes
 from .timing import Stats, ratio_stats, run_interleaved
 from .training import AsyncLoop, ScalerLoop
@@ -40,6 +40,8 @@ from .training import AsyncLoop, ScalerLoop
 __all__ = ["ROWS", "Context", "Count", "Figure", "NullClock"]
 
 FP32_ANCHOR = "torch AdamW(fused), fp32 params"
+
+STEP_NAMES = list(STEP_VARIANTS)
 
 logger = logging.getLogger("fp16kit")
 
@@ -55,6 +57,7 @@ class Figure:
     anchor: str
     ratios: tuple[float, ...]
     bytes_per_param: float | None = None
+    seconds: tuple[float, ...] = ()  # the variant's seconds per iteration, per round (JSON only)
 
     @property
     def stats(self) -> Stats:
@@ -70,6 +73,7 @@ class Figure:
             "kind": "ratio",
             **self.stats.as_dict(),
             "bytes_per_param": self.bytes_per_param,
+            "seconds_per_iteration": list(self.seconds),
         }
 
 
@@ -164,7 +168,9 @@ def _param_list_row(
     loops: list[Loop],
     bound_bytes: int,
     anchors: Sequence[str],
+    peers: Mapping[str, str] | None = None,
 ) -> list[Figure]:
+    """Every loop vs the bound; the others also vs each of ``anchors`` and vs its peer in ``peers``."""
     ctx.progress(f"{row} [{ctx.device.type}] {shape.name}: {len(loops)} variants + memcpy, {ctx.rounds} rounds")
     memcpy = ctx.memcpy()
     variants: dict[str, Any] = {loop.name: loop for loop in loops}
@@ -179,12 +185,14 @@ def _param_list_row(
     for loop in loops:
         bpp = _bytes_per_param(loop, shape.params)
         stats = ratio_stats(times[loop.name], bound)
-        figures.append(Figure(row, dev, shape.name, loop.name, _bound_name(bound_bytes), stats.ratios, bpp))
+        seconds = tuple(times[loop.name])
+        figures.append(Figure(row, dev, shape.name, loop.name, _bound_name(bound_bytes), stats.ratios, bpp, seconds))
         if loop.name in anchors:
             continue
-        for anchor in anchors:
+        peer = (peers or {}).get(loop.name)
+        for anchor in [*anchors, *([peer] if peer in times else [])]:
             stats = ratio_stats(times[loop.name], times[anchor])
-            figures.append(Figure(row, dev, shape.name, loop.name, anchor, stats.ratios, bpp))
+            figures.append(Figure(row, dev, shape.name, loop.name, anchor, stats.ratios, bpp, tuple(times[loop.name])))
     return figures
 
 
@@ -207,8 +215,11 @@ def master_grads(ctx: Context) -> list[Figure]:
 def step(ctx: Context) -> list[Figure]:
     figures: list[Figure] = []
     for shape in step_shapes(ctx.quick):
-        loops = step_loops(shape, ctx.device)
-        figures += _param_list_row(ctx, "step", shape, loops, MASTER_STEP_BYTES, [HAND, FP32_ANCHOR])
+        loops = step_loops(shape, ctx.device, names=STEP_NAMES)
+        # the legacy faces also vs the modern one they stand on (issue 19's target: <= 1.05x)
+        mpo = loops[STEP_NAMES.index("mpo")].name
+        peers = {loops[STEP_NAMES.index(n)].name: mpo for n in ("fp16-optimizer", "amp-o2")}
+        figures += _param_list_row(ctx, "step", shape, loops, MASTER_STEP_BYTES, [HAND, FP32_ANCHOR], peers)
         del loops
         _free()
     return figures
@@ -224,7 +235,9 @@ def scaler(ctx: Context) -> list[Figure]:
         theirs = ScalerLoop(mlp, ctx.device, optimizer=optimizer, fp16kit_scaler=False)
         times = ctx.interleave({ours.name: ours, theirs.name: theirs})
         stats = ratio_stats(times[ours.name], times[theirs.name])
-        figures.append(Figure("scaler", ctx.device.type, f"{mlp.name}, {label}", ours.name, theirs.name, stats.ratios))
+        shape = f"{mlp.name}, {label}"
+        seconds = tuple(times[ours.name])
+        figures.append(Figure("scaler", ctx.device.type, shape, ours.name, theirs.name, stats.ratios, None, seconds))
     return figures
 
 
@@ -238,7 +251,8 @@ def async_steps(ctx: Context) -> list[Figure]:
         times = ctx.interleave({sync.name: sync, asyn.name: asyn}, min_iters=8 if ctx.quick else 20)
         asyn.finish()
         stats = ratio_stats(times[asyn.name], times[sync.name])
-        figures.append(Figure("async", ctx.device.type, mlp.name, asyn.name, sync.name, stats.ratios))
+        seconds = tuple(times[asyn.name])
+        figures.append(Figure("async", ctx.device.type, mlp.name, asyn.name, sync.name, stats.ratios, None, seconds))
         del sync, asyn
         _free()
     return figures
@@ -264,8 +278,8 @@ def _count(ctx: Context, shape: str, loop: Loop) -> Count:
         syncs, method = ops.host_reads, "_local_scalar_dense + Tensor.tolist calls, main thread"
     calls = trace.python_calls(steps)
     loop.finish()
-    return Count("syncs", ctx.device.type, shape, loop.name, syncs / SYNC_STEPS, ops.ops / SYNC_STEPS,
-                 calls / SYNC_STEPS, method)  # fmt: skip
+    n = SYNC_STEPS
+    return Count("syncs", ctx.device.type, shape, loop.name, syncs / n, ops.ops / n, calls / n, method)
 
 
 def syncs(ctx: Context) -> list[Count]:

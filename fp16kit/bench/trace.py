@@ -21,7 +21,7 @@ is a timing, so they are exact for the code as it stands::
                         fp16kit.bench (torch's and fp16kit's own code; the bench's frames left out)
 
 The modes are thread-local: work of the optimizer thread (``async_step=True``) is not seen, which
-is the point for host reads (DESIGN.md rule 2 is about the main thread).
+is the point for host reads: the rule is none on the main thread during a step.
 """
 
 from __future__ import annotations
