@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cpu_model", "describe", "load_average", "load_warning"]
+__all__ = ["cpu_model", "describe", "load_average", "load_warning", "oversubscribed_note"]
 
 
 def cpu_model() -> str:
@@ -52,6 +52,19 @@ def load_warning(load: tuple[float, float, float] | None, n_cores: int) -> str |
     return (
         f"WARNING: the 1-minute load average ({load[0]:.2f}) exceeds the {n_cores} cores: other processes "
         "share the machine, the figures are unreliable. Re-run when `uptime` shows a load below the core count."
+    )
+
+
+def oversubscribed_note(load: tuple[float, float, float] | None, n_cores: int, threads: int) -> str | None:
+    """A note when the load plus the run's own threads exceed the cores (short of :func:`load_warning`).
+
+    Then a parallel region of the run waits for a thread the OS gave to another process: with 2
+    threads on 2 cores and one busy process, a small op can take a scheduler time slice."""
+    if load is None or load[0] > n_cores or load[0] + threads <= n_cores + 0.5:
+        return None
+    return (
+        f"NOTE: the load ({load[0]:.2f}) plus this run's {threads} threads exceed the {n_cores} cores: "
+        "parallel regions may wait for descheduled threads (wide spreads). A quieter machine, or --threads 1, helps."
     )
 
 

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from . import BenchResult
-from .machine import load_warning
+from .machine import load_warning, oversubscribed_note
 from .rows import Count, Figure
 
 __all__ = ["to_json", "to_markdown"]
@@ -54,6 +54,9 @@ def header_lines(result: BenchResult) -> list[str]:
     warning = load_warning(m.get("load_before"), m["cores"])
     if warning:
         lines.append(f"- **{warning}**")
+    note = oversubscribed_note(m.get("load_before"), m["cores"], m["torch_threads"])
+    if note:
+        lines.append(f"- {note}")
     return lines
 
 
@@ -107,11 +110,12 @@ def to_markdown(result: BenchResult) -> str:
 
 
 def to_json(result: BenchResult) -> str:
-    warning = load_warning(result.machine.get("load_before"), result.machine["cores"])
+    m = result.machine
     data = {
-        "machine": result.machine,
+        "machine": m,
         "settings": result.settings,
-        "load_warning": warning,
+        "load_warning": load_warning(m.get("load_before"), m["cores"]),
+        "load_note": oversubscribed_note(m.get("load_before"), m["cores"], m["torch_threads"]),
         "bandwidth_bytes_per_s": result.bandwidth,
         "figures": [f.as_dict() for f in result.figures],
         "counts": [c.as_dict() for c in result.counts],

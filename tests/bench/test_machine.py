@@ -21,3 +21,11 @@ def test_describe_names_the_machine():
     assert info["torch_threads"] == 3
     assert info["cores"] >= 1 and info["cpu"]
     assert "gpu" not in info
+
+
+def test_oversubscribed_note_between_quiet_and_overloaded():
+    assert machine.oversubscribed_note((0.1, 0, 0), 2, 2) is None  # quiet
+    assert machine.oversubscribed_note((1.0, 0, 0), 2, 1) is None  # one busy core, one thread
+    note = machine.oversubscribed_note((1.0, 0, 0), 2, 2)
+    assert note is not None and "--threads 1" in note
+    assert machine.oversubscribed_note((3.0, 0, 0), 2, 2) is None  # load_warning's case

@@ -29,11 +29,12 @@ def test_markdown_has_the_machine_the_table_and_the_skips():
     assert "| step | 4 x 1M | amp O2 | hand loop (torch only) | 1.00x | 0.90-1.20 | 48.0 |" in text
     assert "| MLP | FP16_Optimizer | 1 | 63 | 267 |" in text
     assert "skipped: step on cuda (no CUDA device)" in text
-    assert "WARNING" not in text
+    assert "WARNING" not in text and "NOTE" not in text
 
 
 def test_markdown_warns_when_the_load_exceeds_the_cores():
     assert "WARNING: the 1-minute load average (2.50) exceeds the 2 cores" in to_markdown(_result((2.5, 1, 1)))
+    assert "NOTE: the load (1.00) plus this run's 2 threads exceed the 2 cores" in to_markdown(_result((1.0, 1, 1)))
 
 
 def test_json_holds_the_same_figures():
