@@ -17,6 +17,13 @@ from fp16kit.legacy.amp._amp_state import _amp_state
 
 SHAPE = Shape("tiny", ((1000,),) * 5 + ((64, 64),) * 3 + ((7,),))
 STEPS = 3
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -44,26 +51,28 @@ def _assert_same(anchor, other):
         assert torch.equal(x, y), f"{other.name} differs from {anchor.name} at tensor {i}"
 
 
-def test_master_grad_path_variants_match_the_hand_loop():
-    hand, *others = _stepped(loops.master_grad_loops(SHAPE, "cpu"))
+@pytest.mark.parametrize("device", DEVICES)
+def test_master_grad_path_variants_match_the_hand_loop(device):
+    hand, *others = _stepped(loops.master_grad_loops(SHAPE, device))
     assert [o.name for o in others] == [
         "MixedPrecisionOptimizer",
         "MixedPrecisionOptimizer (flat)",
         "FP16_Optimizer.update_master_grads",
     ]
-    expected = [g.float() / loops.INIT_SCALE for g in fake_grads(SHAPE, torch.float16, "cpu")]
+    expected = [g.float() / loops.INIT_SCALE for g in fake_grads(SHAPE, torch.float16, device)]
     for got, want in zip(hand.masters(), expected):
         assert torch.equal(got, want)
     for other in others:
         _assert_same(hand, other)
 
 
-def test_step_variants_match_the_hand_loop_bit_for_bit():
-    variants = _stepped(loops.step_loops(SHAPE, "cpu"))
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_variants_match_the_hand_loop_bit_for_bit(device):
+    variants = _stepped(loops.step_loops(SHAPE, device))
     hand = variants[0]
     assert hand.name == loops.HAND
     # the masters moved, and the 16-bit params are their rounding
-    start = [p.detach().float() for p in loops.step_loops(SHAPE, "cpu", names=["hand"])[0].params]
+    start = [p.detach().float() for p in loops.step_loops(SHAPE, device, names=["hand"])[0].params]
     assert not any(torch.equal(m, s) for m, s in zip(hand.masters(), start))
     for p, m in zip(hand.params, hand.masters()):
         assert torch.equal(p.detach(), m.half())

@@ -104,3 +104,15 @@ def test_quick_json_emits_every_row():
         assert ("step", variant) in variants
     assert all(f["bytes_per_param"] > 0 for f in data["figures"] if f["row"] in ("master-grads", "step"))
     assert len([f for f in data["figures"] if f["row"] == "async"]) == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rows_run_on_a_gpu(capsys):
+    assert main(["bench", "--quick", "--device", "cuda", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["skipped"] == [] and "gpu" in data["machine"]
+    assert {f["row"] for f in data["figures"]} | {c["row"] for c in data["counts"]} == set(ROWS)
+    assert {f["device"] for f in data["figures"]} == {"cuda"}
+    assert data["bandwidth_bytes_per_s"]["cuda"] > 0
+    _check_figures(data)
