@@ -21,7 +21,7 @@ Every public name of fp16kit: its signature and the first line of its docstring.
 `python docs/make_api.py` from the packages' `__all__`; a test keeps it current.
 """
 # packages that are applications or tools, not APIs to import from
-SKIP = {"fp16kit.cli", "fp16kit.demo"}
+SKIP = {"fp16kit.bench", "fp16kit.cli", "fp16kit.demo"}
 
 
 def public_packages() -> list[str]:

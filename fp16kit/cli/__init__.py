@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from .. import __version__
 
 # the command modules, in the order `fp16kit --help` lists them
-_COMMANDS = ("demo", "migrate", "run", "convert_checkpoint")
+_COMMANDS = ("demo", "bench", "migrate", "run", "convert_checkpoint")
 
 
 class _Formatter(argparse.HelpFormatter):

@@ -16,7 +16,16 @@ PKG = pathlib.Path(fp16kit.__file__).parent
 # Each folder of fp16kit/ is one concern; a folder may import the folders of lower layers (and
 # the core, which every layer stands on). The top-level package is the public front.
 MODERN = ("scaler", "master_weights", "optim", "nn", "distributed")
-LAYER = {"core": 0, **dict.fromkeys(MODERN, 1), "legacy": 2, "integrations": 2, "migrate": 3, "demo": 3, "cli": 4}
+LAYER = {
+    "core": 0,
+    **dict.fromkeys(MODERN, 1),
+    "legacy": 2,
+    "integrations": 2,
+    "migrate": 3,
+    "demo": 3,
+    "bench": 3,
+    "cli": 4,
+}
 
 
 def _module(path: pathlib.Path) -> str:

@@ -1,0 +1,77 @@
+"""fp16kit.bench.trace: the bytes, ops and host reads one iteration is counted to make."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp16kit.bench import trace
+
+N = 1000
+
+
+def test_copy_into_fp32_moves_6_bytes_per_element():
+    src = [torch.ones(N, dtype=torch.float16)]
+    dst = [torch.empty(N)]
+    t = trace.op_tally(lambda: torch._foreach_copy_(dst, src))
+    assert (t.read, t.written, t.ops) == (2 * N, 4 * N, 1)
+
+
+def test_check_and_unscale_reads_and_writes_its_tensors():
+    g = [torch.ones(N)]
+    found_inf, inv = torch.zeros(()), torch.ones(())
+    t = trace.op_tally(lambda: torch._amp_foreach_non_finite_check_and_unscale_(g, found_inf, inv))
+    assert t.moved == 8 * N + 3 * 4  # + the flag (read, written) and inv_scale (read)
+
+
+@pytest.mark.parametrize("grad_scale, per_param", [(None, 28), (torch.tensor(2.0), 32)])
+def test_fused_adamw_writes_its_grads_only_when_it_unscales_them(grad_scale, per_param):
+    p = torch.nn.Parameter(torch.ones(N))
+    p.grad = torch.ones(N)
+    opt = torch.optim.AdamW([p], fused=True)
+    opt.step()  # the state exists
+    opt.grad_scale = grad_scale
+    t = trace.op_tally(opt.step)
+    assert t.moved // N == per_param  # (+ the step counter and the scalars: a few bytes)
+
+
+def test_a_functional_op_writes_its_output_and_views_move_nothing():
+    x = torch.ones(N)
+    t = trace.op_tally(lambda: (x * 2, x.view(10, 100), x.detach(), torch.empty_like(x)))
+    assert (t.read, t.written) == (4 * N, 4 * N)
+    assert t.ops == 4
+
+
+def test_host_reads_counted_on_this_thread():
+    x = torch.ones(3)
+
+    def reads():
+        x.sum().item()
+        bool(x.all())
+        float(x[0])
+        x.tolist()
+
+    assert trace.op_tally(reads).host_reads == 4
+    assert trace.op_tally(lambda: x + 1).host_reads == 0
+    assert torch.Tensor.tolist is not None and "tolist" in torch.Tensor.tolist.__qualname__  # put back
+
+
+def test_python_calls_leave_the_bench_frames_out():
+    from fp16kit.bench.timing import ratios
+
+    def outer():  # frames of this file: counted
+        return inner()
+
+    def inner():
+        return 1
+
+    assert trace.python_calls(outer) == 2
+    assert trace.python_calls(lambda: ratios([1.0], [1.0])) == 1  # the lambda; not the bench's own frames
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_syncs_counts_an_item():
+    x = torch.ones(3, device="cuda")
+    assert trace.cuda_syncs(lambda: x.sum().item()) >= 1
+    assert trace.cuda_syncs(lambda: x + 1) == 0
