@@ -41,6 +41,7 @@ from typing import Any, cast
 import torch
 
 import fp16kit
+from fp16kit.core import fused
 from fp16kit.legacy import FP16_Optimizer, amp
 
 from .shapes import Shape, fake_grads, initial_values
@@ -326,6 +327,60 @@ class Fp32Step(Loop):
         return self.params
 
 
+class FusedKernelStep(Loop):
+    """fp16kit's fused master-AdamW kernel (:mod:`fp16kit.core.fused.adam`) driven by hand: the one-pass step.
+
+    The hand loop's arithmetic (its masters match it bit for bit) in two passes over the 16-bit grads -- the check,
+    then the step -- where the hand loop makes four plus a copy back. The op observer cannot see inside the kernel,
+    so its bytes per param are the kernel's own traffic: the check reads 2, the step reads 2 + 3 * 4 and writes
+    3 * 4 + 2 (30 in all). CPU only."""
+
+    name = "fused kernel (fp16kit.core.fused), by hand"
+    bytes_per_param = 30.0
+
+    @staticmethod
+    def unavailable(device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return "the fused kernel is CPU-only"
+        probe = _adamw([torch.zeros(1, requires_grad=True)])
+        return fused.kernel_refusal(probe, probe.param_groups[0])
+
+    def __init__(self, values: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.device = values[0].device
+        self.params, self.grads = _params(values), grads
+        self.master = [p.detach().float() for p in self.params]
+        self.opt = _adamw(self.master)
+        for m in self.master:  # the state torch's first fused step creates
+            self.opt.state[m] = {
+                "step": torch.zeros(()),
+                "exp_avg": torch.zeros_like(m),
+                "exp_avg_sq": torch.zeros_like(m),
+            }
+        self.plan = fused.AdamPlan(self.params, self.master, self.opt)
+        self.scale = torch.full((), INIT_SCALE, dtype=torch.float32)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
+        self.found_inf = _flag(self.device)
+        self.loss = torch.ones((), dtype=torch.float32)
+
+    def iteration(self, clock: Any) -> None:
+        with clock:
+            for p in self.params:
+                p.grad = None
+            self.loss * self.scale  # noqa: B018  (the scaled loss a backward would start from)
+            with clock.paused():
+                self.attach()
+            grads = self.plan.grads(_grads_of(self.params))
+            assert grads is not None
+            self.found_inf.zero_()
+            fused.check_finite_(self.plan, grads, self.found_inf)
+            with torch.no_grad():
+                self.plan.step(grads, self.opt.param_groups[0], grad_scale=self.scale, found_inf=self.found_inf)
+            torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, 2.0, 0.5, 2000)
+
+    def masters(self) -> list[torch.Tensor]:
+        return self.master
+
+
 STEP_VARIANTS: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], Loop]] = {
     "hand": HandStep,
     "mpo": lambda v, g: MPOStep(v, g, flat=False),
@@ -333,6 +388,7 @@ STEP_VARIANTS: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], Loop
     "fp16-optimizer": FP16OptStep,
     "amp-o2": AmpStep,
     "fp32": Fp32Step,
+    "fused-kernel": FusedKernelStep,
 }
 """Row 2's variants, the anchors first (the hand loop; torch's fused AdamW on fp32 params)."""
 
@@ -342,4 +398,9 @@ def step_loops(
 ) -> list[Loop]:
     """Row 2's variants on ``shape`` (``names``: some of :data:`STEP_VARIANTS`)."""
     values, grads = initial_values(shape, dtype, device), fake_grads(shape, dtype, device)
-    return [STEP_VARIANTS[n](values, grads) for n in (names or list(STEP_VARIANTS))]
+    dev = torch.device(device)
+    return [
+        STEP_VARIANTS[n](values, grads)
+        for n in (names or list(STEP_VARIANTS))
+        if getattr(STEP_VARIANTS[n], "unavailable", lambda d: None)(dev) is None
+    ]

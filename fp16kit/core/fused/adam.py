@@ -1,0 +1,328 @@
+"""The fused master Adam/AdamW step on the CPU: one pass per tensor, from the 16-bit grad to the 16-bit param.
+
+Per tensor -- torch's fused CPU Adam kernel (``torch._fused_adam_`` / ``_fused_adamw_``) on the fp32 master,
+the same operations in the same order, then the copy into the model's 16-bit param::
+
+    if found_inf == 1: nothing changes (the steps neither)
+    step += 1;  bc1 = 1 - beta1 ** step;  bc2 = 1 - beta2 ** step            (double)
+    g = float(grad16) / grad_scale                                          (float from here on)
+    AdamW: master *= 1 - lr * wd        Adam: g += master * wd
+    exp_avg = lerp(exp_avg, g, 1 - beta1)
+    exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
+    master += -(lr / bc1) * exp_avg / (sqrt(exp_avg_sq) / sqrt(bc2) + eps)
+    param16 = master rounded to nearest even
+
+It reads 2 + 4 * 3 bytes and writes 4 * 3 + 2 per element: the 28 B/param of one pass, where torch's ops take a
+copy of the grads into fp32 master grads, a check, the fused step and a copy back (52 B/param and four passes).
+
+**Bit for bit** the masters, ``exp_avg``, ``exp_avg_sq``, ``step`` and the 16-bit params equal what
+``torch.optim.Adam/AdamW(fused=True)`` stepping the masters (grads ``float(grad16)``, torch's ``grad_scale`` /
+``found_inf`` attributes) followed by ``param16.copy_(master)`` leaves. One difference: the masters get no ``.grad``
+(torch's fused step writes the unscaled grad back there). torch's kernel rounds its vector body and its scalar tail
+(the last ``numel % width`` elements) differently, and how depends on its CPU build: the vector width of the CPU
+capability, and which ``a * b + c`` its compiler contracted into one rounding. :func:`forms` finds them at first
+use by running torch's fused Adam and AdamW and this kernel on a probe of every tail length, fp16 and bf16; when
+no form reproduces torch bit for bit the kernel stays off (one log line) and callers use torch's ops.
+
+Use::
+
+    if kernel_refusal(optimizer, group) is None:
+        plan = AdamPlan(params16, masters, optimizer)           # addresses taken once
+        check_finite_(plan, grads16, found_inf)                 # reads 2 B/param; only ever sets the flag
+        plan.step(grads16, group, grad_scale=scale, found_inf=found_inf)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import logging
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import build
+
+__all__ = ["AdamPlan", "PlanMismatch", "check_finite_", "forms", "kernel_refusal", "library"]
+
+logger = logging.getLogger("fp16kit")
+
+CHUNK = 1 << 16
+"""Elements per parallel work item (a multiple of 16: torch's body/tail split is per tensor)."""
+
+_KIND = {torch.float16: 0, torch.bfloat16: 1}
+
+
+class _Group(ctypes.Structure):
+    _fields_ = [
+        *((n, ctypes.c_double) for n in ("lr", "beta1", "beta2", "eps", "weight_decay")),
+        *((n, ctypes.c_int32) for n in ("mode", "body", "tail", "vl", "tail8")),
+    ]
+
+
+_P64 = ctypes.POINTER(ctypes.c_int64)
+_PF = ctypes.POINTER(ctypes.c_float)
+
+
+class PlanMismatch(RuntimeError):
+    """The tensors handed to :meth:`AdamPlan.step` are not the ones the plan was built on (build a new plan)."""
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel with its signatures, or None (off; the reason was logged)."""
+    lib = build.load("master_adam")
+    if lib is None:
+        return None
+    if not lib.fp16kit_cpu_supported():
+        logger.warning(
+            "fp16kit: the fused master_adam kernel is off (this CPU lacks AVX2/FMA/F16C); using torch's ops."
+        )
+        return None
+    lib.fp16kit_master_adam.argtypes = [
+        ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.POINTER(_Group), ctypes.c_int32, _PF, _PF,
+        ctypes.c_int32,
+    ]  # fmt: skip
+    lib.fp16kit_master_adam.restype = None
+    lib.fp16kit_check_finite.argtypes = [
+        ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.c_int32, _PF, ctypes.c_int32,
+    ]  # fmt: skip
+    lib.fp16kit_check_finite.restype = None
+    return lib
+
+
+def kernel_refusal(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> str | None:
+    """Why the kernel cannot step ``group`` of ``optimizer`` exactly as the optimizer would, or None when it can.
+
+    It can for ``torch.optim.Adam`` / ``AdamW`` themselves (not subclasses: they may change the step) built with
+    ``fused=True`` -- the numbers it reproduces -- and no ``amsgrad``, ``maximize``, ``capturable``,
+    ``differentiable`` or tensor hyperparameters."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"{type(optimizer).__name__} is not torch.optim.Adam or AdamW"
+    if not group.get("fused"):
+        return "the optimizer was not built with fused=True (the kernel reproduces torch's fused step)"
+    for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if group.get(flag):
+            return f"{flag}=True"
+    values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
+    if any(isinstance(v, torch.Tensor) for v in values):
+        return "a hyperparameter is a tensor"
+    if forms() is None:
+        return "the kernel is off (see the log)"
+    return None
+
+
+class AdamPlan:
+    """The fused step's view of a list of tensors: per tensor the 16-bit param, its master and its Adam state.
+
+    Built once (when the optimizer's state exists: after its first step); :meth:`step` checks, at the cost of an
+    identity comparison per tensor, that the state still holds the same tensors (``load_state_dict`` replaces
+    them) and raises :class:`PlanMismatch` otherwise. Refuses (ValueError) tensors the kernel cannot address:
+    not on the CPU, not contiguous, masters or state not float32, params not float16/bfloat16 of one dtype."""
+
+    def __init__(
+        self, params16: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+    ) -> None:
+        if len(params16) != len(masters) or not masters:
+            raise ValueError("AdamPlan needs one 16-bit param per master, and at least one.")
+        dtype = params16[0].dtype
+        if dtype not in _KIND:
+            raise ValueError(f"AdamPlan steps float16 or bfloat16 params, got {dtype}.")
+        self.optimizer = optimizer
+        states: list[dict[str, Any]] = [optimizer.state.get(m) or {} for m in masters]
+        if any("exp_avg" not in s for s in states):
+            raise ValueError("AdamPlan needs the optimizer's state of every master (after its first step).")
+        self.kind = _KIND[dtype]
+        self.dtype = dtype
+        self.params16 = list(params16)
+        self.masters = list(masters)
+        self.states = states
+        self.exp_avgs = [s["exp_avg"] for s in states]
+        self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        self.steps = [s["step"] for s in states]
+        for p, m, a, v, st in zip(self.params16, self.masters, self.exp_avgs, self.exp_avg_sqs, self.steps):
+            _check(p, dtype, m.numel(), "param")
+            for t, what in ((m, "master"), (a, "exp_avg"), (v, "exp_avg_sq")):
+                _check(t, torch.float32, p.numel(), what)
+            if st.dtype != torch.float32 or st.device.type != "cpu" or st.dim() != 0:
+                raise ValueError(f"AdamPlan needs float32 0-dim CPU steps, got {st.dtype} {tuple(st.shape)}.")
+        numels = [p.numel() for p in self.params16]
+        self.n = len(numels)
+        self.numel = torch.tensor(numels, dtype=torch.int64)
+        starts = [0, *itertools.accumulate(-(-k // CHUNK) for k in numels)]
+        self.chunk_start = torch.tensor(starts, dtype=torch.int64)
+        table = [[0, p.data_ptr(), m.data_ptr(), a.data_ptr(), v.data_ptr(), st.data_ptr()]
+                 for p, m, a, v, st in zip(self.params16, self.masters, self.exp_avgs, self.exp_avg_sqs, self.steps)]  # fmt: skip
+        self.ptrs = torch.tensor(table, dtype=torch.int64).reshape(-1, 6)
+        self._ptr_args = (_p64(self.ptrs), _p64(self.numel), _p64(self.chunk_start))
+
+    def current(self) -> bool:
+        """Does the optimizer's state still hold the tensors this plan addresses?"""
+        get_a, get_v, get_s = (operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "step"))
+        states: list[Any] = list(map(self.optimizer.state.get, self.masters))  # (load_state_dict replaces the mapping)
+        try:
+            return (
+                all(map(operator.is_, states, self.states))
+                and all(map(operator.is_, map(get_a, self.states), self.exp_avgs))
+                and all(map(operator.is_, map(get_v, self.states), self.exp_avg_sqs))
+                and all(map(operator.is_, map(get_s, self.states), self.steps))
+            )
+        except (KeyError, TypeError):
+            return False
+
+    def grads(self, grads16: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        """The grads' addresses (an int64 tensor), or None when one is missing or not contiguous (use torch's ops)."""
+        if len(grads16) != self.n:
+            raise PlanMismatch(f"{len(grads16)} grads for a plan of {self.n} tensors.")
+        try:
+            ptrs = [g.data_ptr() for g in grads16 if g.is_contiguous()]  # type: ignore[union-attr]
+        except AttributeError:  # a None grad
+            return None
+        if len(ptrs) != self.n:
+            return None
+        # (autograd and the grad setter keep each grad's shape, dtype and device those of its param)
+        return torch.tensor(ptrs, dtype=torch.int64)
+
+    def step(
+        self,
+        grads: torch.Tensor,
+        group: Mapping[str, Any],
+        *,
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """Step every tensor of the plan with the 16-bit grads at the addresses ``grads`` (:meth:`grads`).
+
+        ``group``: the param group's hyperparameters; ``grad_scale``: the loss scale the grads carry (a float32 CPU
+        tensor, or None: unscaled); ``found_inf``: a float32 CPU flag (1: skip the whole step), or None."""
+        lib = library()
+        found = forms()
+        if lib is None or found is None:
+            raise RuntimeError("internal: AdamPlan.step called with the kernel off (check kernel_refusal first)")
+        if not self.current():
+            raise PlanMismatch("The optimizer's state holds other tensors than this plan's (load_state_dict?).")
+        self.ptrs[:, 0] = grads
+        hyper = _group(group, found, decoupled=bool(group.get("decoupled_weight_decay")))
+        lib.fp16kit_master_adam(
+            self.n, *self._ptr_args, CHUNK, ctypes.byref(hyper), self.kind, _pf(grad_scale), _pf(found_inf),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+
+def check_finite_(plan: AdamPlan, grads: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """Set ``found_inf`` (a float32 CPU flag) to 1 when a 16-bit grad at the addresses ``grads`` holds inf/NaN.
+
+    The flag is only ever set, as torch's ``_amp_foreach_non_finite_check_and_unscale_`` sets it."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("internal: check_finite_ called with the kernel off")
+    lib.fp16kit_check_finite(
+        plan.n, _p64(grads), plan._ptr_args[1], plan._ptr_args[2], CHUNK, plan.kind, _pf(found_inf),
+        torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != numel:
+        raise ValueError(
+            f"AdamPlan: a {what} is {t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'} with "
+            f"{t.numel()} elements; the kernel needs {dtype} on the CPU, contiguous, with {numel}."
+        )
+
+
+def _p64(t: torch.Tensor) -> Any:
+    return ctypes.cast(t.data_ptr(), _P64)
+
+
+def _pf(t: torch.Tensor | None) -> Any:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.numel() != 1:
+        raise ValueError(f"expected a float32 CPU scalar tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return ctypes.cast(t.data_ptr(), _PF)
+
+
+def _group(group: Mapping[str, Any], found: tuple[int, int, int, int], *, decoupled: bool) -> _Group:
+    beta1, beta2 = group["betas"]
+    vl, body, tail, tail8 = found
+    return _Group(
+        float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+        1 if decoupled else 0, body, tail, vl, tail8,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- finding torch's rounding
+_PROBE_SIZES = (*range(1, 40), 4096 + 7, 4096 + 9, 4096 + 15, 8, 16, 64)
+
+
+@functools.cache
+def forms() -> tuple[int, int, int, int] | None:
+    """How torch's fused Adam rounds on this machine: ``(vector width, body form, tail form, 8-wide tail)``, or None.
+
+    The forms with which the kernel reproduces torch's fused Adam and AdamW bit for bit (module docstring); None:
+    none does, and the kernel stays off (logged). Found once per process, in a few milliseconds."""
+    if library() is None:
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    widths = (16, 8) if capability.startswith("AVX512") else (8, 16)
+    cases = [_probe(dtype, decoupled, wd) for dtype in _KIND for decoupled, wd in ((True, 0.01), (False, 0.1))]
+    for candidate in itertools.product(widths, (1, 0, 2), (2, 0, 1), (1, 0)):
+        if all(_matches(case, candidate) for case in cases):
+            return candidate
+    logger.warning(
+        f"fp16kit: the fused master_adam kernel is off: no form of it reproduces torch {torch.__version__}'s fused "
+        f"Adam bit for bit on this CPU ({capability}); using torch's ops."
+    )
+    return None
+
+
+def _probe(dtype: torch.dtype, decoupled: bool, wd: float) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1234)
+    sizes = _PROBE_SIZES
+    p16 = [torch.randn(s, generator=g).to(dtype) for s in sizes]
+    g16 = [(torch.randn(s, generator=g) * 300).to(dtype) for s in sizes]
+    m = [torch.randn(s, generator=g) * 0.01 for s in sizes]
+    v = [torch.rand(s, generator=g) * 1e-3 for s in sizes]
+    group: dict[str, Any] = {
+        "lr": 0.01,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": wd,
+        "decoupled_weight_decay": decoupled,
+    }
+    scale = torch.tensor(256.0)
+    masters = [p.float() for p in p16]
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls(masters, lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=wd, fused=True)
+    for t, gr, a, b in zip(masters, g16, m, v):
+        t.grad = gr.float()
+        opt.state[t] = {"step": torch.tensor(2.0), "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
+    opt.grad_scale, opt.found_inf = scale, torch.zeros(())  # type: ignore[attr-defined]
+    opt.step()
+    want = [masters, [opt.state[t]["exp_avg"] for t in masters], [opt.state[t]["exp_avg_sq"] for t in masters]]
+    return {"p16": p16, "g16": g16, "m": m, "v": v, "group": group, "scale": scale, "want": want, "dtype": dtype}
+
+
+def _matches(case: dict[str, Any], candidate: tuple[int, int, int, int]) -> bool:
+    lib = library()
+    assert lib is not None
+    p16 = [p.clone() for p in case["p16"]]
+    masters = [p.float() for p in case["p16"]]
+    opt = torch.optim.Adam(masters, fused=True)
+    for t, a, b in zip(masters, case["m"], case["v"]):
+        opt.state[t] = {"step": torch.tensor(2.0), "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
+    state = opt.state
+    plan = AdamPlan(p16, masters, opt)
+    grads = plan.grads(case["g16"])
+    assert grads is not None
+    plan.ptrs[:, 0] = grads
+    hyper = _group(case["group"], candidate, decoupled=case["group"]["decoupled_weight_decay"])
+    lib.fp16kit_master_adam(plan.n, *plan._ptr_args, CHUNK, ctypes.byref(hyper), plan.kind, _pf(case["scale"]), None, 1)
+    got = [masters, [state[t]["exp_avg"] for t in masters], [state[t]["exp_avg_sq"] for t in masters]]
+    for mine, theirs in zip(got, case["want"]):
+        if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, theirs)):
+            return False
+    return all(torch.equal(p.view(torch.int16), m.to(case["dtype"]).view(torch.int16)) for p, m in zip(p16, masters))
