@@ -217,6 +217,12 @@ class MasterParams:
         params = [*(self.model_params if model else ()), *(self.masters if masters else ())]
         kernels.clear_grads_(params, set_to_none=set_to_none)
 
+    def summary(self) -> str:
+        """``"<count> masters, <numel> elements, <dtype> on <devices>[, flat]"`` (for reprs)."""
+        d = self.describe()
+        devices = ", ".join(d["devices"]) or "-"
+        return f"{d['count']} masters, {d['numel']} elements, {d['master_dtype']} on {devices}{', flat' if d['flat'] else ''}"
+
     def describe(self) -> dict[str, Any]:
         devices = sorted({str(m.device) for m in self.masters})
         return {

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..core.protocol import scaled_iterations
 from ..core.thread import current_optimizer_thread
 
 __all__ = ["ClipWatched", "TORCH_UNSCALE_READER", "TORCH_STEP_READER", "torch_scaler_error", "watch_clips"]
@@ -169,3 +170,21 @@ def _check(params: Sequence[torch.Tensor]) -> None:
         message = owner.clip_finds_none(params)
         if message is not None and not owner.warned_clip():
             logger.warning(message)
+
+
+def warn_if_scaled(latch: threading.Event) -> None:
+    """Warn once (``latch``) when ``step()`` is called directly while a GradScaler has an iteration open.
+
+    The grads are then probably still multiplied by the loss scale; the warning names ``scaler.step(optimizer)``."""
+    if latch.is_set() or not scaled_iterations.any_open():
+        return
+    latch.set()
+    logger.warning(_SCALED_STEP)
+
+
+_SCALED_STEP = (
+    "MixedPrecisionOptimizer.step() was called directly while a GradScaler has scaled a loss it "
+    "has not updated yet: these gradients are probably still multiplied by the loss scale and the "
+    "update is that many times too large. Call scaler.step(optimizer) (then scaler.update()) "
+    "instead of optimizer.step(). (Warned once per optimizer.)"
+)

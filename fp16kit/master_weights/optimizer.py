@@ -60,10 +60,11 @@ import torch
 from ..core import kernels
 from ..core.interrupts import commit_methods
 from ..core.master import LOW_PRECISION, MasterParams
-from ..core.protocol import Flags, scaled_iterations
+from ..core.protocol import Flags
 from ..core.thread import OptimizerThread
 from .async_step import AsyncSteps, log_skipped_step
 from .checkpoint import MatchedMasters, check_state_dict
+from .fused_step import FUSED, FusedSteps
 from .grads import RESET_SINCE_UNSCALE, MasterGrads
 from .groups import (
     LatePolicy,
@@ -75,7 +76,7 @@ from .groups import (
     drop_repeats,
     mark_wrapped,
 )
-from .misuse import TORCH_STEP_READER, TORCH_UNSCALE_READER, torch_scaler_error
+from .misuse import TORCH_STEP_READER, TORCH_UNSCALE_READER, torch_scaler_error, warn_if_scaled
 from .snapshot import StepView
 from .step_state import Stage, StepState
 from .wrapping import WrappingOptimizer
@@ -142,6 +143,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self._groups = MasterGroups(optimizer, self._masters, all_masters=all_masters, late=unfrozen)
         self._async = AsyncSteps(self, self._masters, self._groups, thread, refresh=self._refresh)
         self._grads = MasterGrads(self._masters, self._groups, self._before_grads, hands_off=async_step)
+        self._fused = FusedSteps(optimizer, self._groups, async_step=async_step)
         self._warned_unscaled_step = threading.Event()  # set once, from either thread
         for group in optimizer.param_groups:
             self._groups.adopt(group)
@@ -247,6 +249,13 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         """``scaler.unscale_(opt)`` (:class:`~fp16kit.core.protocol.MasterWeightOptimizer`)."""
         return self._grads.read(self._state(), inv_scale, found_inf, by_scaler=True)
 
+    def check_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> Flags:
+        """The scaler's check before a fused step, at scale 1: the grads stay in the model when the fused kernel takes
+        the step (:mod:`fp16kit.master_weights.fused_step`); otherwise as :meth:`unscale_grads_`."""
+        self._refresh()
+        flags = self._fused.check(self._state(), found_inf) if self._async.side().on_main else None
+        return flags if flags is not None else self.unscale_grads_(inv_scale, found_inf)
+
     def skip_decided(self) -> None:
         """The scaler read the flags and found them clean: the next ``step()`` reads none.
 
@@ -295,6 +304,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             self._masters.zero_grad(set_to_none)
             self.optimizer.zero_grad(set_to_none)
         if side.on_main:
+            self._fused.forget()
             self._grads.zeroed(set_to_none)  # for grads handed off to a job (master_grads)
             self._async.grads_cleared()
         side.state.reset()
@@ -316,6 +326,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         step are clipped as they are)."""
         state = self._state()
         self._refresh()
+        self._fused.settle(state)
         self._grads.ensure(state)
         if params is None:
             tensors = [p for g in self.param_groups for p in g["params"]]
@@ -336,7 +347,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         if grad_scale is None and found_inf is None and not state.in_masters:
-            self._warn_if_scaled()
+            warn_if_scaled(self._warned_unscaled_step)
         if self.submits_steps():
             if closure is not None:
                 raise RuntimeError(
@@ -347,8 +358,17 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             self._submit_async(state, scale=None, reduce=None)
             return None
         if closure is not None:
-            return self._step_with_closure(closure)
+            if found_inf is not None:
+                raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+            try:
+                return self.inner_step(self._grads.closure(state, closure))
+            finally:
+                state.reset()
         self._refresh()
+        if state.prepared is FUSED:  # the scaler's check left the grads to the fused kernel
+            self._async.apply_deferred()
+            return self._fused.step(state, grad_scale, found_inf)
+        self._fused.settle(state)
         self._grads.ensure(state)
         try:
             if found_inf is not None or grad_scale is not None:
@@ -365,12 +385,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             return self.inner_step()
         finally:
             state.stepped()
-
-    def _warn_if_scaled(self) -> None:
-        if self._warned_unscaled_step.is_set() or not scaled_iterations.any_open():
-            return
-        self._warned_unscaled_step.set()
-        logger.warning(_SCALED_STEP)
 
     def inner_step(
         self,
@@ -457,15 +471,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         if self._async.side().on_main:
             self._async.wait()
 
-    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
-        if getattr(self, "found_inf", None) is not None:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        state = self._state()
-        try:
-            return self.inner_step(self._grads.closure(state, closure))
-        finally:
-            state.reset()
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Return ``{"optimizer": wrapped optimizer's state dict, "masters": [[master, ...] per group]}``.
@@ -504,12 +509,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         raise RuntimeError(_NO_PICKLE)
 
     def __repr__(self) -> str:
-        d = self._masters.describe()
-        return (
-            f"MixedPrecisionOptimizer({d['count']} masters, {d['numel']} elements, "
-            f"{d['master_dtype']} on {', '.join(d['devices']) or '-'}{', flat' if d['flat'] else ''}; "
-            f"wrapping {self.optimizer!r})"
-        )
+        return f"MixedPrecisionOptimizer({self._masters.summary()}; wrapping {self.optimizer!r})"
 
 
 # Each of these calls is one commit: a Ctrl-C inside it is held to its end (fp16kit.core.interrupts).
@@ -520,6 +520,7 @@ commit_methods(
         "grads_to_masters": "optimizer.grads_to_masters()",
         "masters_to_model": "optimizer.masters_to_model()",
         "unscale_grads_": "the unscale of the optimizer's grads",
+        "check_grads_": "the scaler's check of the optimizer's grads",
         "skip_decided": "the scaler's skip decision",
         "submit_scaled_step": "the hand-off of the step to the optimizer thread",
         "zero_grad": "optimizer.zero_grad()",
@@ -541,12 +542,6 @@ commit_methods(
 _NO_PICKLE = (
     "MixedPrecisionOptimizer cannot be pickled or deep-copied (it refers to the model's params); "
     "save it with state_dict() and restore it with load_state_dict()."
-)
-_SCALED_STEP = (
-    "MixedPrecisionOptimizer.step() was called directly while a GradScaler has scaled a loss it "
-    "has not updated yet: these gradients are probably still multiplied by the loss scale and the "
-    "update is that many times too large. Call scaler.step(optimizer) (then scaler.update()) "
-    "instead of optimizer.step(). (Warned once per optimizer.)"
 )
 
 

@@ -17,7 +17,7 @@ edge up in this table (``TRANSITIONS``); an edge that is not there raises ``Runt
     unscaled         any                                                   UNSCALED
     skip_decided     UNSCALED                                              SKIP_DECIDED
                      STEPPED                                               STEPPED
-    stepped          UNSCALED, SKIP_DECIDED, STEPPED                       STEPPED
+    stepped          CHECKED, UNSCALED, SKIP_DECIDED, STEPPED              STEPPED
                      MODEL_GRADS, HANDED_OFF                               MODEL_GRADS
     submitted        CHECKED                                               STEPPED
 
@@ -43,7 +43,8 @@ edge up in this table (``TRANSITIONS``); an edge that is not there raises ``Runt
 * ``skip_decided``: a scaler read the flags and found them clean; the step reads none. In
   STEPPED (``scaler.unscale_(opt)``, ``opt.step()``, then ``scaler.step(opt)``) the grads were
   stepped with already and stay so: the next step applies them again, as torch's would.
-* ``stepped``: a synchronous step ran. The masters keep the grads it read, as a plain
+* ``stepped``: a synchronous step ran (from CHECKED: the fused kernel took the grads from the model,
+  :mod:`fp16kit.master_weights.fused_step`). The masters keep the grads it read, as a plain
   optimizer's params keep theirs -- a second ``step()`` with no new backward applies them
   again (as torch) -- but no scaler's check or decision carries over. ``submitted``: a checked
   step went to the optimizer thread.
@@ -95,7 +96,7 @@ TRANSITIONS: dict[str, dict[Stage, Stage]] = {
     "checked": dict.fromkeys(_ANY, _C),
     "unscaled": dict.fromkeys(_ANY, _U),
     "skip_decided": {_U: _S, _T: _T},
-    "stepped": {**dict.fromkeys((_U, _S, _T), _T), _M: _M, _H: _M},
+    "stepped": {**dict.fromkeys((_C, _U, _S, _T), _T), _M: _M, _H: _M},
     "submitted": {_C: _T},
 }
 """``event -> {from stage: to stage}``: the machine's every edge (the module docstring's table)."""

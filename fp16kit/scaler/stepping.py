@@ -57,6 +57,9 @@ def unscale_grads(
     A master-weight optimizer (MixedPrecisionOptimizer: fp16 model grads -> fp32 master grads)
     unscales into its masters (fp16kit.core.protocol)."""
     if speaks_master_protocol(optimizer):
+        check = getattr(optimizer, "check_grads_", None)
+        if allow_fp16 and check is not None:  # torch's check before a fused step (_check_inf_per_device)
+            return check(inv_scale, found_inf)
         return optimizer.unscale_grads_(inv_scale, found_inf)
     try:
         return kernels.unscale_grads_(_optimizer_params(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16)

@@ -250,6 +250,17 @@ def test_ctrl_c_anywhere_in_a_scaled_step_fp16(async_step: bool, call: str) -> N
     assert counts["points"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_ctrl_c_anywhere_in_a_step_the_fused_kernel_takes(dtype: torch.dtype) -> None:
+    # AdamW(fused=True): from the second step on, the scaler's check and the step are the kernel's
+    # (fp16kit.master_weights.fused_step); the overflow at iteration 1 is a skipped kernel step.
+    for overflow_at in (None, 1):
+        counts = sweep(
+            mpo_script(dtype=dtype, fused=True, overflow_at=overflow_at), at_iteration=1, call="step", **FAST
+        )
+        assert counts["points"] > 0
+
+
 @pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
 def test_ctrl_c_anywhere_in_step_without_a_scaler_bf16(async_step: bool) -> None:
     sweep(mpo_script(dtype=torch.bfloat16, async_step=async_step, scaler=False), at_iteration=1, call="step", **FAST)

@@ -32,7 +32,7 @@ def _own_scaled_iterations(monkeypatch):
     # The registry is process-wide: a scaler another test left mid-iteration must not count.
     fresh = protocol.ScaledIterations()
     monkeypatch.setattr(fp16kit.scaler.grad_scaler, "scaled_iterations", fresh)
-    monkeypatch.setattr(fp16kit.master_weights.optimizer, "scaled_iterations", fresh)
+    monkeypatch.setattr(fp16kit.master_weights.misuse, "scaled_iterations", fresh)
 
 
 def _mode2(model, opt, scaler, iters, *, explicit=True, inject=()):

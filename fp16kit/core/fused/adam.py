@@ -46,7 +46,7 @@ import torch
 
 from . import build
 
-__all__ = ["AdamPlan", "PlanMismatch", "check_finite_", "forms", "kernel_refusal", "library"]
+__all__ = ["AdamPlan", "PlanMismatch", "check_finite_", "forms", "kernel_refusal", "library", "unscaled_grads"]
 
 logger = logging.getLogger("fp16kit")
 
@@ -223,6 +223,17 @@ def check_finite_(plan: AdamPlan, grads: torch.Tensor, found_inf: torch.Tensor) 
         plan.n, _p64(grads), plan._ptr_args[1], plan._ptr_args[2], CHUNK, plan.kind, _pf(found_inf),
         torch.get_num_threads(),
     )  # fmt: skip
+
+
+def unscaled_grads(grads16: Sequence[torch.Tensor], grad_scale: torch.Tensor | None) -> list[torch.Tensor]:
+    """What torch's fused step leaves in the masters' ``.grad``: ``float(grad16) / grad_scale`` (None: no division).
+
+    The kernel keeps no master grads; a caller that must show them (a second step with no new backward) makes
+    them with this, bit for bit torch's (its kernel divides too, correctly rounded)."""
+    out = [g.float() for g in grads16]
+    if grad_scale is not None and out:
+        torch._foreach_div_(out, grad_scale)
+    return out
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> None:

@@ -1,0 +1,152 @@
+"""The one-pass step: a MixedPrecisionOptimizer's masters stepped by the fused kernel (:mod:`fp16kit.core.fused`).
+
+``scaler.step(opt)`` on a MixedPrecisionOptimizer wrapping torch's ``Adam``/``AdamW(fused=True)`` follows torch's
+fused protocol: the scaler checks the grads at scale 1 (``_check_inf_per_device``), then calls ``opt.step()`` with
+``grad_scale``/``found_inf`` set. With the kernel the check reads the 16-bit model grads where they are (the step
+state goes to CHECKED, nothing moved), and the step goes from them to the masters, the Adam state and the 16-bit
+params in one pass -- where the torch-op path copies the grads into fp32 master grads, checks them, runs torch's
+fused step and copies the masters back::
+
+    check(found_inf)         every group takes the kernel (below)?  check the 16-bit grads -> flags
+                             else None: the caller moves the grads into the masters as before
+    step(grad_scale, found_inf)   the kernel, group by group (nothing changes when found_inf is set)
+    settle(state)            before anything reads the master grads of a step the kernel took (a second
+                             step() with no new backward, a clip after the step): they are made then --
+                             float(model grad) / grad_scale, what torch's fused step leaves there
+
+The numbers are the torch-op path's bit for bit (masters, state, steps, 16-bit params; tested), except that the
+masters hold no ``.grad`` after the step until :meth:`settle` makes it. The kernel takes a step when all hold:
+
+* synchronous steps on the CPU (masters on their params' device), no step hooks on the wrapped optimizer;
+* every param of every group has a master (no fp32 params stepped directly, none frozen since wrapping), one
+  16-bit dtype per group, and a contiguous grad;
+* the wrapped optimizer is torch's Adam/AdamW with ``fused=True`` (:func:`~fp16kit.core.fused.kernel_refusal`)
+  and has its state (the first step is torch's: it creates it).
+
+Otherwise the torch-op path runs, with the same numbers. ``FP16KIT_FUSED=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from ..core import fused
+from ..core.protocol import Flags
+from .groups import MasterGroups
+from .step_state import Stage, StepState
+
+__all__ = ["FUSED", "FusedSteps"]
+
+FUSED = "the fused kernel takes this step"
+"""The ``prepared`` value of a CHECKED step state whose step the kernel takes."""
+
+
+class FusedSteps:
+    """A MixedPrecisionOptimizer's kernel steps: the plans per param group and the step the kernel took last."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: MasterGroups, *, async_step: bool) -> None:
+        self.optimizer = optimizer
+        self.groups = groups
+        self.async_step = async_step
+        if not async_step and any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
+            for group in optimizer.param_groups:  # build and calibrate the kernel now, not inside a step
+                fused.kernel_refusal(optimizer, group)
+        self._plans: dict[int, fused.AdamPlan] = {}
+        self._ready: list[tuple[fused.AdamPlan, torch.Tensor, dict[str, Any]]] = []
+        self._taken: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor | None] | None
+        self._taken = None
+
+    def check(self, state: StepState, found_inf: torch.Tensor) -> Flags | None:
+        """Check the 16-bit model grads for inf/NaN into ``found_inf`` when the kernel can take this step, else None.
+
+        Taken, the step state goes to CHECKED with ``prepared=FUSED`` (the grads stay in the model)."""
+        self._ready = []
+        if state.stage is not Stage.MODEL_GRADS or self.async_step or found_inf.device.type != "cpu" or self._hooked():
+            return None
+        ready = []
+        for gi, (group, mg) in enumerate(zip(self.optimizer.param_groups, self.groups)):
+            plan = self._plan(gi, group, mg)
+            if plan is None:
+                return None
+            grads = plan.grads([p.grad for p in mg.model_params])
+            if grads is None:
+                return None
+            ready.append((plan, grads, group))
+        if not ready:
+            return None
+        for plan, grads, _ in ready:
+            fused.check_finite_(plan, grads, found_inf)
+        self._ready = ready
+        flags = {found_inf.device: found_inf}
+        state.checked(flags, prepared=FUSED, verdict=found_inf)
+        return flags
+
+    def step(self, state: StepState, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """Take the CHECKED step (``state.prepared is FUSED``) with the kernel; the state goes to STEPPED."""
+        if state.stage is not Stage.CHECKED or state.prepared is not FUSED or not self._ready:
+            raise RuntimeError("internal: FusedSteps.step without a check that took the step")
+        try:
+            self._step(grad_scale, found_inf)
+        finally:
+            state.stepped()
+
+    def _step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        ready, self._ready = self._ready, []
+        model_params = [p for plan, _, _ in ready for p in plan.params16]
+        masters = [m for plan, _, _ in ready for m in plan.masters]
+        keep = [None if t is None else t.clone() for t in (grad_scale, found_inf)]  # (the scaler updates its own)
+        self._taken = (model_params, masters, keep[0], keep[1])
+        for plan, grads, group in ready:
+            plan.step(grads, group, grad_scale=grad_scale, found_inf=found_inf)
+
+    def settle(self, state: StepState) -> None:
+        """Make the master grads of the step the kernel took, if something is about to read them (module docstring)."""
+        taken, self._taken = self._taken, None
+        if taken is None or state.stage is not Stage.STEPPED:
+            return
+        model_params, masters, grad_scale, found_inf = taken
+        grads = [p.grad for p in model_params]
+        if any(g is None for g in grads):
+            return  # a new backward or zero_grad since: nothing of that step is read again
+        if found_inf is not None and found_inf.item():  # skipped: torch's kernel left the grads scaled
+            grad_scale = None
+        for m, g in zip(masters, fused.unscaled_grads(grads, grad_scale)):  # type: ignore[arg-type]
+            m.grad = g
+
+    def forget(self) -> None:
+        """``zero_grad()``, a hand-off, a checkpoint load: the step the kernel took is over."""
+        self._ready = []
+        self._taken = None
+
+    # ------------------------------------------------------------------ eligibility
+    def _hooked(self) -> bool:
+        opt = self.optimizer
+        return bool(
+            opt._optimizer_step_pre_hooks
+            or opt._optimizer_step_post_hooks
+            or "step" in vars(opt)
+            or torch_optimizer._global_optimizer_pre_hooks
+            or torch_optimizer._global_optimizer_post_hooks
+        )
+
+    def _plan(self, gi: int, group: dict[str, Any], mg: Any) -> fused.AdamPlan | None:
+        if mg.direct or mg.watched or len(group["params"]) != len(mg.masters) or not mg.masters:
+            return None
+        if not all(map(operator.is_, group["params"], mg.masters)):
+            return None
+        plan = self._plans.get(gi)
+        if plan is not None and plan.current() and all(map(operator.is_, plan.masters, mg.masters)):
+            return plan
+        self._plans.pop(gi, None)
+        if fused.kernel_refusal(self.optimizer, group) is not None:
+            return None
+        try:
+            plan = fused.AdamPlan(mg.model_params, mg.masters, self.optimizer)
+        except ValueError:  # no state yet (the first step), another device, mixed dtypes: torch's ops
+            return None
+        self._plans[gi] = plan
+        return plan

@@ -1,0 +1,195 @@
+"""MixedPrecisionOptimizer's one-pass steps (fp16kit.master_weights.fused_step): the torch-op path's numbers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import fp16kit
+from fp16kit.core.fused import adam
+from fp16kit.master_weights.fused_step import FusedSteps
+
+pytestmark = pytest.mark.skipif(adam.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """Turn the kernel off for the reference run: the torch-op path."""
+
+    def off():
+        monkeypatch.setattr(FusedSteps, "check", lambda self, state, found_inf: None)
+
+    return off
+
+
+def _model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.ReLU(), torch.nn.Linear(129, 5)).to(dtype)
+
+
+def _batch(i: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(8, 37, generator=torch.Generator().manual_seed(100 + i)).to(dtype)
+
+
+def _train(
+    *,
+    dtype: torch.dtype = torch.float16,
+    flat: bool = False,
+    cls: Any = torch.optim.AdamW,
+    groups: bool = False,
+    steps: int = 7,
+    overflow_at: tuple[int, ...] = (3,),
+    each: Any = None,
+) -> dict[str, Any]:
+    model = _model(dtype)
+    params: Any = model.parameters()
+    if groups:  # two groups, their own hyperparameters
+        first, second = list(model[0].parameters()), list(model[2].parameters())
+        params = [{"params": first, "lr": 3e-3, "weight_decay": 0.1}, {"params": second, "betas": (0.3, 0.99)}]
+    opt = fp16kit.MixedPrecisionOptimizer(cls(params, lr=1e-2, weight_decay=0.01, fused=True), flat=flat)
+    scaler = fp16kit.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    grads_after_step = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = model(_batch(i, dtype)).float().pow(2).mean()
+        scaler.scale(loss * (1e30 if i in overflow_at else 1)).backward()
+        scaler.step(opt)
+        grads_after_step.append([m.grad is None for m in opt.master_params])
+        if each is not None:
+            each(i, model, opt, scaler)
+        scaler.update()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "masters": [m.detach().clone() for m in opt.master_params],
+        "opt": opt.state_dict(),
+        "scaler": scaler.state_dict(),
+        "no_master_grads": grads_after_step,
+    }
+
+
+def _assert_same(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def _compare(torch_ops, **kw):
+    mine = _train(**kw)
+    torch_ops()
+    ref = _train(**kw)
+    for key in ("params", "masters", "opt", "scaler"):
+        _assert_same(mine[key], ref[key], key)
+    return mine, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("flat", [False, True], ids=["per-tensor", "flat"])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam], ids=["adamw", "adam"])
+def test_the_kernel_steps_bit_for_bit_as_the_torch_op_path(torch_ops, dtype, flat, cls):
+    mine, ref = _compare(torch_ops, dtype=dtype, flat=flat, cls=cls)
+    # the first step is torch's (it creates the state); from then on the kernel's, which makes no master grads
+    assert not any(mine["no_master_grads"][0]) and all(all(s) for s in mine["no_master_grads"][1:])
+    assert not any(any(s) for s in ref["no_master_grads"])
+
+
+def test_param_groups_with_their_own_hyperparameters(torch_ops):
+    _compare(torch_ops, groups=True, overflow_at=(2, 3))
+
+
+def test_a_second_step_without_a_backward_applies_the_same_grads_again(torch_ops):
+    made = []
+
+    def again(i, model, opt, scaler):
+        if i == 4:
+            opt.step()  # torch re-applies the unscaled grads its fused step left in the masters' .grad
+            made.append(all(m.grad is not None for m in opt.master_params))
+
+    _compare(torch_ops, each=again)
+    assert made == [True, True]  # (made by settle() before the second step; the reference had them)
+
+
+def test_clipping_after_the_step_sees_the_step_s_unscaled_grads(torch_ops):
+    norms = []
+
+    def clip(i, model, opt, scaler):
+        norms.append(opt.clip_grad_norm_(1e9))
+
+    _compare(torch_ops, each=clip)
+    mine = norms[:7]
+    ref = norms[7:]
+    assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) for a, b in zip(mine, ref))  # (step 3 overflows)
+
+
+def test_a_checkpoint_round_trip_mid_run(torch_ops):
+    def reload(i, model, opt, scaler):
+        if i == 3:
+            opt.load_state_dict(opt.state_dict())  # new state tensors: the kernel's plan is rebuilt
+
+    _compare(torch_ops, each=reload)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    ["unscale_and_clip", "foreach", "hook", "fp32_param", "async"],
+)
+def test_what_the_kernel_leaves_to_torch_s_ops(setup):
+    model = _model(torch.float16)
+    extra = torch.nn.Parameter(torch.zeros(3))  # an fp32 param: stepped as it is, beside the masters
+    params = [*model.parameters(), *([extra] if setup == "fp32_param" else [])]
+    inner = torch.optim.AdamW(params, lr=1e-2, fused=setup != "foreach")
+    opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=setup == "async")
+    if setup == "hook":
+        inner.register_step_pre_hook(lambda *a: None)
+    scaler = fp16kit.GradScaler("cpu", init_scale=2.0**10)
+    for i in range(3):
+        opt.zero_grad()
+        scaler.scale(model(_batch(i, torch.float16)).float().pow(2).mean() + extra.sum()).backward()
+        if setup == "unscale_and_clip":
+            scaler.unscale_(opt)
+            opt.clip_grad_norm_(1.0)
+        scaler.step(opt)
+        if setup != "async":  # (its job holds the master grads)
+            assert all(m.grad is not None for m in opt.master_params), (setup, i)
+        scaler.update()
+    opt.synchronize()
+
+
+def test_fp16kit_fused_0_means_torch_s_ops_with_the_same_numbers(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, fp16kit\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(33, 17).half()\n"
+        "o = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True))\n"
+        "s = fp16kit.GradScaler('cpu', init_scale=1024.)\n"
+        "for i in range(4):\n"
+        "    o.zero_grad(); s.scale(m(torch.randn(4, 33, generator=torch.Generator().manual_seed(i)).half()).float().sum()).backward()\n"
+        "    s.step(o); s.update()\n"
+        "print(all(x.grad is None for x in o.master_params), m.weight.float().sum().item())\n"
+    )
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**__import__("os").environ, **env},
+            check=True,
+        ).stdout.split()
+        for env in ({}, {"FP16KIT_FUSED": "0"})
+    ]
+    assert outs[0][0] == "True" and outs[1][0] == "False"  # the kernel ran, then it did not
+    assert outs[0][1] == outs[1][1]
