@@ -203,7 +203,7 @@ AVX void fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *nume
                              const float *found_inf, int32_t threads) {
     if (found_inf && *found_inf == 1.0f) return; /* torch's fused skip: nothing changes, steps included */
     for (int64_t i = 0; i < n; i++) *(float *)ptrs[6 * i + 5] += 1.0f; /* torch: _foreach_add_(steps, 1) */
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (int64_t c = 0; c < chunk_start[n]; c++) {
         int64_t i = tensor_of(chunk_start, n, c), lo = (c - chunk_start[i]) * chunk;
         int64_t hi = lo + chunk < numel[i] ? lo + chunk : numel[i];
@@ -221,7 +221,7 @@ AVX void fp16kit_check_finite(int64_t n, const int64_t *grads, const int64_t *nu
                               int64_t chunk, int32_t kind, float *found_inf, int32_t threads) {
     int bad = 0;
     const uint16_t expo = kind == BF16 ? 0x7f80 : 0x7c00; /* exponent all ones: inf or NaN */
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad)
     for (int64_t c = 0; c < chunk_start[n]; c++) {
         int64_t i = tensor_of(chunk_start, n, c), lo = (c - chunk_start[i]) * chunk;
         int64_t hi = lo + chunk < numel[i] ? lo + chunk : numel[i];
