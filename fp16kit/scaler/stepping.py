@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -109,7 +110,7 @@ def fused_step(
     (deprecated by torch, with this FutureWarning). New protocol: it reads `grad_scale` and
     `found_inf` attributes and skips/unscales inside its kernel."""
     kwargs_ = kwargs
-    has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+    has_grad_scaler_kwarg = _takes_grad_scaler(optimizer.step)
     if has_grad_scaler_kwarg:
         warnings.warn(
             "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -142,6 +143,27 @@ def fused_step(
         del optimizer.grad_scale  # type: ignore[attr-defined]
         del optimizer.found_inf  # type: ignore[attr-defined]
     return retval
+
+
+_GRAD_SCALER_KWARG: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _takes_grad_scaler(step: Any) -> bool:
+    """Does ``step`` take torch's old ``grad_scaler`` keyword? (``inspect.signature`` once per function.)
+
+    torch's ``step()`` inspects the signature at every step (some 20 us); the answer is the function's, so it is
+    kept per function (a bound method's ``__func__``; weakly, so a function can be freed)."""
+    fn = getattr(step, "__func__", step)
+    try:
+        return _GRAD_SCALER_KWARG[fn]
+    except (KeyError, TypeError):
+        pass
+    found = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _GRAD_SCALER_KWARG[fn] = found
+    except TypeError:  # not weakly referenceable (a C function, a callable object): ask again next time
+        pass
+    return found
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

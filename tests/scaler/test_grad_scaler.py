@@ -266,3 +266,39 @@ def test_copies_keep_the_process_group_pickles_cannot():
         clone.unscale_(opt)
     clone.set_process_group(None)  # explicitly single-process from now on
     clone.unscale_(opt)
+
+
+def test_the_grad_scaler_keyword_is_looked_up_per_function_and_warned_at_every_step():
+    # fp16kit keeps inspect.signature's answer per step function (torch asks at every step):
+    # each optimizer still gets the protocol its own step() takes, and the FutureWarning every time.
+    import warnings as _warnings
+
+    class Old(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, *, grad_scaler=None):
+            self.got = grad_scaler
+            return super().step(closure)
+
+    class New(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None):
+            self.got = (self.grad_scale.item(), self.found_inf.item())  # (a fused kernel would step here)
+
+    model = torch.nn.Linear(3, 1)
+    old, new = Old(model.parameters(), lr=0.1), New(model.parameters(), lr=0.1)
+    scaler = fp16kit.GradScaler("cpu", init_scale=4.0)
+    for _ in range(3):
+        old.zero_grad()
+        scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+        with _warnings.catch_warnings(record=True) as rec:
+            _warnings.simplefilter("always")
+            scaler.step(old)
+            scaler.step(new)
+        assert [w.category for w in rec] == [FutureWarning]
+        assert old.got is scaler and new.got == (4.0, 0.0)
+        old.step = lambda closure=None: "patched"  # an instance's own step: its own signature
+        assert fp16kit.scaler.stepping._takes_grad_scaler(old.step) is False
+        del old.step
+        scaler.update()
