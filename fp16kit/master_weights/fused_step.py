@@ -101,7 +101,7 @@ class FusedSteps:
         keep = [None if t is None else t.clone() for t in (grad_scale, found_inf)]  # (the scaler updates its own)
         self._taken = (model_params, masters, keep[0], keep[1])
         for plan, grads, group in ready:
-            plan.step(grads, group, grad_scale=grad_scale, found_inf=found_inf)
+            plan.step(grads, group, grad_scale=grad_scale, found_inf=found_inf, verify=False)  # (check() just did)
 
     def settle(self, state: StepState) -> None:
         """Make the master grads of the step the kernel took, if something is about to read them (module docstring)."""

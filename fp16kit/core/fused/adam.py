@@ -140,6 +140,7 @@ class AdamPlan:
         self.params16 = list(params16)
         self.masters = list(masters)
         self.states = states
+        self._state_map, self._state_values = optimizer.state, list(optimizer.state.values())
         self.exp_avgs = [s["exp_avg"] for s in states]
         self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         self.steps = [s["step"] for s in states]
@@ -160,13 +161,20 @@ class AdamPlan:
         self._ptr_args = (_p64(self.ptrs), _p64(self.numel), _p64(self.chunk_start))
 
     def current(self) -> bool:
-        """Does the optimizer's state still hold the tensors this plan addresses?"""
+        """Does the optimizer's state still hold the tensors this plan addresses?
+
+        Identity comparisons only: the state mapping's values as they were (no tensor hashing), then each state's
+        tensors; a changed mapping (``load_state_dict`` replaces it; a first step adds to it) is looked up again."""
         get_a, get_v, get_s = (operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "step"))
-        states: list[Any] = list(map(self.optimizer.state.get, self.masters))  # (load_state_dict replaces the mapping)
+        state = self.optimizer.state
         try:
+            if state is not self._state_map or not all(map(operator.is_, state.values(), self._state_values)):
+                states: list[Any] = list(map(state.get, self.masters))
+                if not all(map(operator.is_, states, self.states)):
+                    return False
+                self._state_map, self._state_values = state, list(state.values())
             return (
-                all(map(operator.is_, states, self.states))
-                and all(map(operator.is_, map(get_a, self.states), self.exp_avgs))
+                all(map(operator.is_, map(get_a, self.states), self.exp_avgs))
                 and all(map(operator.is_, map(get_v, self.states), self.exp_avg_sqs))
                 and all(map(operator.is_, map(get_s, self.states), self.steps))
             )
@@ -193,16 +201,18 @@ class AdamPlan:
         *,
         grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None,
+        verify: bool = True,
     ) -> None:
         """Step every tensor of the plan with the 16-bit grads at the addresses ``grads`` (:meth:`grads`).
 
         ``group``: the param group's hyperparameters; ``grad_scale``: the loss scale the grads carry (a float32 CPU
-        tensor, or None: unscaled); ``found_inf``: a float32 CPU flag (1: skip the whole step), or None."""
+        tensor, or None: unscaled); ``found_inf``: a float32 CPU flag (1: skip the whole step), or None.
+        ``verify=False``: the caller checked :meth:`current` since the state last could change."""
         lib = library()
         found = forms()
         if lib is None or found is None:
             raise RuntimeError("internal: AdamPlan.step called with the kernel off (check kernel_refusal first)")
-        if not self.current():
+        if verify and not self.current():
             raise PlanMismatch("The optimizer's state holds other tensors than this plan's (load_state_dict?).")
         self.ptrs[:, 0] = grads
         hyper = _group(group, found, decoupled=bool(group.get("decoupled_weight_decay")))
