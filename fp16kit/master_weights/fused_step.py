@@ -1,7 +1,7 @@
 """The one-pass step: a MixedPrecisionOptimizer's masters stepped by the fused kernel (:mod:`fp16kit.core.fused`).
 
-``scaler.step(opt)`` on a MixedPrecisionOptimizer wrapping torch's ``Adam``/``AdamW(fused=True)`` follows torch's
-fused protocol: the scaler checks the grads at scale 1 (``_check_inf_per_device``), then calls ``opt.step()`` with
+``opt.step()`` with no scaler (bf16 models) checks the grads and steps the same way. ``scaler.step(opt)`` on a
+MixedPrecisionOptimizer wrapping torch's ``Adam``/``AdamW(fused=True)`` follows torch's fused protocol: the scaler checks the grads at scale 1 (``_check_inf_per_device``), then calls ``opt.step()`` with
 ``grad_scale``/``found_inf`` set. With the kernel the check reads the 16-bit model grads where they are (the step
 state goes to CHECKED, nothing moved), and the step goes from them to the masters, the Adam state and the 16-bit
 params in one pass -- where the torch-op path copies the grads into fp32 master grads, checks them, runs torch's
@@ -86,9 +86,13 @@ class FusedSteps:
         return flags
 
     def step(self, state: StepState, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        """Take the CHECKED step (``state.prepared is FUSED``) with the kernel; the state goes to STEPPED."""
+        """Take the CHECKED step (``state.prepared is FUSED``) with the kernel; the state goes to STEPPED.
+
+        ``found_inf`` None (no scaler: ``opt.step()`` checked the grads itself): the check's own flag decides."""
         if state.stage is not Stage.CHECKED or state.prepared is not FUSED or not self._ready:
             raise RuntimeError("internal: FusedSteps.step without a check that took the step")
+        if found_inf is None and grad_scale is None:
+            found_inf = next(iter(state.flags.values()))
         try:
             self._step(grad_scale, found_inf)
         finally:

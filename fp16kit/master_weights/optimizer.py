@@ -350,11 +350,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             warn_if_scaled(self._warned_unscaled_step)
         if self.submits_steps():
             if closure is not None:
-                raise RuntimeError(
-                    "Closures are not supported with async_step=True: the step runs later on the "
-                    "optimizer thread, but a closure must re-evaluate the model now. Build the "
-                    "MixedPrecisionOptimizer with async_step=False for LBFGS-style optimizers."
-                )
+                raise RuntimeError(_NO_ASYNC_CLOSURE)
             self._submit_async(state, scale=None, reduce=None)
             return None
         if closure is not None:
@@ -365,7 +361,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             finally:
                 state.reset()
         self._refresh()
-        if state.prepared is FUSED:  # the scaler's check left the grads to the fused kernel
+        if grad_scale is None and found_inf is None:  # no scaler (bf16): the fused kernel may check here
+            self._fused.check(state, kernels.new_found_inf(self._groups.flag_device()))
+        if state.prepared is FUSED:  # the check left the grads to the fused kernel
             self._async.apply_deferred()
             return self._fused.step(state, grad_scale, found_inf)
         self._fused.settle(state)
@@ -539,6 +537,10 @@ commit_methods(
 )
 
 
+_NO_ASYNC_CLOSURE = (
+    "Closures are not supported with async_step=True: the step runs later on the optimizer thread, but a closure "
+    "must re-evaluate the model now. Build the MixedPrecisionOptimizer with async_step=False for LBFGS-style optimizers."
+)
 _NO_PICKLE = (
     "MixedPrecisionOptimizer cannot be pickled or deep-copied (it refers to the model's params); "
     "save it with state_dict() and restore it with load_state_dict()."

@@ -259,6 +259,8 @@ def test_ctrl_c_anywhere_in_a_step_the_fused_kernel_takes(dtype: torch.dtype) ->
             mpo_script(dtype=dtype, fused=True, overflow_at=overflow_at), at_iteration=1, call="step", **FAST
         )
         assert counts["points"] > 0
+    # no scaler: opt.step() checks the grads itself and steps in the kernel
+    sweep(mpo_script(dtype=dtype, fused=True, scaler=False), at_iteration=1, call="step", **FAST)
 
 
 @pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])

@@ -193,3 +193,27 @@ def test_fp16kit_fused_0_means_torch_s_ops_with_the_same_numbers(tmp_path):
     ]
     assert outs[0][0] == "True" and outs[1][0] == "False"  # the kernel ran, then it did not
     assert outs[0][1] == outs[1][1]
+
+
+def _train_without_a_scaler(dtype: torch.dtype, nan_at: int) -> dict[str, Any]:
+    model = _model(dtype)
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    no_grads = []
+    for i in range(6):
+        opt.zero_grad()
+        loss = model(_batch(i, dtype)).float().pow(2).mean()
+        (loss * float("nan") if i == nan_at else loss).backward()
+        assert opt.step() is None
+        no_grads.append(all(m.grad is None for m in opt.master_params))
+    return {"params": list(model.parameters()), "masters": opt.master_params, "opt": opt.state_dict(), "no": no_grads}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_without_a_scaler_step_checks_and_steps_in_the_kernel(torch_ops, dtype):
+    # bf16 models train without a loss scale: opt.step() checks the grads (a NaN step is skipped) and steps
+    mine = _train_without_a_scaler(dtype, nan_at=3)
+    torch_ops()
+    ref = _train_without_a_scaler(dtype, nan_at=3)
+    for key in ("params", "masters", "opt"):
+        _assert_same(mine[key], ref[key], key)
+    assert mine["no"] == [False, True, True, True, True, True] and not any(ref["no"])
