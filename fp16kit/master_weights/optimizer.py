@@ -250,8 +250,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         return self._grads.read(self._state(), inv_scale, found_inf, by_scaler=True)
 
     def check_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> Flags:
-        """The scaler's check before a fused step, at scale 1: the grads stay in the model when the fused kernel takes
-        the step (:mod:`fp16kit.master_weights.fused_step`); otherwise as :meth:`unscale_grads_`."""
+        """The scaler's check before a fused step, at scale 1 (``GradScaler._check_inf_per_device``).
+
+        The grads stay in the model when the fused kernel takes the step (:mod:`fp16kit.master_weights.fused_step`);
+        otherwise as :meth:`unscale_grads_`."""
         self._refresh()
         flags = self._fused.check(self._state(), found_inf) if self._async.side().on_main else None
         return flags if flags is not None else self.unscale_grads_(inv_scale, found_inf)
