@@ -82,6 +82,15 @@ class Loop:
         for p, g in zip(self.params, self.grads):
             p.grad = g
 
+    def scaled_backward(self, clock: Any, loss: torch.Tensor, scale: torch.Tensor) -> None:
+        """What a hand-written loop does up to its step: clear the grads (set_to_none), scale the loss, and the
+        fake backward (not timed)."""
+        for p in self.params:
+            p.grad = None
+        loss * scale  # noqa: B018  (the scaled loss a backward would start from)
+        with clock.paused():
+            self.attach()
+
     def masters(self) -> list[torch.Tensor]:
         """The fp32 tensors this variant steps (for the equality tests)."""
         raise NotImplementedError
@@ -217,11 +226,7 @@ class HandStep(Loop):
 
     def iteration(self, clock: Any) -> None:
         with clock:
-            for p in self.params:
-                p.grad = None
-            self.loss * self.scale  # noqa: B018  (the scaled loss a backward would start from)
-            with clock.paused():
-                self.attach()
+            self.scaled_backward(clock, self.loss, self.scale)
             self.found_inf.zero_()
             torch._foreach_copy_(self.master_grads, _grads_of(self.params))
             torch._amp_foreach_non_finite_check_and_unscale_(self.master_grads, self.found_inf, self.one)
@@ -364,11 +369,7 @@ class FusedKernelStep(Loop):
 
     def iteration(self, clock: Any) -> None:
         with clock:
-            for p in self.params:
-                p.grad = None
-            self.loss * self.scale  # noqa: B018  (the scaled loss a backward would start from)
-            with clock.paused():
-                self.attach()
+            self.scaled_backward(clock, self.loss, self.scale)
             grads = self.plan.grads(_grads_of(self.params))
             assert grads is not None
             self.found_inf.zero_()

@@ -203,7 +203,7 @@ def _one(
         done = outcome.completed
         saved = _roundtrip(script.checkpoint(world))
         expected = points[(at, target, "after" if done else "before")]
-        _assert_equal(saved, expected, f"{where} ({'completed' if done else 'not completed'}): checkpoint")
+        assert_equal(saved, expected, f"{where} ({'completed' if done else 'not completed'}): checkpoint")
         counts["completed" if done else "repeated"] += 1
         rest = calls[k + 1 :] if done else calls[k:]
         if resume:
@@ -211,7 +211,7 @@ def _one(
         _run_calls(world, rest)
         for i in range(at + 1, script.iterations):
             _run_calls(world, script.iteration(world, i))
-        _assert_equal(script.state(world), final_ref, f"{where}: after recovery, final state")
+        assert_equal(script.state(world), final_ref, f"{where}: after recovery, final state")
         return True
     finally:
         script.close(world)
@@ -241,7 +241,7 @@ def _resume(
         script.restore(world, saved)
         for i in range(start, script.iterations):
             _run_calls(world, script.iteration(world, i))
-        _assert_equal(script.state(world), final_ref, f"{where}: resumed from its checkpoint, final state")
+        assert_equal(script.state(world), final_ref, f"{where}: resumed from its checkpoint, final state")
         counts["resumed"] += 1
     finally:
         script.close(world)
@@ -254,7 +254,7 @@ def _roundtrip(obj: Any) -> Any:
     return torch.load(buf, weights_only=True)
 
 
-def _assert_equal(a: Any, b: Any, where: str, path: str = "") -> None:
+def assert_equal(a: Any, b: Any, where: str, path: str = "") -> None:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}{path}: {a!r} vs {b!r}"
         assert a.dtype == b.dtype and a.shape == b.shape, (
@@ -267,12 +267,12 @@ def _assert_equal(a: Any, b: Any, where: str, path: str = "") -> None:
     if isinstance(a, dict) and isinstance(b, dict):
         assert list(a) == list(b), f"{where}{path}: keys {list(a)} vs {list(b)}"
         for key in a:
-            _assert_equal(a[key], b[key], where, f"{path}[{key!r}]")
+            assert_equal(a[key], b[key], where, f"{path}[{key!r}]")
         return
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         assert len(a) == len(b), f"{where}{path}: length {len(a)} vs {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, where, f"{path}[{i}]")
+            assert_equal(x, y, where, f"{path}[{i}]")
         return
     assert a == b or (a != a and b != b), f"{where}{path}: {a!r} vs {b!r}"
 

@@ -27,8 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from _helpers.interrupt import Script, run_all, sweep
-from _helpers.interrupt import _assert_equal as assert_equal
+from _helpers.interrupt import Script, assert_equal, run_all, sweep
 from _helpers.interrupt import _roundtrip as roundtrip
 from fp16kit.core.interrupts import completed
 from fp16kit.legacy import FP16_Optimizer, amp

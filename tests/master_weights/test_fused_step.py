@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fp16kit
+from _helpers.interrupt import assert_equal
 from fp16kit.core.fused import adam
 from fp16kit.master_weights.fused_step import FusedSteps
 
@@ -69,28 +70,12 @@ def _train(
     }
 
 
-def _assert_same(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 def _compare(torch_ops, **kw):
     mine = _train(**kw)
     torch_ops()
     ref = _train(**kw)
     for key in ("params", "masters", "opt", "scaler"):
-        _assert_same(mine[key], ref[key], key)
+        assert_equal(mine[key], ref[key], key)
     return mine, ref
 
 
@@ -215,5 +200,5 @@ def test_without_a_scaler_step_checks_and_steps_in_the_kernel(torch_ops, dtype):
     torch_ops()
     ref = _train_without_a_scaler(dtype, nan_at=3)
     for key in ("params", "masters", "opt"):
-        _assert_same(mine[key], ref[key], key)
+        assert_equal(mine[key], ref[key], key)
     assert mine["no"] == [False, True, True, True, True, True] and not any(ref["no"])

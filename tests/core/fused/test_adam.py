@@ -22,6 +22,16 @@ def _world(dtype: torch.dtype, sizes: list[int], seed: int = 0) -> tuple[list[to
     return p16, grads
 
 
+def _planned(p16: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.optim.Optimizer, fused.AdamPlan]:
+    """Masters of ``p16``, torch's fused AdamW on them after one step at zero grads (its state), and their plan."""
+    masters = [p.float() for p in p16]
+    opt = torch.optim.AdamW(masters, fused=True)
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    opt.step()
+    return masters, opt, fused.AdamPlan(p16, masters, opt)
+
+
 def _torch_run(cls, p16, grads, kwargs, scale, found_infs):
     """torch's fused optimizer on fp32 masters, then the copy into the 16-bit params: the reference."""
     params = [p.clone() for p in p16]
@@ -108,12 +118,7 @@ def test_unscaled_grads_and_no_flag():
 @pytest.mark.parametrize("where", [0, 16, 4096 + 8, -1])
 def test_check_finite_finds_every_non_finite_value_anywhere(dtype, bad, where):
     p16, grads = _world(dtype, [1, 17, 4096 + 9, 70_001])
-    masters = [p.float() for p in p16]
-    opt = torch.optim.AdamW(masters, fused=True)
-    for m in masters:
-        m.grad = torch.zeros_like(m)
-    opt.step()
-    plan = fused.AdamPlan(p16, masters, opt)
+    masters, opt, plan = _planned(p16)
     gs = grads[0]
     found = torch.zeros(())
     fused.check_finite_(plan, plan.grads(gs), found)
@@ -131,11 +136,7 @@ def test_check_finite_finds_every_non_finite_value_anywhere(dtype, bad, where):
 def test_the_largest_finite_values_are_finite():
     p16 = [torch.zeros(40, dtype=torch.float16), torch.zeros(40, dtype=torch.bfloat16)]
     for p in p16:
-        masters = [p.float()]
-        opt = torch.optim.AdamW(masters, fused=True)
-        masters[0].grad = torch.zeros_like(masters[0])
-        opt.step()
-        plan = fused.AdamPlan([p], masters, opt)
+        _, _, plan = _planned([p])
         g = torch.full((40,), torch.finfo(p.dtype).max, dtype=p.dtype)
         g[::2] = -torch.finfo(p.dtype).max
         found = torch.zeros(())
@@ -145,12 +146,7 @@ def test_the_largest_finite_values_are_finite():
 
 def test_a_missing_or_strided_grad_means_torch_s_ops():
     p16, grads = _world(torch.float16, [6, 12])
-    masters = [p.float() for p in p16]
-    opt = torch.optim.AdamW(masters, fused=True)
-    for m in masters:
-        m.grad = torch.zeros_like(m)
-    opt.step()
-    plan = fused.AdamPlan(p16, masters, opt)
+    masters, opt, plan = _planned(p16)
     assert plan.grads([grads[0][0], None]) is None
     strided = torch.zeros(24, dtype=torch.float16)[::2]
     assert plan.grads([grads[0][0], strided]) is None
@@ -160,12 +156,7 @@ def test_a_missing_or_strided_grad_means_torch_s_ops():
 
 def test_a_replaced_state_is_refused_before_anything_is_written():
     p16, grads = _world(torch.float16, [6, 12])
-    masters = [p.float() for p in p16]
-    opt = torch.optim.AdamW(masters, fused=True)
-    for m in masters:
-        m.grad = torch.zeros_like(m)
-    opt.step()
-    plan = fused.AdamPlan(p16, masters, opt)
+    masters, opt, plan = _planned(p16)
     opt.load_state_dict(opt.state_dict())  # new state tensors
     before = [m.clone() for m in masters]
     with pytest.raises(fused.PlanMismatch, match="load_state_dict"):
