@@ -11,8 +11,9 @@ fused step and copies the masters back::
                              else None: the caller moves the grads into the masters as before
     step(grad_scale, found_inf)   the kernel, group by group (nothing changes when found_inf is set)
     settle(state)            before anything reads the master grads of a step the kernel took (a second
-                             step() with no new backward, a clip after the step): they are made then --
-                             float(model grad) / grad_scale, what torch's fused step leaves there
+                             step(), scaler.step() or unscale_ with no new backward, a clip or inner_step()
+                             after the step): they are made then -- float(model grad) / grad_scale, what
+                             torch's fused step leaves there
 
 The numbers are the torch-op path's bit for bit (masters, state, steps, 16-bit params; tested), except that the
 masters hold no ``.grad`` after the step until :meth:`settle` makes it. The kernel takes a step when all hold:
@@ -37,7 +38,7 @@ from torch.optim import optimizer as torch_optimizer
 from ..core import fused
 from ..core.protocol import Flags
 from .groups import MasterGroups
-from .step_state import Stage, StepState
+from .step_state import Stage, StepState, TransferRecord
 
 __all__ = ["FUSED", "FusedSteps"]
 
@@ -82,7 +83,8 @@ class FusedSteps:
             fused.check_finite_(plan, grads, found_inf)
         self._ready = ready
         flags = {found_inf.device: found_inf}
-        state.checked(flags, prepared=FUSED, verdict=found_inf)
+        model_params = [p for plan, _, _ in ready for p in plan.params16]
+        state.checked(flags, prepared=FUSED, verdict=found_inf, transfer=TransferRecord(model_params))
         return flags
 
     def step(self, state: StepState, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
@@ -108,14 +110,19 @@ class FusedSteps:
             plan.step(grads, group, grad_scale=grad_scale, found_inf=found_inf, verify=False)  # (check() just did)
 
     def settle(self, state: StepState) -> None:
-        """Make the master grads of the step the kernel took, if something is about to read them (module docstring)."""
+        """Make the master grads of the step the kernel took, before anything reads them (module docstring).
+
+        Called by every entry point that reads or replaces master grads. When the model grads the kernel read are
+        still there (the step state's record), the masters get what torch's fused step leaves in their ``.grad``;
+        otherwise (a new backward, an edit, ``zero_grad``) the state machine re-reads the model grads as it would
+        after any step, and nothing of the kernel's step is read again."""
         taken, self._taken = self._taken, None
         if taken is None or state.stage is not Stage.STEPPED:
             return
         model_params, masters, grad_scale, found_inf = taken
+        if not state.current(model_params):
+            return
         grads = [p.grad for p in model_params]
-        if any(g is None for g in grads):
-            return  # a new backward or zero_grad since: nothing of that step is read again
         if found_inf is not None and found_inf.item():  # skipped: torch's kernel left the grads scaled
             grad_scale = None
         for m, g in zip(masters, fused.unscaled_grads(grads, grad_scale)):  # type: ignore[arg-type]

@@ -26,7 +26,8 @@
         cannot be skipped inside the optimizer); from the second evaluation on, the model
         first gets the masters' current values
 
-``before_write`` runs before the master grads are written: it adopts params unfrozen since
+``settle`` runs first in ``read`` and ``ensure``: after a step the fused kernel took, it makes the master grads
+that step left (:mod:`fp16kit.master_weights.fused_step`). ``before_write`` runs before the master grads are written: it adopts params unfrozen since
 the last step and, with asynchronous steps, waits for the job that still reads the masters.
 """
 
@@ -56,11 +57,18 @@ class MasterGrads:
     """Moves a step's grads into the masters (see the module docstring)."""
 
     def __init__(
-        self, masters: MasterParams, groups: MasterGroups, before_write: Callable[[], None], *, hands_off: bool
+        self,
+        masters: MasterParams,
+        groups: MasterGroups,
+        before_write: Callable[[], None],
+        *,
+        hands_off: bool,
+        settle: Callable[[StepState], None] = lambda state: None,
     ) -> None:
         self._masters = masters
         self._groups = groups
         self._before_write = before_write
+        self._settle = settle  # makes the master grads of a step the fused kernel took (fused_step.settle)
         self._hands_off = hands_off  # every step hands the model grads off (async_step)
         self.missing = "none"  # main thread only: see zeroed()
 
@@ -93,6 +101,7 @@ class MasterGrads:
         return [m.grad for m in self._masters.masters if m.grad is not None]
 
     def read(self, state: StepState, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, by_scaler: bool) -> Flags:
+        self._settle(state)
         if state.stage is Stage.HANDED_OFF:  # submit_step moved the raw grads in already
             flags = kernels.unscale_(self.present(), inv_scale, found_inf)
         elif state.in_masters and not state.by_scaler and state.current(self._masters.model_params):
@@ -113,6 +122,7 @@ class MasterGrads:
         return flags
 
     def ensure(self, state: StepState) -> None:
+        self._settle(state)
         if state.in_masters and not state.current(self._masters.model_params):
             if state.spent:
                 state.reset()  # a new backward after the last step: this step's grads

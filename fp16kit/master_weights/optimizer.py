@@ -142,8 +142,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         self.async_step = async_step
         self._groups = MasterGroups(optimizer, self._masters, all_masters=all_masters, late=unfrozen)
         self._async = AsyncSteps(self, self._masters, self._groups, thread, refresh=self._refresh)
-        self._grads = MasterGrads(self._masters, self._groups, self._before_grads, hands_off=async_step)
         self._fused = FusedSteps(optimizer, self._groups, async_step=async_step)
+        self._grads = MasterGrads(
+            self._masters, self._groups, self._before_grads, hands_off=async_step, settle=self._fused.settle
+        )
         self._warned_unscaled_step = threading.Event()  # set once, from either thread
         for group in optimizer.param_groups:
             self._groups.adopt(group)
@@ -254,7 +256,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
 
         The grads stay in the model when the fused kernel takes the step (:mod:`fp16kit.master_weights.fused_step`);
         otherwise as :meth:`unscale_grads_`."""
-        self._refresh()
+        self._refresh()  # (after a step the kernel took, its check declines: unscale_grads_ settles that step)
         flags = self._fused.check(self._state(), found_inf) if self._async.side().on_main else None
         return flags if flags is not None else self.unscale_grads_(inv_scale, found_inf)
 
@@ -328,7 +330,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         step are clipped as they are)."""
         state = self._state()
         self._refresh()
-        self._fused.settle(state)
         self._grads.ensure(state)
         if params is None:
             tensors = [p for g in self.param_groups for p in g["params"]]
@@ -368,7 +369,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         if state.prepared is FUSED:  # the check left the grads to the fused kernel
             self._async.apply_deferred()
             return self._fused.step(state, grad_scale, found_inf)
-        self._fused.settle(state)
         self._grads.ensure(state)
         try:
             if found_inf is not None or grad_scale is not None:
@@ -401,6 +401,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         side = self._async.side()
         if side.on_main:  # (a job's were applied before it was submitted)
             self._async.apply_deferred()
+            self._fused.settle(side.state)
         with _stepping(self.optimizer, side.groups, grad_scale, found_inf) as inner:
             ret = inner.step(closure) if closure is not None else inner.step()
         if not side.in_job:

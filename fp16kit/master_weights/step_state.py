@@ -164,12 +164,22 @@ class StepState:
         """The raw, still scaled grads were moved into the masters (a ``submit_step`` job)."""
         self._move("handed_off")
 
-    def checked(self, flags: dict[torch.device, torch.Tensor], *, prepared: Any, verdict: Any) -> None:
-        """The model grads were checked where they are (``flags``); ``prepared`` is what the step will submit."""
+    def checked(
+        self,
+        flags: dict[torch.device, torch.Tensor],
+        *,
+        prepared: Any,
+        verdict: Any,
+        transfer: TransferRecord | None = None,
+    ) -> None:
+        """The model grads were checked where they are (``flags``); ``prepared`` is what the step will submit.
+
+        ``transfer``: which model grads were checked, when the step takes them from the model (the fused kernel)."""
         self._move("checked")
         self.flags = flags
         self.prepared = prepared
         self._verdict = verdict
+        self.transfer = transfer
 
     def unscaled(
         self,

@@ -202,3 +202,105 @@ def test_without_a_scaler_step_checks_and_steps_in_the_kernel(torch_ops, dtype):
     for key in ("params", "masters", "opt"):
         assert_equal(mine[key], ref[key], key)
     assert mine["no"] == [False, True, True, True, True, True] and not any(ref["no"])
+
+
+# ---------------------------------------------------------------------- found by an adversarial pass
+def _then(i_at: int, action):
+    """An ``each`` hook: at iteration ``i_at``, after the step, run ``action(model, opt, scaler)``."""
+
+    def each(i, model, opt, scaler):
+        if i == i_at:
+            action(model, opt, scaler)
+
+    return each
+
+
+def _loss(model, i=0):
+    return model(_batch(i, next(model.parameters()).dtype)).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("swap", ["float_and_back", "share_memory", "clone_data"])
+def test_a_param_whose_storage_was_swapped_is_stepped_where_it_is_now(torch_ops, swap):
+    # model.float(); model.half() (an fp32 evaluation), share_memory(), p.data = p.data.clone(): the kernel's
+    # addresses are stale -- it must take the new ones, never write the freed memory
+    def do(model, opt, scaler):
+        if swap == "float_and_back":
+            model.float()
+            model.half()
+        elif swap == "share_memory":
+            model.share_memory()
+        else:
+            for p in model.parameters():
+                p.data = p.data.clone()
+
+    _compare(torch_ops, each=_then(3, do), overflow_at=())
+
+
+def test_state_tensors_whose_storage_was_swapped(torch_ops):
+    def do(model, opt, scaler):
+        for st in opt.optimizer.state.values():
+            st["exp_avg"].data = st["exp_avg"].data.clone()
+        for m in opt.master_params:
+            m.data = m.data.clone()
+
+    _compare(torch_ops, each=_then(3, do), overflow_at=())
+
+
+def test_a_cleared_optimizer_state_starts_over(torch_ops):
+    _compare(torch_ops, each=_then(3, lambda model, opt, scaler: opt.optimizer.state.clear()), overflow_at=())
+
+
+@pytest.mark.parametrize(
+    "after",
+    ["scaler_step_again", "unscale_clip_step_again", "backward_without_zero_grad", "grads_edited", "inner_step"],
+)
+def test_what_follows_a_kernel_step_sees_the_grads_the_torch_op_path_leaves(torch_ops, after):
+    norms = []
+
+    def do(model, opt, scaler):
+        scaler.update()  # (each hook runs before the loop's update: open the next scaler iteration)
+        if after == "scaler_step_again":  # no new backward: the same grads again
+            scaler.step(opt)
+        elif after == "unscale_clip_step_again":
+            scaler.unscale_(opt)
+            norms.append(opt.clip_grad_norm_(1e9))
+            scaler.step(opt)
+        elif after == "backward_without_zero_grad":  # accumulates onto the stepped grads
+            scaler.scale(_loss(model)).backward()
+            scaler.step(opt)
+        elif after == "grads_edited":
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+            norms.append(opt.clip_grad_norm_(1e9))
+            scaler.step(opt)
+        else:
+            opt.inner_step()
+            scaler.scale(_loss(model)).backward()  # (the loop's update needs a scaled iteration)
+            scaler.step(opt)
+
+    _compare(torch_ops, each=_then(4, do), overflow_at=())
+    if norms:
+        assert len(norms) == 2 and torch.equal(norms[0], norms[1])
+
+
+@pytest.mark.parametrize("swap", ["float", "bfloat16", "small"])
+def test_a_grad_whose_data_was_swapped_goes_to_torch_s_ops(torch_ops, swap):
+    # g.data = ... gets past the grad setter's checks: another dtype or size must not be read as fp16
+    def run() -> list[torch.Tensor]:
+        model = _model(torch.float16)
+        opt = fp16kit.MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+        scaler = fp16kit.GradScaler("cpu", init_scale=2.0**10)
+        for i in range(3):
+            opt.zero_grad()
+            scaler.scale(_loss(model, i)).backward()
+            g = model[0].weight.grad
+            if i == 2:
+                g.data = {"float": g.data.float(), "bfloat16": g.data.bfloat16(), "small": g.data[:1, :1].clone()}[swap]
+            scaler.step(opt)
+            scaler.update()
+        return [*model.parameters(), *opt.master_params]
+
+    mine = run()
+    torch_ops()
+    ref = run()
+    assert_equal(mine, ref, swap)

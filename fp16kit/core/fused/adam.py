@@ -54,6 +54,7 @@ CHUNK = 1 << 16
 """Elements per parallel work item (a multiple of 16: torch's body/tail split is per tensor)."""
 
 _KIND = {torch.float16: 0, torch.bfloat16: 1}
+_CPU = torch.device("cpu")
 
 
 class _Group(ctypes.Structure):
@@ -118,10 +119,14 @@ def kernel_refusal(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -
 class AdamPlan:
     """The fused step's view of a list of tensors: per tensor the 16-bit param, its master and its Adam state.
 
-    Built once (when the optimizer's state exists: after its first step); :meth:`step` checks, at the cost of an
-    identity comparison per tensor, that the state still holds the same tensors (``load_state_dict`` replaces
-    them) and raises :class:`PlanMismatch` otherwise. Refuses (ValueError) tensors the kernel cannot address:
-    not on the CPU, not contiguous, masters or state not float32, params not float16/bfloat16 of one dtype."""
+    Built once (when the optimizer's state exists: after its first step). :meth:`current` -- which :meth:`step`
+    asks unless told it was just asked -- checks that the state still holds the same tensors
+    (``load_state_dict`` replaces them) and that every tensor still has the storage address the plan took: a
+    param's ``.data`` is swapped by ``model.float(); model.half()``, ``share_memory()``, ``p.data = ...``. The
+    plan keeps the storages it addresses alive, so no other tensor can be given one of those addresses while it
+    lives, and an address that is unchanged is the same memory of the same size. A plan that is not current
+    raises :class:`PlanMismatch` (build a new one). Refuses (ValueError) tensors the kernel cannot address: not
+    on the CPU, not contiguous, masters or state not float32, params not float16/bfloat16 of one dtype."""
 
     def __init__(
         self, params16: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
@@ -151,13 +156,16 @@ class AdamPlan:
             if st.dtype != torch.float32 or st.device.type != "cpu" or st.dim() != 0:
                 raise ValueError(f"AdamPlan needs float32 0-dim CPU steps, got {st.dtype} {tuple(st.shape)}.")
         numels = [p.numel() for p in self.params16]
+        self._numels = numels
         self.n = len(numels)
         self.numel = torch.tensor(numels, dtype=torch.int64)
         starts = [0, *itertools.accumulate(-(-k // CHUNK) for k in numels)]
         self.chunk_start = torch.tensor(starts, dtype=torch.int64)
-        table = [[0, p.data_ptr(), m.data_ptr(), a.data_ptr(), v.data_ptr(), st.data_ptr()]
-                 for p, m, a, v, st in zip(self.params16, self.masters, self.exp_avgs, self.exp_avg_sqs, self.steps)]  # fmt: skip
-        self.ptrs = torch.tensor(table, dtype=torch.int64).reshape(-1, 6)
+        self._addressed = [*self.params16, *self.masters, *self.exp_avgs, *self.exp_avg_sqs, *self.steps]
+        self._storages = [t.untyped_storage() for t in self._addressed]  # (kept alive: see the class docstring)
+        self._addresses = self._now()
+        self.ptrs = torch.zeros(self.n, 6, dtype=torch.int64)
+        self.ptrs[:, 1:] = torch.tensor(self._addresses, dtype=torch.int64).reshape(5, self.n).t()
         self._ptr_args = (_p64(self.ptrs), _p64(self.numel), _p64(self.chunk_start))
 
     def current(self) -> bool:
@@ -165,10 +173,17 @@ class AdamPlan:
 
         Identity comparisons only: the state mapping's values as they were (no tensor hashing), then each state's
         tensors; a changed mapping (``load_state_dict`` replaces it; a first step adds to it) is looked up again."""
+        if self._now() != self._addresses:
+            return False
         get_a, get_v, get_s = (operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "step"))
         state = self.optimizer.state
         try:
-            if state is not self._state_map or not all(map(operator.is_, state.values(), self._state_values)):
+            values = self._state_values
+            if (
+                state is not self._state_map
+                or len(state) != len(values)
+                or not all(map(operator.is_, state.values(), values))
+            ):
                 states: list[Any] = list(map(state.get, self.masters))
                 if not all(map(operator.is_, states, self.states)):
                     return False
@@ -181,17 +196,25 @@ class AdamPlan:
         except (KeyError, TypeError):
             return False
 
+    def _now(self) -> list[int]:
+        return [t.data_ptr() for t in self._addressed]
+
     def grads(self, grads16: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-        """The grads' addresses (an int64 tensor), or None when one is missing or not contiguous (use torch's ops)."""
+        """The grads' addresses (an int64 tensor), or None when one is missing, not contiguous, or not the param's
+        dtype, size and device (``g.data = ...`` gets past the grad setter's checks): then use torch's ops."""
         if len(grads16) != self.n:
             raise PlanMismatch(f"{len(grads16)} grads for a plan of {self.n} tensors.")
+        dtype, cpu = self.dtype, _CPU
         try:
-            ptrs = [g.data_ptr() for g in grads16 if g.is_contiguous()]  # type: ignore[union-attr]
+            ptrs = [
+                g.data_ptr()  # type: ignore[union-attr]
+                for g, k in zip(grads16, self._numels)
+                if g.dtype is dtype and g.numel() == k and g.is_contiguous() and g.device == cpu  # type: ignore[union-attr]
+            ]
         except AttributeError:  # a None grad
             return None
         if len(ptrs) != self.n:
             return None
-        # (autograd and the grad setter keep each grad's shape, dtype and device those of its param)
         return torch.tensor(ptrs, dtype=torch.int64)
 
     def step(
