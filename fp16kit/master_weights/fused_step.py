@@ -16,7 +16,8 @@ fused step and copies the masters back::
                              torch's fused step leaves there
 
 The numbers are the torch-op path's bit for bit (masters, state, steps, 16-bit params; tested), except that the
-masters hold no ``.grad`` after the step until :meth:`settle` makes it. The kernel takes a step when all hold:
+masters hold no ``.grad`` after the step until :meth:`settle` makes it -- so code that reads ``master.grad`` itself,
+or steps the wrapped optimizer directly after a kernel step, sees none (``FP16KIT_FUSED=0`` for such code). The kernel takes a step when all hold:
 
 * synchronous steps on the CPU (masters on their params' device), no step hooks on the wrapped optimizer;
 * every param of every group has a master (no fp32 params stepped directly, none frozen since wrapping), one
