@@ -336,12 +336,10 @@ class FusedKernelStep(Loop):
     """fp16kit's fused master-AdamW kernel (:mod:`fp16kit.core.fused.adam`) driven by hand: the one-pass step.
 
     The hand loop's arithmetic (its masters match it bit for bit) in two passes over the 16-bit grads -- the check,
-    then the step -- where the hand loop makes four plus a copy back. The op observer cannot see inside the kernel,
-    so its bytes per param are the kernel's own traffic: the check reads 2, the step reads 2 + 3 * 4 and writes
-    3 * 4 + 2 (30 in all). CPU only."""
+    then the step -- where the hand loop makes four plus a copy back (its bytes: the kernel's own count, 30 per
+    param; :func:`fp16kit.bench.trace.op_tally`). CPU only."""
 
     name = "fused kernel (fp16kit.core.fused), by hand"
-    bytes_per_param = 30.0
 
     @staticmethod
     def unavailable(device: torch.device) -> str | None:

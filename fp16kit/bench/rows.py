@@ -147,9 +147,6 @@ class NullClock:
 
 
 def _bytes_per_param(loop: Loop, params: int) -> float | None:
-    known = getattr(loop, "bytes_per_param", None)  # a kernel the op observer cannot see into states its traffic
-    if known is not None:
-        return float(known)
     try:
         return trace.op_tally(lambda: loop.iteration(NullClock())).moved / params
     except Exception as e:  # an op the observer cannot follow (e.g. a compiled kernel): no count

@@ -58,7 +58,7 @@ class FusedSteps:
             for group in optimizer.param_groups:  # build and calibrate the kernel now, not inside a step
                 fused.kernel_refusal(optimizer, group)
         self._plans: dict[int, fused.AdamPlan] = {}
-        self._ready: list[tuple[fused.AdamPlan, torch.Tensor, dict[str, Any]]] = []
+        self._ready: list[tuple[fused.AdamPlan, fused.GradAddresses, dict[str, Any]]] = []
         self._taken: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor | None] | None
         self._taken = None
 

@@ -75,3 +75,27 @@ def test_cuda_syncs_counts_an_item():
     x = torch.ones(3, device="cuda")
     assert trace.cuda_syncs(lambda: x.sum().item()) >= 1
     assert trace.cuda_syncs(lambda: x + 1) == 0
+
+
+def test_the_fused_kernel_counts_its_own_traffic():
+    from fp16kit.core import fused
+
+    if fused.forms() is None:
+        pytest.skip("the fused Adam kernel is off on this machine")
+    p16 = [torch.zeros(1000, dtype=torch.float16), torch.zeros(24, dtype=torch.float16)]
+    masters = [p.float() for p in p16]
+    opt = torch.optim.AdamW(masters, fused=True)
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    opt.step()
+    plan = fused.AdamPlan(p16, masters, opt)
+    grads = plan.grads([torch.ones(1000, dtype=torch.float16), torch.ones(24, dtype=torch.float16)])
+    group = opt.param_groups[0]
+    found = torch.zeros(())
+    assert trace.op_tally(lambda: fused.check_finite_(plan, grads, found)).moved == 2 * 1024
+    addresses = 2 * 2 * 8  # the step copies the grads' addresses into its table: 2 int64 read and written
+    assert trace.op_tally(lambda: plan.step(grads, group, grad_scale=None, found_inf=found)).moved == (
+        28 * 1024 + addresses
+    )
+    found.fill_(1.0)  # a skipped step moves nothing
+    assert trace.op_tally(lambda: plan.step(grads, group, grad_scale=None, found_inf=found)).moved == addresses

@@ -9,6 +9,6 @@ Nothing here is required: when a kernel is off (no compiler, another CPU, ``FP16
 of torch's rounding it cannot reproduce) the callers run torch's ops, with one log line saying why.
 """
 
-from .adam import AdamPlan, PlanMismatch, check_finite_, forms, kernel_refusal, unscaled_grads
+from .adam import AdamPlan, GradAddresses, PlanMismatch, check_finite_, forms, kernel_refusal, unscaled_grads
 
-__all__ = ["AdamPlan", "PlanMismatch", "check_finite_", "forms", "kernel_refusal", "unscaled_grads"]
+__all__ = ["AdamPlan", "GradAddresses", "PlanMismatch", "check_finite_", "forms", "kernel_refusal", "unscaled_grads"]

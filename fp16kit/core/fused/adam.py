@@ -46,10 +46,23 @@ import torch
 
 from . import build
 
-__all__ = ["AdamPlan", "PlanMismatch", "check_finite_", "forms", "kernel_refusal", "library", "unscaled_grads"]
+__all__ = [
+    "AdamPlan",
+    "PlanMismatch",
+    "Traffic",
+    "check_finite_",
+    "forms",
+    "kernel_refusal",
+    "library",
+    "unscaled_grads",
+]
 
 logger = logging.getLogger("fp16kit")
 
+STEP_BYTES = 28
+"""Bytes a step reads and writes per element: 2 + 4 * 3 read, 4 * 3 + 2 written."""
+CHECK_BYTES = 2
+"""Bytes the non-finite check reads per element."""
 CHUNK = 1 << 16
 """Elements per parallel work item (a multiple of 16: torch's body/tail split is per tensor)."""
 
@@ -66,6 +79,26 @@ class _Group(ctypes.Structure):
 
 _P64 = ctypes.POINTER(ctypes.c_int64)
 _PF = ctypes.POINTER(ctypes.c_float)
+
+
+class Traffic:
+    """Bytes the kernels read and wrote in this process (for ``fp16kit bench``: the op observer cannot see into them).
+
+    Counted from what each call touches: a step 28 B per element (the 16-bit grad and param, the fp32 master,
+    exp_avg and exp_avg_sq), a skipped step nothing; a check 2 B per element. Plain integers, not thread-safe:
+    a figure for one thread's measured iteration."""
+
+    bytes = 0
+
+
+class GradAddresses:
+    """The 16-bit grads a step reads (:meth:`AdamPlan.grads`): the tensors, kept alive, and their addresses."""
+
+    __slots__ = ("ptrs", "tensors")
+
+    def __init__(self, tensors: list[torch.Tensor], ptrs: torch.Tensor) -> None:
+        self.tensors = tensors
+        self.ptrs = ptrs
 
 
 class PlanMismatch(RuntimeError):
@@ -87,7 +120,7 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.POINTER(_Group), ctypes.c_int32, _PF, _PF,
         ctypes.c_int32,
     ]  # fmt: skip
-    lib.fp16kit_master_adam.restype = None
+    lib.fp16kit_master_adam.restype = ctypes.c_int32  # 1: stepped, 0: skipped (found_inf)
     lib.fp16kit_check_finite.argtypes = [
         ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.c_int32, _PF, ctypes.c_int32,
     ]  # fmt: skip
@@ -158,6 +191,7 @@ class AdamPlan:
         numels = [p.numel() for p in self.params16]
         self._numels = numels
         self.n = len(numels)
+        self.total = sum(numels)
         self.numel = torch.tensor(numels, dtype=torch.int64)
         starts = [0, *itertools.accumulate(-(-k // CHUNK) for k in numels)]
         self.chunk_start = torch.tensor(starts, dtype=torch.int64)
@@ -199,9 +233,9 @@ class AdamPlan:
     def _now(self) -> list[int]:
         return [t.data_ptr() for t in self._addressed]
 
-    def grads(self, grads16: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-        """The grads' addresses (an int64 tensor), or None when one is missing, not contiguous, or not the param's
-        dtype, size and device (``g.data = ...`` gets past the grad setter's checks): then use torch's ops."""
+    def grads(self, grads16: Sequence[torch.Tensor | None]) -> GradAddresses | None:
+        """The grads for :meth:`step` and :func:`check_finite_`, or None when one is missing, not contiguous, or not the
+        param's dtype, size and device (``g.data = ...`` gets past the grad setter's checks): then use torch's ops."""
         if len(grads16) != self.n:
             raise PlanMismatch(f"{len(grads16)} grads for a plan of {self.n} tensors.")
         dtype, cpu = self.dtype, _CPU
@@ -215,18 +249,18 @@ class AdamPlan:
             return None
         if len(ptrs) != self.n:
             return None
-        return torch.tensor(ptrs, dtype=torch.int64)
+        return GradAddresses(list(grads16), torch.tensor(ptrs, dtype=torch.int64))  # type: ignore[arg-type]
 
     def step(
         self,
-        grads: torch.Tensor,
+        grads: GradAddresses,
         group: Mapping[str, Any],
         *,
         grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None,
         verify: bool = True,
     ) -> None:
-        """Step every tensor of the plan with the 16-bit grads at the addresses ``grads`` (:meth:`grads`).
+        """Step every tensor of the plan with the 16-bit grads ``grads`` (:meth:`grads`).
 
         ``group``: the param group's hyperparameters; ``grad_scale``: the loss scale the grads carry (a float32 CPU
         tensor, or None: unscaled); ``found_inf``: a float32 CPU flag (1: skip the whole step), or None.
@@ -237,25 +271,27 @@ class AdamPlan:
             raise RuntimeError("internal: AdamPlan.step called with the kernel off (check kernel_refusal first)")
         if verify and not self.current():
             raise PlanMismatch("The optimizer's state holds other tensors than this plan's (load_state_dict?).")
-        self.ptrs[:, 0] = grads
+        self.ptrs[:, 0] = grads.ptrs
         hyper = _group(group, found, decoupled=bool(group.get("decoupled_weight_decay")))
-        lib.fp16kit_master_adam(
+        stepped = lib.fp16kit_master_adam(
             self.n, *self._ptr_args, CHUNK, ctypes.byref(hyper), self.kind, _pf(grad_scale), _pf(found_inf),
             torch.get_num_threads(),
         )  # fmt: skip
+        Traffic.bytes += STEP_BYTES * self.total if stepped else 0
 
 
-def check_finite_(plan: AdamPlan, grads: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """Set ``found_inf`` (a float32 CPU flag) to 1 when a 16-bit grad at the addresses ``grads`` holds inf/NaN.
+def check_finite_(plan: AdamPlan, grads: GradAddresses, found_inf: torch.Tensor) -> None:
+    """Set ``found_inf`` (a float32 CPU flag) to 1 when one of the 16-bit ``grads`` (:meth:`AdamPlan.grads`) holds inf/NaN.
 
     The flag is only ever set, as torch's ``_amp_foreach_non_finite_check_and_unscale_`` sets it."""
     lib = library()
     if lib is None:
         raise RuntimeError("internal: check_finite_ called with the kernel off")
     lib.fp16kit_check_finite(
-        plan.n, _p64(grads), plan._ptr_args[1], plan._ptr_args[2], CHUNK, plan.kind, _pf(found_inf),
+        plan.n, _p64(grads.ptrs), plan._ptr_args[1], plan._ptr_args[2], CHUNK, plan.kind, _pf(found_inf),
         torch.get_num_threads(),
     )  # fmt: skip
+    Traffic.bytes += CHECK_BYTES * plan.total
 
 
 def unscaled_grads(grads16: Sequence[torch.Tensor], grad_scale: torch.Tensor | None) -> list[torch.Tensor]:
@@ -362,7 +398,7 @@ def _matches(case: dict[str, Any], candidate: tuple[int, int, int, int]) -> bool
     plan = AdamPlan(p16, masters, opt)
     grads = plan.grads(case["g16"])
     assert grads is not None
-    plan.ptrs[:, 0] = grads
+    plan.ptrs[:, 0] = grads.ptrs
     hyper = _group(case["group"], candidate, decoupled=case["group"]["decoupled_weight_decay"])
     lib.fp16kit_master_adam(plan.n, *plan._ptr_args, CHUNK, ctypes.byref(hyper), plan.kind, _pf(case["scale"]), None, 1)
     got = [masters, [state[t]["exp_avg"] for t in masters], [state[t]["exp_avg_sq"] for t in masters]]

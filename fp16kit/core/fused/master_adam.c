@@ -198,10 +198,10 @@ static int64_t tensor_of(const int64_t *chunk_start, int64_t n, int64_t c) {
 /* The step over n tensors. ptrs[6 * i ...]: 16-bit grad, 16-bit param, master, exp_avg, exp_avg_sq,
  * step (float32, 0-dim); numel[i]; chunk_start[i]: the index of tensor i's first chunk of `chunk`
  * elements (a multiple of 16), chunk_start[n] == the number of chunks, the parallel work items. */
-AVX void fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *numel, const int64_t *chunk_start,
+AVX int32_t fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *numel, const int64_t *chunk_start,
                              int64_t chunk, const Group *group, int32_t kind, const float *grad_scale,
                              const float *found_inf, int32_t threads) {
-    if (found_inf && *found_inf == 1.0f) return; /* torch's fused skip: nothing changes, steps included */
+    if (found_inf && *found_inf == 1.0f) return 0; /* torch's fused skip: nothing changes, steps included */
     for (int64_t i = 0; i < n; i++) *(float *)ptrs[6 * i + 5] += 1.0f; /* torch: _foreach_add_(steps, 1) */
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (int64_t c = 0; c < chunk_start[n]; c++) {
@@ -213,6 +213,7 @@ AVX void fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *nume
         step_range((const uint16_t *)t[0], (uint16_t *)t[1], (float *)t[2], (float *)t[3], (float *)t[4], numel[i], lo,
                    hi, &h, kind);
     }
+    return 1; /* stepped */
 }
 
 /* *found_inf = 1 when any of the n 16-bit grads (addresses in grads, sizes in numel; chunks as above)
