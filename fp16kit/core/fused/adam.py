@@ -234,8 +234,10 @@ class AdamPlan:
         return [t.data_ptr() for t in self._addressed]
 
     def grads(self, grads16: Sequence[torch.Tensor | None]) -> GradAddresses | None:
-        """The grads for :meth:`step` and :func:`check_finite_`, or None when one is missing, not contiguous, or not the
-        param's dtype, size and device (``g.data = ...`` gets past the grad setter's checks): then use torch's ops."""
+        """The grads for :meth:`step` and :func:`check_finite_`, or None: then use torch's ops.
+
+        None when a grad is missing, not contiguous, or not its param's dtype, size and device (``g.data = ...`` gets
+        past the grad setter's checks)."""
         if len(grads16) != self.n:
             raise PlanMismatch(f"{len(grads16)} grads for a plan of {self.n} tensors.")
         dtype, cpu = self.dtype, _CPU
