@@ -1,8 +1,8 @@
 """The one-pass step: a MixedPrecisionOptimizer's masters stepped by the fused kernel (:mod:`fp16kit.core.fused`).
 
-``opt.step()`` with no scaler (bf16 models) checks the grads and steps the same way. ``scaler.step(opt)`` on a
-MixedPrecisionOptimizer wrapping torch's ``Adam``/``AdamW(fused=True)`` follows torch's fused protocol: the scaler checks the grads at scale 1 (``_check_inf_per_device``), then calls ``opt.step()`` with
-``grad_scale``/``found_inf`` set. With the kernel the check reads the 16-bit model grads where they are (the step
+``scaler.step(opt)`` on a MixedPrecisionOptimizer wrapping torch's ``Adam``/``AdamW(fused=True)`` follows torch's
+fused protocol: the scaler checks the grads at scale 1 (``_check_inf_per_device``), then calls ``opt.step()`` with
+``grad_scale``/``found_inf`` set (``opt.step()`` with no scaler, as bf16 models train, checks and steps alike). With the kernel the check reads the 16-bit model grads where they are (the step
 state goes to CHECKED, nothing moved), and the step goes from them to the masters, the Adam state and the 16-bit
 params in one pass -- where the torch-op path copies the grads into fp32 master grads, checks them, runs torch's
 fused step and copies the masters back::
@@ -17,7 +17,9 @@ fused step and copies the masters back::
 
 The numbers are the torch-op path's bit for bit (masters, state, steps, 16-bit params; tested), except that the
 masters hold no ``.grad`` after the step until :meth:`settle` makes it -- so code that reads ``master.grad`` itself,
-or steps the wrapped optimizer directly after a kernel step, sees none (``FP16KIT_FUSED=0`` for such code). The kernel takes a step when all hold:
+or steps the wrapped optimizer directly after a kernel step, sees none (``FP16KIT_FUSED=0`` for such code).
+
+The kernel takes a step when all hold:
 
 * synchronous steps on the CPU (masters on their params' device), no step hooks on the wrapped optimizer;
 * every param of every group has a master (no fp32 params stepped directly, none frozen since wrapping), one
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from ..core import fused
+from ..core import fused, kernels
 from ..core.protocol import Flags
 from .groups import MasterGroups
 from .step_state import Stage, StepState, TransferRecord
@@ -54,7 +56,9 @@ class FusedSteps:
         self.optimizer = optimizer
         self.groups = groups
         self.async_step = async_step
-        if not async_step and any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
+        # (cheap to ask at every step; the full eligibility is _plan's)
+        self.candidate = not async_step and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+        if self.candidate and any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
             for group in optimizer.param_groups:  # build and calibrate the kernel now, not inside a step
                 fused.kernel_refusal(optimizer, group)
         self._plans: dict[int, fused.AdamPlan] = {}
@@ -62,12 +66,15 @@ class FusedSteps:
         self._taken: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor | None] | None
         self._taken = None
 
-    def check(self, state: StepState, found_inf: torch.Tensor) -> Flags | None:
+    def check(self, state: StepState, found_inf: torch.Tensor | None = None) -> Flags | None:
         """Check the 16-bit model grads for inf/NaN into ``found_inf`` when the kernel can take this step, else None.
 
-        Taken, the step state goes to CHECKED with ``prepared=FUSED`` (the grads stay in the model)."""
+        Taken, the step state goes to CHECKED with ``prepared=FUSED`` (the grads stay in the model). ``found_inf``
+        None (no scaler): a new flag."""
         self._ready = []
-        if state.stage is not Stage.MODEL_GRADS or self.async_step or found_inf.device.type != "cpu" or self._hooked():
+        if not self.candidate or state.stage is not Stage.MODEL_GRADS or self._hooked():
+            return None
+        if found_inf is not None and found_inf.device.type != "cpu":
             return None
         ready = []
         for gi, (group, mg) in enumerate(zip(self.optimizer.param_groups, self.groups)):
@@ -80,6 +87,8 @@ class FusedSteps:
             ready.append((plan, grads, group))
         if not ready:
             return None
+        if found_inf is None:
+            found_inf = kernels.new_found_inf(torch.device("cpu"))
         for plan, grads, _ in ready:
             fused.check_finite_(plan, grads, found_inf)
         self._ready = ready
@@ -124,7 +133,7 @@ class FusedSteps:
         if not state.current(model_params):
             return
         grads = [p.grad for p in model_params]
-        if found_inf is not None and found_inf.item():  # skipped: torch's kernel left the grads scaled
+        if found_inf is not None and found_inf.item():  # (a CPU flag: no device sync) skipped: left scaled
             grad_scale = None
         for m, g in zip(masters, fused.unscaled_grads(grads, grad_scale)):  # type: ignore[arg-type]
             m.grad = g

@@ -26,9 +26,10 @@
         cannot be skipped inside the optimizer); from the second evaluation on, the model
         first gets the masters' current values
 
-``settle`` runs first in ``read`` and ``ensure``: after a step the fused kernel took, it makes the master grads
-that step left (:mod:`fp16kit.master_weights.fused_step`). ``before_write`` runs before the master grads are written: it adopts params unfrozen since
-the last step and, with asynchronous steps, waits for the job that still reads the masters.
+``settle`` runs first in ``read`` and ``ensure``: after a step the fused kernel took, it makes the master
+grads that step left (:mod:`fp16kit.master_weights.fused_step`). ``before_write`` runs before the master
+grads are written: it adopts params unfrozen since the last step and, with asynchronous steps, waits for
+the job that still reads the masters.
 """
 
 from __future__ import annotations

@@ -365,7 +365,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 state.reset()
         self._refresh()
         if grad_scale is None and found_inf is None:  # no scaler (bf16): the fused kernel may check here
-            self._fused.check(state, kernels.new_found_inf(self._groups.flag_device()))
+            self._fused.check(state)
         if state.prepared is FUSED:  # the check left the grads to the fused kernel
             self._async.apply_deferred()
             return self._fused.step(state, grad_scale, found_inf)

@@ -20,7 +20,7 @@ def torch_ops(monkeypatch):
     """Turn the kernel off for the reference run: the torch-op path."""
 
     def off():
-        monkeypatch.setattr(FusedSteps, "check", lambda self, state, found_inf: None)
+        monkeypatch.setattr(FusedSteps, "check", lambda self, state, found_inf=None: None)
 
     return off
 
