@@ -27,9 +27,10 @@ no form reproduces torch bit for bit the kernel stays off (one log line) and cal
 Use::
 
     if kernel_refusal(optimizer, group) is None:
-        plan = AdamPlan(params16, masters, optimizer)           # addresses taken once
-        check_finite_(plan, grads16, found_inf)                 # reads 2 B/param; only ever sets the flag
-        plan.step(grads16, group, grad_scale=scale, found_inf=found_inf)
+        plan = AdamPlan(params16, masters, optimizer)   # addresses taken once, checked at every step
+        grads = plan.grads(grads16)                     # None: a grad the kernel cannot read (use torch's ops)
+        check_finite_(plan, grads, found_inf)           # reads 2 B/param; only ever sets the flag
+        plan.step(grads, group, grad_scale=scale, found_inf=found_inf)
 """
 
 from __future__ import annotations
