@@ -3,7 +3,8 @@
  * Built at first use by fp16kit/core/fused/build.py (gcc or cc, -O2, OpenMP) and called through
  * ctypes. Per tensor i of a plan (all arrays of length n):
  *
- *     g  = float(grad16[i]) / scale            (no division when scale == 0: grads unscaled)
+ *     step += 1; bc1 = 1 - beta1 ** step; bc2 = 1 - beta2 ** step   (in double, as torch)
+ *     g  = float(grad16[i]) / scale            (no grad_scale pointer: no division)
  *     p  = master[i]
  *     AdamW, wd != 0:  p = p * decay           (decay = float(1 - lr * wd))
  *     Adam,  wd != 0:  g = g + p * wd
@@ -17,9 +18,9 @@
  * of the masters into the 16-bit params. torch splits each tensor into vectors of `vl` floats (the
  * width of its CPU capability: 16 for AVX512, 8 for AVX2) and a scalar tail of numel % vl
  * elements; the two parts differ in how lerp is rounded (an explicit fused multiply-add in the
- * body) and in which a * b + c torch's compiler contracted into one, so the kernel takes those
- * forms from the caller (`body`, `tail`), which fp16kit/core/fused/adam.py establishes against
- * torch itself at first use.
+ * body) and in which a * b + c torch's compiler contracted into one (and whether it vectorized the
+ * first 8 of a tail of 8 or more), so the kernel takes those forms from the caller (`body`, `tail`,
+ * `tail8`), which fp16kit/core/fused/adam.py establishes against torch itself at first use.
  *
  * Nothing is written when *found_inf == 1 (the whole step is skipped, as torch's fused step
  * skips on its found_inf). fp16kit_check_finite sets *found_inf = 1 when a grad holds inf/NaN.
