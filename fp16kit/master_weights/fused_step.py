@@ -63,6 +63,7 @@ class FusedSteps:
                 fused.kernel_refusal(optimizer, group)
         self._plans: dict[int, fused.AdamPlan] = {}
         self._ready: list[tuple[fused.AdamPlan, fused.GradAddresses, dict[str, Any]]] = []
+        self._ready_params: list[torch.Tensor] = []  # the model params of _ready's plans, in order
         self._taken: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor | None] | None
         self._taken = None
 
@@ -92,9 +93,9 @@ class FusedSteps:
         for plan, grads, _ in ready:
             fused.check_finite_(plan, grads, found_inf)
         self._ready = ready
+        self._ready_params = [p for plan, _, _ in ready for p in plan.params16]
         flags = {found_inf.device: found_inf}
-        model_params = [p for plan, _, _ in ready for p in plan.params16]
-        state.checked(flags, prepared=FUSED, verdict=found_inf, transfer=TransferRecord(model_params))
+        state.checked(flags, prepared=FUSED, verdict=found_inf, transfer=TransferRecord(self._ready_params))
         return flags
 
     def step(self, state: StepState, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
@@ -112,7 +113,7 @@ class FusedSteps:
 
     def _step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         ready, self._ready = self._ready, []
-        model_params = [p for plan, _, _ in ready for p in plan.params16]
+        model_params = self._ready_params
         masters = [m for plan, _, _ in ready for m in plan.masters]
         keep = [None if t is None else t.clone() for t in (grad_scale, found_inf)]  # (the scaler updates its own)
         self._taken = (model_params, masters, keep[0], keep[1])
