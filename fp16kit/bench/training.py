@@ -11,7 +11,8 @@ Row 4, asynchronous steps: a bf16 MLP, ``fp16kit.MixedPrecisionOptimizer(AdamW(f
 ``fp16kit.GradScaler``, the same loop with ``async_step=False`` (the anchor: every intra-op thread
 on each op) and ``async_step=True`` (the step of iteration k on the optimizer thread beside the
 forward/backward of k+1; the threads split as benchmarks/async_overlap.py does: half for the main
-thread, the rest for the optimizer thread). A block of iterations is timed from the first
+thread, the rest for the optimizer thread). The default ``async_policy="auto"`` probes both modes
+(thread and inline) before the timed rounds; the variant's name says which it kept. A block of iterations is timed from the first
 iteration to ``opt.synchronize()`` (the last step landed), so the asynchronous side pays for
 filling and draining its pipeline once per block.
 """
@@ -92,29 +93,38 @@ class AsyncLoop(_ModelLoop):
         self.opt = self.mpo
         self.scaler = fp16kit.GradScaler(self.device.type, init_scale=INIT_SCALE)
         self.x, self.y = mlp.batch_data(torch.bfloat16, self.device)
+        self._main_threads: int | None = None  # the main thread's count as the last async block left it
+        if async_step:  # async_policy="auto" measures both modes first (tens of steps, once per training): not timed
+            self.run(0, until_chosen=True)
+            self.name = f"async_step=True ({self.mpo.async_policy})"
 
-    def _set_threads(self) -> tuple[int, int] | None:
+    def _set_threads(self) -> None:
         if self.device.type != "cpu":
-            return None
+            return
         if not self.async_step:
             torch.set_num_threads(self.threads)
-            return None
+            return
         main, worker = split_threads(self.threads)
-        torch.set_num_threads(main)
+        # A training sets the split once; the policy may change the main thread's count (inline steps borrow the
+        # optimizer thread's): each block goes on from where the last one left it, not from the split again.
+        torch.set_num_threads(self._main_threads or main)
         thread = fp16kit.optimizer_thread()
         thread.wait(thread.submit(torch.set_num_threads, worker))
-        return main, worker
 
-    def run(self, n: int) -> float:
+    def run(self, n: int, *, until_chosen: bool = False) -> float:
         self._set_threads()
         try:
             clock = Clock(self.device, wall=True)
             with clock:
                 for _ in range(n):
                     self.train_step()
+                while until_chosen and self.mpo.async_policy == "probing":
+                    self.train_step()
                 self.mpo.synchronize()
             return clock.seconds()
         finally:
+            if self.async_step:
+                self._main_threads = torch.get_num_threads()
             torch.set_num_threads(self.threads)
 
     def finish(self) -> None:

@@ -307,6 +307,8 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
             grads are computed on the thread). Call :meth:`synchronize` before evaluating.
         master_device: device of the masters and the optimizer state (e.g. ``"cpu"`` for a
             CUDA model); fp32 params get masters there too.
+        async_policy: with ``async_step``, where the steps run: ``"auto"``, ``"thread"`` or
+            ``"inline"`` (:mod:`fp16kit.master_weights.async_policy`; the numbers are the same).
 
     With ``async_step`` or ``master_device`` the ``fp32_from_fp16`` groups (and the saved
     ``fp32_from_fp16``) hold the masters of the fp32 params too. Checkpoints load either way
@@ -330,6 +332,7 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         *,
         async_step: bool = False,
         master_device: torch.device | str | None = None,
+        async_policy: str | None = None,
     ) -> None:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}.")
@@ -348,11 +351,16 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
         # apex's construction-time rule: params frozen now are never trained (refused, not
         # corrupted, if they get a grad later; see fp16kit.master_weights.groups)
         self._mpo = MixedPrecisionOptimizer(
-            init_optimizer, async_step=async_step, master_device=master_device, unfrozen="refuse", apex_groups=True
+            init_optimizer,
+            async_step=async_step,
+            master_device=master_device,
+            async_policy=async_policy,
+            unfrozen="refuse",
+            apex_groups=True,
         )
         self._index_groups()
 
-        self._device = self._scale_device()
+        self._device = _scale_device(self)
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         if isinstance(scaler, AmpLossScaler):
             scaler.place(self._device)
@@ -389,11 +397,6 @@ class FP16_Optimizer(_MasterProtocolByDelegation, WrappingOptimizer):
 
         Call it before evaluating or saving the model with ``async_step=True``; a no-op otherwise."""
         self._mpo.synchronize()
-
-    def _scale_device(self) -> torch.device:
-        for p in (*self.all_fp16_params, *self.all_fp32_from_fp32_params):
-            return p.device
-        return torch.device("cpu")
 
     def maybe_print(self, msg: str) -> None:
         """apex's ``maybe_print``: ``msg`` at INFO on the ``fp16kit.apex`` logger when ``verbose``."""
@@ -727,6 +730,13 @@ commit_methods(
     },
     recovers=("load_state_dict",),
 )
+
+
+def _scale_device(opt: FP16_Optimizer) -> torch.device:
+    """Where the scale lives: the device of the first model param (CPU with none)."""
+    for p in (*opt.all_fp16_params, *opt.all_fp32_from_fp32_params):
+        return p.device
+    return torch.device("cpu")
 
 
 def _log_overflow(scale_after: float | torch.Tensor) -> None:

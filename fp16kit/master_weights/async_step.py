@@ -33,7 +33,11 @@ call runs on. A job is forgotten only after it finished: a Ctrl-C while waiting 
 tracked, so ``state_dict()`` and ``synchronize()`` still wait for it.
 
 Mode 1 (``async_step=True``): :meth:`AsyncSteps.step` -- the grads are checked on their device
-on the main thread (the scale updates with no lag), then unscaled and stepped by the job.
+on the main thread (the scale updates with no lag), then unscaled and stepped by the job -- on
+the thread, or inline on the main thread, as :attr:`AsyncSteps.policy` says
+(:mod:`~fp16kit.master_weights.async_policy`: the same numbers either way). Where the one-pass
+kernel can take the job (:meth:`~fp16kit.master_weights.fused_step.FusedSteps.step_job`), the
+check reads the 16-bit grads with it and the job goes from them to the masters in one pass.
 Mode 2 (``submit_step(fn)``): :meth:`AsyncSteps.submit_step` -- the raw grads are handed off
 and ``fn`` (typically ``scaler.step(opt); opt.zero_grad()``) runs on the thread.
 """
@@ -51,6 +55,8 @@ import torch
 from ..core import kernels
 from ..core.master import SPARSE_GRADS, MasterParams
 from ..core.thread import OptimizerThread, current_optimizer_thread, optimizer_thread
+from .async_policy import AsyncPolicy, run_inline
+from .fused_step import FusedSteps
 from .groups import MasterGroups
 from .misuse import watch_clips
 from .sides import Handoff, MainSide, MasterStep, StepJob, SubmittedCall, running, running_job
@@ -98,8 +104,11 @@ class AsyncSteps:
         thread: OptimizerThread | None = None,
         *,
         refresh: Callable[[], None] = lambda: None,
+        policy: str | None = None,
+        fused: FusedSteps | None = None,
     ) -> None:
         self._opt = opt
+        self._fused = fused  # the one-pass kernel, for the jobs it can take
         self._refresh = refresh  # adopts params unfrozen since the last step (master_groups)
         self._masters = masters
         self._groups = groups
@@ -108,6 +117,10 @@ class AsyncSteps:
         self.main = MainSide()
         self._standing = StepJob(self)  # this optimizer's calls on the thread outside its own jobs
         self._warned_clip = threading.Event()  # set once, from either thread
+        # where mode-1 jobs run; it may ask the optimizer thread's intra-op threads (each thread has its own count)
+        self.policy = AsyncPolicy(
+            policy, worker_threads=lambda: int(self.thread.wait(self.thread.enqueue(torch.get_num_threads)))
+        )
 
     @property
     def thread(self) -> OptimizerThread:
@@ -287,7 +300,10 @@ class AsyncSteps:
             groups = snapshot(self._opt.optimizer.param_groups, leave_out=self._groups.watched_ids())
         _note_step_taken(self._opt)
         job = StepJob(self, work, groups)
-        main.inflight = self.thread.enqueue(self._run, (job,), step=isinstance(work, SubmittedCall))
+        if isinstance(work, MasterStep) and self.policy.next_inline():
+            main.inflight = run_inline(self._run, job)
+        else:
+            main.inflight = self.thread.enqueue(self._run, (job,), step=isinstance(work, SubmittedCall))
         return main.inflight
 
     def _prepare(self) -> None:
@@ -320,7 +336,11 @@ class AsyncSteps:
         if land:
             self.land_begin()
         try:  # the grads, not the params: the landing copy may still be writing those
-            flags = kernels.check_finite_(grads, kernels.new_found_inf(self._groups.grad_device()))
+            found_inf = kernels.new_found_inf(self._groups.grad_device())
+            if land and self._fused is not None and self._fused.check_job_grads(found_inf):
+                flags = {found_inf.device: found_inf}  # (no job runs: land_begin waited for it)
+            else:
+                flags = kernels.check_finite_(grads, found_inf)
             return reduce(flags) if reduce is not None else flags
         finally:
             self.land_end()
@@ -439,13 +459,13 @@ class AsyncSteps:
                 if isinstance(job.work, SubmittedCall):
                     return self._submitted_job(job.state, job.work)
                 assert job.work is not None
-                return self._step_job(job.work)
+                return self._step_job(job.work, job.groups)
         finally:
             if before is not None:
                 assert job.groups is not None
                 write_back(before, job.groups, self._opt.optimizer.param_groups)
 
-    def _step_job(self, work: MasterStep) -> Any:
+    def _step_job(self, work: MasterStep, groups: list[dict[str, Any]] | None) -> Any:
         """Mode 1: receive the grads, skip or step (see :class:`~fp16kit.master_weights.sides.MasterStep`)."""
         grads = receive(work.handoff) if work.handoff is not None else None
         if work.found.item():  # the worker may wait for the device; the main thread never does
@@ -459,10 +479,13 @@ class AsyncSteps:
             self._masters.zero_grad(False, model=False)
         clear = work.missing_grads == "none"
         if inv is None and self._fused_unscale(scale):
-            # A fused optimizer unscales in its own pass over the grads: copy them only.
             assert scale is not None
+            scale = scale.to(self._groups.flag_device())
+            if self._fused is not None and self._fused.step_job(self._masters.model_params, grads, groups, scale):
+                return None  # the one-pass kernel (fp16kit.master_weights.fused_step): what torch's step gives
+            # A fused optimizer unscales in its own pass over the grads: copy them only.
             self._masters.grads_to_masters(None, None, grads=grads, clear_missing=clear, unscale=False)
-            return self._opt.inner_step(grad_scale=scale.to(self._groups.flag_device()))
+            return self._opt.inner_step(grad_scale=scale)
         if inv is None:
             assert scale is not None
             inv = kernels.inv_scale(scale)

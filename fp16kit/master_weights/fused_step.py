@@ -21,13 +21,17 @@ or steps the wrapped optimizer directly after a kernel step, sees none (``FP16KI
 
 The kernel takes a step when all hold:
 
-* synchronous steps on the CPU (masters on their params' device), no step hooks on the wrapped optimizer;
+* on the CPU (masters on their params' device), no step hooks on the wrapped optimizer;
 * every param of every group has a master (no fp32 params stepped directly, none frozen since wrapping), one
   16-bit dtype per group, and a contiguous grad;
 * the wrapped optimizer is torch's Adam/AdamW with ``fused=True`` (:func:`~fp16kit.core.fused.kernel_refusal`)
   and has its state (the first step is torch's: it creates it).
 
 Otherwise the torch-op path runs, with the same numbers. ``FP16KIT_FUSED=0`` turns the kernel off.
+
+An asynchronous step's job (``async_step=True`` with a GradScaler) takes the kernel too, by :meth:`FusedSteps.step_job`:
+from the handed-off grads to the masters and the state, the 16-bit params left to the next landing (26 B/param, then
+the landing's 6).
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ class FusedSteps:
         self.groups = groups
         self.async_step = async_step
         # (cheap to ask at every step; the full eligibility is _plan's)
-        self.candidate = not async_step and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-        if self.candidate and any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
+        adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+        self.candidate = adam and not async_step  # check() and step(): synchronous steps
+        self.job_candidate = adam and async_step  # step_job(): an asynchronous step's job
+        if adam and any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
             for group in optimizer.param_groups:  # build and calibrate the kernel now, not inside a step
                 fused.kernel_refusal(optimizer, group)
         self._plans: dict[int, fused.AdamPlan] = {}
@@ -119,6 +125,66 @@ class FusedSteps:
         self._taken = (model_params, masters, keep[0], keep[1])
         for plan, grads, group in ready:
             plan.step(grads, group, grad_scale=grad_scale, found_inf=found_inf, verify=False)  # (check() just did)
+
+    def step_job(
+        self,
+        model_params: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        groups: list[dict[str, Any]] | None,
+        grad_scale: torch.Tensor,
+    ) -> bool:
+        """In an asynchronous step's job: step the masters from the handed-off 16-bit ``grads`` with the kernel.
+
+        ``grads[i]`` is ``model_params[i]``'s (the hand-off); ``groups`` the job's snapshot of the param groups (their
+        hyperparameters), or None for the live ones; ``grad_scale`` the scale the grads carry. The model params are
+        not written -- the next landing copies the masters into them, as after torch's step -- and the masters keep
+        no grad. False, with nothing changed, when the kernel cannot take the step: then torch's ops do."""
+        if grad_scale.device.type != "cpu":
+            return False
+        by_param = dict(zip(map(id, model_params), grads))
+        ready = self._job_plans(groups, lambda p: by_param.get(id(p)))
+        if ready is None:
+            return False
+        for plan, addresses, group in ready:
+            plan.step(addresses, group, grad_scale=grad_scale, found_inf=None, verify=False, write_params=False)
+            for m in plan.masters:
+                m.grad = None  # (a grad left from an earlier step would be stale)
+        return True
+
+    def check_job_grads(self, found_inf: torch.Tensor) -> bool:
+        """Mode 1's check of the model grads on the main thread, by the kernel, when the job could take the kernel.
+
+        Reads the 16-bit grads only (torch's check writes them too). Only while no job runs (the plans are the
+        main thread's then). False, with nothing done: check with torch's ops."""
+        if found_inf.device.type != "cpu":
+            return False
+        ready = self._job_plans(None, operator.attrgetter("grad"))
+        if ready is None:
+            return False
+        for plan, addresses, _ in ready:
+            fused.check_finite_(plan, addresses, found_inf)
+        return True
+
+    def _job_plans(
+        self, groups: list[dict[str, Any]] | None, grad_of: Any
+    ) -> list[tuple[fused.AdamPlan, fused.GradAddresses, dict[str, Any]]] | None:
+        """Per group the plan, the grads' addresses and the hyperparameters of an asynchronous step, or None."""
+        if not self.job_candidate or self._hooked():
+            return None
+        live = self.optimizer.param_groups
+        hyper = live if groups is None else groups
+        if len(hyper) != len(live) or len(live) != len(self.groups):
+            return None
+        ready = []
+        for gi, (group, mg) in enumerate(zip(live, self.groups)):
+            plan = self._plan(gi, group, mg)
+            if plan is None or fused.kernel_refusal(self.optimizer, hyper[gi]) is not None:
+                return None
+            addresses = plan.grads([grad_of(p) for p in mg.model_params])
+            if addresses is None:
+                return None
+            ready.append((plan, addresses, hyper[gi]))
+        return ready
 
     def settle(self, state: StepState) -> None:
         """Make the master grads of the step the kernel took, before anything reads them (module docstring).

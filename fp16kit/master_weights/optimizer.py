@@ -52,7 +52,6 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -62,6 +61,8 @@ from ..core.interrupts import commit_methods
 from ..core.master import LOW_PRECISION, MasterParams
 from ..core.protocol import Flags
 from ..core.thread import OptimizerThread
+from .async_api import AsyncEntryPoints
+from .async_policy import check_policy
 from .async_step import AsyncSteps, log_skipped_step
 from .checkpoint import MatchedMasters, check_state_dict
 from .fused_step import FUSED, FusedSteps
@@ -86,7 +87,7 @@ __all__ = ["MixedPrecisionOptimizer", "MasterGroup"]
 logger = logging.getLogger("fp16kit")
 
 
-class MixedPrecisionOptimizer(WrappingOptimizer):
+class MixedPrecisionOptimizer(WrappingOptimizer, AsyncEntryPoints):
     """Wrap ``optimizer`` (built on the model's params) so it steps fp32 masters of the model's fp16/bf16 params.
 
     See the module docstring for the algorithm and the contract; :meth:`submit_step` (mode 2) runs a function of yours
@@ -105,6 +106,9 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             Each step uses the hyperparameters it was submitted with (:mod:`fp16kit.master_weights.snapshot`).
         thread: the :class:`~fp16kit.core.thread.OptimizerThread` for asynchronous steps (default: the process-wide
             ``fp16kit.optimizer_thread()``).
+        async_policy: where asynchronous steps run: ``"auto"`` (measure both, keep the faster), ``"thread"`` or
+            ``"inline"`` (:mod:`fp16kit.master_weights.async_policy`; the numbers are the same). Default:
+            ``$FP16KIT_ASYNC_POLICY``, else ``"auto"``.
         unfrozen: params frozen when wrapped and trainable later: ``"adopt"`` them at the next step (default), or
             ``"refuse"`` to step them (apex's construction-time rule).
         apex_groups: take the groups as apex's FP16_Optimizer did (the legacy face): a master per listing of a repeated
@@ -120,6 +124,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         flat: bool = False,
         async_step: bool = False,
         thread: OptimizerThread | None = None,
+        async_policy: str | None = None,
         unfrozen: LatePolicy = "adopt",
         apex_groups: bool = False,
     ) -> None:
@@ -130,7 +135,7 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
                 f"MixedPrecisionOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}. "
                 "Build the optimizer on the model's parameters first, then wrap it."
             )
-        _check_options(unfrozen, thread)
+        _check_options(unfrozen, thread, async_policy, async_step)
         check_not_wrapped(optimizer)
         master_dtype = _as_dtype(master_dtype)
         # Asynchronous steps and offloaded masters need a master for every trainable param:
@@ -141,8 +146,10 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
         super().__init__(optimizer)
         self.async_step = async_step
         self._groups = MasterGroups(optimizer, self._masters, all_masters=all_masters, late=unfrozen)
-        self._async = AsyncSteps(self, self._masters, self._groups, thread, refresh=self._refresh)
         self._fused = FusedSteps(optimizer, self._groups, async_step=async_step)
+        self._async = AsyncSteps(
+            self, self._masters, self._groups, thread, refresh=self._refresh, policy=async_policy, fused=self._fused
+        )
         self._grads = MasterGrads(
             self._masters, self._groups, self._before_grads, hands_off=async_step, settle=self._fused.settle
         )
@@ -408,70 +415,6 @@ class MixedPrecisionOptimizer(WrappingOptimizer):
             self._masters.masters_to_model()
         return ret
 
-    # ------------------------------------------------------------------ asynchronous steps
-    # The work is AsyncSteps' (fp16kit.master_weights.async_step); these are the public entry points.
-    def async_check_grads(self, *, reduce: Callable[[Flags], Flags] | None = None, land: bool = True) -> Flags:
-        """Check this step's model grads for inf/NaN on their device: the first half of an asynchronous step.
-
-        On the main thread, with ``async_step=True``; ``reduce`` may all-reduce the flags. Returns
-        ``{device: found_inf}``. No host sync. Then call :meth:`async_submit`. With ``land`` it also waits for the step
-        in flight (re-raising its error) and lands its masters in the model meanwhile -- only when nothing (a retained
-        autograd graph, a second loss) still needs the current weights; otherwise :meth:`async_submit` lands."""
-        self._async.require_main("async_check_grads", async_step=True)
-        self._refresh()
-        return self._async.check_grads(reduce=reduce, land=land)
-
-    def async_submit(
-        self,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        *,
-        missing_grads: str = "none",
-        on_skip: Callable[[], Any] | None = None,
-    ) -> Future:
-        """Queue this step's job on the optimizer thread: the second half of an asynchronous step.
-
-        After :meth:`async_check_grads`: land the previous step (if that did not), hand this step's model grads to the
-        optimizer thread (the model grads are cleared) and queue the job. There it skips the step -- calling
-        ``on_skip()`` -- if ``found_inf`` is set, and otherwise unscales the grads by ``inv_scale`` into the master
-        grads and steps. ``missing_grads`` says what a master whose param got no grad holds: ``"none"`` (no grad: the
-        optimizer skips it), ``"zero"``, or ``"keep"`` (its previous grad, as apex's FP16_Optimizer). Pending errors are
-        raised before anything is handed off: the call can be repeated."""
-        self._async.require_main("async_submit", async_step=True)
-        fut = self._async.submit(inv_scale, found_inf, missing_grads=missing_grads, on_skip=on_skip)
-        self._async.main.state.reset()
-        return fut
-
-    def submit_step(self, fn: Callable[[], Any], *, scaler: Any = None) -> Future:
-        """Mode 2 (docs/async.md): run ``fn`` on the optimizer thread, beside the next forward/backward.
-
-        ``fn`` is e.g. ``lambda: (scaler.step(opt), opt.zero_grad())``. On the main thread: wait for the previous
-        submitted step (re-raising its error), copy the masters it produced into the model, move this step's raw (still
-        scaled) model grads into the master grads -- the model grads are cleared, so the next backward starts from zero
-        -- and submit ``fn``. Returns its Future; call :meth:`synchronize` before evaluating or exporting the model.
-
-        ``scaler``: the :class:`fp16kit.GradScaler` whose ``step`` ``fn`` calls; it is bound to this optimizer's thread
-        now (``scaler.bind(opt.thread)``), so ``scaler.update()`` right after this call knows its step runs there.
-        Without it the scaler binds itself when that is unambiguous (see :mod:`fp16kit.scaler.binding`)."""
-        fut = self._async.submit_step(fn, scaler=scaler, missing_grads=self._grads.missing)
-        self._async.main.state.reset()
-        return fut
-
-    def synchronize(self) -> None:
-        """Wait for the step in flight and copy the final masters into the model.
-
-        Call it before evaluating or exporting an asynchronously trained model. A no-op otherwise, and inside a step job
-        (which cannot wait for itself)."""
-        if self._async.side().on_main:
-            self._async.land()
-
-    def wait_for_step(self) -> None:
-        """Wait for the step in flight (re-raising its error) without landing its masters in the model.
-
-        A no-op on the optimizer thread and with no step in flight."""
-        if self._async.side().on_main:
-            self._async.wait()
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Return ``{"optimizer": wrapped optimizer's state dict, "masters": [[master, ...] per group]}``.
@@ -619,12 +562,18 @@ def _stepping(
             view.write_back()
 
 
-def _check_options(unfrozen: Any, thread: Any) -> None:
-    """Refuse an ``unfrozen=`` policy that is not one, and a ``thread=`` that is neither None nor
-    an fp16kit OptimizerThread: a step job needs its FIFO, its step count, its error hand-back and
-    (on CUDA) its stream, which no other executor has. Changes nothing."""
+def _check_options(unfrozen: Any, thread: Any, async_policy: Any, async_step: bool) -> None:
+    """Refuse an ``unfrozen=`` or ``async_policy=`` that is not one (a policy other than the default needs
+    ``async_step=True``), and a ``thread=`` that is neither None nor an fp16kit OptimizerThread: a step job
+    needs its FIFO, its step count, its error hand-back and (on CUDA) its stream, which no other executor
+    has. Changes nothing."""
     if unfrozen not in ("adopt", "refuse"):
         raise ValueError(f"unfrozen must be 'adopt' or 'refuse', got {unfrozen!r}.")
+    if async_policy is not None and check_policy(async_policy) != "auto" and not async_step:
+        raise ValueError(
+            f"async_policy={async_policy!r} says where asynchronous steps run, but this optimizer steps "
+            "synchronously: pass async_step=True too, or leave async_policy out."
+        )
     if thread is not None and not isinstance(thread, OptimizerThread):
         raise TypeError(
             f"thread must be an fp16kit.OptimizerThread (or None for the process-wide "

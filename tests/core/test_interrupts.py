@@ -163,6 +163,7 @@ def mpo_script(
     iterations: int = 3,
     submit: bool = False,
     routed: bool = False,
+    async_policy: str | None = None,
 ) -> Script:
     """MixedPrecisionOptimizer(AdamW) on a small model, torch.amp style. ``extra``: calls added
     at the end of each iteration ("synchronize", "state_dict"). ``submit``: mode 2, the step
@@ -173,7 +174,7 @@ def mpo_script(
         model = _model(dtype)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused or None)
         thread = fp16kit.OptimizerThread() if async_step or submit or routed else None
-        opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step, thread=thread)
+        opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=async_step, thread=thread, async_policy=async_policy)
         sc = fp16kit.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) if scaler else None
         if routed:
             sc.bind(thread)
@@ -248,6 +249,16 @@ FAST = dict(dense=60, stride=11, resume_every=5)
 def test_ctrl_c_anywhere_in_a_scaled_step_fp16(async_step: bool, call: str) -> None:
     counts = sweep(mpo_script(async_step=async_step), at_iteration=1, call=call, **FAST)
     assert counts["points"] > 0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch_ops", "kernel"])
+def test_ctrl_c_anywhere_in_an_asynchronous_step_run_inline(fused: bool) -> None:
+    # async_policy="inline": the job runs inside step() on the main thread, where a Ctrl-C can land in it
+    for overflow_at in (None, 1):
+        script = mpo_script(async_step=True, async_policy="inline", fused=fused, overflow_at=overflow_at)
+        assert sweep(script, at_iteration=1, call="step", **FAST)["points"] > 0
+    script = mpo_script(dtype=torch.bfloat16, async_step=True, async_policy="inline", fused=fused, scaler=False)
+    sweep(script, at_iteration=1, call="step", **FAST)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -131,7 +131,7 @@ def _poison(i, value):
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_async_equals_the_one_step_delayed_apex_reference_bit_for_bit(dtype, opt_name, caplog):
     args = {"init_scale": 2.0**10, "scale_window": 3, "min_loss_scale": 4.0}
-    model, opt, ref = _build(opt_name, dtype, dynamic_args=args)
+    model, opt, ref = _build(opt_name, dtype, dynamic_args=args, async_policy="thread")  # (the worker logs)
     poisoned = {2: _poison(0, INF), 5: _poison(3, NAN), 6: _poison(1, INF)}
     with caplog.at_level(logging.WARNING, logger="fp16kit"):
         for i in range(12):

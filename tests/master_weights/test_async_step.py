@@ -49,7 +49,7 @@ def test_ctrl_c_while_waiting_leaves_the_step_tracked(thread, monkeypatch):
     gate = threading.Event()
     model = _net()
     inner = _GatedSGD(model.parameters(), gate, lr=0.1)
-    opt = MixedPrecisionOptimizer(inner, async_step=True, thread=thread)
+    opt = MixedPrecisionOptimizer(inner, async_step=True, thread=thread, async_policy="thread")  # (gated there)
     _loss(model, 0).backward()
     opt.step()
     real_wait, interrupted = thread.wait, []
@@ -115,7 +115,7 @@ def test_another_jobs_error_is_raised_before_the_hand_off_and_only_once(thread):
     model_b, ref_b = _net(seed=1), _net(seed=1)
     model_a = _net(seed=2)
     opt_a = MixedPrecisionOptimizer(
-        _FailingSGD(model_a.parameters(), fail_at=2, lr=0.1), async_step=True, thread=thread
+        _FailingSGD(model_a.parameters(), fail_at=2, lr=0.1), async_step=True, thread=thread, async_policy="thread"
     )
     opt_b = MixedPrecisionOptimizer(torch.optim.SGD(model_b.parameters(), lr=0.1), async_step=True, thread=thread)
     caught = _train_b(opt_b, model_b, thread, other=(model_a, opt_a))

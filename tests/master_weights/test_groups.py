@@ -184,7 +184,7 @@ def test_a_param_unfrozen_while_a_step_runs_is_left_to_the_next_step():
 
     a = nn.Parameter(torch.ones(4, dtype=torch.half))
     b = nn.Parameter(torch.ones(4, dtype=torch.half), requires_grad=False)
-    opt = MixedPrecisionOptimizer(GatedSGD([a, b], lr=0.1), async_step=True)
+    opt = MixedPrecisionOptimizer(GatedSGD([a, b], lr=0.1), async_step=True, async_policy="thread")
     scaler = GradScaler("cpu", init_scale=1024.0)
     x = torch.ones(4, dtype=torch.half)
     scaler.scale((a * x).float().sum()).backward()

@@ -167,9 +167,9 @@ def test_asynchronous_steps_never_read_the_device_on_the_main_thread(monkeypatch
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
     inner = torch.optim.Adam(model.parameters(), lr=1e-3)
     if face == "FP16_Optimizer":
-        opt = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False, async_step=True)
-    else:
-        opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=True)
+        opt = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False, async_step=True, async_policy="thread")
+    else:  # (inline steps read the skip flag on the main thread: async_policy)
+        opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=True, async_policy="thread")
         scaler = fp16kit.GradScaler("cpu", growth_interval=2)
     for i in range(5):
         opt.zero_grad()

@@ -202,6 +202,8 @@ class AdamPlan:
         self.ptrs = torch.zeros(self.n, 6, dtype=torch.int64)
         self.ptrs[:, 1:] = torch.tensor(self._addresses, dtype=torch.int64).reshape(5, self.n).t()
         self._ptr_args = (_p64(self.ptrs), _p64(self.numel), _p64(self.chunk_start))
+        self._masters_only = self.ptrs.clone()  # the same with no 16-bit params to write (write_params=False)
+        self._masters_only[:, 1] = 0
 
     def current(self) -> bool:
         """Does the optimizer's state still hold the tensors this plan addresses?
@@ -262,25 +264,29 @@ class AdamPlan:
         grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None,
         verify: bool = True,
+        write_params: bool = True,
     ) -> None:
         """Step every tensor of the plan with the 16-bit grads ``grads`` (:meth:`grads`).
 
         ``group``: the param group's hyperparameters; ``grad_scale``: the loss scale the grads carry (a float32 CPU
         tensor, or None: unscaled); ``found_inf``: a float32 CPU flag (1: skip the whole step), or None.
-        ``verify=False``: the caller checked :meth:`current` since the state last could change."""
+        ``verify=False``: the caller checked :meth:`current` since the state last could change.
+        ``write_params=False``: the masters and the state only (an asynchronous step: the 16-bit params are copied
+        from the masters later; 2 B per element less)."""
         lib = library()
         found = forms()
         if lib is None or found is None:
             raise RuntimeError("internal: AdamPlan.step called with the kernel off (check kernel_refusal first)")
         if verify and not self.current():
             raise PlanMismatch("The optimizer's state holds other tensors than this plan's (load_state_dict?).")
-        self.ptrs[:, 0] = grads.ptrs
+        table = self.ptrs if write_params else self._masters_only
+        table[:, 0] = grads.ptrs
         hyper = _group(group, found, decoupled=bool(group.get("decoupled_weight_decay")))
         stepped = lib.fp16kit_master_adam(
-            self.n, *self._ptr_args, CHUNK, ctypes.byref(hyper), self.kind, _pf(grad_scale), _pf(found_inf),
-            torch.get_num_threads(),
+            self.n, _p64(table), *self._ptr_args[1:], CHUNK, ctypes.byref(hyper), self.kind, _pf(grad_scale),
+            _pf(found_inf), torch.get_num_threads(),
         )  # fmt: skip
-        Traffic.bytes += STEP_BYTES * self.total if stepped else 0
+        Traffic.bytes += (STEP_BYTES - (0 if write_params else 2)) * self.total if stepped else 0
 
 
 def check_finite_(plan: AdamPlan, grads: GradAddresses, found_inf: torch.Tensor) -> None:

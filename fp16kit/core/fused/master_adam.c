@@ -177,11 +177,11 @@ AVX static void step_range(const uint16_t *g16, uint16_t *p16, float *mp, float 
         _mm256_storeu_ps(ap + k, m);
         _mm256_storeu_ps(vp + k, v);
         _mm256_storeu_ps(mp + k, p);
-        store8(p16, k, p, kind);
+        if (p16) store8(p16, k, p, kind);
     }
     for (; k < hi; k++) { /* [vend, hi) is torch's tail: chunks are multiples of 16 elements */
         float p = scalar_step(load1(g16, k, kind), mp + k, ap + k, vp + k, h);
-        p16[k] = round1(p, kind);
+        if (p16) p16[k] = round1(p, kind);
     }
 }
 
@@ -196,7 +196,8 @@ static int64_t tensor_of(const int64_t *chunk_start, int64_t n, int64_t c) {
     return lo;
 }
 
-/* The step over n tensors. ptrs[6 * i ...]: 16-bit grad, 16-bit param, master, exp_avg, exp_avg_sq,
+/* The step over n tensors. ptrs[6 * i ...]: 16-bit grad, 16-bit param (0: not written -- an
+ * asynchronous step's job, whose params the next landing writes), master, exp_avg, exp_avg_sq,
  * step (float32, 0-dim); numel[i]; chunk_start[i]: the index of tensor i's first chunk of `chunk`
  * elements (a multiple of 16), chunk_start[n] == the number of chunks, the parallel work items. */
 AVX int32_t fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *numel, const int64_t *chunk_start,
