@@ -32,6 +32,8 @@ from typing import Any, Union, overload
 
 import torch
 
+from .fused import unscale as fused_unscale
+
 __all__ = [
     "PerDevice",
     "TensorOrIterable",
@@ -267,8 +269,25 @@ def unscale_to_(
         raise ValueError(
             f"unscale_to_ needs one destination per source; got {len(srcs)} sources and {len(dsts)} destinations."
         )
+    flags = unscale_to_one_pass_(srcs, dsts, inv_scale, found_inf)
+    if flags is not None:
+        return flags
     copy_to_(srcs, dsts)
     return unscale_(dsts, inv_scale, found_inf)
+
+
+def unscale_to_one_pass_(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> dict[torch.device, torch.Tensor] | None:
+    """:func:`unscale_to_` in one pass by the fused kernel (:mod:`fp16kit.core.fused.unscale`), or None, nothing done.
+
+    None when the kernel does not take the pairs (off, not all on the CPU, ...); the numbers are the two-op path's."""
+    if not fused_unscale.unscale_to_(srcs, dsts, inv_scale, found_inf):
+        return None
+    return {found_inf.device: found_inf}
 
 
 def unscale_add_to_(

@@ -183,6 +183,9 @@ class MasterParams:
         assert inv_scale is not None and found_inf is not None  # checked on entry
         if not self.flat:
             return kernels.unscale_to_(srcs, dsts, inv_scale, found_inf)
+        flags = kernels.unscale_to_one_pass_(srcs, dsts, inv_scale, found_inf)
+        if flags is not None:
+            return flags
         # Flat: copy per param, then check-and-unscale each block whose every master grad is
         # its view as one tensor (one op over the buffer), the rest per tensor.
         kernels.copy_to_(srcs, dsts)

@@ -2,6 +2,8 @@
 
 * :mod:`~fp16kit.core.fused.adam` -- the master Adam/AdamW step on the CPU, from the 16-bit grad to the
   16-bit param in one pass, bit for bit torch's fused Adam/AdamW on the fp32 masters plus the copy back.
+* :mod:`~fp16kit.core.fused.unscale` -- the master-grad path (16-bit grads -> unscaled fp32 master grads and
+  the non-finite flag) in one pass.
 * :mod:`~fp16kit.core.fused.build` -- builds a kernel's C source at first use (cached per machine) and
   loads it; ``FP16KIT_FUSED=0`` turns every kernel off.
 

@@ -126,6 +126,10 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.c_int32, _PF, ctypes.c_int32,
     ]  # fmt: skip
     lib.fp16kit_check_finite.restype = None
+    lib.fp16kit_unscale_to.argtypes = [
+        ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.c_int32, _PF, _PF, ctypes.c_int32,
+    ]  # fmt: skip
+    lib.fp16kit_unscale_to.restype = None
     return lib
 
 

@@ -24,6 +24,8 @@
  *
  * Nothing is written when *found_inf == 1 (the whole step is skipped, as torch's fused step
  * skips on its found_inf). fp16kit_check_finite sets *found_inf = 1 when a grad holds inf/NaN.
+ * fp16kit_unscale_to is the master-grad path in one pass: fp32 master grad = float(grad16) *
+ * inv_scale, the flag set as torch's _amp_foreach_non_finite_check_and_unscale_ sets it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -232,6 +234,45 @@ AVX void fp16kit_check_finite(int64_t n, const int64_t *grads, const int64_t *nu
         uint16_t acc = 0;
         for (int64_t k = lo; k < hi; k++) acc |= (uint16_t)((x[k] & expo) == expo);
         bad |= acc;
+    }
+    if (bad) *found_inf = 1.0f;
+}
+
+/* The master-grad path: dst[k] = float(src[k]) * inv_scale for n pairs (16-bit source at pairs[2 * i],
+ * float32 destination at pairs[2 * i + 1]; sizes and chunks as above) -- torch's copy into float32
+ * then its check-and-unscale, which multiplies unless inv_scale == 1 -- and *found_inf = 1 when a
+ * source holds inf or NaN (only ever set). 2 bytes read and 4 written per element, one pass. */
+AVX void fp16kit_unscale_to(int64_t n, const int64_t *pairs, const int64_t *numel, const int64_t *chunk_start,
+                            int64_t chunk, int32_t kind, const float *inv_scale, float *found_inf, int32_t threads) {
+    const float inv = *inv_scale;
+    const int mul = inv != 1.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const uint16_t expo = kind == BF16 ? 0x7f80 : 0x7c00; /* exponent all ones: inf or NaN */
+    const __m128i vexpo = _mm_set1_epi16((short)expo);
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad)
+    for (int64_t c = 0; c < chunk_start[n]; c++) {
+        int64_t i = tensor_of(chunk_start, n, c), lo = (c - chunk_start[i]) * chunk;
+        int64_t hi = lo + chunk < numel[i] ? lo + chunk : numel[i];
+        const uint16_t *x = (const uint16_t *)pairs[2 * i];
+        float *y = (float *)pairs[2 * i + 1];
+        __m128i acc = _mm_setzero_si128();
+        int64_t k = lo;
+        for (; k + 8 <= hi; k += 8) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(x + k));
+            acc = _mm_or_si128(acc, _mm_cmpeq_epi16(_mm_and_si128(h, vexpo), vexpo));
+            __m256 f = kind == BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                    : _mm256_cvtph_ps(h);
+            if (mul) f = _mm256_mul_ps(f, vinv);
+            _mm256_storeu_ps(y + k, f);
+        }
+        int tail = 0;
+        for (; k < hi; k++) {
+            float f = load1(x, k, kind);
+            y[k] = mul ? f * inv : f;
+            tail |= (x[k] & expo) == expo;
+        }
+        bad |= tail | !_mm_testz_si128(acc, acc);
     }
     if (bad) *found_inf = 1.0f;
 }
