@@ -39,10 +39,14 @@ class SkipCounter:
         self._slots = list(self._history.unbind(0))
         self._recorded = 0
         self._last: torch.Tensor | None = None  # the slot of the last flag
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (re-entrant: see record)
 
     def record(self, found_inf: torch.Tensor) -> None:
-        """Record one update's flag (one device op; a fold every ``HISTORY`` updates)."""
+        """Record one update's flag (one device op; a fold every ``HISTORY`` updates).
+
+        The lock is re-entrant because a second Ctrl-C (which abandons the step: fp16kit.core.interrupts) can land
+        where CPython has taken the lock but not yet entered the block, leaving it held: a plain lock then hangs the
+        thread's next update (a two-Ctrl-C sweep of amp's handle found it); the holding thread goes on."""
         with self._lock:
             self._last = self._slots[self._recorded]
             self._last.copy_(found_inf)

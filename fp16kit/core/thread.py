@@ -245,6 +245,13 @@ class OptimizerThread:
             self._queue.put(item)
         return item.future
 
+    def record_failure(self, fut: JobFuture) -> None:
+        """Track ``fut`` -- a job of this thread's run elsewhere (inline, on the main thread), finished with an error --
+        as one of this thread's undelivered errors: :meth:`raise_pending_error`, :meth:`synchronize` and the exit
+        report find it, and it is delivered once, as a job's error run here would be."""
+        with self._lock:
+            self._undelivered.append(fut)
+
     def _count(self, item: _WorkItem) -> None:
         global _step_serial
         self._submitted += 1

@@ -42,7 +42,11 @@ class AsyncEntryPoints:
 
     @async_policy.setter
     def async_policy(self, policy: str) -> None:
-        check_policy(policy)
+        if policy is None or check_policy(policy) and not self.async_step:
+            raise ValueError(
+                f"async_policy = {policy!r}: assign 'auto', 'thread' or 'inline', to an optimizer built with "
+                "async_step=True (a synchronous one has no asynchronous steps to place)."
+            )
         self._async.require_main("async_policy", async_step=True)
         self._async.policy.set(policy)
 
@@ -100,6 +104,7 @@ class AsyncEntryPoints:
         (which cannot wait for itself)."""
         if self._async.side().on_main:
             self._async.land()
+            self._async.policy.give_back()  # the thread count the program set (async_policy: inline steps borrow)
 
     def wait_for_step(self) -> None:
         """Wait for the step in flight (re-raising its error) without landing its masters in the model.

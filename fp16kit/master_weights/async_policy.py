@@ -18,10 +18,12 @@ So the policy measures::
 
 On a CPU, an inline step leaves the optimizer thread idle, so under "auto" the main thread borrows its intra-op
 threads while steps run inline (``torch.set_num_threads(main + worker)``, at most the cores this process may use,
-set again at each inline step) and gets its own count back when steps go to the thread again.
+set again at each inline step) and gets the program's count back when steps go to the thread again and at
+``synchronize()`` (one record per process: several optimizers may borrow at once).
 
 Contract: the mode changes only which thread runs a job, never the order of anything the numbers depend on; a job
-run inline raises its error at the next call that waits for the step, as a job on the thread does. Mode 2
+run inline fails as a job on the thread does -- its error one of the thread's undelivered ones, raised once by the
+next call that waits for the step or asks the thread, reported at exit otherwise (:func:`run_inline`). Mode 2
 (``submit_step(fn)``) always runs on the thread (its scaler is bound there). ``optimizer.async_policy`` reads
 ``"thread"``, ``"inline"`` or ``"probing"``; assigning ``"thread"``, ``"inline"`` or ``"auto"`` (probe again) sets it.
 The default (``async_policy=None``) is ``$FP16KIT_ASYNC_POLICY`` when set -- a test run can put every asynchronous
@@ -34,12 +36,13 @@ import logging
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
-from ..core.thread import JobFuture
+from ..core.thread import JobFuture, OptimizerThread
 
 __all__ = ["AsyncPolicy", "POLICIES", "check_policy", "run_inline"]
 
@@ -55,6 +58,11 @@ def check_policy(policy: object) -> str:
     Anything else: ValueError naming them."""
     if policy is None:
         policy = os.environ.get("FP16KIT_ASYNC_POLICY") or "auto"
+        if policy not in POLICIES:
+            raise ValueError(
+                f"The environment sets FP16KIT_ASYNC_POLICY={policy!r:.80}, which is not one of {POLICIES}: "
+                "unset it, or set it to one of them."
+            )
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(
             f"async_policy must be one of {POLICIES}, got {policy!r:.80}: 'auto' measures both and keeps the faster "
@@ -91,8 +99,7 @@ class AsyncPolicy:
         self._schedule: list[str] = []
         self._index = 0
         self._last: tuple[str, float] | None = None  # the mode and queue time of the last step
-        self._lend: tuple[int, int] | None = None
-        self._lending = False
+        self._worker: int | None = None
         self._decided: str | None = None
         self.set(policy)
 
@@ -116,7 +123,7 @@ class AsyncPolicy:
         self._schedule = ["thread"] * self.WARMUP + rounds
         self._index = 0
         self._give_back_threads()
-        self._lend = None
+        self._worker = None
 
     def next_inline(self) -> bool:
         """Called as each mode-1 job is queued, on the main thread: should this one run inline?
@@ -153,35 +160,68 @@ class AsyncPolicy:
 
     # ------------------------------------------------------------------ the main thread's intra-op threads
     def _lend_threads(self) -> None:
-        if self._lend is None:  # once per set(): the main thread's own count, and its count while inline
-            own = torch.get_num_threads()
-            self._lend = (own, min(own + self._worker_threads(), max(own, _cores())))
-        own, lent = self._lend
-        if lent != own and torch.get_num_threads() != lent:  # (again: the program may have set a count since)
-            torch.set_num_threads(lent)
-            self._lending = True
+        if self._worker is None:  # asked once per set()
+            self._worker = self._worker_threads()
+        _LENDING.lend(self, self._worker)
 
     def _give_back_threads(self) -> None:
-        if self._lending:
-            assert self._lend is not None
-            torch.set_num_threads(self._lend[0])
-            self._lending = False
+        _LENDING.give_back(self)
+
+    def give_back(self) -> None:
+        """Give the main thread its own intra-op thread count back (``synchronize()``: training may be over).
+
+        The next inline step borrows again."""
+        _LENDING.give_back(self)
 
     def __repr__(self) -> str:
         medians = ", ".join(f"{m} {statistics.median(s) * 1e3:.3g} ms" for m, s in self.samples.items() if s)
         return f"AsyncPolicy({self.requested!r} -> {self.mode}{'; ' + medians if medians else ''})"
 
 
-def run_inline(run: Callable[[Any], Any], job: Any) -> JobFuture:
-    """Run ``run(job)`` here, on the main thread, and return its finished future.
+class _Lending:
+    """The main thread's intra-op threads while inline steps borrow the optimizer threads': one record per process.
 
-    Its error is kept for the next call that waits for the step, as a job on the optimizer thread's would be; an
-    interrupt is not the job's error and goes on up."""
+    Several optimizers may borrow at once: the count the program set (``own``) is read when the first one borrows
+    and set back when the last one gives back."""
+
+    def __init__(self) -> None:
+        self.own: int | None = None
+        self.borrowers: weakref.WeakSet[AsyncPolicy] = weakref.WeakSet()
+
+    def lend(self, policy: AsyncPolicy, worker: int) -> None:
+        if self.own is None or not self.borrowers:
+            self.own = torch.get_num_threads()
+        lent = min(self.own + worker, max(self.own, _cores()))
+        if lent == self.own:
+            return
+        self.borrowers.add(policy)
+        if torch.get_num_threads() != lent:  # (again at each step: the program may have set a count since)
+            torch.set_num_threads(lent)
+
+    def give_back(self, policy: AsyncPolicy) -> None:
+        if policy not in self.borrowers:
+            return
+        self.borrowers.discard(policy)
+        if not self.borrowers and self.own is not None:
+            torch.set_num_threads(self.own)
+            self.own = None
+
+
+_LENDING = _Lending()
+
+
+def run_inline(run: Callable[[Any], Any], job: Any, thread: OptimizerThread) -> JobFuture:
+    """Run ``run(job)`` here, on the main thread, as a job of ``thread``; return its finished future.
+
+    Its error is one of ``thread``'s undelivered errors (:meth:`~fp16kit.core.thread.OptimizerThread.record_failure`),
+    raised once by the next call that waits for the step or asks the thread for pending errors, and reported at exit
+    if nothing did -- as a job's error on the thread would be. An interrupt is not the job's error: it goes on up."""
     fut = JobFuture()
     try:
         fut.set_result(run(job))
     except Exception as e:
         if hasattr(e, "add_note"):  # Python 3.11+
             e.add_note("(raised in an asynchronous step run inline on the main thread: async_policy)")
+        thread.record_failure(fut)  # (tracked before it is set, as the thread does)
         fut.set_exception(e)
     return fut

@@ -301,7 +301,7 @@ class AsyncSteps:
         _note_step_taken(self._opt)
         job = StepJob(self, work, groups)
         if isinstance(work, MasterStep) and self.policy.next_inline():
-            main.inflight = run_inline(self._run, job)
+            main.inflight = run_inline(self._run, job, self.thread)
         else:
             main.inflight = self.thread.enqueue(self._run, (job,), step=isinstance(work, SubmittedCall))
         return main.inflight
@@ -481,7 +481,9 @@ class AsyncSteps:
         if inv is None and self._fused_unscale(scale):
             assert scale is not None
             scale = scale.to(self._groups.flag_device())
-            if self._fused is not None and self._fused.step_job(self._masters.model_params, grads, groups, scale):
+            # (only when a missing grad means no grad: "zero"/"keep" read master grads the kernel does not write)
+            fused = self._fused if work.missing_grads == "none" else None
+            if fused is not None and fused.step_job(self._masters.model_params, grads, groups, scale):
                 return None  # the one-pass kernel (fp16kit.master_weights.fused_step): what torch's step gives
             # A fused optimizer unscales in its own pass over the grads: copy them only.
             self._masters.grads_to_masters(None, None, grads=grads, clear_missing=clear, unscale=False)

@@ -148,7 +148,13 @@ class MixedPrecisionOptimizer(WrappingOptimizer, AsyncEntryPoints):
         self._groups = MasterGroups(optimizer, self._masters, all_masters=all_masters, late=unfrozen)
         self._fused = FusedSteps(optimizer, self._groups, async_step=async_step)
         self._async = AsyncSteps(
-            self, self._masters, self._groups, thread, refresh=self._refresh, policy=async_policy, fused=self._fused
+            self,
+            self._masters,
+            self._groups,
+            thread,
+            refresh=self._refresh,
+            policy=async_policy if async_step else "thread",  # (mode 2's jobs always run on the thread)
+            fused=self._fused,
         )
         self._grads = MasterGrads(
             self._masters, self._groups, self._before_grads, hands_off=async_step, settle=self._fused.settle

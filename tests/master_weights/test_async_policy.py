@@ -58,8 +58,9 @@ def test_the_default_is_the_environment_s_then_auto(monkeypatch):
     assert check_policy(None) == "inline"
     assert check_policy("thread") == "thread"  # an explicit one wins
     monkeypatch.setenv("FP16KIT_ASYNC_POLICY", "fast")
-    with pytest.raises(ValueError, match="got 'fast'"):
+    with pytest.raises(ValueError, match="environment sets FP16KIT_ASYNC_POLICY='fast'"):
         check_policy(None)
+    fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(_model(torch.float16).parameters(), lr=0.1))  # (sync: unread)
 
 
 def test_auto_warms_up_then_probes_each_mode_in_alternating_order_then_keeps_one():
@@ -322,8 +323,11 @@ def test_the_policy_is_read_and_set_on_the_optimizer():
     assert opt.async_policy == "inline"
     sync = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(_model(torch.float16).parameters(), lr=0.1))
     assert sync.async_policy is None
-    with pytest.raises(RuntimeError, match="async_step=True"):
+    with pytest.raises(ValueError, match="async_step=True"):
         sync.async_policy = "thread"
+    with pytest.raises(ValueError, match="assign 'auto', 'thread' or 'inline'"):
+        opt.async_policy = None
+    assert opt.async_policy == "inline"
 
 
 @pytest.mark.parametrize("policy", ["thread", "inline", "bogus"])
@@ -332,3 +336,96 @@ def test_a_policy_without_async_steps_is_refused_before_anything_changes(policy)
     with pytest.raises(ValueError, match="async_policy"):
         fp16kit.MixedPrecisionOptimizer(inner, async_policy=policy)
     fp16kit.MixedPrecisionOptimizer(inner, async_policy="auto")  # not marked wrapped: wrapping works now
+
+
+class _SideModel(torch.nn.Module):
+    """A param (``side``) that gets a grad only every third iteration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.side = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        out = self.b(torch.relu(self.a(x)))
+        return out + self.side(x) if i % 3 == 0 else out
+
+
+@pytest.mark.parametrize("policy", ["thread", "inline"])
+def test_zeroed_grads_and_a_param_with_some_grads_step_alike_with_and_without_the_kernel(policy, monkeypatch):
+    # zero_grad(set_to_none=False): a missing grad is a zero grad, which AdamW steps; the kernel (which needs every
+    # grad) must leave the master grads the torch-op path reads later (found by an adversarial pass: it stepped 6 of 9)
+    def run() -> dict:
+        model = _SideModel().half()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, weight_decay=0.1)
+        opt = fp16kit.MixedPrecisionOptimizer(inner, async_step=True, async_policy=policy)
+        gs = fp16kit.GradScaler("cpu", init_scale=2.0**10)
+        for i in range(10):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(4, 8, generator=g).half(), torch.randn(4, 4, generator=g)
+            opt.zero_grad(set_to_none=False)
+            gs.scale(((model(x, i).float() - y) ** 2).mean()).backward()
+            gs.step(opt)
+            gs.update()
+        opt.synchronize()
+        return {"params": [p.detach().clone() for p in model.parameters()], "optimizer": opt.state_dict()}
+
+    kernel = run()
+    monkeypatch.setattr(FusedSteps, "_job_plans", lambda self, groups, grad_of: None)  # torch's ops only
+    assert_equal(kernel, run(), "kernel vs torch's ops")
+
+
+def _failing(policy: str, thread: fp16kit.OptimizerThread) -> tuple[fp16kit.MixedPrecisionOptimizer, torch.nn.Module]:
+    model = _model(torch.float16)
+    opt = fp16kit.MixedPrecisionOptimizer(
+        _FailingSGD(model.parameters(), fail_at=1, lr=0.1), async_step=True, async_policy=policy, thread=thread
+    )
+    x, y = _batch(0, torch.float16)
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()
+    opt.step()  # the job fails (on the thread, or here)
+    return opt, model
+
+
+@pytest.mark.parametrize("policy", ["thread", "inline"])
+def test_an_inline_job_s_error_is_one_of_the_thread_s_in_either_mode(policy):
+    thread = fp16kit.OptimizerThread()
+    try:
+        opt, _ = _failing(policy, thread)
+        thread.wait_idle()
+        assert [str(e) for e in thread._undelivered_errors()] == ["boom in the step"]  # (what exit reports)
+        with pytest.raises(RuntimeError, match="boom in the step"):
+            thread.synchronize()
+        thread.synchronize()  # delivered once
+        opt.synchronize()  # ... and not again by the optimizer
+    finally:
+        thread.shutdown()
+
+
+def test_synchronize_gives_the_borrowed_threads_back(threads, monkeypatch):
+    monkeypatch.setattr(async_policy, "_cores", lambda: 4)
+    torch.set_num_threads(1)
+    model = _model(torch.float16)
+    opt = fp16kit.MixedPrecisionOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), async_step=True)
+    opt._async.policy._decided = "inline"  # (as if the probe chose it)
+    opt._async.policy._index = 99
+    for i in range(2):
+        x, y = _batch(i, torch.float16)
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        assert torch.get_num_threads() > 1  # borrowed while steps run inline
+    opt.synchronize()
+    assert torch.get_num_threads() == 1
+
+
+def test_two_borrowing_optimizers_give_back_the_program_s_count(threads, monkeypatch):
+    monkeypatch.setattr(async_policy, "_cores", lambda: 4)
+    torch.set_num_threads(1)
+    a, b = (AsyncPolicy("auto", worker_threads=lambda: 1, clock=_Clock()) for _ in range(2))
+    for p in (a, b):
+        p._decided = "inline"
+        p.next_inline()
+    assert torch.get_num_threads() == 2
+    a.set("thread")
+    assert torch.get_num_threads() == 2  # b still borrows
+    b.set("thread")
+    assert torch.get_num_threads() == 1
