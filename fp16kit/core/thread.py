@@ -246,9 +246,11 @@ class OptimizerThread:
         return item.future
 
     def record_failure(self, fut: JobFuture) -> None:
-        """Track ``fut`` -- a job of this thread's run elsewhere (inline, on the main thread), finished with an error --
-        as one of this thread's undelivered errors: :meth:`raise_pending_error`, :meth:`synchronize` and the exit
-        report find it, and it is delivered once, as a job's error run here would be."""
+        """Track ``fut``, a failed job of this thread's that ran elsewhere (inline), as an undelivered error.
+
+        ``fut`` ran on the main thread instead of here (``async_policy``) and finished with an error:
+        :meth:`raise_pending_error`, :meth:`synchronize` and the exit report find it, and it is delivered once, as
+        the error of a job run here would be."""
         with self._lock:
             self._undelivered.append(fut)
 
