@@ -36,13 +36,13 @@ class AsyncEntryPoints:
     def async_policy(self) -> str | None:
         """Where asynchronous steps run: ``"thread"``, ``"inline"``, or ``"probing"`` while ``"auto"`` measures both.
 
-        None with ``async_step=False``. Assign ``"thread"``, ``"inline"`` or ``"auto"`` (measure again) to change it from the next step on
-        (:mod:`fp16kit.master_weights.async_policy`). The numbers are the same in every mode."""
+        None with ``async_step=False``. Assign ``"thread"``, ``"inline"`` or ``"auto"`` (measure again) to change it
+        from the next step on (:mod:`fp16kit.master_weights.async_policy`). The numbers are the same in every mode."""
         return self._async.policy.mode if self.async_step else None
 
     @async_policy.setter
     def async_policy(self, policy: str) -> None:
-        if policy is None or check_policy(policy) and not self.async_step:
+        if policy is None or (check_policy(policy) and not self.async_step):
             raise ValueError(
                 f"async_policy = {policy!r}: assign 'auto', 'thread' or 'inline', to an optimizer built with "
                 "async_step=True (a synchronous one has no asynchronous steps to place)."
