@@ -38,7 +38,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -48,7 +48,6 @@ __all__ = ["AsyncPolicy", "POLICIES", "check_policy", "run_inline"]
 
 logger = logging.getLogger("fp16kit")
 
-Policy = Literal["auto", "thread", "inline"]
 POLICIES: tuple[str, ...] = ("auto", "thread", "inline")
 
 

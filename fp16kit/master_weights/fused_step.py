@@ -59,7 +59,6 @@ class FusedSteps:
     def __init__(self, optimizer: torch.optim.Optimizer, groups: MasterGroups, *, async_step: bool) -> None:
         self.optimizer = optimizer
         self.groups = groups
-        self.async_step = async_step
         # (cheap to ask at every step; the full eligibility is _plan's)
         adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
         self.candidate = adam and not async_step  # check() and step(): synchronous steps
