@@ -226,14 +226,22 @@ AVX void fp16kit_check_finite(int64_t n, const int64_t *grads, const int64_t *nu
                               int64_t chunk, int32_t kind, float *found_inf, int32_t threads) {
     int bad = 0;
     const uint16_t expo = kind == BF16 ? 0x7f80 : 0x7c00; /* exponent all ones: inf or NaN */
+    const __m256i vexpo = _mm256_set1_epi16((short)expo);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad)
     for (int64_t c = 0; c < chunk_start[n]; c++) {
         int64_t i = tensor_of(chunk_start, n, c), lo = (c - chunk_start[i]) * chunk;
         int64_t hi = lo + chunk < numel[i] ? lo + chunk : numel[i];
         const uint16_t *x = (const uint16_t *)grads[i];
-        uint16_t acc = 0;
-        for (int64_t k = lo; k < hi; k++) acc |= (uint16_t)((x[k] & expo) == expo);
-        bad |= acc;
+        /* 16 grads per compare: a scalar loop here cost a third of the whole step */
+        __m256i acc = _mm256_setzero_si256();
+        int64_t k = lo;
+        for (; k + 16 <= hi; k += 16) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(x + k));
+            acc = _mm256_or_si256(acc, _mm256_cmpeq_epi16(_mm256_and_si256(h, vexpo), vexpo));
+        }
+        int tail = 0;
+        for (; k < hi; k++) tail |= (x[k] & expo) == expo;
+        bad |= tail | !_mm256_testz_si256(acc, acc);
     }
     if (bad) *found_inf = 1.0f;
 }

@@ -115,7 +115,7 @@ def test_unscaled_grads_and_no_flag():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
-@pytest.mark.parametrize("where", [0, 16, 4096 + 8, -1])
+@pytest.mark.parametrize("where", [0, 16, 4096 + 8, 65536 + 37, -1])
 def test_check_finite_finds_every_non_finite_value_anywhere(dtype, bad, where):
     p16, grads = _world(dtype, [1, 17, 4096 + 9, 70_001])
     masters, opt, plan = _planned(p16)
