@@ -9,10 +9,10 @@ import torch
 
 import fp16kit
 from _helpers.interrupt import assert_equal
-from fp16kit.core.fused import adam
+from fp16kit.core import fused
 from fp16kit.master_weights.fused_step import FusedSteps
 
-pytestmark = pytest.mark.skipif(adam.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
+pytestmark = pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
 
 
 @pytest.fixture

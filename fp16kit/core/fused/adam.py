@@ -20,7 +20,7 @@ copy of the grads into fp32 master grads, a check, the fused step and a copy bac
 ``found_inf`` attributes) followed by ``param16.copy_(master)`` leaves. One difference: the masters get no ``.grad``
 (torch's fused step writes the unscaled grad back there). torch's kernel rounds its vector body and its scalar tail
 (the last ``numel % width`` elements) differently, and how depends on its CPU build: the vector width of the CPU
-capability, and which ``a * b + c`` its compiler contracted into one rounding. :func:`forms` finds them at first
+capability, and which ``a * b + c`` its compiler contracted into one rounding. :func:`~fp16kit.core.fused.calibrate.forms` finds them at first
 use by running torch's fused Adam and AdamW and this kernel on a probe of every tail length, fp16 and bf16; when
 no form reproduces torch bit for bit the kernel stays off (one log line) and callers use torch's ops.
 
@@ -45,14 +45,13 @@ from typing import Any
 
 import torch
 
-from . import build
+from . import build, calibrate
 
 __all__ = [
     "AdamPlan",
     "PlanMismatch",
     "Traffic",
     "check_finite_",
-    "forms",
     "kernel_refusal",
     "library",
     "unscaled_grads",
@@ -67,7 +66,8 @@ CHECK_BYTES = 2
 CHUNK = 1 << 16
 """Elements per parallel work item (a multiple of 16: torch's body/tail split is per tensor)."""
 
-_KIND = {torch.float16: 0, torch.bfloat16: 1}
+KIND = {torch.float16: 0, torch.bfloat16: 1}
+_F32_GRADS = 2  # the kernel's grad kind for float32 grads
 _CPU = torch.device("cpu")
 
 
@@ -95,11 +95,12 @@ class Traffic:
 class GradAddresses:
     """The 16-bit grads a step reads (:meth:`AdamPlan.grads`): the tensors, kept alive, and their addresses."""
 
-    __slots__ = ("ptrs", "tensors")
+    __slots__ = ("kind", "ptrs", "tensors")
 
-    def __init__(self, tensors: list[torch.Tensor], ptrs: torch.Tensor) -> None:
+    def __init__(self, tensors: list[torch.Tensor], ptrs: torch.Tensor, kind: int) -> None:
         self.tensors = tensors
         self.ptrs = ptrs
+        self.kind = kind  # the kernel's grad kind: a 16-bit one, or float32
 
 
 class PlanMismatch(RuntimeError):
@@ -118,8 +119,8 @@ def library() -> ctypes.CDLL | None:
         )
         return None
     lib.fp16kit_master_adam.argtypes = [
-        ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.POINTER(_Group), ctypes.c_int32, _PF, _PF,
-        ctypes.c_int32,
+        ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.POINTER(_Group), ctypes.c_int32, ctypes.c_int32,
+        _PF, _PF, ctypes.c_int32,
     ]  # fmt: skip
     lib.fp16kit_master_adam.restype = ctypes.c_int32  # 1: stepped, 0: skipped (found_inf)
     lib.fp16kit_check_finite.argtypes = [
@@ -149,7 +150,7 @@ def kernel_refusal(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -
     values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
     if any(isinstance(v, torch.Tensor) for v in values):
         return "a hyperparameter is a tensor"
-    if forms() is None:
+    if calibrate.forms() is None:
         return "the kernel is off (see the log)"
     return None
 
@@ -164,22 +165,30 @@ class AdamPlan:
     plan keeps the storages it addresses alive, so no other tensor can be given one of those addresses while it
     lives, and an address that is unchanged is the same memory of the same size. A plan that is not current
     raises :class:`PlanMismatch` (build a new one). Refuses (ValueError) tensors the kernel cannot address: not
-    on the CPU, not contiguous, masters or state not float32, params not float16/bfloat16 of one dtype."""
+    on the CPU, not contiguous, masters or state not float32, params not float16/bfloat16 of one dtype.
+
+    ``params16[i]`` None: ``masters[i]`` is an fp32 param the optimizer steps as it is (apex's fp32_from_fp32; it
+    has no 16-bit copy to write). Such a plan steps only from fp32 grads (``grads(..., fp32=True)``)."""
 
     def __init__(
-        self, params16: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+        self,
+        params16: Sequence[torch.Tensor | None],
+        masters: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
     ) -> None:
         if len(params16) != len(masters) or not masters:
-            raise ValueError("AdamPlan needs one 16-bit param per master, and at least one.")
-        dtype = params16[0].dtype
-        if dtype not in _KIND:
-            raise ValueError(f"AdamPlan steps float16 or bfloat16 params, got {dtype}.")
+            raise ValueError("AdamPlan needs one 16-bit param (or None) per master, and at least one.")
+        dtypes = {p.dtype for p in params16 if p is not None}
+        if len(dtypes) > 1 or not dtypes <= KIND.keys():
+            raise ValueError(f"AdamPlan steps float16 or bfloat16 params of one dtype, got {sorted(map(str, dtypes))}.")
+        dtype = dtypes.pop() if dtypes else torch.float32  # (float32: fp32 params stepped in place only)
         self.optimizer = optimizer
         states: list[dict[str, Any]] = [optimizer.state.get(m) or {} for m in masters]
         if any("exp_avg" not in s for s in states):
             raise ValueError("AdamPlan needs the optimizer's state of every master (after its first step).")
-        self.kind = _KIND[dtype]
+        self.kind = KIND.get(dtype, 0)  # (no 16-bit param: no store, any kind)
         self.dtype = dtype
+        self.direct = dtype is torch.float32 or None in params16  # steps from fp32 grads only
         self.params16 = list(params16)
         self.masters = list(masters)
         self.states = states
@@ -188,23 +197,28 @@ class AdamPlan:
         self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         self.steps = [s["step"] for s in states]
         for p, m, a, v, st in zip(self.params16, self.masters, self.exp_avgs, self.exp_avg_sqs, self.steps):
-            _check(p, dtype, m.numel(), "param")
+            if p is not None:
+                _check(p, dtype, m.numel(), "param")
             for t, what in ((m, "master"), (a, "exp_avg"), (v, "exp_avg_sq")):
-                _check(t, torch.float32, p.numel(), what)
+                _check(t, torch.float32, m.numel(), what)
             if st.dtype != torch.float32 or st.device.type != "cpu" or st.dim() != 0:
                 raise ValueError(f"AdamPlan needs float32 0-dim CPU steps, got {st.dtype} {tuple(st.shape)}.")
-        numels = [p.numel() for p in self.params16]
+        numels = [m.numel() for m in self.masters]
         self._numels = numels
         self.n = len(numels)
         self.total = sum(numels)
+        self._total16 = sum(k for p, k in zip(self.params16, numels) if p is not None)  # (elements written in 16 bits)
         self.numel = torch.tensor(numels, dtype=torch.int64)
         starts = [0, *itertools.accumulate(-(-k // CHUNK) for k in numels)]
         self.chunk_start = torch.tensor(starts, dtype=torch.int64)
-        self._addressed = [*self.params16, *self.masters, *self.exp_avgs, *self.exp_avg_sqs, *self.steps]
+        written = [p for p in self.params16 if p is not None]
+        self._addressed = [*written, *self.masters, *self.exp_avgs, *self.exp_avg_sqs, *self.steps]
         self._storages = [t.untyped_storage() for t in self._addressed]  # (kept alive: see the class docstring)
         self._addresses = self._now()
         self.ptrs = torch.zeros(self.n, 6, dtype=torch.int64)
-        self.ptrs[:, 1:] = torch.tensor(self._addresses, dtype=torch.int64).reshape(5, self.n).t()
+        rest = torch.tensor(self._addresses[len(written) :], dtype=torch.int64).reshape(4, self.n).t()
+        self.ptrs[:, 2:] = rest
+        self.ptrs[:, 1] = torch.tensor([0 if p is None else p.data_ptr() for p in self.params16], dtype=torch.int64)
         self._ptr_args = (_p64(self.ptrs), _p64(self.numel), _p64(self.chunk_start))
         self._masters_only = self.ptrs.clone()  # the same with no 16-bit params to write (write_params=False)
         self._masters_only[:, 1] = 0
@@ -240,14 +254,17 @@ class AdamPlan:
     def _now(self) -> list[int]:
         return [t.data_ptr() for t in self._addressed]
 
-    def grads(self, grads16: Sequence[torch.Tensor | None]) -> GradAddresses | None:
+    def grads(self, grads16: Sequence[torch.Tensor | None], *, fp32: bool = False) -> GradAddresses | None:
         """The grads for :meth:`step` and :func:`check_finite_`, or None: then use torch's ops.
 
-        None when a grad is missing, not contiguous, or not its param's dtype, size and device (``g.data = ...`` gets
-        past the grad setter's checks)."""
+        ``fp32``: float32 grads (the masters' own, unscaled: apex's faces), for :meth:`step` only. None when a grad is
+        missing, not contiguous, or not the expected dtype, size and device (``g.data = ...`` gets past the grad
+        setter's checks), and for 16-bit grads when the plan steps fp32 params in place."""
         if len(grads16) != self.n:
             raise PlanMismatch(f"{len(grads16)} grads for a plan of {self.n} tensors.")
-        dtype, cpu = self.dtype, _CPU
+        if self.direct and not fp32:
+            return None
+        dtype, cpu = (torch.float32 if fp32 else self.dtype), _CPU
         try:
             ptrs = [
                 g.data_ptr()  # type: ignore[union-attr]
@@ -258,7 +275,8 @@ class AdamPlan:
             return None
         if len(ptrs) != self.n:
             return None
-        return GradAddresses(list(grads16), torch.tensor(ptrs, dtype=torch.int64))  # type: ignore[arg-type]
+        kind = _F32_GRADS if fp32 else self.kind
+        return GradAddresses(list(grads16), torch.tensor(ptrs, dtype=torch.int64), kind)  # type: ignore[arg-type]
 
     def step(
         self,
@@ -278,30 +296,34 @@ class AdamPlan:
         ``write_params=False``: the masters and the state only (an asynchronous step: the 16-bit params are copied
         from the masters later; 2 B per element less)."""
         lib = library()
-        found = forms()
+        found = calibrate.forms()
         if lib is None or found is None:
             raise RuntimeError("internal: AdamPlan.step called with the kernel off (check kernel_refusal first)")
         if verify and not self.current():
             raise PlanMismatch("The optimizer's state holds other tensors than this plan's (load_state_dict?).")
         table = self.ptrs if write_params else self._masters_only
         table[:, 0] = grads.ptrs
-        hyper = _group(group, found, decoupled=bool(group.get("decoupled_weight_decay")))
+        hyper = hyper_of(group, found, decoupled=bool(group.get("decoupled_weight_decay")))
         stepped = lib.fp16kit_master_adam(
-            self.n, _p64(table), *self._ptr_args[1:], CHUNK, ctypes.byref(hyper), self.kind, _pf(grad_scale),
-            _pf(found_inf), torch.get_num_threads(),
+            self.n, _p64(table), *self._ptr_args[1:], CHUNK, ctypes.byref(hyper), self.kind, grads.kind, pf(grad_scale),
+            pf(found_inf), torch.get_num_threads(),
         )  # fmt: skip
-        Traffic.bytes += (STEP_BYTES - (0 if write_params else 2)) * self.total if stepped else 0
+        if stepped:
+            grad_bytes = 4 if grads.kind == _F32_GRADS else 2
+            Traffic.bytes += (STEP_BYTES - 4 + grad_bytes) * self.total + (2 * self._total16 if write_params else 0)
 
 
 def check_finite_(plan: AdamPlan, grads: GradAddresses, found_inf: torch.Tensor) -> None:
     """Set ``found_inf`` (a float32 CPU flag) to 1 when one of the 16-bit ``grads`` (:meth:`AdamPlan.grads`) holds inf/NaN.
 
     The flag is only ever set, as torch's ``_amp_foreach_non_finite_check_and_unscale_`` sets it."""
+    if grads.kind == _F32_GRADS:
+        raise ValueError("check_finite_ reads 16-bit grads; these are float32 (AdamPlan.grads(..., fp32=True)).")
     lib = library()
     if lib is None:
         raise RuntimeError("internal: check_finite_ called with the kernel off")
     lib.fp16kit_check_finite(
-        plan.n, _p64(grads.ptrs), plan._ptr_args[1], plan._ptr_args[2], CHUNK, plan.kind, _pf(found_inf),
+        plan.n, _p64(grads.ptrs), plan._ptr_args[1], plan._ptr_args[2], CHUNK, plan.kind, pf(found_inf),
         torch.get_num_threads(),
     )  # fmt: skip
     Traffic.bytes += CHECK_BYTES * plan.total
@@ -330,7 +352,7 @@ def _p64(t: torch.Tensor) -> Any:
     return ctypes.cast(t.data_ptr(), _P64)
 
 
-def _pf(t: torch.Tensor | None) -> Any:
+def pf(t: torch.Tensor | None) -> Any:
     if t is None:
         return None
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.numel() != 1:
@@ -338,84 +360,10 @@ def _pf(t: torch.Tensor | None) -> Any:
     return ctypes.cast(t.data_ptr(), _PF)
 
 
-def _group(group: Mapping[str, Any], found: tuple[int, int, int, int], *, decoupled: bool) -> _Group:
+def hyper_of(group: Mapping[str, Any], found: tuple[int, int, int, int], *, decoupled: bool) -> _Group:
     beta1, beta2 = group["betas"]
     vl, body, tail, tail8 = found
     return _Group(
         float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
         1 if decoupled else 0, body, tail, vl, tail8,
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------------- finding torch's rounding
-_PROBE_SIZES = (*range(1, 40), 4096 + 7, 4096 + 9, 4096 + 15, 8, 16, 64)
-
-
-@functools.cache
-def forms() -> tuple[int, int, int, int] | None:
-    """How torch's fused Adam rounds on this machine: ``(vector width, body form, tail form, 8-wide tail)``, or None.
-
-    The forms with which the kernel reproduces torch's fused Adam and AdamW bit for bit (module docstring); None:
-    none does, and the kernel stays off (logged). Found once per process, in a few milliseconds."""
-    if library() is None:
-        return None
-    capability = torch.backends.cpu.get_cpu_capability()
-    widths = (16, 8) if capability.startswith("AVX512") else (8, 16)
-    cases = [_probe(dtype, decoupled, wd) for dtype in _KIND for decoupled, wd in ((True, 0.01), (False, 0.1))]
-    for candidate in itertools.product(widths, (1, 0, 2), (2, 0, 1), (1, 0)):
-        if all(_matches(case, candidate) for case in cases):
-            return candidate
-    logger.warning(
-        f"fp16kit: the fused master_adam kernel is off: no form of it reproduces torch {torch.__version__}'s fused "
-        f"Adam bit for bit on this CPU ({capability}); using torch's ops."
-    )
-    return None
-
-
-def _probe(dtype: torch.dtype, decoupled: bool, wd: float) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(1234)
-    sizes = _PROBE_SIZES
-    p16 = [torch.randn(s, generator=g).to(dtype) for s in sizes]
-    g16 = [(torch.randn(s, generator=g) * 300).to(dtype) for s in sizes]
-    m = [torch.randn(s, generator=g) * 0.01 for s in sizes]
-    v = [torch.rand(s, generator=g) * 1e-3 for s in sizes]
-    group: dict[str, Any] = {
-        "lr": 0.01,
-        "betas": (0.9, 0.999),
-        "eps": 1e-8,
-        "weight_decay": wd,
-        "decoupled_weight_decay": decoupled,
-    }
-    scale = torch.tensor(256.0)
-    masters = [p.float() for p in p16]
-    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    opt = cls(masters, lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=wd, fused=True)
-    for t, gr, a, b in zip(masters, g16, m, v):
-        t.grad = gr.float()
-        opt.state[t] = {"step": torch.tensor(2.0), "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
-    opt.grad_scale, opt.found_inf = scale, torch.zeros(())  # type: ignore[attr-defined]
-    opt.step()
-    want = [masters, [opt.state[t]["exp_avg"] for t in masters], [opt.state[t]["exp_avg_sq"] for t in masters]]
-    return {"p16": p16, "g16": g16, "m": m, "v": v, "group": group, "scale": scale, "want": want, "dtype": dtype}
-
-
-def _matches(case: dict[str, Any], candidate: tuple[int, int, int, int]) -> bool:
-    lib = library()
-    assert lib is not None
-    p16 = [p.clone() for p in case["p16"]]
-    masters = [p.float() for p in case["p16"]]
-    opt = torch.optim.Adam(masters, fused=True)
-    for t, a, b in zip(masters, case["m"], case["v"]):
-        opt.state[t] = {"step": torch.tensor(2.0), "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
-    state = opt.state
-    plan = AdamPlan(p16, masters, opt)
-    grads = plan.grads(case["g16"])
-    assert grads is not None
-    plan.ptrs[:, 0] = grads.ptrs
-    hyper = _group(case["group"], candidate, decoupled=case["group"]["decoupled_weight_decay"])
-    lib.fp16kit_master_adam(plan.n, *plan._ptr_args, CHUNK, ctypes.byref(hyper), plan.kind, _pf(case["scale"]), None, 1)
-    got = [masters, [state[t]["exp_avg"] for t in masters], [state[t]["exp_avg_sq"] for t in masters]]
-    for mine, theirs in zip(got, case["want"]):
-        if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, theirs)):
-            return False
-    return all(torch.equal(p.view(torch.int16), m.to(case["dtype"]).view(torch.int16)) for p, m in zip(p16, masters))

@@ -4,7 +4,7 @@
  * ctypes. Per tensor i of a plan (all arrays of length n):
  *
  *     step += 1; bc1 = 1 - beta1 ** step; bc2 = 1 - beta2 ** step   (in double, as torch)
- *     g  = float(grad16[i]) / scale            (no grad_scale pointer: no division)
+ *     g  = float(grad16[i]) / scale            (no grad_scale pointer: no division; or the fp32 grad)
  *     p  = master[i]
  *     AdamW, wd != 0:  p = p * decay           (decay = float(1 - lr * wd))
  *     Adam,  wd != 0:  g = g + p * wd
@@ -34,7 +34,7 @@
 
 #define AVX __attribute__((target("avx2,fma,f16c")))
 
-enum { HALF = 0, BF16 = 1 };
+enum { HALF = 0, BF16 = 1, F32 = 2 }; /* F32: grads only (the fp32 master grads of apex's faces) */
 
 int fp16kit_cpu_supported(void) {
     __builtin_cpu_init();
@@ -147,9 +147,11 @@ AVX static inline float scalar_step(float g, float *mp, float *ap, float *vp, co
     return p;
 }
 
-/* One tensor, elements [lo, hi) (lo a multiple of 8). */
-AVX static void step_range(const uint16_t *g16, uint16_t *p16, float *mp, float *ap, float *vp, int64_t numel,
-                           int64_t lo, int64_t hi, const Hyper *h, int kind) {
+/* One tensor, elements [lo, hi) (lo a multiple of 8); the grads are of `gkind` (a 16-bit kind or F32). */
+AVX static void step_range(const void *gp, uint16_t *p16, float *mp, float *ap, float *vp, int64_t numel,
+                           int64_t lo, int64_t hi, const Hyper *h, int kind, int gkind) {
+    const uint16_t *g16 = (const uint16_t *)gp;
+    const float *g32 = (const float *)gp;
     int64_t body = numel - numel % h->vl; /* torch's vector part of this tensor */
     int64_t vend = hi < body ? hi : body;
     const __m256 vscale = _mm256_set1_ps(h->inv_scale_div), vdecay = _mm256_set1_ps(h->decay);
@@ -161,7 +163,7 @@ AVX static void step_range(const uint16_t *g16, uint16_t *p16, float *mp, float 
     int64_t k = lo;
     if (h->tail8 && hi == numel && numel - body >= 8) vend = body + 8;
     for (; k + 8 <= vend; k += 8) {
-        __m256 g = load8(g16, k, kind);
+        __m256 g = gkind == F32 ? _mm256_loadu_ps(g32 + k) : load8(g16, k, gkind);
         if (h->inv_scale_div != 0.0f) g = _mm256_div_ps(g, vscale);
         __m256 p = _mm256_loadu_ps(mp + k);
         if (h->mode == 1) p = _mm256_mul_ps(p, vdecay);
@@ -182,7 +184,7 @@ AVX static void step_range(const uint16_t *g16, uint16_t *p16, float *mp, float 
         if (p16) store8(p16, k, p, kind);
     }
     for (; k < hi; k++) { /* [vend, hi) is torch's tail: chunks are multiples of 16 elements */
-        float p = scalar_step(load1(g16, k, kind), mp + k, ap + k, vp + k, h);
+        float p = scalar_step(gkind == F32 ? g32[k] : load1(g16, k, gkind), mp + k, ap + k, vp + k, h);
         if (p16) p16[k] = round1(p, kind);
     }
 }
@@ -198,12 +200,13 @@ static int64_t tensor_of(const int64_t *chunk_start, int64_t n, int64_t c) {
     return lo;
 }
 
-/* The step over n tensors. ptrs[6 * i ...]: 16-bit grad, 16-bit param (0: not written -- an
- * asynchronous step's job, whose params the next landing writes), master, exp_avg, exp_avg_sq,
+/* The step over n tensors. ptrs[6 * i ...]: grad (16-bit of `kind`, or float32 when gkind == F32),
+ * 16-bit param (0: not written -- an asynchronous step's job, whose params the next landing writes,
+ * or an fp32 param stepped in place as its own "master"), master, exp_avg, exp_avg_sq,
  * step (float32, 0-dim); numel[i]; chunk_start[i]: the index of tensor i's first chunk of `chunk`
  * elements (a multiple of 16), chunk_start[n] == the number of chunks, the parallel work items. */
 AVX int32_t fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *numel, const int64_t *chunk_start,
-                             int64_t chunk, const Group *group, int32_t kind, const float *grad_scale,
+                             int64_t chunk, const Group *group, int32_t kind, int32_t gkind, const float *grad_scale,
                              const float *found_inf, int32_t threads) {
     if (found_inf && *found_inf == 1.0f) return 0; /* torch's fused skip: nothing changes, steps included */
     for (int64_t i = 0; i < n; i++) *(float *)ptrs[6 * i + 5] += 1.0f; /* torch: _foreach_add_(steps, 1) */
@@ -215,7 +218,7 @@ AVX int32_t fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *n
         Hyper h;
         hyper_of(group, *(const float *)t[5], grad_scale, &h);
         step_range((const uint16_t *)t[0], (uint16_t *)t[1], (float *)t[2], (float *)t[3], (float *)t[4], numel[i], lo,
-                   hi, &h, kind);
+                   hi, &h, kind, gkind);
     }
     return 1; /* stepped */
 }

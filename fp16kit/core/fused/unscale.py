@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .adam import _CPU, _KIND, CHUNK, Traffic, _p64, _pf, library
+from .adam import _CPU, CHUNK, KIND, Traffic, _p64, library, pf
 
 __all__ = ["unscale_to_"]
 
@@ -58,7 +58,7 @@ def unscale_to_(
         if t.dtype is not torch.float32 or t.device != _CPU or t.dim() != 0:
             return False
     dtype = srcs[0].dtype
-    kind = _KIND.get(dtype)
+    kind = KIND.get(dtype)
     numels = list(map(_numel, srcs))
     total = sum(numels)
     if kind is None or total < MIN_MEAN_NUMEL * n:
@@ -78,7 +78,7 @@ def unscale_to_(
     numel = torch.tensor(numels, dtype=torch.int64)
     chunk_start = torch.tensor([0, *itertools.accumulate(-(-k // CHUNK) for k in numels)], dtype=torch.int64)
     lib.fp16kit_unscale_to(
-        n, _p64(pairs), _p64(numel), _p64(chunk_start), CHUNK, kind, _pf(inv_scale), _pf(found_inf),
+        n, _p64(pairs), _p64(numel), _p64(chunk_start), CHUNK, kind, pf(inv_scale), pf(found_inf),
         torch.get_num_threads(),
     )  # fmt: skip
     Traffic.bytes += UNSCALE_BYTES * total

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from fp16kit.core import fused
 from fp16kit.core.fused import adam
 
-pytestmark = pytest.mark.skipif(adam.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
+pytestmark = pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
 
 SIZES = [1, 7, 8, 9, 15, 16, 17, 31, 33, 100, 4096 + 9, 70_001, (1 << 16) + 3, 3 * (1 << 16)]
 
@@ -177,7 +175,7 @@ def test_plans_refuse_tensors_the_kernel_cannot_address():
         fused.AdamPlan([p.float()], [m], opt)
     with pytest.raises(ValueError, match="param is torch.float16 .* with 8 elements"):
         fused.AdamPlan([torch.zeros(8, dtype=torch.float16)], [m], opt)
-    with pytest.raises(ValueError, match="one 16-bit param per master"):
+    with pytest.raises(ValueError, match=r"one 16-bit param \(or None\) per master"):
         fused.AdamPlan([], [], opt)
 
 
@@ -203,7 +201,59 @@ def test_adam_and_adamw_with_fused_true_are_taken():
         assert adam.kernel_refusal(opt, opt.param_groups[0]) is None
 
 
-def test_the_forms_are_found_once(caplog):
-    with caplog.at_level(logging.DEBUG, logger="fp16kit"):
-        assert adam.forms() == adam.forms()
-    assert not caplog.records
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_from_fp32_grads_with_fp32_params_stepped_in_place(dtype, cls):
+    """apex's faces: the masters' own unscaled fp32 grads, fp32 params (no 16-bit copy) in the same plan."""
+    sizes = [1, 7, 16, 33, 4096 + 9, 70_001]
+    p16, grads = _world(dtype, sizes, seed=5)
+    fp32 = [0, 3]  # these params are fp32 in the model: stepped as they are
+    kwargs = dict(lr=1e-2, weight_decay=0.05)
+
+    def world():
+        params = [p.float().clone() if i in fp32 else p.clone() for i, p in enumerate(p16)]
+        masters = [p if i in fp32 else p.float() for i, p in enumerate(params)]
+        opt = cls(masters, fused=True, **kwargs)
+        return params, masters, opt
+
+    def attach(masters, gs):
+        for m, g in zip(masters, gs):
+            m.grad = (g.float() / 512).contiguous()
+
+    ref_params, ref_masters, ref_opt = world()
+    params, masters, opt = world()
+    for it, gs in enumerate(grads):
+        found = torch.tensor(1.0 if it == 2 else 0.0)  # the third step skipped
+        attach(ref_masters, gs)
+        ref_opt.found_inf = found
+        ref_opt.step()
+        del ref_opt.found_inf
+        torch._foreach_copy_([p for i, p in enumerate(ref_params) if i not in fp32],
+                             [m for i, m in enumerate(ref_masters) if i not in fp32])  # fmt: skip
+        attach(masters, gs)
+        if it == 0:  # the first step is torch's: it makes the state
+            opt.step()
+            torch._foreach_copy_([p for i, p in enumerate(params) if i not in fp32],
+                                 [m for i, m in enumerate(masters) if i not in fp32])  # fmt: skip
+            plan = fused.AdamPlan([None if i in fp32 else p for i, p in enumerate(params)], masters, opt)
+            assert plan.grads([p.grad for p in p16]) is None  # 16-bit grads: not with fp32 params in the plan
+            continue
+        before = [m.grad.clone() for m in masters]
+        plan.step(plan.grads([m.grad for m in masters], fp32=True), opt.param_groups[0], grad_scale=None,
+                  found_inf=found)  # fmt: skip
+        assert all(torch.equal(m.grad, b) for m, b in zip(masters, before))  # the grads are read, not written
+    for i, (a, b) in enumerate(zip(params, ref_params)):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.int16 if i not in fp32 else torch.int32),
+                                                  b.view(torch.int16 if i not in fp32 else torch.int32))  # fmt: skip
+    _assert_same(([], masters, opt), ([], ref_masters, ref_opt))
+
+
+def test_fp32_grads_are_refused_by_the_check():
+    p16, grads = _world(torch.float16, [8])
+    masters, opt, plan = _planned(p16)
+    addresses = plan.grads([grads[0][0].float()], fp32=True)
+    assert addresses is not None
+    assert plan.grads([grads[0][0].float()]) is None  # (16-bit expected)
+    assert plan.grads([grads[0][0]], fp32=True) is None  # (float32 expected)
+    with pytest.raises(ValueError, match="16-bit grads"):
+        fused.check_finite_(plan, addresses, torch.zeros(()))
