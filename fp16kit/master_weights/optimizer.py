@@ -415,6 +415,14 @@ class MixedPrecisionOptimizer(WrappingOptimizer, AsyncEntryPoints):
         if side.on_main:  # (a job's were applied before it was submitted)
             self._async.apply_deferred()
             self._fused.settle(side.state)
+            # the master grads as they are, the step and the copy into the model in one kernel pass, if it can
+            if (
+                closure is None
+                and grad_scale is None
+                and side.groups is None
+                and self._fused.from_master_grads(found_inf)
+            ):
+                return None
         with _stepping(self.optimizer, side.groups, grad_scale, found_inf) as inner:
             ret = inner.step(closure) if closure is not None else inner.step()
         if not side.in_job:

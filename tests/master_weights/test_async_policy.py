@@ -11,6 +11,7 @@ import torch
 
 import fp16kit
 from _helpers.interrupt import assert_equal
+from fp16kit.core import fused
 from fp16kit.core.fused import adam
 from fp16kit.legacy import FP16_Optimizer
 from fp16kit.master_weights import async_policy
@@ -215,7 +216,7 @@ def test_every_policy_trains_to_the_same_bits(inner, dtype, scaler):
     assert out["modes"][0] == "probing" and out["modes"][-1] in ("thread", "inline")
 
 
-@pytest.mark.skipif(adam.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
+@pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
 @pytest.mark.parametrize("policy", ["thread", "inline"])
 def test_the_kernel_takes_the_jobs_with_the_torch_op_path_s_numbers(policy, monkeypatch):
     before = adam.Traffic.bytes
@@ -228,7 +229,7 @@ def test_the_kernel_takes_the_jobs_with_the_torch_op_path_s_numbers(policy, monk
     _same(kernel, torch_ops)
 
 
-@pytest.mark.skipif(adam.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
+@pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
 def test_after_a_kernel_job_the_masters_hold_no_stale_grad():
     model = _model(torch.float16)
     opt = fp16kit.MixedPrecisionOptimizer(

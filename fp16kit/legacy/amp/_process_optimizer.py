@@ -46,6 +46,7 @@ import torch
 from ...core import kernels
 from ...core.interrupts import commit
 from ...core.master import MasterParams
+from ...master_weights.fused_step import FusedSteps
 from ...master_weights.groups import MasterGroups
 from .._messages import apex_logger, float_or_half
 from ._amp_state import _amp_state
@@ -85,6 +86,7 @@ class AmpOptimizerState:
         self.params_have_scaled_gradients = False
         self.built = False
         self.master_groups: MasterGroups | None = None
+        self.fused: FusedSteps | None = None  # the kernel's plans for master_groups (built at the first step)
         self.pending: list[tuple[int, Any, torch.Tensor]] = []  # (loss_id, scaler, found_inf)
         self.all_fp16_params: list[torch.Tensor] = []
         self.all_fp32_params: list[torch.Tensor] = []
@@ -270,6 +272,19 @@ def _clear_master_grads(optimizer: AmpOptimizer) -> None:
         kernels.clear_grads_(stash.master_groups.masters.masters, set_to_none=True)
 
 
+def _kernel_step(optimizer: AmpOptimizer, old_step: Callable[..., Any]) -> bool:
+    """Step the masters from their grads and write the model params with the fused kernel, when it can.
+
+    Only when ``old_step`` is torch's own step of the optimizer's class (not an LR scheduler's wrapper, which
+    counts the steps): :meth:`~fp16kit.master_weights.fused_step.FusedSteps.from_master_grads` checks the rest."""
+    stash = optimizer._amp_stash
+    if stash.master_groups is None or getattr(old_step, "__func__", None) is not type(optimizer).step:
+        return False
+    if stash.fused is None or stash.fused.groups is not stash.master_groups:
+        stash.fused = FusedSteps(optimizer, stash.master_groups, async_step=False)
+    return stash.fused.from_master_grads(None, own_step=True)
+
+
 def _make_step(optimizer: AmpOptimizer, master_weights: bool, casts: Any) -> Callable[..., Any]:
     old_step = optimizer.step
 
@@ -301,6 +316,9 @@ def _make_step(optimizer: AmpOptimizer, master_weights: bool, casts: Any) -> Cal
         if closure is not None:
             raise RuntimeError(CLOSURE_ERROR)
         optimizer._amp_lazy_init()
+        if _kernel_step(optimizer, old_step):  # torch's step and the copy back, in one pass
+            _clear_master_grads(optimizer)
+            return None
         with ctx:
             retval = old_step()
         optimizer._master_params_to_model_params()
