@@ -54,6 +54,7 @@ def _alone() -> int:
 
 
 _ALONE = _alone()
+_SPARE_MIN_NUMEL = 1 << 15  # (128 KiB of fp32: glibc's default mmap threshold)
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -224,8 +225,9 @@ class MasterParams:
         ``zero_grad(set_grads_to_None=True)``); a fresh CPU allocation of that size comes from the OS and
         costs a page fault per 4 KiB (measured: 24.6M elements unscaled into fresh memory 32 ms, into
         memory written before 4.3 ms). CUDA's caching allocator has no such cost, and there memory
-        between steps matters more: a fresh grad each time."""
-        if master.device.type != "cpu":
+        between steps matters more: a fresh grad each time. So does a small one: malloc serves it from
+        memory it keeps (below its mmap threshold, 128 KiB by default)."""
+        if master.device.type != "cpu" or master.numel() < _SPARE_MIN_NUMEL:
             return torch.empty_like(master)
         spare = self._spare_grads.get(i)
         if (
