@@ -142,3 +142,70 @@ def test_cpu_offloaded_masters(flat):
         assert torch.equal(m.grad, p.grad.float().cpu() * 0.5)
     mp.masters_to_model()
     assert all(torch.equal(p.detach().cpu(), m.detach().half()) for p, m in zip(params, mp.masters))
+
+
+def _big_pair(numel=1 << 16):
+    p = torch.randn(numel).half().requires_grad_()
+    return p, MasterParams([p])
+
+
+def _transfer(mp, value):
+    mp.model_params[0].grad = torch.full_like(mp.model_params[0], value)
+    mp.grads_to_masters(torch.ones(()), torch.zeros(()))
+    return mp.masters[0]
+
+
+def test_a_dropped_cpu_master_grad_is_reused_when_nothing_holds_it():
+    _, mp = _big_pair()
+    m = _transfer(mp, 1.0)
+    address = m.grad.data_ptr()
+    m.grad = None  # apex's faces drop the master grads at every step
+    _transfer(mp, 2.0)
+    assert m.grad.data_ptr() == address and torch.equal(m.grad, torch.full_like(m, 2.0))
+
+
+def _saved_for_backward(g):
+    w = torch.zeros_like(g, requires_grad=True)
+    y = (w * g).sum()  # mul saves g for w's grad
+
+    def probe():
+        y.backward()
+        return w.grad
+
+    return probe
+
+
+def _another_grad(g):
+    t = torch.zeros_like(g)
+    t.grad = g
+    return lambda: t.grad
+
+
+@pytest.mark.parametrize(
+    "hold",
+    [
+        lambda g: lambda: g,  # a reference
+        lambda g: (lambda v: lambda: v)(g[10:20]),  # a view
+        lambda g: (lambda history: lambda: history[0])([g]),  # a list of them (a grad-norm history)
+        _saved_for_backward,
+        _another_grad,
+    ],
+    ids=["reference", "view", "list", "saved-for-backward", "another-grad"],
+)
+def test_a_master_grad_something_still_holds_is_never_overwritten(hold):
+    _, mp = _big_pair()
+    m = _transfer(mp, 1.0)
+    probe = hold(m.grad)
+    m.grad = None
+    _transfer(mp, 2.0)
+    assert torch.all(probe() == 1.0)
+    assert torch.equal(m.grad, torch.full_like(m, 2.0))
+
+
+def test_small_master_grads_are_not_spared():
+    _, mp = _big_pair(numel=1000)
+    m = _transfer(mp, 1.0)
+    m.grad = None
+    assert not mp._spare_grads
+    _transfer(mp, 2.0)
+    assert torch.equal(m.grad, torch.full_like(m, 2.0))
