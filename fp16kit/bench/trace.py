@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.fused import adam
+from ..core.fused import abi
 
 __all__ = ["OpTally", "cuda_syncs", "op_tally", "python_calls"]
 
@@ -149,12 +149,12 @@ def op_tally(fn: Callable[[], Any]) -> OpTally:
     """Run ``fn()`` once under the op observer of the module docstring; return its counts.
 
     fp16kit's own fused kernels (:mod:`fp16kit.core.fused`), which the observer cannot see into, count their
-    traffic themselves (``adam.Traffic``): it is added to ``read`` (their reads and writes, as one figure)."""
+    traffic themselves (``abi.Traffic``): it is added to ``read`` (their reads and writes, as one figure)."""
     tally = OpTally()
-    before = adam.Traffic.bytes
+    before = abi.Traffic.bytes
     with _CountTolist(tally), _Tally(tally):
         fn()
-    tally.read += adam.Traffic.bytes - before
+    tally.read += abi.Traffic.bytes - before
     return tally
 
 

@@ -100,7 +100,7 @@ class FusedSteps:
         for plan, grads, _ in ready:
             fused.check_finite_(plan, grads, found_inf)
         self._ready = ready
-        self._ready_params = [p for plan, _, _ in ready for p in plan.params16]
+        self._ready_params = [p for plan, _, _ in ready for p in plan.params16 if p is not None]  # (all: 16-bit grads)
         flags = {found_inf.device: found_inf}
         state.checked(flags, prepared=FUSED, verdict=found_inf, transfer=TransferRecord(self._ready_params))
         return flags

@@ -12,7 +12,7 @@ import torch
 import fp16kit
 from _helpers.interrupt import assert_equal
 from fp16kit.core import fused
-from fp16kit.core.fused import adam
+from fp16kit.core.fused import abi
 from fp16kit.legacy import FP16_Optimizer
 from fp16kit.master_weights import async_policy
 from fp16kit.master_weights.async_policy import AsyncPolicy, check_policy
@@ -219,13 +219,13 @@ def test_every_policy_trains_to_the_same_bits(inner, dtype, scaler):
 @pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
 @pytest.mark.parametrize("policy", ["thread", "inline"])
 def test_the_kernel_takes_the_jobs_with_the_torch_op_path_s_numbers(policy, monkeypatch):
-    before = adam.Traffic.bytes
+    before = abi.Traffic.bytes
     kernel = _train(policy)
-    assert adam.Traffic.bytes > before  # the kernel stepped
+    assert abi.Traffic.bytes > before  # the kernel stepped
     monkeypatch.setattr(FusedSteps, "_job_plans", lambda self, groups, grad_of: None)  # torch's ops only
-    before = adam.Traffic.bytes
+    before = abi.Traffic.bytes
     torch_ops = _train(policy)
-    assert adam.Traffic.bytes == before
+    assert abi.Traffic.bytes == before
     _same(kernel, torch_ops)
 
 

@@ -6,6 +6,7 @@
   the non-finite flag) in one pass.
 * :mod:`~fp16kit.core.fused.calibrate` -- finds how torch's fused Adam rounds on this machine (the kernel's
   forms), or keeps the kernel off.
+* :mod:`~fp16kit.core.fused.abi` -- the C kernels' interface: the library, its signatures, the values passed.
 * :mod:`~fp16kit.core.fused.build` -- builds a kernel's C source at first use (cached per machine) and
   loads it; ``FP16KIT_FUSED=0`` turns every kernel off.
 

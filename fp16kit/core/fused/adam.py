@@ -36,7 +36,6 @@ Use::
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import logging
 import operator
@@ -45,15 +44,14 @@ from typing import Any
 
 import torch
 
-from . import build, calibrate
+from . import calibrate
+from .abi import CHUNK, CPU, F32_GRADS, KIND, Traffic, hyper_of, library, p64, pf
 
 __all__ = [
     "AdamPlan",
     "PlanMismatch",
-    "Traffic",
     "check_finite_",
     "kernel_refusal",
-    "library",
     "unscaled_grads",
 ]
 
@@ -63,33 +61,6 @@ STEP_BYTES = 28
 """Bytes a step reads and writes per element: 2 + 4 * 3 read, 4 * 3 + 2 written."""
 CHECK_BYTES = 2
 """Bytes the non-finite check reads per element."""
-CHUNK = 1 << 16
-"""Elements per parallel work item (a multiple of 16: torch's body/tail split is per tensor)."""
-
-KIND = {torch.float16: 0, torch.bfloat16: 1}
-_F32_GRADS = 2  # the kernel's grad kind for float32 grads
-_CPU = torch.device("cpu")
-
-
-class _Group(ctypes.Structure):
-    _fields_ = [
-        *((n, ctypes.c_double) for n in ("lr", "beta1", "beta2", "eps", "weight_decay")),
-        *((n, ctypes.c_int32) for n in ("mode", "body", "tail", "vl", "tail8")),
-    ]
-
-
-_P64 = ctypes.POINTER(ctypes.c_int64)
-_PF = ctypes.POINTER(ctypes.c_float)
-
-
-class Traffic:
-    """Bytes the kernels read and wrote in this process (for ``fp16kit bench``: the op observer cannot see into them).
-
-    Counted from what each call touches: a step 28 B per element (the 16-bit grad and param, the fp32 master,
-    exp_avg and exp_avg_sq), a skipped step nothing; a check 2 B per element. Plain integers, not thread-safe:
-    a figure for one thread's measured iteration."""
-
-    bytes = 0
 
 
 class GradAddresses:
@@ -105,33 +76,6 @@ class GradAddresses:
 
 class PlanMismatch(RuntimeError):
     """The tensors handed to :meth:`AdamPlan.step` are not the ones the plan was built on (build a new plan)."""
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built kernel with its signatures, or None (off; the reason was logged)."""
-    lib = build.load("master_adam")
-    if lib is None:
-        return None
-    if not lib.fp16kit_cpu_supported():
-        logger.warning(
-            "fp16kit: the fused master_adam kernel is off (this CPU lacks AVX2/FMA/F16C); using torch's ops."
-        )
-        return None
-    lib.fp16kit_master_adam.argtypes = [
-        ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.POINTER(_Group), ctypes.c_int32, ctypes.c_int32,
-        _PF, _PF, ctypes.c_int32,
-    ]  # fmt: skip
-    lib.fp16kit_master_adam.restype = ctypes.c_int32  # 1: stepped, 0: skipped (found_inf)
-    lib.fp16kit_check_finite.argtypes = [
-        ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.c_int32, _PF, ctypes.c_int32,
-    ]  # fmt: skip
-    lib.fp16kit_check_finite.restype = None
-    lib.fp16kit_unscale_to.argtypes = [
-        ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.c_int32, _PF, _PF, ctypes.c_int32,
-    ]  # fmt: skip
-    lib.fp16kit_unscale_to.restype = None
-    return lib
 
 
 def kernel_refusal(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> str | None:
@@ -219,7 +163,7 @@ class AdamPlan:
         rest = torch.tensor(self._addresses[len(written) :], dtype=torch.int64).reshape(4, self.n).t()
         self.ptrs[:, 2:] = rest
         self.ptrs[:, 1] = torch.tensor([0 if p is None else p.data_ptr() for p in self.params16], dtype=torch.int64)
-        self._ptr_args = (_p64(self.ptrs), _p64(self.numel), _p64(self.chunk_start))
+        self._ptr_args = (p64(self.ptrs), p64(self.numel), p64(self.chunk_start))
         self._masters_only = self.ptrs.clone()  # the same with no 16-bit params to write (write_params=False)
         self._masters_only[:, 1] = 0
 
@@ -264,7 +208,7 @@ class AdamPlan:
             raise PlanMismatch(f"{len(grads16)} grads for a plan of {self.n} tensors.")
         if self.direct and not fp32:
             return None
-        dtype, cpu = (torch.float32 if fp32 else self.dtype), _CPU
+        dtype, cpu = (torch.float32 if fp32 else self.dtype), CPU
         try:
             ptrs = [
                 g.data_ptr()  # type: ignore[union-attr]
@@ -275,7 +219,7 @@ class AdamPlan:
             return None
         if len(ptrs) != self.n:
             return None
-        kind = _F32_GRADS if fp32 else self.kind
+        kind = F32_GRADS if fp32 else self.kind
         return GradAddresses(list(grads16), torch.tensor(ptrs, dtype=torch.int64), kind)  # type: ignore[arg-type]
 
     def step(
@@ -305,11 +249,11 @@ class AdamPlan:
         table[:, 0] = grads.ptrs
         hyper = hyper_of(group, found, decoupled=bool(group.get("decoupled_weight_decay")))
         stepped = lib.fp16kit_master_adam(
-            self.n, _p64(table), *self._ptr_args[1:], CHUNK, ctypes.byref(hyper), self.kind, grads.kind, pf(grad_scale),
+            self.n, p64(table), *self._ptr_args[1:], CHUNK, ctypes.byref(hyper), self.kind, grads.kind, pf(grad_scale),
             pf(found_inf), torch.get_num_threads(),
         )  # fmt: skip
         if stepped:
-            grad_bytes = 4 if grads.kind == _F32_GRADS else 2
+            grad_bytes = 4 if grads.kind == F32_GRADS else 2
             Traffic.bytes += (STEP_BYTES - 4 + grad_bytes) * self.total + (2 * self._total16 if write_params else 0)
 
 
@@ -317,13 +261,13 @@ def check_finite_(plan: AdamPlan, grads: GradAddresses, found_inf: torch.Tensor)
     """Set ``found_inf`` (a float32 CPU flag) to 1 when one of the 16-bit ``grads`` (:meth:`AdamPlan.grads`) holds inf/NaN.
 
     The flag is only ever set, as torch's ``_amp_foreach_non_finite_check_and_unscale_`` sets it."""
-    if grads.kind == _F32_GRADS:
+    if grads.kind == F32_GRADS:
         raise ValueError("check_finite_ reads 16-bit grads; these are float32 (AdamPlan.grads(..., fp32=True)).")
     lib = library()
     if lib is None:
         raise RuntimeError("internal: check_finite_ called with the kernel off")
     lib.fp16kit_check_finite(
-        plan.n, _p64(grads.ptrs), plan._ptr_args[1], plan._ptr_args[2], CHUNK, plan.kind, pf(found_inf),
+        plan.n, p64(grads.ptrs), plan._ptr_args[1], plan._ptr_args[2], CHUNK, plan.kind, pf(found_inf),
         torch.get_num_threads(),
     )  # fmt: skip
     Traffic.bytes += CHECK_BYTES * plan.total
@@ -346,24 +290,3 @@ def _check(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> None:
             f"AdamPlan: a {what} is {t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'} with "
             f"{t.numel()} elements; the kernel needs {dtype} on the CPU, contiguous, with {numel}."
         )
-
-
-def _p64(t: torch.Tensor) -> Any:
-    return ctypes.cast(t.data_ptr(), _P64)
-
-
-def pf(t: torch.Tensor | None) -> Any:
-    if t is None:
-        return None
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.numel() != 1:
-        raise ValueError(f"expected a float32 CPU scalar tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    return ctypes.cast(t.data_ptr(), _PF)
-
-
-def hyper_of(group: Mapping[str, Any], found: tuple[int, int, int, int], *, decoupled: bool) -> _Group:
-    beta1, beta2 = group["betas"]
-    vl, body, tail, tail8 = found
-    return _Group(
-        float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-        1 if decoupled else 0, body, tail, vl, tail8,
-    )  # fmt: skip

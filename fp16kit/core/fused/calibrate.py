@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import adam
+from . import abi
 
 __all__ = ["forms"]
 
@@ -32,11 +32,11 @@ def forms() -> tuple[int, int, int, int] | None:
 
     The forms with which the kernel reproduces torch's fused Adam and AdamW bit for bit (module docstring); None:
     none does, and the kernel stays off (logged). Found once per process, in a few milliseconds."""
-    if adam.library() is None:
+    if abi.library() is None:
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     widths = (16, 8) if capability.startswith("AVX512") else (8, 16)
-    cases = [_probe(dtype, decoupled, wd) for dtype in adam.KIND for decoupled, wd in ((True, 0.01), (False, 0.1))]
+    cases = [_probe(dtype, decoupled, wd) for dtype in abi.KIND for decoupled, wd in ((True, 0.01), (False, 0.1))]
     for candidate in itertools.product(widths, (1, 0, 2), (2, 0, 1), (1, 0)):
         if all(_matches(case, candidate) for case in cases):
             return candidate
@@ -75,23 +75,24 @@ def _probe(dtype: torch.dtype, decoupled: bool, wd: float) -> dict[str, Any]:
 
 
 def _matches(case: dict[str, Any], candidate: tuple[int, int, int, int]) -> bool:
-    lib = adam.library()
+    lib = abi.library()
     assert lib is not None
     p16 = [p.clone() for p in case["p16"]]
     masters = [p.float() for p in case["p16"]]
-    opt = torch.optim.Adam(masters, fused=True)
-    for t, a, b in zip(masters, case["m"], case["v"]):
-        opt.state[t] = {"step": torch.tensor(2.0), "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
-    state = opt.state
-    plan = adam.AdamPlan(p16, masters, opt)
-    grads = plan.grads(case["g16"])
-    assert grads is not None
-    plan.ptrs[:, 0] = grads.ptrs
-    hyper = adam.hyper_of(case["group"], candidate, decoupled=case["group"]["decoupled_weight_decay"])
+    exp_avgs, exp_avg_sqs = [t.clone() for t in case["m"]], [t.clone() for t in case["v"]]
+    steps = [torch.tensor(2.0) for _ in masters]
+    columns = [case["g16"], p16, masters, exp_avgs, exp_avg_sqs, steps]  # master_adam.c's table, per tensor
+    table = torch.tensor([[t.data_ptr() for t in row] for row in zip(*columns)], dtype=torch.int64)
+    numels = [m.numel() for m in masters]
+    numel = torch.tensor(numels, dtype=torch.int64)
+    chunk_start = torch.tensor([0, *itertools.accumulate(-(-k // abi.CHUNK) for k in numels)], dtype=torch.int64)
+    hyper = abi.hyper_of(case["group"], candidate, decoupled=case["group"]["decoupled_weight_decay"])
+    kind = abi.KIND[case["dtype"]]
     lib.fp16kit_master_adam(
-        plan.n, *plan._ptr_args, adam.CHUNK, ctypes.byref(hyper), plan.kind, plan.kind, adam.pf(case["scale"]), None, 1
-    )
-    got = [masters, [state[t]["exp_avg"] for t in masters], [state[t]["exp_avg_sq"] for t in masters]]
+        len(masters), abi.p64(table), abi.p64(numel), abi.p64(chunk_start), abi.CHUNK, ctypes.byref(hyper), kind,
+        kind, abi.pf(case["scale"]), None, 1,
+    )  # fmt: skip
+    got = [masters, exp_avgs, exp_avg_sqs]
     for mine, theirs in zip(got, case["want"]):
         if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, theirs)):
             return False

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .adam import _CPU, CHUNK, KIND, Traffic, _p64, library, pf
+from .abi import CHUNK, CPU, KIND, Traffic, library, p64, pf
 
 __all__ = ["unscale_to_"]
 
@@ -55,7 +55,7 @@ def unscale_to_(
     if lib is None or not n or len(dsts) != n:
         return False
     for t in (inv_scale, found_inf):
-        if t.dtype is not torch.float32 or t.device != _CPU or t.dim() != 0:
+        if t.dtype is not torch.float32 or t.device != CPU or t.dim() != 0:
             return False
     dtype = srcs[0].dtype
     kind = KIND.get(dtype)
@@ -68,8 +68,8 @@ def unscale_to_(
         all(same(map(_dtype, srcs), itertools.repeat(dtype)))
         and all(same(map(_dtype, dsts), itertools.repeat(torch.float32)))
         and numels == list(map(_numel, dsts))
-        and all(map(operator.eq, map(_device, srcs), itertools.repeat(_CPU)))
-        and all(map(operator.eq, map(_device, dsts), itertools.repeat(_CPU)))
+        and all(map(operator.eq, map(_device, srcs), itertools.repeat(CPU)))
+        and all(map(operator.eq, map(_device, dsts), itertools.repeat(CPU)))
         and all(map(_contiguous, srcs))
         and all(map(_contiguous, dsts))
     ):
@@ -78,7 +78,7 @@ def unscale_to_(
     numel = torch.tensor(numels, dtype=torch.int64)
     chunk_start = torch.tensor([0, *itertools.accumulate(-(-k // CHUNK) for k in numels)], dtype=torch.int64)
     lib.fp16kit_unscale_to(
-        n, _p64(pairs), _p64(numel), _p64(chunk_start), CHUNK, kind, pf(inv_scale), pf(found_inf),
+        n, p64(pairs), p64(numel), p64(chunk_start), CHUNK, kind, pf(inv_scale), pf(found_inf),
         torch.get_num_threads(),
     )  # fmt: skip
     Traffic.bytes += UNSCALE_BYTES * total

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fp16kit.core import kernels
-from fp16kit.core.fused import adam, unscale
+from fp16kit.core.fused import abi, unscale
 
-pytestmark = pytest.mark.skipif(adam.library() is None, reason="the fused kernels are off on this machine (logged)")
+pytestmark = pytest.mark.skipif(abi.library() is None, reason="the fused kernels are off on this machine (logged)")
 
 SIZES = [1, 7, 8, 9, 15, 16, 17, 100, 4096 + 9, (1 << 16) + 3, 3 * (1 << 16)]
 DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -127,9 +127,9 @@ def test_what_the_kernel_cannot_read_is_left_to_torch_s_ops_with_nothing_changed
 def test_the_one_unscale_path_takes_it_and_counts_its_bytes(dtype):
     srcs = [torch.randn(s).to(dtype) for s in (3, 70_000)]
     dsts = [torch.empty(s.shape) for s in srcs]
-    before = adam.Traffic.bytes
+    before = abi.Traffic.bytes
     flags = kernels.unscale_to_(srcs, dsts, torch.tensor(0.25), torch.zeros(()))
-    assert adam.Traffic.bytes - before == unscale.UNSCALE_BYTES * 70_003
+    assert abi.Traffic.bytes - before == unscale.UNSCALE_BYTES * 70_003
     assert list(flags) == [torch.device("cpu")]
     ref, _ = _torch(srcs, 0.25)
     assert all(torch.equal(a, b) for a, b in zip(ref, dsts))
