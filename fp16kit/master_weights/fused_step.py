@@ -218,7 +218,9 @@ class FusedSteps:
         copy: another optimizer or option, a param without a grad, a first step (no state), a step hook."""
         if not self.candidate or self._hooked(own_step=own_step) or not self.groups.masters.masters:
             return False
-        if found_inf is not None and found_inf.device.type != "cpu":
+        if found_inf is not None and (
+            found_inf.device.type != "cpu" or found_inf.dtype != torch.float32 or found_inf.numel() != 1
+        ):
             return False
         ready, covered = [], 0
         for gi, (group, mg) in enumerate(zip(self.optimizer.param_groups, self.groups)):
