@@ -111,6 +111,7 @@ class MasterParams:
         self.masters: list[torch.Tensor] = []
         self._blocks: list[tuple[_FlatBlock, int]] = []  # per master, when flat
         self._spare_grads: dict[int, torch.Tensor] = {}  # per master, the CPU grad given last (_new_grad)
+        self._sparable: list[bool] = []  # per master: large and on the CPU (_new_grad)
         self.add(model_params)
 
     def __len__(self) -> int:
@@ -136,6 +137,7 @@ class MasterParams:
             new = [self._new_master(p) for p in params]
         self.model_params.extend(params)
         self.masters.extend(new)
+        self._sparable.extend(m.device.type == "cpu" and m.numel() >= _SPARE_MIN_NUMEL for m in new)
         return new
 
     def _target_device(self, p: torch.Tensor) -> torch.device:
@@ -199,7 +201,10 @@ class MasterParams:
             if g.is_sparse:
                 raise TypeError(SPARSE_GRADS)
             if m.grad is None:
-                m.grad = self._blocks[i][0].grad_view(self._blocks[i][1]) if self.flat else self._new_grad(i, m)
+                if self.flat:
+                    m.grad = self._blocks[i][0].grad_view(self._blocks[i][1])
+                else:
+                    m.grad = self._new_grad(i, m) if self._sparable[i] else torch.empty_like(m)
             srcs.append(g)
             dsts.append(m.grad)
         if not srcs:
@@ -226,8 +231,8 @@ class MasterParams:
         costs a page fault per 4 KiB (measured: 24.6M elements unscaled into fresh memory 32 ms, into
         memory written before 4.3 ms). CUDA's caching allocator has no such cost, and there memory
         between steps matters more: a fresh grad each time. So does a small one: malloc serves it from
-        memory it keeps (below its mmap threshold, 128 KiB by default)."""
-        if master.device.type != "cpu" or master.numel() < _SPARE_MIN_NUMEL:
+        memory it keeps (below its mmap threshold, 128 KiB by default). Called for the others only."""
+        if master.device.type != "cpu":  # (moved since it was added)
             return torch.empty_like(master)
         spare = self._spare_grads.get(i)
         if (
