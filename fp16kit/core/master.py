@@ -45,25 +45,38 @@ def _refs(t: torch.Tensor) -> int:
     return sys.getrefcount(t)
 
 
-def _alone() -> int:
-    """What :func:`_refs` reads for a tensor held by a dict and a caller's local only (the interpreter's own count)."""
+def _storage_refs(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()  # (the storage's own Python object, when one was made before)
+    return sys.getrefcount(storage)
+
+
+def _alone() -> tuple[int, int]:
+    """What :func:`_refs` and :func:`_storage_refs` read for a tensor held by a dict and a caller's local only,
+    its storage's Python object made once and dropped (the interpreter's own counts)."""
     held = {0: torch.empty(1)}
     spare = held.get(0)
     assert spare is not None
-    return _refs(spare)
+    spare.untyped_storage()
+    return _refs(spare), _storage_refs(spare)
 
 
-_ALONE = _alone()
+_ALONE, _STORAGE_ALONE = _alone()
 _SPARE_MIN_NUMEL = 1 << 15  # (128 KiB of fp32: glibc's default mmap threshold)
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _unshared(t: torch.Tensor) -> bool:
-    """Nothing but the caller's dict holds ``t``: no Python reference, and no C++ one (a ``.grad`` slot, a view,
-    a tensor saved for backward) -- its own and its storage's use counts. False when this torch cannot tell."""
-    if _storage_use_count is None or not hasattr(t, "_use_count"):
+    """Nothing but the caller's dict holds ``t``: no Python reference to it or to its storage, no C++ one (a
+    ``.grad`` slot, a view, a tensor saved for backward: its own and its storage's use counts), and its memory is
+    not shared with another process (sent through a torch.multiprocessing queue). False when this torch cannot tell."""
+    if _storage_use_count is None or not hasattr(t, "_use_count") or t.is_shared():
         return False
-    return _refs(t) <= _ALONE + 1 and t._use_count() == 1 and _storage_use_count(t.untyped_storage()._cdata) == 2
+    return (
+        _refs(t) <= _ALONE + 1
+        and t._use_count() == 1
+        and _storage_refs(t) <= _STORAGE_ALONE
+        and _storage_use_count(t.untyped_storage()._cdata) == 2
+    )
 
 
 def needs_master(param: torch.Tensor) -> bool:

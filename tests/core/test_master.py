@@ -189,8 +189,9 @@ def _another_grad(g):
         lambda g: (lambda history: lambda: history[0])([g]),  # a list of them (a grad-norm history)
         _saved_for_backward,
         _another_grad,
+        lambda g: (lambda st: lambda: torch.tensor([], dtype=g.dtype).set_(st, 0, g.shape))(g.untyped_storage()),
     ],
-    ids=["reference", "view", "list", "saved-for-backward", "another-grad"],
+    ids=["reference", "view", "list", "saved-for-backward", "another-grad", "its-storage"],
 )
 def test_a_master_grad_something_still_holds_is_never_overwritten(hold):
     _, mp = _big_pair()
@@ -209,3 +210,14 @@ def test_small_master_grads_are_not_spared():
     assert not mp._spare_grads
     _transfer(mp, 2.0)
     assert torch.equal(m.grad, torch.full_like(m, 2.0))
+
+
+def test_a_master_grad_in_shared_memory_is_not_reused():
+    """Sent through a torch.multiprocessing queue, its memory is another process's too."""
+    _, mp = _big_pair()
+    m = _transfer(mp, 1.0)
+    m.grad.share_memory_()
+    address = m.grad.data_ptr()
+    m.grad = None
+    _transfer(mp, 2.0)
+    assert m.grad.data_ptr() != address and not m.grad.is_shared()
