@@ -240,8 +240,8 @@ class FusedSteps:
 
     def _grad_plan(self, gi: int, group: dict[str, Any], mg: Any) -> fused.AdamPlan | None:
         """The plan over ``group["params"]`` in its order: the masters with their 16-bit params, fp32 params as they are."""
-        if mg.watched or not group["params"]:
-            return None
+        if mg.watched or not group["params"] or fused.kernel_refusal(self.optimizer, group) is not None:
+            return None  # (refusal asked every step: the options may change)
         params = group["params"]
         cached = self._grad_plans.get(gi)
         if cached is not None:
@@ -255,8 +255,6 @@ class FusedSteps:
             ):
                 return plan
         self._grad_plans.pop(gi, None)
-        if fused.kernel_refusal(self.optimizer, group) is not None:
-            return None
         model_of = {id(m): p for m, p in zip(mg.masters, mg.model_params)}
         direct = {id(p) for p in mg.direct}
         if len(params) != len(model_of) + len(direct) or not all(id(p) in model_of or id(p) in direct for p in params):
@@ -290,11 +288,11 @@ class FusedSteps:
         if not all(map(operator.is_, group["params"], mg.masters)):
             return None
         plan = self._plans.get(gi)
+        if fused.kernel_refusal(self.optimizer, group) is not None:  # (every step: the options may change)
+            return None
         if plan is not None and plan.current() and all(map(operator.is_, plan.masters, mg.masters)):
             return plan
         self._plans.pop(gi, None)
-        if fused.kernel_refusal(self.optimizer, group) is not None:
-            return None
         try:
             plan = fused.AdamPlan(mg.model_params, mg.masters, self.optimizer)
         except ValueError:  # no state yet (the first step), another device, mixed dtypes: torch's ops

@@ -304,3 +304,89 @@ def test_a_grad_whose_data_was_swapped_goes_to_torch_s_ops(torch_ops, swap):
     torch_ops()
     ref = run()
     assert_equal(mine, ref, swap)
+
+
+# ---------------------------------------------------------------------- from the master grads (apex's faces)
+@pytest.fixture
+def counted(monkeypatch):
+    """How many steps from_master_grads took; ``off()`` turns it off (the reference: torch's step + the copy)."""
+    taken = []
+    original = FusedSteps.from_master_grads
+
+    def spy(self, *args, **kwargs):
+        took = original(self, *args, **kwargs)
+        taken.append(took)
+        return took
+
+    monkeypatch.setattr(FusedSteps, "from_master_grads", spy)
+
+    def off():
+        monkeypatch.setattr(FusedSteps, "from_master_grads", lambda self, *a, **k: False)
+
+    return taken, off
+
+
+def _fp16_optimizer_run(dtype, steps=6):
+    from fp16kit.legacy import FP16_Optimizer
+
+    model = _model(dtype)
+    opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, fused=True),
+                         dynamic_loss_scale=True, verbose=False)  # fmt: skip
+    for i in range(steps):
+        opt.zero_grad(set_grads_to_None=i % 2 == 0)
+        opt.backward(model(_batch(i, dtype)).float().pow(2).mean() * (1e30 if i == 3 else 1))
+        opt.clip_master_grads(0.5)
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "opt": opt.state_dict()}
+
+
+def _amp_o2_run(steps=6):
+    from fp16kit.legacy import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.BatchNorm1d(129), torch.nn.Linear(129, 5))
+    first, rest = list(model[0].parameters()), [*model[1].parameters(), *model[2].parameters()]
+    opt = torch.optim.Adam([{"params": first}, {"params": rest, "lr": 3e-3, "weight_decay": 0.1}], lr=1e-2, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)  # the batch norm stays fp32
+    for i in range(steps):
+        opt.zero_grad()
+        loss = model(_batch(i, torch.float16)).float().pow(2).mean() * (1e30 if i == 3 else 1)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "opt": opt.state_dict()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fp16_optimizer_steps_from_its_master_grads_bit_for_bit(counted, dtype):
+    taken, off = counted
+    mine = _fp16_optimizer_run(dtype)
+    assert taken.count(True) >= 3  # (the first step is torch's: it makes the state; the overflow skips)
+    off()
+    assert_equal(mine, _fp16_optimizer_run(dtype), "FP16_Optimizer")
+
+
+def test_amp_o2_with_fp32_batch_norms_steps_from_its_master_grads_bit_for_bit(counted):
+    taken, off = counted
+    mine = _amp_o2_run()
+    assert taken.count(True) >= 3
+    off()
+    assert_equal(mine, _amp_o2_run(), "amp O2")
+
+
+def test_options_changed_after_the_plan_was_built_mean_torch_s_ops(counted):
+    taken, _ = counted
+    from fp16kit.legacy import FP16_Optimizer
+
+    model = _model(torch.float16)
+    opt = FP16_Optimizer(torch.optim.AdamW(model.parameters(), fused=True), verbose=False)
+    for i in range(4):
+        if i == 2:
+            opt.optimizer.param_groups[0]["amsgrad"] = True
+            for s in opt.optimizer.state.values():
+                s["max_exp_avg_sq"] = torch.zeros_like(s["exp_avg_sq"])
+        opt.zero_grad()
+        opt.backward(model(_batch(i, torch.float16)).float().pow(2).mean())
+        opt.step()
+    assert taken == [False, True, False, False]
