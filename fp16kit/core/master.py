@@ -21,6 +21,7 @@ runs as one op over the flat grad buffer.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -66,11 +67,12 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _unshared(t: torch.Tensor) -> bool:
-    """Nothing but the caller's dict holds ``t``: no Python reference to it or to its storage, no C++ one (a
-    ``.grad`` slot, a view, a tensor saved for backward: its own and its storage's use counts), and its memory is
-    not shared with another process (sent through a torch.multiprocessing queue). False when this torch cannot tell."""
-    if _storage_use_count is None or not hasattr(t, "_use_count") or t.is_shared():
-        return False
+    """Nothing but the caller's dict holds ``t``: no Python reference (weak ones included) to it or to its storage,
+    no C++ one (a ``.grad`` slot, a view, a tensor saved for backward: its own and its storage's use counts), and
+    its memory is not shared with another process (sent through a torch.multiprocessing queue). False when this
+    torch cannot tell."""
+    if _storage_use_count is None or not hasattr(t, "_use_count") or t.is_shared() or weakref.getweakrefcount(t):
+        return False  # (a weak reference would find the old grad alive again, with new values)
     return (
         _refs(t) <= _ALONE + 1
         and t._use_count() == 1

@@ -221,3 +221,15 @@ def test_a_master_grad_in_shared_memory_is_not_reused():
     m.grad = None
     _transfer(mp, 2.0)
     assert m.grad.data_ptr() != address and not m.grad.is_shared()
+
+
+def test_a_master_grad_with_a_weak_reference_is_not_reused():
+    """Reused, the weak reference would find the old grad alive again, holding the new values."""
+    import weakref
+
+    _, mp = _big_pair()
+    m = _transfer(mp, 1.0)
+    ref = weakref.ref(m.grad)
+    m.grad = None
+    _transfer(mp, 2.0)
+    assert ref() is not m.grad
