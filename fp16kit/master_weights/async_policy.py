@@ -145,6 +145,16 @@ class AsyncPolicy:
             self._give_back_threads()
         return mode == "inline"
 
+    def peek_inline(self) -> bool:
+        """Will the next :meth:`next_inline` say inline? Records nothing.
+
+        False when it cannot know yet (the probe's last sample decides): the caller then plans for the thread."""
+        if self.requested != "auto":
+            return self.requested == "inline"
+        if self._decided is not None:
+            return self._decided == "inline"
+        return self._index < len(self._schedule) and self._schedule[self._index] == "inline"
+
     def _decide(self) -> None:
         thread, inline = (statistics.median(self.samples[m]) for m in ("thread", "inline"))
         self._decided = "inline" if inline < thread else "thread"

@@ -39,58 +39,45 @@ the thread, or inline on the main thread, as :attr:`AsyncSteps.policy` says
 kernel can take the job (:meth:`~fp16kit.master_weights.fused_step.FusedSteps.step_job`), the
 check reads the 16-bit grads with it and the job goes from them to the masters in one pass.
 Mode 2 (``submit_step(fn)``): :meth:`AsyncSteps.submit_step` -- the raw grads are handed off
-and ``fn`` (typically ``scaler.step(opt); opt.zero_grad()``) runs on the thread.
+and ``fn`` (typically ``scaler.step(opt); opt.zero_grad()``) runs on the thread. What a job does,
+on either thread, is :class:`~fp16kit.master_weights.async_job.JobRunner`'s.
+
+An inline job the kernel can take is also given the landing (:meth:`AsyncSteps._job_lands`):
+nothing reads the model params between the landing's place and the job's, so the kernel writes
+the masters as they were into the model params and steps them in one pass (28 B/param, where the
+copy and the job took 32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ..core import kernels
 from ..core.master import SPARSE_GRADS, MasterParams
 from ..core.thread import OptimizerThread, current_optimizer_thread, optimizer_thread
+from .async_job import JobRunner, SteppedOptimizer, log_skipped_step
 from .async_policy import AsyncPolicy, run_inline
 from .fused_step import FusedSteps
 from .groups import MasterGroups
 from .misuse import watch_clips
-from .sides import Handoff, MainSide, MasterStep, StepJob, SubmittedCall, running, running_job
-from .snapshot import StepView, snapshot, write_back
+from .sides import Handoff, MainSide, MasterStep, StepJob, SubmittedCall, running_job
+from .snapshot import StepView, snapshot
 from .step_state import StepState
 
-__all__ = ["AsyncSteps", "SteppedOptimizer", "MISSING_GRADS", "log_skipped_step"]
+__all__ = ["AsyncSteps", "MISSING_GRADS"]
 
 logger = logging.getLogger("fp16kit")
 
 Flags = dict[torch.device, torch.Tensor]
 Reduce = Callable[[Flags], Flags]
 MISSING_GRADS = ("none", "zero", "keep")
-
-
-class SteppedOptimizer(Protocol):
-    """What :class:`AsyncSteps` needs of the optimizer whose steps it runs.
-
-    The wrapped optimizer, the mode, and the step on the masters. (The optimizer is
-    :class:`~fp16kit.MixedPrecisionOptimizer`; naming it here would make the two modules import each other.)"""
-
-    optimizer: torch.optim.Optimizer
-    async_step: bool
-
-    @property
-    def _step_supports_amp_scaling(self) -> bool: ...  # torch's GradScaler's flag: the step takes grad_scale
-
-    def inner_step(
-        self,
-        closure: Callable[[], Any] | None = None,
-        *,
-        grad_scale: torch.Tensor | None = None,
-        found_inf: torch.Tensor | None = None,
-    ) -> Any: ...
 
 
 class AsyncSteps:
@@ -109,6 +96,7 @@ class AsyncSteps:
     ) -> None:
         self._opt = opt
         self._fused = fused  # the one-pass kernel, for the jobs it can take
+        self._jobs = JobRunner(opt, masters, groups, fused)  # what runs them, on either thread
         self._refresh = refresh  # adopts params unfrozen since the last step (master_groups)
         self._masters = masters
         self._groups = groups
@@ -299,11 +287,15 @@ class AsyncSteps:
         if StepView.applies_to(self._opt.optimizer):
             groups = snapshot(self._opt.optimizer.param_groups, leave_out=self._groups.watched_ids())
         _note_step_taken(self._opt)
+        inline = isinstance(work, MasterStep) and self.policy.next_inline()
+        if isinstance(work, MasterStep) and work.land and not inline:  # (peek_inline said otherwise: not expected)
+            self.land()  # on the thread the job would write the params forward k+1 reads
+            work = dataclasses.replace(work, land=False)
         job = StepJob(self, work, groups)
-        if isinstance(work, MasterStep) and self.policy.next_inline():
-            main.inflight = run_inline(self._run, job, self.thread)
+        if inline:
+            main.inflight = run_inline(self._jobs.run, job, self.thread)
         else:
-            main.inflight = self.thread.enqueue(self._run, (job,), step=isinstance(work, SubmittedCall))
+            main.inflight = self.thread.enqueue(self._jobs.run, (job,), step=isinstance(work, SubmittedCall))
         return main.inflight
 
     def _prepare(self) -> None:
@@ -326,19 +318,21 @@ class AsyncSteps:
             )
 
     # ------------------------------------------------------------------ mode 1, main thread
-    def check_grads(self, *, reduce: Reduce | None = None, land: bool = True) -> Flags:
+    def check_grads(self, *, reduce: Reduce | None = None, land: bool = True, job_lands: bool = False) -> Flags:
         """Check this step's model grads for inf/NaN on their device (``reduce`` may all-reduce the flags).
 
-        With ``land``, land the previous step meanwhile. No host sync."""
+        With ``land``, land the previous step meanwhile. ``job_lands``: the landing is left to this step's job
+        (:meth:`_job_lands`; no job is in flight). No host sync."""
         grads = [p.grad for p in self._masters.model_params if p.grad is not None]
         if any(g.is_sparse for g in grads):
             raise TypeError(SPARSE_GRADS)
+        land = land and not job_lands
         if land:
             self.land_begin()
         try:  # the grads, not the params: the landing copy may still be writing those
             found_inf = kernels.new_found_inf(self._groups.grad_device())
-            if land and self._fused is not None and self._fused.check_job_grads(found_inf):
-                flags = {found_inf.device: found_inf}  # (no job runs: land_begin waited for it)
+            if (land or job_lands) and self._fused is not None and self._fused.check_job_grads(found_inf):
+                flags = {found_inf.device: found_inf}  # (no job runs: land_begin, or _prepare, waited for it)
             else:
                 flags = kernels.check_finite_(grads, found_inf)
             return reduce(flags) if reduce is not None else flags
@@ -369,15 +363,32 @@ class AsyncSteps:
             self._enqueue(MasterStep(None, self._found(flags), on_skip=on_skip))
             return flags
         self._prepare()
-        flags = self.check_grads(reduce=reduce)
+        job_lands = scale is not None and missing_grads == "none" and self._job_lands()
+        flags = self.check_grads(reduce=reduce, job_lands=job_lands)
         if scale is not None:  # a scale that underflowed to 0 would unscale into NaN
             flags = kernels.flag_nonfinite_scale_(flags, kernels.inv_scale(scale))
         found = self._found(flags)
         if scale is None:  # no scaler: the grads as they are
             self._submit(found, missing_grads, log_skipped_step, inv=kernels.one(self._groups.grad_device()))
         else:  # the update after this step changes the scale in place: keep its value
-            self._submit(found, missing_grads, scale=scale.clone())
+            self._submit(found, missing_grads, scale=scale.clone(), job_lands=job_lands)
         return flags
+
+    def _job_lands(self) -> bool:
+        """Can this step's job land the step before it, in the kernel's pass (``MasterStep.land``)?
+
+        When there is a landing to do, on the host, and the job will run inline (so nothing else reads the model
+        params between the landing's usual place and the job's) and the kernel may take it."""
+        main = self.main
+        return (
+            main.land_pending
+            and main.inflight is None
+            and main.landing is None
+            and self._fused is not None
+            and self._fused.job_candidate
+            and self.policy.peek_inline()
+            and self._landing_on_host()
+        )
 
     def submit(
         self,
@@ -402,10 +413,13 @@ class AsyncSteps:
         *,
         inv: torch.Tensor | None = None,
         scale: torch.Tensor | None = None,
+        job_lands: bool = False,
     ) -> Future:
         # ``scale`` instead of ``inv``: the job takes the reciprocal (off the main thread).
-        self.land()
-        return self._enqueue(MasterStep(self._hand_off(), found, missing_grads, on_skip, inv=inv, scale=scale))
+        if not job_lands:
+            self.land()
+        work = MasterStep(self._hand_off(), found, missing_grads, on_skip, inv=inv, scale=scale, land=job_lands)
+        return self._enqueue(work)
 
     def _found(self, flags: Flags) -> torch.Tensor:
         return kernels.combine_found_inf(flags.values(), self._groups.grad_device())
@@ -450,70 +464,6 @@ class AsyncSteps:
         return self._enqueue(SubmittedCall(self._hand_off(), fn, missing_grads))
 
     # ------------------------------------------------------------------ optimizer thread
-    def _run(self, job: StepJob) -> Any:
-        """Run ``job`` as the running one, stepping with the param groups as they were when the
-        step was submitted; write back what the step changed in them."""
-        before = None if job.groups is None else snapshot(job.groups)  # in-place edits show
-        try:
-            with running(job):
-                if isinstance(job.work, SubmittedCall):
-                    return self._submitted_job(job.state, job.work)
-                assert job.work is not None
-                return self._step_job(job.work, job.groups)
-        finally:
-            if before is not None:
-                assert job.groups is not None
-                write_back(before, job.groups, self._opt.optimizer.param_groups)
-
-    def _step_job(self, work: MasterStep, groups: list[dict[str, Any]] | None) -> Any:
-        """Mode 1: receive the grads, skip or step (see :class:`~fp16kit.master_weights.sides.MasterStep`)."""
-        grads = receive(work.handoff) if work.handoff is not None else None
-        if work.found.item():  # the worker may wait for the device; the main thread never does
-            if work.on_skip is not None:
-                work.on_skip()
-            return None
-        if grads is None:
-            return self._opt.inner_step()
-        inv, scale = work.inv, work.scale
-        if work.missing_grads == "zero":
-            self._masters.zero_grad(False, model=False)
-        clear = work.missing_grads == "none"
-        if inv is None and self._fused_unscale(scale):
-            assert scale is not None
-            scale = scale.to(self._groups.flag_device())
-            # (only when a missing grad means no grad: "zero"/"keep" read master grads the kernel does not write)
-            fused = self._fused if work.missing_grads == "none" else None
-            if fused is not None and fused.step_job(self._masters.model_params, grads, groups, scale):
-                return None  # the one-pass kernel (fp16kit.master_weights.fused_step): what torch's step gives
-            # A fused optimizer unscales in its own pass over the grads: copy them only.
-            self._masters.grads_to_masters(None, None, grads=grads, clear_missing=clear, unscale=False)
-            return self._opt.inner_step(grad_scale=scale)
-        if inv is None:
-            assert scale is not None
-            inv = kernels.inv_scale(scale)
-        found_here = kernels.new_found_inf(self._groups.flag_device())
-        self._masters.grads_to_masters(inv, found_here, grads=grads, clear_missing=clear)
-        return self._opt.inner_step()
-
-    def _fused_unscale(self, scale: torch.Tensor | None) -> bool:
-        # Fused kernels take a float32 grad_scale on the params' device (one device here).
-        return (
-            scale is not None
-            and scale.dtype == torch.float32
-            and self._opt._step_supports_amp_scaling
-            and not self._groups.direct_params()
-            and len({m.device for m in self._masters.masters}) == 1
-        )
-
-    def _submitted_job(self, state: StepState, work: SubmittedCall) -> Any:
-        """Mode 2: the raw grads into the master grads (copied, still scaled), then ``fn``."""
-        grads = receive(work.handoff)
-        if work.missing_grads == "zero":
-            self._masters.zero_grad(False, model=False)
-        clear = work.missing_grads == "none"
-        self._masters.grads_to_masters(None, None, grads=grads, unscale=False, clear_missing=clear)
-        state.handed_off()
-        return work.fn()
 
 
 _CLIP_FIX = (
@@ -534,26 +484,6 @@ _CLIP_IN_JOB = (
     "optimizer.clip_grad_norm_(max_norm) after scaler.unscale_(optimizer): it clips the master "
     "grads the step uses. (Warned once per optimizer.)"
 )
-
-
-def log_skipped_step() -> None:
-    """A step skipped without a scaler (on the optimizer thread, asynchronously)."""
-    logger.warning(
-        "MixedPrecisionOptimizer: non-finite gradients (inf/NaN); step skipped. "
-        "With fp16 use fp16kit.GradScaler; otherwise look for a diverging loss."
-    )
-
-
-def receive(handoff: Handoff) -> list[torch.Tensor | None]:
-    """In the job: wait until the handed grads are readable here; return them."""
-    if handoff.event is not None:
-        handoff.event.synchronize()  # the worker may wait for the device; main never does
-    if torch.cuda.is_available():
-        stream = torch.cuda.current_stream()
-        for g in handoff.grads:
-            if g is not None and g.is_cuda:
-                g.record_stream(stream)  # freed here; keep the memory until this stream is done
-    return handoff.grads
 
 
 def _note_step_taken(opt: SteppedOptimizer) -> None:

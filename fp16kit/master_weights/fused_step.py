@@ -133,21 +133,39 @@ class FusedSteps:
         grads: list[torch.Tensor | None],
         groups: list[dict[str, Any]] | None,
         grad_scale: torch.Tensor,
+        *,
+        land: bool = False,
+        found_inf: torch.Tensor | None = None,
     ) -> bool:
         """In an asynchronous step's job: step the masters from the handed-off 16-bit ``grads`` with the kernel.
 
         ``grads[i]`` is ``model_params[i]``'s (the hand-off); ``groups`` the job's snapshot of the param groups (their
         hyperparameters), or None for the live ones; ``grad_scale`` the scale the grads carry. The model params are
         not written -- the next landing copies the masters into them, as after torch's step -- and the masters keep
-        no grad. False, with nothing changed, when the kernel cannot take the step: then torch's ops do."""
+        no grad. ``land`` (a job run inline, on the main thread): the model params get the masters as they are now,
+        the landing of the step before, in the same pass -- 28 B/param where the landing's copy and the job took 32;
+        ``found_inf`` (a float32 CPU flag, or None) then skips the step but not the landing. False, with nothing
+        changed, when the kernel cannot take the step: then torch's ops do (and the caller lands)."""
         if grad_scale.device.type != "cpu":
+            return False
+        if land and (
+            found_inf is None
+            or found_inf.device.type != "cpu"
+            or found_inf.dtype != torch.float32
+            or found_inf.numel() != 1
+        ):
             return False
         by_param = dict(zip(map(id, model_params), grads))
         ready = self._job_plans(groups, lambda p: by_param.get(id(p)))
         if ready is None:
             return False
+        if land and sum(len(plan.masters) for plan, _, _ in ready) != len(self.groups.masters.masters):
+            return False  # (a master outside the groups: the landing would miss it)
         for plan, addresses, group in ready:
-            plan.step(addresses, group, grad_scale=grad_scale, found_inf=None, verify=False, write_params=False)
+            plan.step(
+                addresses, group, grad_scale=grad_scale, found_inf=found_inf if land else None, verify=False,
+                write_params=False, land=land,
+            )  # fmt: skip
             for m in plan.masters:
                 m.grad = None  # (a grad left from an earlier step would be stale)
         return True

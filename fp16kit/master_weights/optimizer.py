@@ -62,8 +62,9 @@ from ..core.master import LOW_PRECISION, MasterParams
 from ..core.protocol import Flags
 from ..core.thread import OptimizerThread
 from .async_api import AsyncEntryPoints
+from .async_job import log_skipped_step
 from .async_policy import check_policy
-from .async_step import AsyncSteps, log_skipped_step
+from .async_step import AsyncSteps
 from .checkpoint import MatchedMasters, check_state_dict
 from .fused_step import FUSED, FusedSteps
 from .grads import RESET_SINCE_UNSCALE, MasterGrads

@@ -56,7 +56,10 @@ class MasterStep:
     the grads are unscaled by ``inv`` (1/scale), or -- ``inv`` None -- by the reciprocal of
     ``scale``, which the job takes off the main thread (or hands to a fused optimizer).
     ``missing_grads``: what a master whose param got no grad holds (``"none"``, ``"zero"``,
-    ``"keep"``); ``on_skip`` runs when the step is skipped."""
+    ``"keep"``); ``on_skip`` runs when the step is skipped. ``land``: the job first lands the step
+    before it (the masters into the model params), skipped or not -- only a job run inline, whose
+    landing :class:`~fp16kit.master_weights.async_step.AsyncSteps` left to it (the kernel does both
+    in one pass)."""
 
     handoff: Handoff | None
     found: torch.Tensor
@@ -64,6 +67,7 @@ class MasterStep:
     on_skip: Callable[[], Any] | None = None
     inv: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    land: bool = False
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import fp16kit
 from _helpers.interrupt import assert_equal
 from fp16kit.core import fused
 from fp16kit.core.fused import abi
+from fp16kit.core.master import MasterParams
 from fp16kit.legacy import FP16_Optimizer
 from fp16kit.master_weights import async_policy
 from fp16kit.master_weights.async_policy import AsyncPolicy, check_policy
@@ -227,6 +228,29 @@ def test_the_kernel_takes_the_jobs_with_the_torch_op_path_s_numbers(policy, monk
     torch_ops = _train(policy)
     assert abi.Traffic.bytes == before
     _same(kernel, torch_ops)
+
+
+@pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
+def test_inline_kernel_jobs_land_the_step_before_in_their_own_pass(monkeypatch):
+    # no separate copy of the masters into the model at an inline step (skipped ones included: steps 4, 13, 22),
+    # with the numbers of the thread's jobs, which land by that copy (test_every_policy_trains_to_the_same_bits)
+    copies = []
+    real = MasterParams.masters_to_model
+
+    def counted(self, **kw):
+        copies.append(kw)
+        return real(self, **kw)
+
+    monkeypatch.setattr(MasterParams, "masters_to_model", counted)
+    landing = []
+    real_step_job = FusedSteps.step_job
+    monkeypatch.setattr(
+        FusedSteps, "step_job", lambda self, *a, **kw: landing.append(kw.get("land")) or real_step_job(self, *a, **kw)
+    )
+    out = _train("inline", steps=30)
+    assert landing.count(True) >= 27  # every job after the first two (the first step creates the state)
+    assert len(copies) <= 3  # the first landings and synchronize()'s, none per step
+    _same(out, _train("thread", steps=30))
 
 
 @pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")

@@ -53,13 +53,13 @@ def test_the_side_is_the_main_one_the_running_job_or_the_standing_job(threads):
 def test_a_job_is_frozen_and_carries_its_arguments_as_one_record(threads):
     model, opt = _opt(threads, async_step=True)
     captured = []
-    real = opt._async._run
+    real = opt._async._jobs.run
 
     def spy(job):
         captured.append(job)
         return real(job)
 
-    opt._async._run = spy
+    opt._async._jobs.run = spy
     seeded_loss(model, 0).backward()
     opt.step()
     opt.synchronize()

@@ -63,7 +63,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.fp16kit_master_adam.argtypes = [
         ctypes.c_int64, _P64, _P64, _P64, ctypes.c_int64, ctypes.POINTER(Group), ctypes.c_int32, ctypes.c_int32,
-        _PF, _PF, ctypes.c_int32,
+        ctypes.c_int32, _PF, _PF, ctypes.c_int32,
     ]  # fmt: skip
     lib.fp16kit_master_adam.restype = ctypes.c_int32  # 1: stepped, 0: skipped (found_inf)
     lib.fp16kit_check_finite.argtypes = [

@@ -231,30 +231,37 @@ class AdamPlan:
         found_inf: torch.Tensor | None,
         verify: bool = True,
         write_params: bool = True,
-    ) -> None:
-        """Step every tensor of the plan with the 16-bit grads ``grads`` (:meth:`grads`).
+        land: bool = False,
+    ) -> bool:
+        """Step every tensor of the plan with the 16-bit grads ``grads`` (:meth:`grads`); False: skipped (found_inf).
 
         ``group``: the param group's hyperparameters; ``grad_scale``: the loss scale the grads carry (a float32 CPU
         tensor, or None: unscaled); ``found_inf``: a float32 CPU flag (1: skip the whole step), or None.
         ``verify=False``: the caller checked :meth:`current` since the state last could change.
         ``write_params=False``: the masters and the state only (an asynchronous step: the 16-bit params are copied
-        from the masters later; 2 B per element less)."""
+        from the masters later; 2 B per element less). ``land``: the 16-bit params get the masters as they were
+        *before* this step -- skipped or not -- in the same pass (an inline asynchronous job landing the step
+        before it: the copy of the masters into the model, ``param16.copy_(master)``, bit for bit)."""
         lib = library()
         found = calibrate.forms()
         if lib is None or found is None:
             raise RuntimeError("internal: AdamPlan.step called with the kernel off (check kernel_refusal first)")
         if verify and not self.current():
             raise PlanMismatch("The optimizer's state holds other tensors than this plan's (load_state_dict?).")
-        table = self.ptrs if write_params else self._masters_only
+        writes = write_params or land
+        table = self.ptrs if writes else self._masters_only
         table[:, 0] = grads.ptrs
         hyper = hyper_of(group, found, decoupled=bool(group.get("decoupled_weight_decay")))
         stepped = lib.fp16kit_master_adam(
-            self.n, p64(table), *self._ptr_args[1:], CHUNK, ctypes.byref(hyper), self.kind, grads.kind, pf(grad_scale),
-            pf(found_inf), torch.get_num_threads(),
+            self.n, p64(table), *self._ptr_args[1:], CHUNK, ctypes.byref(hyper), self.kind, grads.kind, int(land),
+            pf(grad_scale), pf(found_inf), torch.get_num_threads(),
         )  # fmt: skip
+        grad_bytes = 4 if grads.kind == F32_GRADS else 2
         if stepped:
-            grad_bytes = 4 if grads.kind == F32_GRADS else 2
-            Traffic.bytes += (STEP_BYTES - 4 + grad_bytes) * self.total + (2 * self._total16 if write_params else 0)
+            Traffic.bytes += (STEP_BYTES - 4 + grad_bytes) * self.total + (2 * self._total16 if writes else 0)
+        elif land:  # (the landing alone: each master read, its 16-bit param written)
+            Traffic.bytes += 6 * self._total16
+        return bool(stepped)
 
 
 def check_finite_(plan: AdamPlan, grads: GradAddresses, found_inf: torch.Tensor) -> None:

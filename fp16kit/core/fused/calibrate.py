@@ -90,7 +90,7 @@ def _matches(case: dict[str, Any], candidate: tuple[int, int, int, int]) -> bool
     kind = abi.KIND[case["dtype"]]
     lib.fp16kit_master_adam(
         len(masters), abi.p64(table), abi.p64(numel), abi.p64(chunk_start), abi.CHUNK, ctypes.byref(hyper), kind,
-        kind, abi.pf(case["scale"]), None, 1,
+        kind, 0, abi.pf(case["scale"]), None, 1,
     )  # fmt: skip
     got = [masters, exp_avgs, exp_avg_sqs]
     for mine, theirs in zip(got, case["want"]):

@@ -23,9 +23,12 @@
  * `tail8`), which fp16kit/core/fused/adam.py establishes against torch itself at first use.
  *
  * Nothing is written when *found_inf == 1 (the whole step is skipped, as torch's fused step
- * skips on its found_inf). fp16kit_check_finite sets *found_inf = 1 when a grad holds inf/NaN.
- * fp16kit_unscale_to is the master-grad path in one pass: fp32 master grad = float(grad16) *
- * inv_scale, the flag set as torch's _amp_foreach_non_finite_check_and_unscale_ sets it.
+ * skips on its found_inf). With `land`, param16[i] = round_to_nearest_even(master[i]) is written
+ * from the master as it was *before* the step (on a skipped step too): an inline asynchronous
+ * job, which lands the previous step's masters in the model and steps them in the same pass.
+ * fp16kit_check_finite sets *found_inf = 1 when a grad holds inf/NaN. fp16kit_unscale_to is the
+ * master-grad path in one pass: fp32 master grad = float(grad16) * inv_scale, the flag set as
+ * torch's _amp_foreach_non_finite_check_and_unscale_ sets it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -147,9 +150,10 @@ AVX static inline float scalar_step(float g, float *mp, float *ap, float *vp, co
     return p;
 }
 
-/* One tensor, elements [lo, hi) (lo a multiple of 8); the grads are of `gkind` (a 16-bit kind or F32). */
+/* One tensor, elements [lo, hi) (lo a multiple of 8); the grads are of `gkind` (a 16-bit kind or F32).
+ * p16 gets the master after the step, or with `land` the master before it. */
 AVX static void step_range(const void *gp, uint16_t *p16, float *mp, float *ap, float *vp, int64_t numel,
-                           int64_t lo, int64_t hi, const Hyper *h, int kind, int gkind) {
+                           int64_t lo, int64_t hi, const Hyper *h, int kind, int gkind, int land) {
     const uint16_t *g16 = (const uint16_t *)gp;
     const float *g32 = (const float *)gp;
     int64_t body = numel - numel % h->vl; /* torch's vector part of this tensor */
@@ -166,6 +170,7 @@ AVX static void step_range(const void *gp, uint16_t *p16, float *mp, float *ap, 
         __m256 g = gkind == F32 ? _mm256_loadu_ps(g32 + k) : load8(g16, k, gkind);
         if (h->inv_scale_div != 0.0f) g = _mm256_div_ps(g, vscale);
         __m256 p = _mm256_loadu_ps(mp + k);
+        if (land && p16) store8(p16, k, p, kind);
         if (h->mode == 1) p = _mm256_mul_ps(p, vdecay);
         else if (h->mode == 0) g = h->body ? _mm256_fmadd_ps(p, vwd, g) : _mm256_add_ps(g, _mm256_mul_ps(p, vwd));
         __m256 m = _mm256_loadu_ps(ap + k);
@@ -181,12 +186,20 @@ AVX static void step_range(const void *gp, uint16_t *p16, float *mp, float *ap, 
         _mm256_storeu_ps(ap + k, m);
         _mm256_storeu_ps(vp + k, v);
         _mm256_storeu_ps(mp + k, p);
-        if (p16) store8(p16, k, p, kind);
+        if (p16 && !land) store8(p16, k, p, kind);
     }
     for (; k < hi; k++) { /* [vend, hi) is torch's tail: chunks are multiples of 16 elements */
+        if (land && p16) p16[k] = round1(mp[k], kind);
         float p = scalar_step(gkind == F32 ? g32[k] : load1(g16, k, gkind), mp + k, ap + k, vp + k, h);
-        if (p16) p16[k] = round1(p, kind);
+        if (p16 && !land) p16[k] = round1(p, kind);
     }
+}
+
+/* p16 = round_to_nearest_even(master), elements [lo, hi): the landing of a skipped step (`land`). */
+AVX static void land_range(uint16_t *p16, const float *mp, int64_t lo, int64_t hi, int kind) {
+    int64_t k = lo;
+    for (; k + 8 <= hi; k += 8) store8(p16, k, _mm256_loadu_ps(mp + k), kind);
+    for (; k < hi; k++) p16[k] = round1(mp[k], kind);
 }
 
 /* Tensor `i` of the plan holding chunk `c` (chunk_start[i] <= c < chunk_start[i + 1]). */
@@ -204,11 +217,21 @@ static int64_t tensor_of(const int64_t *chunk_start, int64_t n, int64_t c) {
  * 16-bit param (0: not written -- an asynchronous step's job, whose params the next landing writes,
  * or an fp32 param stepped in place as its own "master"), master, exp_avg, exp_avg_sq,
  * step (float32, 0-dim); numel[i]; chunk_start[i]: the index of tensor i's first chunk of `chunk`
- * elements (a multiple of 16), chunk_start[n] == the number of chunks, the parallel work items. */
+ * elements (a multiple of 16), chunk_start[n] == the number of chunks, the parallel work items.
+ * `land`: the 16-bit params get the masters as they were before the step (see the top). */
 AVX int32_t fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *numel, const int64_t *chunk_start,
-                             int64_t chunk, const Group *group, int32_t kind, int32_t gkind, const float *grad_scale,
-                             const float *found_inf, int32_t threads) {
-    if (found_inf && *found_inf == 1.0f) return 0; /* torch's fused skip: nothing changes, steps included */
+                             int64_t chunk, const Group *group, int32_t kind, int32_t gkind, int32_t land,
+                             const float *grad_scale, const float *found_inf, int32_t threads) {
+    if (found_inf && *found_inf == 1.0f) { /* torch's fused skip: nothing changes, steps included */
+        if (!land) return 0;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
+        for (int64_t c = 0; c < chunk_start[n]; c++) {
+            int64_t i = tensor_of(chunk_start, n, c), lo = (c - chunk_start[i]) * chunk;
+            int64_t hi = lo + chunk < numel[i] ? lo + chunk : numel[i];
+            if (ptrs[6 * i + 1]) land_range((uint16_t *)ptrs[6 * i + 1], (const float *)ptrs[6 * i + 2], lo, hi, kind);
+        }
+        return 0;
+    }
     for (int64_t i = 0; i < n; i++) *(float *)ptrs[6 * i + 5] += 1.0f; /* torch: _foreach_add_(steps, 1) */
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (int64_t c = 0; c < chunk_start[n]; c++) {
@@ -218,7 +241,7 @@ AVX int32_t fp16kit_master_adam(int64_t n, const int64_t *ptrs, const int64_t *n
         Hyper h;
         hyper_of(group, *(const float *)t[5], grad_scale, &h);
         step_range((const uint16_t *)t[0], (uint16_t *)t[1], (float *)t[2], (float *)t[3], (float *)t[4], numel[i], lo,
-                   hi, &h, kind, gkind);
+                   hi, &h, kind, gkind, land);
     }
     return 1; /* stepped */
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -101,6 +103,33 @@ def test_bit_for_bit_torch_fused_on_the_masters(dtype, cls, kwargs):
     ref = _torch_run(cls, p16, grads, kwargs, 1024.0, found)
     _assert_same(_kernel_run(cls, p16, grads, kwargs, 1024.0, found), ref)
     _assert_same(_kernel_run(cls, p16, grads, kwargs, 1024.0, found, threads=1), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("skipped", [False, True], ids=["stepped", "skipped"])
+def test_land_writes_the_masters_as_they_were_before_the_step(dtype, skipped):
+    # an inline asynchronous job: the landing of the step before (param16.copy_(master)) and this step, one pass
+    p16, grads = _world(dtype, SIZES, seed=3)
+    masters, opt, plan = _planned(p16)
+    torch._foreach_mul_(masters, 1.0 + 1e-3)  # (masters that differ from the params, as after a job)
+    before = [m.clone() for m in masters]
+    ref_masters = [m.clone() for m in masters]
+    ref = torch.optim.AdamW(ref_masters, fused=True)
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))  # (not aliasing the state the plan steps)
+    for m, g in zip(ref_masters, grads[0]):
+        m.grad = g.float()
+    found = torch.tensor(1.0 if skipped else 0.0)
+    ref.grad_scale, ref.found_inf = torch.tensor(256.0), found.clone()
+    ref.step()
+    stepped = plan.step(
+        plan.grads(grads[0]), opt.param_groups[0], grad_scale=torch.tensor(256.0), found_inf=found, land=True
+    )
+    assert stepped is not skipped
+    for p, b in zip(p16, before):  # what the landing's copy writes, bit for bit
+        assert torch.equal(p.view(torch.int16), b.to(dtype).view(torch.int16))
+    for m, r in zip(masters, ref_masters):  # and the step torch's would take (none when skipped)
+        assert torch.equal(m.view(torch.int32), r.view(torch.int32))
+        assert torch.equal(opt.state[m]["step"], ref.state[r]["step"])
 
 
 def test_unscaled_grads_and_no_flag():
