@@ -153,11 +153,12 @@ class GradScaler(torch.amp.GradScaler):
     # -------------------------------------------------------------- scale
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if self._scale is None:
+        scale, growth_tracker = self._scale, self._growth_tracker  # (each read is a descriptor chain: once)
+        if scale is None:
             raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
+        if growth_tracker is None:
             raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return (self._scale, self._growth_tracker)
+        return (scale, growth_tracker)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         if self._growth_tracker is not None:
@@ -165,10 +166,12 @@ class GradScaler(torch.amp.GradScaler):
         self._loss_scale.materialize(dev)
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
-        if self._scale is None:
+        scale = self._scale
+        if scale is None:
             self._lazy_init_scale_growth_tracker(device)
-        assert self._scale is not None
-        return self._scale
+            scale = self._scale
+        assert scale is not None
+        return scale
 
     @overload
     def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
@@ -221,7 +224,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._threads.route(self._loss_scale, self.unscale_, optimizer):
             return
 
-        self._check_scale_growth_tracker("unscale_")
+        scale, _ = self._check_scale_growth_tracker("unscale_")
         skips.require_process_group(self)
 
         optimizer_state = self._per_optimizer_states[id(optimizer)]
@@ -231,9 +234,8 @@ class GradScaler(torch.amp.GradScaler):
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
 
-        assert self._scale is not None
-        inv_scale = kernels.inv_scale(self._scale)
-        found_inf = kernels.new_found_inf(self._scale.device)
+        inv_scale = kernels.inv_scale(scale)
+        found_inf = kernels.new_found_inf(scale.device)
 
         # Recorded before the all-reduce: a failing collective must not leave the grads to be unscaled twice.
         optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
@@ -332,8 +334,6 @@ class GradScaler(torch.amp.GradScaler):
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
 
         if new_scale is not None:
-            if self._scale is None:
-                raise AssertionError("_scale is None in update")
             # Accept a new user-defined scale (copied, not aliased).
             _check_new_scale(new_scale, self._device)
             self._loss_scale.set_scale(new_scale)
