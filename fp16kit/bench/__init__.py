@@ -15,7 +15,8 @@ The method, the same for every timed figure::
 The modules, one job each: ``timing`` (the interleaved runner, its statistics, the clock),
 ``bounds`` (the memcpy probe, bytes per param), ``shapes`` (param lists, MLPs), ``loops`` (the
 anchors and fp16kit's variants on a param list), ``training`` (the loops with a model),
-``trace`` (bytes, ops, host reads, Python calls, counted), ``machine`` (the header), ``rows``
+``trace`` (bytes, ops, host reads, Python calls, counted), ``memory`` (bytes per param held and at
+the step's peak, counted), ``machine`` (the header), ``rows``
 (which variants against which anchors), ``report`` (markdown and JSON). Benchmarks, not tests:
 no figure here is asserted anywhere.
 """
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 
 from . import machine
-from .rows import ROWS, Context
+from .memory import MemoryFigure
+from .rows import ROWS, Context, Count, Skipped
 
 __all__ = ["ROWS", "BenchResult", "run_bench"]
 
@@ -45,6 +47,7 @@ class BenchResult:
     figures: list[Any] = field(default_factory=list)
     counts: list[Any] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    memory: list[MemoryFigure] = field(default_factory=list)
     bandwidth: dict[str, float] = field(default_factory=dict)  # device -> bytes/s, the median copy
 
 
@@ -80,7 +83,12 @@ def run_bench(
             ctx = Context(torch.device(device), rounds, warmup, quick, threads, progress)
             for name in names:
                 for entry in ROWS[name](ctx):
-                    (result.counts if name == "syncs" else result.figures).append(entry)
+                    if isinstance(entry, Skipped):
+                        result.skipped.append(entry.as_dict())
+                    elif isinstance(entry, MemoryFigure):
+                        result.memory.append(entry)
+                    else:
+                        (result.counts if isinstance(entry, Count) else result.figures).append(entry)
             if ctx.copy_seconds:
                 copy = sorted(ctx.copy_seconds)[len(ctx.copy_seconds) // 2]
                 result.bandwidth[device] = ctx.memcpy().bandwidth(copy)

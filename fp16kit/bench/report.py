@@ -3,8 +3,10 @@
 The markdown: header lines (the machine, the threads, the load -- with a warning when it
 exceeds the cores -- the settings, the bandwidth the bounds come from), then the table of
 ratios (row, shape, variant, anchor, median, spread, B/param), then the counted syncs, then the
-rows skipped and how each figure was obtained. The JSON (``--json``) holds the same, each
-ratio with its per-round values.
+memory table (bytes per param held and at the step's peak, with the stated anchors after the
+measured rows and their sources as footnotes), then the rows skipped and how each figure was
+obtained. The JSON (``--json``) holds the same, each ratio with its per-round values, each
+memory figure in bytes and in B/param (``memory``; the anchors in ``memory_stated``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from . import BenchResult
 from .machine import load_warning, oversubscribed_note
+from .memory import PARTS, STATED, MemoryFigure
 from .rows import Count, Figure
 
 __all__ = ["to_json", "to_markdown"]
@@ -93,6 +96,70 @@ def counts_table(counts: list[Count]) -> list[str]:
     return lines
 
 
+_MEMORY_COLUMNS = ("params", "grads", "opt state", "masters", "master grads", "other")
+
+_MEMORY_METHOD = """\
+memory: bytes per param (B/param), counted on the last of {steps} AdamW steps, not timed (the machine's
+load does not change them). held after step:
+every byte the run allocated and still holds when step() returns, the grads still attached; its parts are
+distinct storages (params, their grads, the torch optimizer's state -- exp_avg, exp_avg_sq, step --,
+masters, master grads) and other = held - those parts: what a library keeps beyond them (spare master
+grads kept between steps, a flat grad buffer no master points to, a scaler's small tensors). after
+zero_grad: held after zero_grad(set_to_none=True) (FP16_Optimizer: set_grads_to_None=True), what stays
+into the next forward. peak in step: the most held from the end of the backward to the end of the step
+(unscale or check, master grads, the optimizer step, the copy into the model, scaler.update()).
+temporaries: peak - max(held at the step's start, held at its end) (issue 20's target: <= 1 B/param).
+Activations are not counted. Measured with: {methods}. The fused kernel's rows: fp16kit's one-pass C
+kernel (no allocation of its own); "torch ops": MixedPrecisionOptimizer's torch-op path, in the same
+process, by a subclass of AdamW the kernel declines. master_device='cpu' on a CPU run is the model's
+own device (the bytes of the row without it); on CUDA, host = the bytes kept on the CPU, not in the GPU's
+figures. stated rows are other systems' figures from the sources below, not measured."""
+
+
+def _b(nbytes: int, numel: int) -> str:
+    return f"{nbytes / numel:.2f}"
+
+
+def memory_tables(figures: list[MemoryFigure]) -> list[str]:
+    from .memory import STEPS
+
+    lines: list[str] = []
+    head = " | ".join(_MEMORY_COLUMNS)
+    groups: dict[tuple[str, str], list[MemoryFigure]] = {}
+    for f in figures:
+        groups.setdefault((f.device, f.shape), []).append(f)
+    for (device, shape), group in groups.items():
+        cuda = device == "cuda"
+        lines += [
+            f"## memory ({device}): training-state bytes per param, AdamW, {shape}",
+            "",
+            f"| variant | {head} | held after step | after zero_grad | peak in step | temporaries |"
+            + (" host |" if cuda else ""),
+            "|---|" + "---:|" * (len(_MEMORY_COLUMNS) + 4 + cuda),
+        ]
+        for f in group:
+            n = f.numel
+            cells = " | ".join(_b(f.parts[p], n) for p in PARTS)
+            note = f" ({f.note})" if f.note else ""
+            lines.append(
+                f"| {f.variant}{note} | {cells} | {_b(f.held_after_step, n)} | {_b(f.after_zero_grad, n)} "
+                f"| {_b(f.peak, n)} | {_b(f.temporaries, n)} |" + (f" {_b(f.host_bytes, n)} |" if cuda else "")
+            )
+        sources: dict[str, int] = {}
+        for s in STATED:
+            mark = sources.setdefault(s.source, len(sources) + 1)
+            cells = " | ".join(s.parts.get(p, "-") for p in PARTS)
+            lines.append(
+                f"| stated [{mark}]: {s.variant} | {cells} | {s.held} | - | - | - |" + (" - |" if cuda else "")
+            )
+        lines.append("")
+        lines += [f"[{i}] {source}." for source, i in sources.items()]
+        lines.append("")
+    methods = "; ".join(sorted({f.method for f in figures}))
+    lines.append(_MEMORY_METHOD.format(steps=STEPS, methods=methods))
+    return lines
+
+
 def to_markdown(result: BenchResult) -> str:
     from .rows import SYNC_STEPS
 
@@ -101,6 +168,8 @@ def to_markdown(result: BenchResult) -> str:
         out += [*figures_table(result.figures), ""]
     if result.counts:
         out += ["## host syncs, ops and Python calls per step", "", *counts_table(result.counts), ""]
+    if result.memory:
+        out += [*memory_tables(result.memory), ""]
     for s in result.skipped:
         out.append(f"- skipped: {s['row']} on {s['device']} ({s['reason']})")
     if result.skipped:
@@ -119,6 +188,8 @@ def to_json(result: BenchResult) -> str:
         "bandwidth_bytes_per_s": result.bandwidth,
         "figures": [f.as_dict() for f in result.figures],
         "counts": [c.as_dict() for c in result.counts],
+        "memory": [m.as_dict() for m in result.memory],
+        "memory_stated": [s.as_dict() for s in STATED] if result.memory else [],
         "skipped": result.skipped,
     }
     return json.dumps(data, indent=1)

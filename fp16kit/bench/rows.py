@@ -15,6 +15,10 @@ among them where a bound is an anchor) and turns the per-round times into ratios
     async          async_step=True vs async_step=False, per model shape
     syncs          per iteration, counted (not timed): host reads on the main thread, aten ops,
                    Python calls, for each fp16kit variant and the anchors (:mod:`fp16kit.bench.trace`)
+    memory         bytes per param of training state held after an AdamW step, after zero_grad and at
+                   the step's peak, counted (not timed), per recipe: fp32, autocast, a 16-bit model
+                   without masters, MixedPrecisionOptimizer (kernel and torch-op paths, flat and not),
+                   FP16_Optimizer, amp O2 (:mod:`fp16kit.bench.memory`)
 
 Bytes per param of the timed rows are counted from one traced iteration
 (:func:`fp16kit.bench.trace.op_tally`), not assumed.
@@ -33,11 +37,12 @@ import torch
 from . import trace
 from .bounds import MASTER_GRAD_BYTES, MASTER_STEP_BYTES, Memcpy, bound_times
 from .loops import HAND, STEP_VARIANTS, Loop, master_grad_loops, step_loops
+from .memory import run_recipes
 from .shapes import MLP_LIST, Shape, async_models, master_grad_shapes, scaler_model, step_shapes
 from .timing import Stats, ratio_stats, run_interleaved
 from .training import AsyncLoop, ScalerLoop
 
-__all__ = ["ROWS", "Context", "Count", "Figure", "NullClock"]
+__all__ = ["ROWS", "Context", "Count", "Figure", "NullClock", "Skipped"]
 
 FP32_ANCHOR = "torch AdamW(fused), fp32 params"
 
@@ -102,6 +107,18 @@ class Count:
             "python_calls_per_step": self.python_calls,
             "method": self.method,
         }
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A variant of a row that could not run here, and why (the report lists it with the rows skipped)."""
+
+    row: str
+    device: str
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"row": self.row, "device": self.device, "reason": self.reason}
 
 
 @dataclass
@@ -298,11 +315,20 @@ def syncs(ctx: Context) -> list[Count]:
     return counts
 
 
+def memory(ctx: Context) -> list[Any]:
+    dev = ctx.device.type
+    ctx.progress(f"memory [{dev}]: bytes per param held and at the step's peak, counted")
+    figures, skipped = run_recipes(ctx.device, ctx.quick)
+    _free()
+    return [*figures, *(Skipped("memory", dev, f"{label}: {why}") for label, why in skipped)]
+
+
 ROWS: dict[str, Callable[[Context], list[Any]]] = {
     "master-grads": master_grads,
     "step": step,
     "scaler": scaler,
     "async": async_steps,
     "syncs": syncs,
+    "memory": memory,
 }
 """Every row, in the order the report lists them."""

@@ -94,7 +94,7 @@ def test_quick_json_emits_every_row():
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
-    rows = {f["row"] for f in data["figures"]} | {c["row"] for c in data["counts"]}
+    rows = {f["row"] for f in data["figures"]} | {c["row"] for c in data["counts"]} | {m["row"] for m in data["memory"]}
     assert rows == set(ROWS)
     _check_figures(data)
     variants = {(f["row"], f["variant"]) for f in data["figures"]}
@@ -104,6 +104,7 @@ def test_quick_json_emits_every_row():
         assert ("step", variant) in variants
     assert all(f["bytes_per_param"] > 0 for f in data["figures"] if f["row"] in ("master-grads", "step"))
     assert len([f for f in data["figures"] if f["row"] == "async"]) == 3
+    assert data["memory"] and all(m["held_after_step_bytes"] > 0 for m in data["memory"])
 
 
 @pytest.mark.cuda
@@ -112,7 +113,8 @@ def test_cuda_rows_run_on_a_gpu(capsys):
     assert main(["bench", "--quick", "--device", "cuda", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["skipped"] == [] and "gpu" in data["machine"]
-    assert {f["row"] for f in data["figures"]} | {c["row"] for c in data["counts"]} == set(ROWS)
-    assert {f["device"] for f in data["figures"]} == {"cuda"}
+    rows = {f["row"] for f in data["figures"]} | {c["row"] for c in data["counts"]} | {m["row"] for m in data["memory"]}
+    assert rows == set(ROWS)
+    assert {f["device"] for f in data["figures"]} == {m["device"] for m in data["memory"]} == {"cuda"}
     assert data["bandwidth_bytes_per_s"]["cuda"] > 0
     _check_figures(data)
