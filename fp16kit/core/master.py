@@ -125,6 +125,7 @@ class MasterParams:
         self.model_params: list[torch.Tensor] = []
         self.masters: list[torch.Tensor] = []
         self._blocks: list[tuple[_FlatBlock, int]] = []  # per master, when flat
+        self._flat_blocks: list[_FlatBlock] = []  # each block once
         self._spare_grads: dict[int, torch.Tensor] = {}  # per master, the CPU grad given last (_new_grad)
         self._sparable: list[bool] = []  # per master: large and on the CPU (_new_grad)
         self.add(model_params)
@@ -177,6 +178,7 @@ class MasterParams:
             # Views of a buffer that does not require grad are leaves: they can be params.
             views = kernels.flat_views(buffer, group)
             block = _FlatBlock(views, buffer)
+            self._flat_blocks.append(block)
             for j, (i, v) in enumerate(zip(idx, views)):
                 v.requires_grad_(True)
                 new[i] = v
@@ -261,6 +263,18 @@ class MasterParams:
         grad = torch.empty_like(master)
         self._spare_grads[i] = grad
         return grad
+
+    def release_grad_memory(self) -> None:
+        """Let go of the memory kept for master grads: the spare CPU grads and the flat grad buffers.
+
+        For a step that reads no master grads (the fused kernel's, from the 16-bit grads): kept, they would hold
+        4 B/param that nothing reads. The next step that makes master grads allocates them again. A flat grad
+        buffer stays while one of its masters still has a grad (its view holds the memory anyway)."""
+        if self._spare_grads:
+            self._spare_grads.clear()
+        for block in self._flat_blocks:
+            if block.grad_buffer is not None and all(m.grad is None for m in block.masters):
+                block.grad_buffer, block.grad_views = None, []
 
     def _flat_unscale_targets(self) -> list[torch.Tensor]:
         per_block: dict[int, tuple[_FlatBlock, list[torch.Tensor], bool]] = {}

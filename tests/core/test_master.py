@@ -203,6 +203,31 @@ def test_a_master_grad_something_still_holds_is_never_overwritten(hold):
     assert torch.equal(m.grad, torch.full_like(m, 2.0))
 
 
+def test_releasing_grad_memory_drops_the_spares_and_idle_flat_buffers():
+    _, mp = _big_pair()
+    m = _transfer(mp, 1.0)
+    m.grad = None
+    mp.release_grad_memory()  # (a step that reads no master grads: the fused kernel's)
+    assert not mp._spare_grads
+    assert torch.equal(_transfer(mp, 2.0).grad, torch.full_like(m, 2.0))  # made again when needed
+
+    ps = [torch.randn(n).half().requires_grad_() for n in (40, 24)]
+    flat = MasterParams(ps, flat=True)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    flat.grads_to_masters(torch.ones(()), torch.zeros(()))
+    (block,) = flat._flat_blocks
+    flat.masters[0].grad = None
+    flat.release_grad_memory()
+    assert block.grad_buffer is not None  # a master's grad is still one of its views
+    flat.masters[1].grad = None
+    flat.release_grad_memory()
+    assert block.grad_buffer is None and block.grad_views == []
+    flat.grads_to_masters(torch.full((), 0.5), torch.zeros(()))  # a new buffer, the unscale over it as before
+    assert block.grad_buffer is not None and flat.masters[1].grad is block.grad_views[1]
+    assert torch.equal(flat.masters[1].grad, torch.full((24,), 0.5))
+
+
 def test_small_master_grads_are_not_spared():
     _, mp = _big_pair(numel=1000)
     m = _transfer(mp, 1.0)
