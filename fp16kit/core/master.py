@@ -127,6 +127,7 @@ class MasterParams:
         self._blocks: list[tuple[_FlatBlock, int]] = []  # per master, when flat
         self._flat_blocks: list[_FlatBlock] = []  # each block once
         self._spare_grads: dict[int, torch.Tensor] = {}  # per master, the CPU grad given last (_new_grad)
+        self._grads_left_out = False  # see grads_left_out()
         self._sparable: list[bool] = []  # per master: large and on the CPU (_new_grad)
         self.add(model_params)
 
@@ -224,6 +225,7 @@ class MasterParams:
                     m.grad = self._new_grad(i, m) if self._sparable[i] else torch.empty_like(m)
             srcs.append(g)
             dsts.append(m.grad)
+        self._grads_left_out = False
         if not srcs:
             return {}
         if not unscale:
@@ -300,10 +302,24 @@ class MasterParams:
         if self.masters:
             kernels.copy_to_(self.masters, self.model_params, non_blocking=non_blocking)
 
+    def grads_left_out(self) -> None:
+        """Record a step that gave every master a grad without writing it (the fused kernel's asynchronous job).
+
+        torch would have a grad on each of them now, so a following ``zero_grad(set_to_none=False)`` of the masters
+        makes them, zeroed -- a master whose param then gets no grad is stepped with zero, as torch steps a zeroed
+        param -- until master grads are written again."""
+        self._grads_left_out = True
+
     def zero_grad(self, set_to_none: bool = True, *, model: bool = True, masters: bool = True) -> None:
-        """Clear the model params' grads and/or the masters' grads."""
+        """Clear the model params' grads and/or the masters' grads (see :meth:`grads_left_out`)."""
         params = [*(self.model_params if model else ()), *(self.masters if masters else ())]
         kernels.clear_grads_(params, set_to_none=set_to_none)
+        if masters and self._grads_left_out:
+            self._grads_left_out = False
+            if not set_to_none:
+                for m in self.masters:
+                    if m.grad is None:
+                        m.grad = torch.zeros_like(m)
 
     def summary(self) -> str:
         """``"<count> masters, <numel> elements, <dtype> on <devices>[, flat]"`` (for reprs)."""

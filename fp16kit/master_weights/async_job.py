@@ -116,7 +116,12 @@ class JobRunner:
         return self._opt.inner_step()
 
     def _kernel_job(
-        self, work: MasterStep, grads: list[torch.Tensor | None] | None, groups: list[dict[str, Any]] | None, **kw: Any
+        self,
+        work: MasterStep,
+        grads: list[torch.Tensor | None] | None,
+        groups: list[dict[str, Any]] | None,
+        *,
+        land: bool = False,
     ) -> bool:
         """The job by the one-pass kernel (``FusedSteps.step_job``), or False with nothing changed: torch's ops then.
 
@@ -128,7 +133,11 @@ class JobRunner:
             return False
         assert work.scale is not None
         scale = work.scale.to(self._groups.flag_device())
-        return self._fused.step_job(self._masters.model_params, grads, groups, scale, found_inf=work.found, **kw)
+        found = work.found
+        if land and found.item() not in (0.0, 1.0):  # (a summed flag: the kernel skips on exactly 1, the job on any)
+            found = (found != 0).to(torch.float32)
+        done = self._fused.step_job(self._masters.model_params, grads, groups, scale, land=land, found_inf=found)
+        return done
 
     def _fused_unscale(self, scale: torch.Tensor | None) -> bool:
         # Fused kernels take a float32 grad_scale on the params' device (one device here).

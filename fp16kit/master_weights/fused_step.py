@@ -170,6 +170,7 @@ class FusedSteps:
             for m in plan.masters:
                 m.grad = None  # (a grad left from an earlier step would be stale)
         self.groups.masters.release_grad_memory()
+        self.groups.masters.grads_left_out()  # (every master had a grad: zero_grad(set_to_none=False) makes them)
         return True
 
     def check_job_grads(self, found_inf: torch.Tensor) -> bool:

@@ -454,3 +454,68 @@ def test_two_borrowing_optimizers_give_back_the_program_s_count(threads, monkeyp
     assert torch.get_num_threads() == 2  # b still borrows
     b.set("thread")
     assert torch.get_num_threads() == 1
+
+
+def _train_with(policy: str, kernel: bool, monkeypatch, step_of, steps: int = 6, scaler_cls=fp16kit.GradScaler):
+    """A short asynchronous fp16 run; ``step_of(i, model, opt, scaler)`` runs iteration i. Params, steps, masters."""
+    with monkeypatch.context() as m:
+        if not kernel:
+            m.setattr(FusedSteps, "_job_plans", lambda self, groups, grad_of: None)  # torch's ops only
+        model = _model(torch.float16)
+        opt = fp16kit.MixedPrecisionOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), async_step=True, async_policy=policy
+        )
+        gs = scaler_cls("cpu", init_scale=2.0**10)
+        for i in range(steps):
+            step_of(i, model, opt, gs)
+        opt.synchronize()
+        return {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "steps": [opt.optimizer.state[m]["step"].item() for m in opt.master_params],
+            "masters": [m.detach().clone() for m in opt.master_params],
+        }
+
+
+@pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale-clip-step"])
+@pytest.mark.parametrize("policy", ["thread", "inline"])
+def test_zero_grad_keeping_zeros_after_kernel_jobs_steps_an_unused_param(policy, clip, monkeypatch):
+    # the kernel's jobs leave the masters with no grad; zero_grad(set_to_none=False) must still leave a zero one on
+    # each (torch zeroes the grad every param had), so a param unused at iteration 3 is stepped (adversarial finding)
+    def step_of(i, model, opt, gs):
+        opt.zero_grad(set_to_none=i != 3)
+        x, y = _batch(i, torch.float16)
+        h = torch.nn.functional.linear(x, model[0].weight) if i == 3 else model[0](x)  # bias unused at 3
+        gs.scale(torch.nn.functional.mse_loss(model[2](model[1](h)).float(), y)).backward()
+        if clip and i == 3:  # (the masters' grads made on the main thread, after kernel jobs)
+            gs.unscale_(opt)
+            opt.clip_grad_norm_(0.5)
+        gs.step(opt)
+        gs.update()
+
+    kernel = _train_with(policy, True, monkeypatch, step_of)
+    assert kernel["steps"] == [6.0] * 4  # every master stepped at every iteration
+    off = _train_with(policy, False, monkeypatch, step_of)
+    for key in kernel:
+        assert_equal(kernel[key], off[key], key)
+
+
+class _SummingScaler(fp16kit.GradScaler):
+    def _reduce_found_inf(self, found_inf_per_device):  # a flag that reads 2 (a sum over ranks that overflowed)
+        return {d: f * 2 for d, f in super()._reduce_found_inf(found_inf_per_device).items()}
+
+
+@pytest.mark.skipif(fused.forms() is None, reason="the fused Adam kernel is off on this machine (logged)")
+def test_an_inline_job_that_lands_skips_on_any_nonzero_flag(monkeypatch):
+    def step_of(i, model, opt, gs):
+        opt.zero_grad()
+        x, y = _batch(i, torch.float16)
+        gs.scale(torch.nn.functional.mse_loss(model(x).float(), y) * (1e30 if i == 4 else 1)).backward()
+        gs.step(opt)
+        gs.update()
+
+    inline = _train_with("inline", True, monkeypatch, step_of, scaler_cls=_SummingScaler)
+    assert inline["steps"] == [5.0] * 4 and all(torch.isfinite(m).all() for m in inline["masters"])
+    thread = _train_with("thread", True, monkeypatch, step_of, scaler_cls=_SummingScaler)
+    for key in inline:
+        assert_equal(inline[key], thread[key], key)
