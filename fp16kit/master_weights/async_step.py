@@ -208,7 +208,7 @@ class AsyncSteps:
                 main.land_pending = main.land_pending and not landed
 
     def _landing_on_host(self) -> bool:
-        return all(p.device.type == "cpu" for p in self._masters.model_params)
+        return {p.device.type for p in self._masters.model_params} <= {"cpu"}  # (a set: no generator per step)
 
     # ------------------------------------------------------------------ hand-off
     def _hand_off(self) -> Handoff:
@@ -225,7 +225,7 @@ class AsyncSteps:
             kernels.copy_to_(sources, [staging[i] for i in crossing], non_blocking=True)
             for i in crossing:
                 grads[i] = staging[i]
-        if any(m.device != p.device for p, m in zip(params, masters)) and torch.cuda.is_available():
+        if [m.device for m in masters] != [p.device for p in params] and torch.cuda.is_available():
             # Orders the job after these copies and after land()'s copy out of the masters.
             event = torch.cuda.Event()
             event.record()
@@ -324,7 +324,7 @@ class AsyncSteps:
         With ``land``, land the previous step meanwhile. ``job_lands``: the landing is left to this step's job
         (:meth:`_job_lands`; no job is in flight). No host sync."""
         grads = [p.grad for p in self._masters.model_params if p.grad is not None]
-        if any(g.is_sparse for g in grads):
+        if any([g.is_sparse for g in grads]):  # (a list: a generator resumes once per grad, every step)
             raise TypeError(SPARSE_GRADS)
         land = land and not job_lands
         if land:

@@ -157,7 +157,7 @@ class FusedSteps:
         ):
             return False
         by_param = dict(zip(map(id, model_params), grads))
-        ready = self._job_plans(groups, lambda p: by_param.get(id(p)))
+        ready = self._job_plans(groups, lambda params: list(map(by_param.get, map(id, params))))
         if ready is None:
             return False
         if land and sum(len(plan.masters) for plan, _, _ in ready) != len(self.groups.masters.masters):
@@ -180,7 +180,7 @@ class FusedSteps:
         main thread's then). False, with nothing done: check with torch's ops."""
         if found_inf.device.type != "cpu":
             return False
-        ready = self._job_plans(None, operator.attrgetter("grad"))
+        ready = self._job_plans(None, lambda params: [p.grad for p in params])
         if ready is None:
             return False
         for plan, addresses, _ in ready:
@@ -188,9 +188,11 @@ class FusedSteps:
         return True
 
     def _job_plans(
-        self, groups: list[dict[str, Any]] | None, grad_of: Any
+        self, groups: list[dict[str, Any]] | None, grads_of: Any
     ) -> list[tuple[fused.AdamPlan, fused.GradAddresses, dict[str, Any]]] | None:
-        """Per group the plan, the grads' addresses and the hyperparameters of an asynchronous step, or None."""
+        """Per group the plan, the grads' addresses and the hyperparameters of an asynchronous step, or None.
+
+        ``grads_of(params)``: the grads of a group's model params, in order."""
         if not self.job_candidate or self._hooked():
             return None
         live = self.optimizer.param_groups
@@ -202,7 +204,7 @@ class FusedSteps:
             plan = self._plan(gi, group, mg)
             if plan is None or fused.kernel_refusal(self.optimizer, hyper[gi]) is not None:
                 return None
-            addresses = plan.grads([grad_of(p) for p in mg.model_params])
+            addresses = plan.grads(grads_of(mg.model_params))
             if addresses is None:
                 return None
             ready.append((plan, addresses, hyper[gi]))

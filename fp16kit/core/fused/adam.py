@@ -74,6 +74,9 @@ class GradAddresses:
         self.kind = kind  # the kernel's grad kind: a 16-bit one, or float32
 
 
+_GET_A, _GET_V, _GET_S = (operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
 class PlanMismatch(RuntimeError):
     """The tensors handed to :meth:`AdamPlan.step` are not the ones the plan was built on (build a new plan)."""
 
@@ -92,7 +95,7 @@ def kernel_refusal(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -
         if group.get(flag):
             return f"{flag}=True"
     values = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-    if any(isinstance(v, torch.Tensor) for v in values):
+    if any([isinstance(v, torch.Tensor) for v in values]):  # (asked at every step: no generator)
         return "a hyperparameter is a tensor"
     if calibrate.forms() is None:
         return "the kernel is off (see the log)"
@@ -174,7 +177,7 @@ class AdamPlan:
         tensors; a changed mapping (``load_state_dict`` replaces it; a first step adds to it) is looked up again."""
         if self._now() != self._addresses:
             return False
-        get_a, get_v, get_s = (operator.itemgetter(k) for k in ("exp_avg", "exp_avg_sq", "step"))
+        get_a, get_v, get_s = _GET_A, _GET_V, _GET_S
         state = self.optimizer.state
         try:
             values = self._state_values
