@@ -96,6 +96,16 @@ def test_auto_keeps_the_mode_whose_iterations_took_less_and_logs_both(faster, ca
     assert faster in repr(policy)
 
 
+@pytest.mark.parametrize(("thread_cost", "kept"), [(0.97, "inline"), (0.94, "thread")])
+def test_the_thread_is_kept_only_when_it_wins_by_the_margin(thread_cost, kept):
+    # an inline step costs a synchronous one; a thread 3% faster is within a shared machine's noise
+    clock = _Clock()
+    policy = AsyncPolicy("auto", worker_threads=lambda: 0, clock=clock)
+    _drive(policy, clock, AsyncPolicy.WARMUP + 2 * AsyncPolicy.SLOT * AsyncPolicy.ROUNDS + 1,
+           {"thread": thread_cost, "inline": 1.0})  # fmt: skip
+    assert policy.mode == kept
+
+
 def test_set_fixes_a_mode_or_probes_again():
     clock = _Clock()
     policy = AsyncPolicy("thread", worker_threads=lambda: 0, clock=clock)
