@@ -133,9 +133,8 @@ class JobRunner:
             return False
         assert work.scale is not None
         scale = work.scale.to(self._groups.flag_device())
-        found = work.found
-        if land and found.item() not in (0.0, 1.0):  # (a summed flag: the kernel skips on exactly 1, the job on any)
-            found = (found != 0).to(torch.float32)
+        # (a summed flag: the kernel skips on exactly 1, a job on any nonzero; a tensor op, not a host read)
+        found = work.found.ne(0).to(torch.float32) if land else work.found
         done = self._fused.step_job(self._masters.model_params, grads, groups, scale, land=land, found_inf=found)
         return done
 
