@@ -29,6 +29,17 @@ def _restore_excepthook():
 
 
 @pytest.fixture
+def amp_state_restored():
+    """amp.initialize sets process-wide state, as apex's did: put it back after the test."""
+    from fp16kit.legacy.amp._amp_state import _amp_state
+
+    saved = dict(vars(_amp_state))
+    yield
+    vars(_amp_state).clear()
+    vars(_amp_state).update(saved)
+
+
+@pytest.fixture
 def gloo_world(tmp_path):
     """A one-rank gloo default process group for the test (torch.distributed.group.WORLD)."""
     import torch.distributed as dist

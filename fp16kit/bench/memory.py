@@ -152,6 +152,23 @@ class Recipe:
     def finish(self) -> None:
         """After the measured step: record what the figures need to say about it (``note``)."""
 
+    def _backward_and_step(self, loss: torch.Tensor, step_of: Any, scaler: Any, window: Window) -> None:
+        """Backward from ``loss`` (scaled by ``scaler`` unless None), then ``step_of``'s step inside ``window``.
+
+        The caller passes ``loss`` without keeping it: dropped here, the graph is freed before the window opens."""
+        if scaler is None:
+            loss.backward()
+            del loss
+            window.begin()
+            step_of.step()
+        else:
+            scaler.scale(loss).backward()
+            del loss
+            window.begin()
+            scaler.step(step_of)
+            scaler.update()
+        window.end()
+
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().pow(2).mean()
@@ -169,20 +186,11 @@ class TorchRecipe(Recipe):
         self.scaler = torch.amp.GradScaler(self.device.type) if scaler else None
 
     def iteration(self, x: torch.Tensor, window: Window) -> None:
+        self._backward_and_step(self._forward(x), self.optimizer, self.scaler, window)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
-            loss = _loss(self.model, x)
-        if self.scaler is None:
-            loss.backward()
-            del loss
-            window.begin()
-            self.optimizer.step()
-        else:
-            self.scaler.scale(loss).backward()
-            del loss
-            window.begin()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        window.end()
+            return _loss(self.model, x)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -210,19 +218,7 @@ class MPORecipe(Recipe):
         self.scaler = fp16kit.GradScaler(device.type) if fp16 else None
 
     def iteration(self, x: torch.Tensor, window: Window) -> None:
-        loss = _loss(self.model, x)
-        if self.scaler is None:
-            loss.backward()
-            del loss
-            window.begin()
-            self.opt.step()
-        else:
-            self.scaler.scale(loss).backward()
-            del loss
-            window.begin()
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        window.end()
+        self._backward_and_step(_loss(self.model, x), self.opt, self.scaler, window)
 
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -636,26 +632,32 @@ def measure(
         timeline.at(timeline.span("after_step")[0]),
         timeline.at(timeline.span("after_zero_grad")[0]),
     )
-    numel = sum(p.numel() for p in recipe.params)
-    counted = {p: b.get("cpu", 0) for p, b in parts.items()}
-    counted["other"] = after_step - sum(counted.values())
-    figure = MemoryFigure(
-        row="memory",
-        device="cpu",
-        shape=shape,
-        variant=variant,
-        numel=numel,
-        parts=counted,
-        held_after_step=after_step,
-        after_zero_grad=after_zero,
-        step_start=timeline.at(start),
-        peak=timeline.peak(start, end),
-        method=CPU_METHOD,
-        note=recipe.note,
-    )
+    figure = _figure(
+        recipe, parts, "cpu", shape, variant, after_step,
+        after_zero_grad=after_zero, step_start=timeline.at(start), peak=timeline.peak(start, end), method=CPU_METHOD,
+    )  # fmt: skip
     del recipe, model, prof, timeline
     gc.collect()  # (optimizers hold reference cycles: free this run's memory before the next one starts)
     return figure
+
+
+def _figure(
+    recipe: Recipe,
+    parts: dict[str, dict[str, int]],
+    device: str,
+    shape: str,
+    variant: str,
+    after_step: int,
+    **fields: Any,
+) -> MemoryFigure:
+    """The figure of a measured run: its parts' bytes on ``device``, and "other", what is held beyond them."""
+    counted = {p: b.get(device, 0) for p, b in parts.items()}
+    counted["other"] = after_step - sum(counted.values())
+    numel = sum(p.numel() for p in recipe.params)
+    return MemoryFigure(
+        row="memory", device=device, shape=shape, variant=variant, numel=numel, parts=counted,
+        held_after_step=after_step, note=recipe.note, **fields,
+    )  # fmt: skip
 
 
 def _measure_cuda(
@@ -693,25 +695,11 @@ def _measure_cuda(
     recipe.zero_grad()
     torch.cuda.synchronize()
     after_zero = torch.cuda.memory_allocated() - base
-    numel = sum(p.numel() for p in recipe.params)
-    counted = {p: b.get("cuda", 0) for p, b in parts.items()}
-    counted["other"] = after_step - sum(counted.values())
     host = sum(b.get("cpu", 0) for b in parts.values())
-    figure = MemoryFigure(
-        row="memory",
-        device="cuda",
-        shape=shape,
-        variant=variant,
-        numel=numel,
-        parts=counted,
-        held_after_step=after_step,
-        after_zero_grad=after_zero,
-        step_start=marks["start"],
-        peak=marks["peak"],
-        method=CUDA_METHOD,
-        host_bytes=host,
-        note=recipe.note,
-    )
+    figure = _figure(
+        recipe, parts, "cuda", shape, variant, after_step,
+        after_zero_grad=after_zero, step_start=marks["start"], peak=marks["peak"], method=CUDA_METHOD, host_bytes=host,
+    )  # fmt: skip
     del recipe, model
     torch.cuda.empty_cache()
     return figure

@@ -13,7 +13,6 @@ import torch
 from fp16kit.bench import loops, training
 from fp16kit.bench.rows import NullClock
 from fp16kit.bench.shapes import MLP, Shape, fake_grads
-from fp16kit.legacy.amp._amp_state import _amp_state
 
 SHAPE = Shape("tiny", ((1000,),) * 5 + ((64, 64),) * 3 + ((7,),))
 STEPS = 3
@@ -26,13 +25,7 @@ DEVICES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _amp_state_restored():
-    """amp.initialize (the amp O2 variant) sets process-wide state, as in apex."""
-    saved = dict(vars(_amp_state))
-    yield
-    vars(_amp_state).clear()
-    vars(_amp_state).update(saved)
+pytestmark = pytest.mark.usefixtures("amp_state_restored")  # (tests/conftest.py)
 
 
 def _stepped(variants):

@@ -17,7 +17,6 @@ from fp16kit.bench import memory, run_bench
 from fp16kit.bench.report import to_json, to_markdown
 from fp16kit.core import fused
 from fp16kit.core.master import _SPARE_MIN_NUMEL
-from fp16kit.legacy.amp._amp_state import _amp_state
 
 TINY = memory.MemoryModel("tiny", layers=2, width=256, batch=4)  # weights of 65536 elements: spares kept
 N = TINY.numel()
@@ -27,13 +26,7 @@ SMALL = 4096  # bytes, at most: a scaler's scalars, a kernel plan's address arra
 kernel_on = pytest.mark.skipif(fused.forms() is None, reason="the fused kernel is off on this machine")
 
 
-@pytest.fixture(autouse=True)
-def _amp_state_restored():
-    # amp O2's state is process-wide, as apex's
-    saved = dict(vars(_amp_state))
-    yield
-    vars(_amp_state).clear()
-    vars(_amp_state).update(saved)
+pytestmark = pytest.mark.usefixtures("amp_state_restored")  # (tests/conftest.py)
 
 
 def _measure(make, dtype):

@@ -13,15 +13,8 @@ import torch
 
 from fp16kit.bench import ROWS
 from fp16kit.cli import main
-from fp16kit.legacy.amp._amp_state import _amp_state
 
-
-@pytest.fixture(autouse=True)
-def _amp_state_restored():
-    saved = dict(vars(_amp_state))
-    yield
-    vars(_amp_state).clear()
-    vars(_amp_state).update(saved)
+pytestmark = pytest.mark.usefixtures("amp_state_restored")  # (tests/conftest.py)
 
 
 def _check_figures(data):

@@ -29,13 +29,7 @@ MIXED = [r for r in RECIPE_NAMES if r != "fp32" and r not in NO_MASTERS]  # in c
 MASTERS = ("fp16-optimizer", "amp-o2", "master-weights", "async")
 
 
-@pytest.fixture(autouse=True)
-def _amp_state_restored():
-    """The amp-o2 recipe calls amp.initialize, which sets process-wide state (as in apex)."""
-    saved = dict(vars(_amp_state))
-    yield
-    vars(_amp_state).clear()
-    vars(_amp_state).update(saved)
+pytestmark = pytest.mark.usefixtures("amp_state_restored")  # (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
