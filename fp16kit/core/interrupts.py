@@ -57,7 +57,7 @@ import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["ABANDONED", "COMPLETED", "RAISED", "commit", "commit_methods", "completed", "hold_interrupts"]
+__all__ = ["ABANDONED", "COMPLETED", "RAISED", "abandoned", "commit", "commit_methods", "completed", "hold_interrupts"]
 
 COMPLETED = "fp16kit: Ctrl-C arrived during {what}; that was completed first, so it is done (do not repeat the call)."
 RAISED = (
@@ -69,6 +69,7 @@ ABANDONED = (
     "reload the last checkpoint before training on."
 )
 _PREFIX = COMPLETED.split("{what}")[0]
+_ABANDONED_PREFIX = ABANDONED.split("{what}")[0]
 
 
 class _Held:
@@ -232,6 +233,12 @@ def _deliver(handler: Callable[[int, Any], Any], held: _Held, done: bool) -> Non
     except KeyboardInterrupt as e:
         _add_note(e, (COMPLETED if done else RAISED).format(what=held.what))
         raise
+
+
+def abandoned(error: BaseException) -> bool:
+    """Is ``error`` the KeyboardInterrupt of a second Ctrl-C that broke a hold (the user insisting on stopping)?"""
+    notes = getattr(error, "__notes__", ()) if isinstance(error, KeyboardInterrupt) else ()
+    return any(isinstance(n, str) and n.startswith(_ABANDONED_PREFIX) for n in notes)
 
 
 def completed(error: BaseException) -> str | None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..core.interrupts import abandoned
 from ..core.thread import JobFuture, OptimizerThread
 
 __all__ = ["AsyncPolicy", "POLICIES", "check_policy", "run_inline"]
@@ -228,11 +229,16 @@ def run_inline(run: Callable[[Any], Any], job: Any, thread: OptimizerThread) -> 
 
     Its error is one of ``thread``'s undelivered errors (:meth:`~fp16kit.core.thread.OptimizerThread.record_failure`),
     raised once by the next call that waits for the step or asks the thread for pending errors, and reported at exit
-    if nothing did -- as a job's error on the thread would be. An interrupt is not the job's error: it goes on up."""
+    if nothing did -- as a job's error on the thread would be. That includes a KeyboardInterrupt the job's code
+    raises (a hook's): on the thread it is the job's error, so here too -- the step call returns, the scaler records
+    its flags, and the next step raises it before anything changes. A real Ctrl-C is held to the end of the step
+    (fp16kit.core.interrupts) and does not land here; a second one, which breaks the hold, goes on up at once."""
     fut = JobFuture()
     try:
         fut.set_result(run(job))
-    except Exception as e:
+    except BaseException as e:
+        if not isinstance(e, Exception) and (abandoned(e) or not isinstance(e, KeyboardInterrupt)):
+            raise  # (the user insisting on a stop; SystemExit, GeneratorExit: not the job's to keep)
         if hasattr(e, "add_note"):  # Python 3.11+
             e.add_note("(raised in an asynchronous step run inline on the main thread: async_policy)")
         thread.record_failure(fut)  # (tracked before it is set, as the thread does)

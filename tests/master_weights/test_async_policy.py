@@ -529,3 +529,41 @@ def test_an_inline_job_that_lands_skips_on_any_nonzero_flag(monkeypatch):
     thread = _train_with("thread", True, monkeypatch, step_of, scaler_cls=_SummingScaler)
     for key in inline:
         assert_equal(inline[key], thread[key], key)
+
+
+@pytest.mark.parametrize("policy", ["thread", "inline"])
+def test_a_keyboard_interrupt_raised_in_a_job_is_the_job_s_error_in_either_mode(policy):
+    # a hook of the wrapped optimizer raises it inside step 4's job: the step returns, the next step raises it
+    # before anything changes, its retry and the rest train as the thread does (adversarial finding: inline, it
+    # escaped scaler.step with the flags unrecorded, and the scaler refused every later step)
+    def run(policy: str, interrupt: bool) -> dict:
+        model = _model(torch.float16)
+        opt = fp16kit.MixedPrecisionOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), async_step=True, async_policy=policy
+        )
+        gs = fp16kit.GradScaler("cpu", init_scale=2.0**10)
+        calls, raised_at = [], []
+
+        def hook(o, a, k):  # (counted: on the thread it runs beside the main thread's next iteration)
+            calls.append(1)
+            if interrupt and len(calls) == 5:  # job 4
+                raise KeyboardInterrupt
+
+        opt.optimizer.register_step_pre_hook(hook)
+        for i in range(8):
+            opt.zero_grad()
+            x, y = _batch(i, torch.float16)
+            gs.scale(torch.nn.functional.mse_loss(model(x).float(), y)).backward()
+            try:
+                gs.step(opt)
+            except KeyboardInterrupt:
+                raised_at.append(i)
+                gs.step(opt)  # the retry: nothing was handed off yet
+            gs.update()
+        opt.synchronize()
+        return {"params": [p.detach().clone() for p in model.parameters()], "raised_at": raised_at}
+
+    out = run(policy, True)
+    assert out["raised_at"] == [5]
+    reference = run("thread", True)
+    assert_equal(out["params"], reference["params"], "params")
