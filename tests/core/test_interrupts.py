@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fp16kit
-from fp16kit.core.interrupts import ABANDONED, COMPLETED, RAISED, completed, hold_interrupts
+from fp16kit.core.interrupts import ABANDONED, COMPLETED, RAISED, abandoned, completed, hold_interrupts
 from tests._helpers.interrupt import Script, sigint_at, sweep
 
 
@@ -36,17 +36,18 @@ def test_a_sigint_inside_a_hold_is_raised_at_its_end_with_the_completed_note() -
 
 
 def test_a_second_sigint_breaks_the_hold_and_says_so() -> None:
-    abandoned = []
+    broken = []
     with pytest.raises(KeyboardInterrupt) as info:
-        with hold_interrupts("the test step", on_abandon=lambda: abandoned.append(True)):
+        with hold_interrupts("the test step", on_abandon=lambda: broken.append(True)):
             handler = signal.getsignal(signal.SIGINT)
             handler(signal.SIGINT, None)
             handler(signal.SIGINT, None)
             raise AssertionError("not reached")
-    assert abandoned == [True]
+    assert broken == [True]
     assert ABANDONED.format(what="the test step") in info.value.__notes__
-    assert completed(info.value) is None
+    assert completed(info.value) is None and abandoned(info.value)  # (run_inline lets only such a one go up)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not abandoned(KeyboardInterrupt()) and not abandoned(ValueError(ABANDONED))
 
 
 def test_holds_nest_and_only_the_outermost_delivers() -> None:
