@@ -43,6 +43,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from ..core import fused, kernels
+from ..core.fused.abi import is_cpu_scalar
 from ..core.protocol import Flags
 from .groups import MasterGroups
 from .step_state import Stage, StepState, TransferRecord
@@ -149,12 +150,7 @@ class FusedSteps:
         changed, when the kernel cannot take the step: then torch's ops do (and the caller lands)."""
         if grad_scale.device.type != "cpu":
             return False
-        if land and (
-            found_inf is None
-            or found_inf.device.type != "cpu"
-            or found_inf.dtype != torch.float32
-            or found_inf.numel() != 1
-        ):
+        if land and (found_inf is None or not is_cpu_scalar(found_inf)):
             return False
         by_param = dict(zip(map(id, model_params), grads))
         ready = self._job_plans(groups, lambda params: list(map(by_param.get, map(id, params))))
@@ -241,9 +237,7 @@ class FusedSteps:
         copy: another optimizer or option, a param without a grad, a first step (no state), a step hook."""
         if not self.candidate or self._hooked(own_step=own_step) or not self.groups.masters.masters:
             return False
-        if found_inf is not None and (
-            found_inf.device.type != "cpu" or found_inf.dtype != torch.float32 or found_inf.numel() != 1
-        ):
+        if found_inf is not None and not is_cpu_scalar(found_inf):
             return False
         ready, covered = [], 0
         for gi, (group, mg) in enumerate(zip(self.optimizer.param_groups, self.groups)):

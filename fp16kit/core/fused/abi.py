@@ -17,7 +17,7 @@ import torch
 
 from . import build
 
-__all__ = ["CHUNK", "F32_GRADS", "KIND", "Traffic", "hyper_of", "library", "p64", "pf"]
+__all__ = ["CHUNK", "F32_GRADS", "KIND", "Traffic", "hyper_of", "is_cpu_scalar", "library", "p64", "pf"]
 
 logger = logging.getLogger("fp16kit")
 
@@ -81,10 +81,15 @@ def p64(t: torch.Tensor) -> Any:
     return ctypes.cast(t.data_ptr(), _P64)
 
 
+def is_cpu_scalar(t: torch.Tensor) -> bool:
+    """Can the kernels take ``t`` as a scalar (a flag, a scale): float32, one element, on the CPU?"""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() == 1
+
+
 def pf(t: torch.Tensor | None) -> Any:
     if t is None:
         return None
-    if t.dtype != torch.float32 or t.device.type != "cpu" or t.numel() != 1:
+    if not is_cpu_scalar(t):
         raise ValueError(f"expected a float32 CPU scalar tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
     return ctypes.cast(t.data_ptr(), _PF)
 
